@@ -1,0 +1,352 @@
+"""Registry of seeded transformer models for testing and demonstrating normpass.
+
+Modelled on Polygraphy's ``tests/models/meta.py``: every :class:`ModelEntry`
+names a small architecture built from ``transformers`` code, knows how to
+build it in PyTorch and export it to ONNX, and records how many normalization
+layers it has and how many LayerNorms an exact LayerNorm -> RMSNorm fold can
+provably fold.
+
+The fold is exact when a LayerNorm's input is zero-mean along the hidden axis
+for every input: LayerNorm(x) = RMSNorm(x - mean(x)), and a residual stream
+written only by Gathers from embedding tables, constants and Linear/Conv
+layers can be centred by centring those weights and biases. A stream that
+also receives a LayerNorm's affine output gamma*x_hat + beta cannot.
+
+Weights are seeded per model and made non-trivial: every norm weight, norm
+bias and Linear/Conv bias is re-randomised after construction, so the
+exporter can neither merge identical LayerNorm parameters into one shared
+initializer nor drop zero biases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import pathlib
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+from transformers import (
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    ViTConfig,
+    ViTModel,
+)
+
+Inputs = tuple[torch.Tensor, ...]
+
+TEXT_DYNAMIC = ({0: "batch", 1: "seq"},)
+IMAGE_DYNAMIC = ({0: "batch"},)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One registered model: how to build it, export it and what to expect.
+
+    ``make_inputs(batch, seq, seed)`` returns seeded example inputs (vision
+    models ignore ``seq``); ``dynamic_shapes`` holds one ``{axis: dim name}``
+    dict per input, as accepted by ``torch.onnx.export``. ``large`` entries
+    are too big for unit tests and are meant for benchmarks.
+    """
+
+    name: str
+    summary: str
+    build_torch: Callable[[], tuple[torch.nn.Module, Inputs]]
+    make_inputs: Callable[[int, int, int], Inputs]
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    dynamic_shapes: tuple[dict[int, str], ...]
+    expected_norms: int
+    expected_folded: int
+    why: str
+    large: bool = False
+
+    def export_onnx(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Export the seeded model to ONNX at ``path``, quietly; return the path.
+
+        Large entries store their weights next to the model as external data.
+        """
+        path = pathlib.Path(path)
+        module, inputs = self.build_torch()
+        with _quiet():
+            torch.onnx.export(
+                module,
+                inputs,
+                str(path),
+                dynamo=True,
+                input_names=list(self.input_names),
+                output_names=list(self.output_names),
+                dynamic_shapes=self.dynamic_shapes,
+                external_data=self.large,
+                verbose=False,
+            )
+        return path
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence the exporter's prints, warnings and log records."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    sink = io.StringIO()
+    try:
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(sink),
+            contextlib.redirect_stderr(sink),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm)) or (
+        type(module).__name__.endswith("RMSNorm")
+    )
+
+
+@torch.no_grad()
+def _randomise(model: torch.nn.Module) -> None:
+    """Give every norm weight/bias and every other bias non-trivial values."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        bias = getattr(module, "bias", None)
+        if _is_norm(module):
+            if isinstance(weight, torch.nn.Parameter):
+                weight.copy_(1 + 0.2 * torch.randn_like(weight))
+            if isinstance(bias, torch.nn.Parameter):
+                bias.copy_(0.2 * torch.randn_like(bias))
+        elif isinstance(bias, torch.nn.Parameter):
+            bias.copy_(0.1 * torch.randn_like(bias))
+
+
+def _token_inputs(vocab: int, batch: int, seq: int, seed: int) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, vocab, (batch, seq), generator=gen),)
+
+
+def _image_inputs(channels: int, size: int, batch: int, seq: int, seed: int) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, channels, size, size, generator=gen),)
+
+
+def _build(
+    make_model: Callable[[], torch.nn.Module],
+    make_inputs: Callable[[int, int, int], Inputs],
+    seed: int,
+) -> tuple[torch.nn.Module, Inputs]:
+    """Build, randomise and wrap a model under ``seed`` without touching global RNG state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = make_model()
+        _randomise(model)
+    return model.eval(), make_inputs(2, 8, seed)
+
+
+class _Logits(torch.nn.Module):
+    """Causal LM returning plain logits, without a KV cache."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False, return_dict=True).logits
+
+
+class _LastHidden(torch.nn.Module):
+    """Encoder returning plain ``last_hidden_state``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x, return_dict=True).last_hidden_state
+
+
+def gpt2_config(
+    n_layer: int = 2, n_embd: int = 64, n_head: int = 4, vocab: int = 128, n_positions: int = 64
+) -> GPT2Config:
+    """GPT-2 config of the given size with a tied LM head and no KV cache."""
+    return GPT2Config(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        vocab_size=vocab,
+        n_positions=n_positions,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+        use_cache=False,
+    )
+
+
+def gpt2_entry(
+    name: str,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    vocab: int = 128,
+    n_positions: int = 64,
+    seed: int = 1,
+    large: bool = False,
+) -> ModelEntry:
+    """Entry for a GPT-2 LM of any size (benchmarks use it for deep variants)."""
+    config = gpt2_config(n_layer, n_embd, n_head, vocab, n_positions)
+    make_inputs = partial(_token_inputs, vocab)
+    norms = 2 * n_layer + 1
+    return ModelEntry(
+        name=name,
+        summary=f"GPT-2 LM, pre-LN decoder, {n_layer} layers, n_embd {n_embd}, vocab {vocab}, tied LM head",
+        build_torch=partial(_build, lambda: _Logits(GPT2LMHeadModel(config)), make_inputs, seed),
+        make_inputs=make_inputs,
+        input_names=("input_ids",),
+        output_names=("logits",),
+        dynamic_shapes=TEXT_DYNAMIC,
+        expected_norms=norms,
+        expected_folded=norms,
+        why=(
+            "Pre-LN: every LayerNorm reads the residual stream, written only by the token and position "
+            "embedding Gathers and the attn/mlp c_proj Gemms and read only by LayerNorms and residual Adds, "
+            "so centring those tables and weights folds all of them. The tied LM head must keep the "
+            "uncentred table; the ONNX export already feeds its MatMul a separate transposed copy."
+        ),
+        large=large,
+    )
+
+
+def _bert_entry() -> ModelEntry:
+    layers = 2
+    config = BertConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
+    make_inputs = partial(_token_inputs, config.vocab_size)
+    return ModelEntry(
+        name="bert",
+        summary=f"BERT encoder, post-LN, {layers} layers, hidden 64, vocab 128, returns last_hidden_state",
+        build_torch=partial(
+            _build, lambda: _LastHidden(BertModel(config, add_pooling_layer=False)), make_inputs, 2
+        ),
+        make_inputs=make_inputs,
+        input_names=("input_ids",),
+        output_names=("last_hidden_state",),
+        dynamic_shapes=TEXT_DYNAMIC,
+        expected_norms=1 + 2 * layers,
+        expected_folded=1,
+        why=(
+            "Post-LN: only the embedding LayerNorm folds, its input being the sum of word, position and "
+            "token-type Gathers (token_type_ids default to a zeros buffer, exported as a Gather from a "
+            "constant table); every later LayerNorm reads a residual containing the previous LayerNorm's "
+            "affine output gamma*x_hat + beta, which is not zero-mean."
+        ),
+    )
+
+
+def _vit_entry() -> ModelEntry:
+    layers = 2
+    config = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+    )
+    make_inputs = partial(_image_inputs, 3, 32)
+    norms = 2 * layers + 1
+    return ModelEntry(
+        name="vit",
+        summary=f"ViT encoder, pre-LN, {layers} layers, hidden 64, 32x32 images in 8x8 patches",
+        build_torch=partial(
+            _build, lambda: _LastHidden(ViTModel(config, add_pooling_layer=False)), make_inputs, 3
+        ),
+        make_inputs=make_inputs,
+        input_names=("pixel_values",),
+        output_names=("last_hidden_state",),
+        dynamic_shapes=IMAGE_DYNAMIC,
+        expected_norms=norms,
+        expected_folded=norms,
+        why=(
+            "Pre-LN: the residual stream is written only by the patch Conv, the concatenated CLS token, the "
+            "position-embedding Add and the attention/MLP output Gemms, all affine maps that can be centred, "
+            "so every LayerNorm folds."
+        ),
+    )
+
+
+def _llama_entry() -> ModelEntry:
+    layers = 2
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+        use_cache=False,
+    )
+    make_inputs = partial(_token_inputs, config.vocab_size)
+    return ModelEntry(
+        name="llama",
+        summary=f"Llama LM, RMSNorm decoder, {layers} layers, hidden 64, 4 heads / 2 KV heads, vocab 128",
+        build_torch=partial(_build, lambda: _Logits(LlamaForCausalLM(config)), make_inputs, 4),
+        make_inputs=make_inputs,
+        input_names=("input_ids",),
+        output_names=("logits",),
+        dynamic_shapes=TEXT_DYNAMIC,
+        expected_norms=2 * layers + 1,
+        expected_folded=0,
+        why=(
+            "All norms are already RMSNorms, so there is no LayerNorm to fold; they export decomposed as "
+            "Pow -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> Mul -> Mul(weight)."
+        ),
+    )
+
+
+REGISTRY: dict[str, ModelEntry] = {
+    entry.name: entry
+    for entry in (
+        gpt2_entry("gpt2"),
+        _bert_entry(),
+        _vit_entry(),
+        _llama_entry(),
+        gpt2_entry(
+            "gpt2-small-shape", n_layer=12, n_embd=768, n_head=12, vocab=50257, n_positions=1024, large=True
+        ),
+    )
+}
+
+default_name = "gpt2"
+
+
+def get(name: str) -> ModelEntry:
+    """Return the entry called ``name``; raise ``KeyError`` listing known names."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; known models: {', '.join(names())}") from None
+
+
+def names(include_large: bool = True) -> list[str]:
+    """Registered model names in registration order."""
+    return [name for name, entry in REGISTRY.items() if include_large or not entry.large]

@@ -1,0 +1,31 @@
+"""One typed hierarchy of normpass errors.
+
+Every message names the model file or node concerned and says what to do; the CLI prints
+`str(error)` as a single line and exits with `error.exit_code`.
+"""
+
+from __future__ import annotations
+
+
+class NormpassError(Exception):
+    """Base class of every error normpass raises on purpose."""
+
+    exit_code = 1
+
+
+class InputError(NormpassError):
+    """The user's input (a path, a model file, an option) cannot be used as given."""
+
+    exit_code = 2
+
+
+class UnsupportedModelError(NormpassError):
+    """The model is valid but uses something normpass cannot analyse."""
+
+    exit_code = 2
+
+
+class VerificationError(NormpassError):
+    """A rewritten model does not match the original within the dtype's tolerance."""
+
+    exit_code = 1

@@ -1,0 +1,263 @@
+"""Recognise normalizations in an ONNX graph (onnx-graphsurgeon IR), in one op or decomposed.
+
+Recognised:
+* `LayerNormalization` (opset ≥ 17): LN over axes [axis, rank).
+* decomposed LayerNorm, as older exporters emit it:
+  d = x − ReduceMean(x); y = d / Sqrt(ReduceMean(d²) + ε) [⊙ γ] [+ β], with `Pow(d, 2)` or
+  `Mul(d, d)`, `Div` or `Mul(·, Reciprocal(·))`, and `Cast`s between the steps.
+* RMSNorm: `SimplifiedLayerNormalization` (ORT), `RMSNormalization` (opset 23), and the same
+  decomposed chain without the mean subtraction (Llama exports).
+* `GroupNormalization`.
+
+A decomposed pattern matches only if its intermediate tensors are used inside it alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..algebra import has_zero_mean, is_uniform
+from ..graph import NormInfo, NormType
+
+TRANSPARENT_CASTS = {"Cast"}
+
+
+@dataclass
+class NormMatch:
+    """The graph nodes one normalization occupies, and its operands."""
+
+    nodes: list[gs.Node]
+    x: gs.Tensor
+    y: gs.Tensor
+    axis: int  # possibly negative, as written in the graph
+    epsilon: float
+    gamma: gs.Tensor | None = None
+    beta: gs.Tensor | None = None
+    extra_outputs_used: bool = False
+    internal: list[gs.Tensor] = field(default_factory=list)
+
+
+def constant_values(tensor: gs.Tensor) -> np.ndarray | None:
+    """Values of an initializer or of a `Constant` node's output, else None."""
+    if isinstance(tensor, gs.Constant):
+        return tensor.values
+    if len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
+        value = tensor.inputs[0].attrs.get("value")
+        if isinstance(value, gs.Constant):
+            return value.values
+    return None
+
+
+def _sole_consumer(tensor: gs.Tensor) -> gs.Node | None:
+    return tensor.outputs[0] if len(tensor.outputs) == 1 else None
+
+
+def _skip_casts_forward(tensor: gs.Tensor, chain: list[gs.Node]) -> gs.Tensor:
+    while (node := _sole_consumer(tensor)) is not None and node.op in TRANSPARENT_CASTS:
+        chain.append(node)
+        tensor = node.outputs[0]
+    return tensor
+
+
+def _skip_casts_back(tensor: gs.Tensor) -> gs.Tensor:
+    while len(tensor.inputs) == 1 and tensor.inputs[0].op in TRANSPARENT_CASTS:
+        tensor = tensor.inputs[0].inputs[0]
+    return tensor
+
+
+def _reduce_axes(node: gs.Node) -> list[int] | None:
+    if "axes" in node.attrs:
+        return list(node.attrs["axes"])
+    if len(node.inputs) > 1:
+        axes = constant_values(node.inputs[1])
+        return None if axes is None else [int(a) for a in np.ravel(axes)]
+    return None
+
+
+def _single_reduce_axis(node: gs.Node) -> int | None:
+    if node.op != "ReduceMean" or node.attrs.get("keepdims", 1) != 1:
+        return None
+    axes = _reduce_axes(node)
+    return axes[0] if axes is not None and len(axes) == 1 else None
+
+
+def _scalar(tensor: gs.Tensor | None) -> float | None:
+    values = None if tensor is None else constant_values(tensor)
+    return float(values.reshape(-1)[0]) if values is not None and values.size == 1 else None
+
+
+def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
+    if len(node.inputs) != 2:
+        return None
+    first, second = node.inputs
+    if first is tensor:
+        return second
+    if second is tensor:
+        return first
+    return None
+
+
+def _match_rms_core(d: gs.Tensor, square_users: list[gs.Node]) -> tuple[list[gs.Node], gs.Tensor, float, int] | None:
+    """From d: `d / Sqrt(ReduceMean(d²) + ε)`. Returns (nodes, normalized tensor, ε, axis)."""
+    squares = [n for n in square_users if n.op == "Pow" and _scalar(n.inputs[1]) == 2.0 and n.inputs[0] is d
+               or n.op == "Mul" and len(n.inputs) == 2 and n.inputs[0] is d and n.inputs[1] is d]
+    if len(squares) != 1:
+        return None
+    square = squares[0]
+    nodes = [square]
+    mean_in = _skip_casts_forward(square.outputs[0], nodes)
+    mean = _sole_consumer(mean_in)
+    if mean is None or (axis := _single_reduce_axis(mean)) is None:
+        return None
+    nodes.append(mean)
+    mean_out = _skip_casts_forward(mean.outputs[0], nodes)
+    add = _sole_consumer(mean_out)
+    if add is None or add.op != "Add" or (eps := _scalar(_other_input(add, mean_out))) is None:
+        return None
+    nodes.append(add)
+    sqrt = _sole_consumer(add.outputs[0])
+    if sqrt is None or sqrt.op != "Sqrt":
+        return None
+    nodes.append(sqrt)
+    root = _skip_casts_forward(sqrt.outputs[0], nodes)
+    divider = _sole_consumer(root)
+    if divider is None:
+        return None
+    if divider.op == "Reciprocal":
+        nodes.append(divider)
+        inverse = _skip_casts_forward(divider.outputs[0], nodes)
+        divider = _sole_consumer(inverse)
+        if divider is None or divider.op != "Mul" or _skip_casts_back(_other_input(divider, inverse) or inverse) is not d:
+            return None
+    elif divider.op != "Div" or divider.inputs[1] is not root or _skip_casts_back(divider.inputs[0]) is not d:
+        return None
+    nodes.append(divider)
+    return nodes, divider.outputs[0], eps, axis
+
+
+def _match_affine(y: gs.Tensor, nodes: list[gs.Node]) -> tuple[gs.Tensor, gs.Tensor | None, gs.Tensor | None]:
+    """Optional `⊙ γ` then `+ β` with constant operands after the normalized tensor."""
+    gamma = beta = None
+    consumer = _sole_consumer(y)
+    if consumer is not None and consumer.op == "Mul":
+        other = _other_input(consumer, y)
+        if other is not None and constant_values(other) is not None:
+            gamma, y = other, consumer.outputs[0]
+            nodes.append(consumer)
+            consumer = _sole_consumer(y)
+    if consumer is not None and consumer.op == "Add":
+        other = _other_input(consumer, y)
+        if other is not None and constant_values(other) is not None:
+            beta, y = other, consumer.outputs[0]
+            nodes.append(consumer)
+    return y, gamma, beta
+
+
+def _internal_tensors_private(nodes: list[gs.Node], y: gs.Tensor, graph_outputs: set[str]) -> bool:
+    members = {id(n) for n in nodes}
+    for node in nodes:
+        for out in node.outputs:
+            if out is y:
+                continue
+            if out.name in graph_outputs or any(id(c) not in members for c in out.outputs):
+                return False
+    return True
+
+
+def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, NormMatch] | None:
+    """Match a decomposed LayerNorm anchored at its first ReduceMean, or an RMSNorm at its square."""
+    if node.op == "ReduceMean":
+        axis = _single_reduce_axis(node)
+        x = node.inputs[0]
+        sub = _sole_consumer(node.outputs[0])
+        if axis is None or sub is None or sub.op != "Sub" or sub.inputs[0] is not x or sub.inputs[1] is not node.outputs[0]:
+            return None
+        d = sub.outputs[0]
+        core = _match_rms_core(d, list(d.outputs))
+        if core is None or len(d.outputs) != 2 or core[3] != axis:
+            return None
+        nodes = [node, sub] + core[0]
+        norm_type = NormType.LAYER
+    elif node.op in ("Pow", "Mul"):
+        x = node.inputs[0]
+        if any(c.op == "Sub" and c.inputs[0] is x and c.inputs[1].inputs and c.inputs[1].inputs[0].op == "ReduceMean" for c in x.outputs):
+            return None
+        core = _match_rms_core(x, [node])
+        if core is None:
+            return None
+        nodes = core[0]
+        norm_type = NormType.RMS
+    else:
+        return None
+    y, gamma, beta = _match_affine(core[1], nodes)
+    if not _internal_tensors_private(nodes, y, graph_outputs):
+        return None
+    return norm_type, NormMatch(nodes, x, y, core[3], core[2], gamma, beta)
+
+
+def match_single_op(node: gs.Node) -> tuple[NormType, NormMatch] | None:
+    """Norms that are one op: LayerNormalization, RMS ops, GroupNormalization."""
+    inputs = node.inputs
+    if node.op == "LayerNormalization":
+        used = any(len(o.outputs) > 0 for o in node.outputs[1:])
+        match = NormMatch([node], inputs[0], node.outputs[0], int(node.attrs.get("axis", -1)),
+                          float(node.attrs.get("epsilon", 1e-5)), inputs[1], inputs[2] if len(inputs) > 2 else None,
+                          extra_outputs_used=used)
+        return NormType.LAYER, match
+    if node.op in ("SimplifiedLayerNormalization", "RMSNormalization"):
+        return NormType.RMS, NormMatch([node], inputs[0], node.outputs[0], int(node.attrs.get("axis", -1)),
+                                       float(node.attrs.get("epsilon", 1e-5)), inputs[1] if len(inputs) > 1 else None)
+    if node.op == "GroupNormalization":
+        return NormType.GROUP, NormMatch([node], inputs[0], node.outputs[0], 1, float(node.attrs.get("epsilon", 1e-5)),
+                                         inputs[1], inputs[2])
+    return None
+
+
+def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: int | None) -> NormInfo:
+    """Describe a match for the analysis: the normalized axis, and whether it can ever fold."""
+    unsupported = None
+    axis = match.axis
+    if rank is not None and axis < 0:
+        axis += rank
+    if norm_type is NormType.GROUP:
+        unsupported = (
+            "GroupNorm: centring leaves a shift that varies over spatial positions, which GroupNorm "
+            "does not remove, and ONNX Runtime has no grouped RMS op; not rewritten"
+        )
+    elif norm_type is NormType.RMS:
+        unsupported = "already an RMSNorm: there is no mean subtraction to remove"
+    elif rank is None:
+        unsupported = f"the rank of {match.x.name} is unknown, so the normalized axis cannot be tracked"
+    elif axis != rank - 1:
+        unsupported = (
+            f"normalizes over axes {axis}..{rank - 1}: zero mean along one axis does not make a "
+            "multi-axis LayerNorm an RMSNorm"
+        )
+    elif match.extra_outputs_used:
+        unsupported = "its Mean/InvStdDev outputs are used"
+    gamma = None if match.gamma is None else constant_values(match.gamma)
+    beta = None if match.beta is None else constant_values(match.beta)
+    output_centred = (
+        norm_type is NormType.LAYER
+        and (match.gamma is None or gamma is not None and is_uniform(gamma))
+        and (match.beta is None or beta is not None and has_zero_mean(beta))
+    )
+    if norm_type is NormType.LAYER and (match.gamma is not None and gamma is None or match.beta is not None and beta is None):
+        unsupported = unsupported or "its γ or β is computed at run time, not a constant"
+    return NormInfo(
+        name=name,
+        op=op,
+        norm_type=norm_type,
+        input=match.x.name,
+        output=match.y.name,
+        axis=axis if rank is not None and axis == rank - 1 else None,
+        epsilon=match.epsilon,
+        scale=None if match.gamma is None else match.gamma.name,
+        bias=None if match.beta is None else match.beta.name,
+        output_centred=output_centred,
+        unsupported=unsupported,
+        ref=match,
+    )

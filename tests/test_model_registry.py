@@ -1,0 +1,126 @@
+"""Tests for the model registry ``normpass_models`` (registry level only, no normpass imports).
+
+Every non-large entry is exported once per module; the export must be a valid
+ONNX model that ONNX Runtime runs to the PyTorch output, with one
+LayerNormalization node per LayerNorm module, distinct norm parameters, and
+identical initializers when exported twice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import numpy_helper
+
+import normpass_models
+from normpass_models import REGISTRY, default_name, export_onnx, get, gpt2_entry, names
+
+SMALL = names(include_large=False)
+
+
+def _norm_kind(module: torch.nn.Module) -> str | None:
+    if isinstance(module, torch.nn.LayerNorm):
+        return "layernorm"
+    if isinstance(module, (torch.nn.RMSNorm, torch.nn.GroupNorm)):
+        return "other"
+    if type(module).__name__.endswith("RMSNorm"):  # e.g. LlamaRMSNorm
+        return "other"
+    return None
+
+
+def _norms_used(module: torch.nn.Module, inputs: tuple) -> list[str]:
+    """Kinds of the norm modules that run in one forward pass."""
+    used: list[str] = []
+    hooks = [
+        sub.register_forward_hook(lambda mod, args, out, kind=kind: used.append(kind))
+        for sub in module.modules()
+        if (kind := _norm_kind(sub))
+    ]
+    with torch.no_grad():
+        module(*inputs)
+    for hook in hooks:
+        hook.remove()
+    return used
+
+
+def _initializers(path) -> dict[str, bytes]:
+    graph = onnx.load(str(path)).graph
+    return {init.name: numpy_helper.to_array(init).tobytes() for init in graph.initializer}
+
+
+@pytest.fixture(scope="module", params=SMALL)
+def exported(request, tmp_path_factory):
+    name = request.param
+    path = export_onnx(name, tmp_path_factory.mktemp(name) / f"{name}.onnx")
+    return get(name), path, onnx.load(str(path))
+
+
+def test_registry_contents():
+    assert names() == ["gpt2", "bert", "vit", "llama", "gpt2-small-shape"]
+    assert SMALL == ["gpt2", "bert", "vit", "llama"]
+    assert default_name in REGISTRY and not get(default_name).large
+    assert get("gpt2-small-shape").large
+    assert set(normpass_models.__all__) >= {"ModelEntry", "REGISTRY", "get", "names", "export_onnx"}
+    for entry in REGISTRY.values():
+        assert 0 <= entry.expected_folded <= entry.expected_norms
+        assert entry.why and entry.summary
+        assert len(entry.input_names) == len(entry.dynamic_shapes)
+    with pytest.raises(KeyError, match="known models"):
+        get("no-such-model")
+
+
+def test_gpt2_entry_scales_with_depth():
+    deep = gpt2_entry("gpt2-48", n_layer=48, n_embd=768, n_head=12, vocab=50257, n_positions=1024, large=True)
+    assert deep.expected_norms == deep.expected_folded == 97
+    assert deep.large
+
+
+def test_export_is_valid_onnx(exported):
+    entry, path, model = exported
+    onnx.checker.check_model(str(path))
+    assert model.ir_version <= 10
+    assert [i.name for i in model.graph.input] == list(entry.input_names)
+    assert [o.name for o in model.graph.output] == list(entry.output_names)
+    for graph_input, dims in zip(model.graph.input, entry.dynamic_shapes):
+        shape = graph_input.type.tensor_type.shape.dim
+        assert {axis: shape[axis].dim_param for axis in dims} == dims
+
+
+def test_onnxruntime_matches_torch(exported):
+    entry, path, _ = exported
+    module, _ = entry.build_torch()
+    inputs = entry.make_inputs(3, 11, 123)  # shapes differ from the export example
+    with torch.no_grad():
+        expected = module(*inputs).numpy()
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (actual,) = session.run(None, {n: t.numpy() for n, t in zip(entry.input_names, inputs)})
+    assert actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
+
+
+def test_norm_counts(exported):
+    entry, _, model = exported
+    module, inputs = entry.build_torch()
+    used = _norms_used(module, inputs)
+    assert len(used) == entry.expected_norms
+    layer_norms = [node for node in model.graph.node if node.op_type == "LayerNormalization"]
+    assert len(layer_norms) == used.count("layernorm")
+    assert entry.expected_folded <= len(layer_norms)
+
+
+def test_norm_parameters_are_distinct(exported):
+    _, _, model = exported
+    initializers = {init.name for init in model.graph.initializer}
+    params = [node.input[1:] for node in model.graph.node if node.op_type == "LayerNormalization"]
+    flat = [name for pair in params for name in pair]
+    assert all(len(pair) == 2 for pair in params)
+    assert set(flat) <= initializers and len(set(flat)) == len(flat)
+
+
+def test_export_is_deterministic(exported, tmp_path):
+    entry, path, _ = exported
+    again = entry.export_onnx(tmp_path / "again.onnx")
+    assert _initializers(again) == _initializers(path)
