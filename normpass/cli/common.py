@@ -1,0 +1,35 @@
+"""What the verbs share: where the model comes from (a file or a built-in registry model)."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from ..errors import InputError
+from ..io import load_onnx
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="path of an .onnx model")
+    parser.add_argument("--builtin", metavar="NAME", help="use a built-in model from the registry (e.g. gpt2) instead of a file")
+    parser.add_argument("--no-insert-centering", action="store_true", help="never insert an explicit x − mean(x)")
+
+
+def load_model(args: argparse.Namespace) -> tuple[onnx.ModelProto, str]:
+    """The model named on the command line and a label for messages."""
+    if (args.model is None) == (args.builtin is None):
+        raise InputError("give exactly one of MODEL (an .onnx path) or --builtin NAME")
+    if args.model is not None:
+        return load_onnx(args.model), str(args.model)
+    try:
+        import normpass_models
+    except ImportError as e:
+        raise InputError(f"--builtin needs the model registry's dependencies: pip install 'normpass[models]' ({e})") from e
+    if args.builtin not in normpass_models.names():
+        raise InputError(f"--builtin {args.builtin!r}: unknown model; choose one of {', '.join(normpass_models.names())}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = normpass_models.export_onnx(args.builtin, Path(tmp) / f"{args.builtin}.onnx")
+        return onnx.load(str(path)), f"builtin:{args.builtin}"
