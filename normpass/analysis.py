@@ -77,7 +77,7 @@ def _broadcast_axis(out_shape, in_shape, axis: int) -> tuple[int | None, str | N
     return None, f"its size along axis {in_axis} is unknown"
 
 
-def _regroup_axis(from_shape, to_shape, axis: int) -> int | None:
+def regroup_axis(from_shape, to_shape, axis: int) -> int | None:
     """Where axis `axis` of `from_shape` lives in `to_shape` after a row-major reshape, if intact.
 
     The axis survives iff `to_shape` has an axis of the same size with the same number of
@@ -153,7 +153,7 @@ def _backward(zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int):
     if isinstance(rule, Permute):
         return [(0, node.inputs[0], rule.perm[axis])]
     if isinstance(rule, Regroup):
-        in_axis = _regroup_axis(out_shape, zmg.shape(node.inputs[0]), axis)
+        in_axis = regroup_axis(out_shape, zmg.shape(node.inputs[0]), axis)
         if in_axis is None:
             return f"{node.op} {node.name} does not keep the normalized axis intact (or its shapes are unknown)"
         return [(0, node.inputs[0], in_axis)]
@@ -209,8 +209,9 @@ def prove(zmg: ZeroMeanGraph, norm: NormInfo) -> Proof:
         state = stack.pop()
         tensor, axis = state
         node = zmg.producer_of(tensor)
-        if zmg.is_constant(tensor):
-            continue  # reached only as a whole-tensor requirement; centred by its consumer below
+        if zmg.is_constant(tensor):  # only the norm's own input: constants on branches are centred below
+            block(state, tensor, f"the norm's input {tensor} is a constant", None, None)
+            continue
         if node is None:
             block(state, tensor, f"graph input {tensor} carries arbitrary data", tensor, axis)
             continue
@@ -288,7 +289,7 @@ class ShiftChecker:
         if isinstance(rule, Permute):
             return [(out, rule.perm.index(axis))]
         if isinstance(rule, Regroup):
-            regrouped = _regroup_axis(in_shape, out_shape, axis)
+            regrouped = regroup_axis(in_shape, out_shape, axis)
             return unsafe("does not keep the shifted axis intact") if regrouped is None else [(out, regrouped)]
         if isinstance(rule, Select):
             return [(o, axis) for o in node.outputs if o]

@@ -20,12 +20,14 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..algebra import centre, migrate_affine
+from ..analysis import regroup_axis
 from ..graph import NormInfo, ZeroMeanGraph
 from ..plan import Centring, FoldPlan, Insertion
 from .onnx import OnnxGraph
 from .onnx_patterns import constant_values
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
+REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 DOC_PREFIX = "normpass: "
 
 
@@ -44,7 +46,7 @@ class Rewriter:
     def __post_init__(self):
         self.docs: dict[str, str] = {}  # node name → what normpass did to it (→ NodeProto.doc_string)
         self._copies: dict[tuple[str, str], gs.Constant] = {}
-        self._names = set(self.ctx.graph.tensors())
+        self._names = set(self.ctx.graph.tensors()) | {node.name for node in self.ctx.graph.nodes}
 
     # --- constants, copy-on-write ---------------------------------------------------------------
 
@@ -111,38 +113,53 @@ class Rewriter:
     # --- norms ----------------------------------------------------------------------------------
 
     def _migration_targets(self, norm: NormInfo) -> list[tuple[gs.Node, int, gs.Node | None, int]] | None:
-        """(linear node, weight input axis for inputs, bias node, bias input index) per consumer, or None."""
+        """Where γ/β can go: (linear node, input-feature axis of its weight, bias node, bias index).
+
+        None unless every path from the norm's output reaches, through reshapes that keep the
+        feature axis, the input of a linear layer that contracts over it (and can take β).
+        """
         match = norm.ref
-        y: gs.Tensor = match.y
-        if y.name in self.zmg.graph_outputs or not y.outputs:
-            return None
         beta = None if match.beta is None else constant_values(match.beta)
-        needs_bias = beta is not None and np.any(beta != 0)
+        needs_bias = beta is not None and bool(np.any(beta != 0))
         targets = []
-        for consumer in y.outputs:
-            if len(consumer.inputs) < 2 or consumer.inputs[0] is not y:
+        frontier = [(match.y, self.ctx.shapes.get(match.y.name) and len(self.ctx.shapes[match.y.name]) - 1)]
+        while frontier:
+            tensor, axis = frontier.pop()
+            if tensor.name in self.zmg.graph_outputs or not tensor.outputs or axis is None:
                 return None
-            weight = constant_values(consumer.inputs[1])
-            if weight is None:
-                return None
-            if consumer.op == "Gemm" and not consumer.attrs.get("transA", 0):
-                bias_ok = len(consumer.inputs) < 3 or constant_values(consumer.inputs[2]) is not None
-                if not bias_ok:
+            for consumer in tensor.outputs:
+                if consumer.inputs[0] is not tensor or tensor in consumer.inputs[1:]:
                     return None
-                targets.append((consumer, consumer.attrs.get("transB", 0), consumer, 2))
-            elif consumer.op == "MatMul" and weight.ndim == 2:
-                add = consumer.outputs[0].outputs[0] if len(consumer.outputs[0].outputs) == 1 else None
-                bias_index = None
-                if add is not None and add.op == "Add" and consumer.outputs[0].name not in self.zmg.graph_outputs:
-                    other = 1 if add.inputs[0] is consumer.outputs[0] else 0
-                    if constant_values(add.inputs[other]) is not None and add.inputs[other].shape[-1:] in ([weight.shape[1]], (weight.shape[1],)):
-                        bias_index = other
-                if needs_bias and bias_index is None:
+                if consumer.op in REGROUP_OPS:
+                    out = consumer.outputs[0]
+                    frontier.append((out, regroup_axis(self.ctx.shapes.get(tensor.name), self.ctx.shapes.get(out.name), axis)))
+                    continue
+                target = self._linear_target(consumer, axis, needs_bias)
+                if target is None:
                     return None
-                targets.append((consumer, 0, add if bias_index is not None else None, bias_index))
-            else:
-                return None
+                targets.append(target)
         return targets
+
+    def _linear_target(self, consumer: gs.Node, axis: int, needs_bias: bool):
+        """(node, weight input axis, bias node, bias index) if `consumer` contracts over `axis`."""
+        rank = len(self.ctx.shapes.get(consumer.inputs[0].name) or ())
+        weight = constant_values(consumer.inputs[1]) if len(consumer.inputs) > 1 else None
+        if weight is None or weight.ndim != 2 or axis != rank - 1:
+            return None
+        if consumer.op == "Gemm" and not consumer.attrs.get("transA", 0):
+            if len(consumer.inputs) > 2 and constant_values(consumer.inputs[2]) is None:
+                return None
+            return consumer, consumer.attrs.get("transB", 0), consumer, 2
+        if consumer.op != "MatMul":
+            return None
+        product = consumer.outputs[0]
+        add = product.outputs[0] if len(product.outputs) == 1 and product.name not in self.zmg.graph_outputs else None
+        if add is not None and add.op == "Add":
+            other = 1 if add.inputs[0] is product else 0
+            bias = constant_values(add.inputs[other])
+            if bias is not None and bias.shape[-1:] == (weight.shape[1],) and bias.size == weight.shape[1]:
+                return consumer, 0, add, other
+        return None if needs_bias else (consumer, 0, None, None)
 
     def _migrate(self, norm: NormInfo, targets) -> None:
         match = norm.ref
@@ -180,8 +197,9 @@ class Rewriter:
             gamma = None if match.gamma is None else constant_values(match.gamma)
             beta = None if match.beta is None else constant_values(match.beta)
             note = "γ kept in the RMS op" + (", β kept as an Add" if beta is not None else "")
-        dtype = x.dtype if x.dtype is not None else np.float32
-        width = self.ctx.shapes[x.name][-1]
+        original_gamma = None if match.gamma is None else constant_values(match.gamma)
+        dtype = original_gamma.dtype if original_gamma is not None else x.dtype or np.float32
+        width = original_gamma.shape[-1] if original_gamma is not None else self.ctx.shapes[x.name][-1]
         scale = gamma if gamma is not None else np.ones(width, dtype=dtype)
         rms_out = y if beta is None else gs.Variable(self._unique(f"{y.name}.rms"), dtype=y.dtype)
         doc = f"LayerNorm {norm.name} folded into an RMSNorm (input proven zero-mean); {note}"
