@@ -4,7 +4,8 @@
   zero-mean for every x iff each row of W and the bias sum to zero along `out`:
   W' = W − mean_out(W), b' = b − mean(b). For any layout, centre along the axis that indexes the
   output features (`axis`); a constant added into the stream is centred the same way.
-  Arithmetic is done in float64 and cast back, so the centred weights are exact to one rounding.
+  Arithmetic is done in float64 and rounded once to the weights' dtype, element by element, so
+  no full float64 copy of a large weight is made.
 * Migration of a norm's affine into a consumer y = (x̂⊙γ + β)·W + b:
   W' = diag(γ)·W and b' = b + β·W, so the norm needs neither γ nor β.
 """
@@ -18,29 +19,44 @@ def centre(values: np.ndarray, axis: int | None) -> np.ndarray:
     """`values` minus its mean along `axis`; all zeros when `axis` is None (constant along it)."""
     if axis is None:
         return np.zeros_like(values)
-    wide = values.astype(np.float64)
-    return (wide - wide.mean(axis=axis, keepdims=True)).astype(values.dtype)
+    mean = values.mean(axis=axis, keepdims=True, dtype=np.float64)
+    return np.subtract(values, mean, dtype=np.float64, out=np.empty_like(values), casting="unsafe")
+
+
+ROWS_PER_CHUNK = 1024  # bounds the float64 temporaries of β·W to ROWS_PER_CHUNK rows
 
 
 def migrate_affine(
-    weight: np.ndarray, bias: np.ndarray | None, gamma: np.ndarray | None, beta: np.ndarray | None, in_axis: int
+    weight: np.ndarray,
+    bias: np.ndarray | None,
+    gamma: np.ndarray | None,
+    beta: np.ndarray | None,
+    in_axis: int,
+    shift_scale: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Fold y = (x⊙γ + β)·W + b into y = x·W' + b'.
+    """Fold y = (x⊙γ + β)·W + b into y = x·W' + b', with b' = b + shift_scale·(β·W).
 
     `in_axis` is the axis of `weight` that indexes input features (0 for [in, out], 1 for
-    [out, in]). Returns (W', b'); b' is None only when both `bias` and `beta` are None.
+    [out, in]). `shift_scale` is α/β_g for a Gemm (y = α·A·B + β_g·C). Returns (W', b'); b' is
+    None only when both `bias` and `beta` are None.
     """
-    wide = weight.astype(np.float64)
-    to_in = np.moveaxis(wide, in_axis, 0)  # [in, out]
+    to_in = np.moveaxis(weight, in_axis, 0)  # [in, out] view
     new_bias = None if bias is None else bias.astype(np.float64)
     if beta is not None:
-        shift = beta.astype(np.float64) @ to_in
+        wide_beta = beta.astype(np.float64)
+        shift = sum(
+            wide_beta[i : i + ROWS_PER_CHUNK] @ to_in[i : i + ROWS_PER_CHUNK].astype(np.float64)
+            for i in range(0, to_in.shape[0], ROWS_PER_CHUNK)
+        )
+        shift = shift * shift_scale
         new_bias = shift if new_bias is None else new_bias + shift
-    if gamma is not None:
-        to_in = to_in * gamma.astype(np.float64)[:, None]
-    new_weight = np.moveaxis(to_in, 0, in_axis).astype(weight.dtype)
+    new_weight = weight.copy() if gamma is None else np.moveaxis(
+        np.multiply(to_in, gamma.astype(np.float64)[:, None], dtype=np.float64, out=np.empty_like(to_in), casting="unsafe"),
+        0,
+        in_axis,
+    )
     dtype = weight.dtype if bias is None else bias.dtype
-    return new_weight, None if new_bias is None else new_bias.astype(dtype)
+    return np.ascontiguousarray(new_weight), None if new_bias is None else new_bias.astype(dtype)
 
 
 def is_uniform(values: np.ndarray) -> bool:
@@ -55,4 +71,4 @@ def has_zero_mean(values: np.ndarray) -> bool:
     if wide.size == 0:
         return True
     bound = np.finfo(values.dtype).eps * np.abs(wide).sum() if values.dtype.kind == "f" else 0.0
-    return abs(wide.sum()) <= bound
+    return bool(abs(wide.sum()) <= bound)

@@ -52,8 +52,9 @@ def check_output_path(model_path: str | os.PathLike | None, out_path: str | os.P
 def save_onnx_atomic(model: onnx.ModelProto, out_path: str | os.PathLike) -> None:
     """Write `model` to `out_path` via a temporary file and rename (external data over 2 GB)."""
     out = Path(out_path)
-    tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=out.resolve().parent)
+    tmp_dir = None
     try:
+        tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=out.resolve().parent)
         tmp_model = Path(tmp_dir) / out.name
         external = model.ByteSize() >= PROTO_LIMIT
         data_name = out.name + ".data"
@@ -66,12 +67,16 @@ def save_onnx_atomic(model: onnx.ModelProto, out_path: str | os.PathLike) -> Non
     except OSError as e:
         raise InputError(f"{out}: could not write the model ({e.strerror or e}); choose a writable -o path") from e
     finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def write_text_atomic(text: str, out_path: str | os.PathLike) -> None:
     out = Path(out_path)
-    fd, tmp = tempfile.mkstemp(prefix=".normpass-", dir=out.resolve().parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".normpass-", dir=out.resolve().parent)
+    except OSError as e:
+        raise InputError(f"{out}: could not write ({e.strerror or e}); choose a writable path") from e
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)

@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass, field
 
 import onnx
-import onnx_graphsurgeon as gs
 
 from . import __version__
 from .analysis import plan as make_plan
 from .errors import InputError, UnsupportedModelError, VerificationError
 from .frontends.onnx import build_zero_mean_graph, load_graph
+from .frontends.onnx_export import export_model
 from .frontends.onnx_rewrite import RMS_OPS, Rewriter
 from .plan import FoldPlan
 from .verify import Comparison, verify
@@ -117,22 +117,9 @@ def fold_onnx(model: onnx.ModelProto, options: FoldOptions | None = None, name: 
 
 
 def _export(ctx, source: onnx.ModelProto, fold_plan: FoldPlan, docs: dict[str, str]) -> onnx.ModelProto:
-    rewritten = gs.export_onnx(ctx.graph, do_type_check=False)
-    for node in rewritten.graph.node:
-        if node.name in docs:
-            node.doc_string = (node.doc_string + "\n" if node.doc_string else "") + docs[node.name]
-    rewritten.ir_version = source.ir_version
-    del rewritten.opset_import[:]
-    rewritten.opset_import.extend(source.opset_import)
-    rewritten.producer_name, rewritten.producer_version = source.producer_name, source.producer_version
-    rewritten.doc_string = source.doc_string
-    del rewritten.metadata_props[:]
-    rewritten.metadata_props.extend(source.metadata_props)
-    onnx.helper.set_model_props(
-        rewritten,
-        {**{p.key: p.value for p in source.metadata_props},
-         "normpass.version": __version__,
-         "normpass.folded": f"{len(fold_plan.folded)} of {fold_plan.total} norms folded into RMSNorm",
-         "normpass.folded_norms": ", ".join(d.name for d in fold_plan.folded)},
-    )
-    return rewritten
+    metadata = {
+        "normpass.version": __version__,
+        "normpass.folded": f"{len(fold_plan.folded)} of {fold_plan.total} norms folded into RMSNorm",
+        "normpass.folded_norms": ", ".join(d.name for d in fold_plan.folded),
+    }
+    return export_model(ctx.graph, source, docs, metadata)

@@ -32,7 +32,7 @@ from ..graph import (
     ZeroMeanGraph,
     ZNode,
 )
-from .onnx_patterns import constant_values, match_decomposed, match_single_op, norm_info
+from .onnx_patterns import constant_values, is_constant, match_decomposed, match_single_op, norm_info
 
 LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are declared, not copied, for inference
 FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -45,6 +45,7 @@ class OnnxGraph:
     model: onnx.ModelProto
     graph: gs.Graph
     shapes: dict[str, tuple | None] = field(default_factory=dict)
+    dtypes: dict[str, np.dtype] = field(default_factory=dict)
     name: str = "model"
 
     @property
@@ -52,8 +53,8 @@ class OnnxGraph:
         return next((o.version for o in self.model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def infer_shapes(model: onnx.ModelProto) -> dict[str, tuple | None]:
-    """Shapes of every tensor ONNX shape inference can reach (int, symbolic str, or None dims)."""
+def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[str, np.dtype]]:
+    """Shapes (int, symbolic str or None dims) and dtypes of every tensor inference can reach."""
     light = onnx.ModelProto()
     light.ir_version = model.ir_version
     light.opset_import.extend(model.opset_import)
@@ -74,15 +75,19 @@ def infer_shapes(model: onnx.ModelProto) -> dict[str, tuple | None]:
     except Exception:  # inference is best effort; unknown shapes make the analysis decline
         inferred = light
     shapes: dict[str, tuple | None] = {}
+    dtypes: dict[str, np.dtype] = {}
     for info in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
         tensor_type = info.type.tensor_type
+        if tensor_type.elem_type:
+            dtypes[info.name] = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
         if tensor_type.HasField("shape"):
             shapes[info.name] = tuple(
                 d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim
             )
     for init in model.graph.initializer:
         shapes[init.name] = tuple(init.dims)
-    return shapes
+        dtypes[init.name] = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+    return shapes, dtypes
 
 
 def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
@@ -93,11 +98,11 @@ def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
         if not node.name or node.name in seen:
             node.name = f"{node.op}_{index}" if not node.name else f"{node.name}_{index}"
         seen.add(node.name)
-    shapes = infer_shapes(model)
+    shapes, dtypes = infer_shapes(model)
     for node in graph.nodes:
         if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
             shapes.setdefault(node.outputs[0].name, tuple(node.attrs["value"].shape))
-    return OnnxGraph(model, graph, shapes, name)
+    return OnnxGraph(model, graph, shapes, dtypes, name)
 
 
 # --- op table ----------------------------------------------------------------------------------
@@ -114,10 +119,6 @@ def _axis(value: int, rank: int | None) -> int | None:
     return None if rank is None else value + rank
 
 
-def _is_const(tensor: gs.Tensor) -> bool:
-    return constant_values(tensor) is not None
-
-
 def _linear_or(reason: str, ok: bool, axis: int | None):
     if ok and axis is not None:
         return NodeKind.LINEAR, Linear(axis)
@@ -127,29 +128,28 @@ def _linear_or(reason: str, ok: bool, axis: int | None):
 def _matmul(ctx, node):
     weight = node.inputs[1]
     rank = _rank(ctx, node.outputs[0])
-    ok = _is_const(weight) and not _is_const(node.inputs[0]) and len(weight.shape or ()) >= 2
+    ok = is_constant(weight) and not is_constant(node.inputs[0]) and len(ctx.shapes.get(weight.name) or ()) >= 2
     return _linear_or("multiplies two run-time tensors (or a constant on the left)", ok, None if rank is None else rank - 1)
 
 
 def _gemm(ctx, node):
-    ok = _is_const(node.inputs[1]) and (len(node.inputs) < 3 or _is_const(node.inputs[2]))
+    ok = is_constant(node.inputs[1]) and (len(node.inputs) < 3 or is_constant(node.inputs[2]))
     return _linear_or("its weight or bias is computed at run time", ok, 1)
 
 
 def _conv(ctx, node):
     if node.attrs.get("group", 1) != 1:
         return NodeKind.OTHER, Opaque("a grouped or depthwise convolution cannot be centred (seed 003 §3)")
-    ok = all(_is_const(t) for t in node.inputs[1:])
+    ok = all(is_constant(t) for t in node.inputs[1:])
     return _linear_or("its weight is computed at run time", ok, 1)
 
 
 def _gather(ctx, node):
     data, indices = node.inputs[0], node.inputs[1]
     axis = node.attrs.get("axis", 0)
-    values = constant_values(data)
-    if values is not None:
+    if is_constant(data):
         rank = _rank(ctx, node.outputs[0])
-        ok = values.ndim == 2 and _axis(axis, 2) == 0
+        ok = len(ctx.shapes.get(data.name) or ()) == 2 and _axis(axis, 2) == 0
         return _linear_or("gathers from a constant that is not an embedding table", ok, None if rank is None else rank - 1)
     return NodeKind.LAYOUT, Take(_axis(axis, _rank(ctx, data)) or 0, _rank(ctx, indices))
 
@@ -163,7 +163,7 @@ def _slice(ctx, node):
             return NodeKind.LAYOUT, Select(None)
         axes = [int(a) for a in np.ravel(axes)]
     else:
-        count = (starts.shape or [None])[0] if not _is_const(starts) else constant_values(starts).size
+        count = (starts.shape or [None])[0] if not is_constant(starts) else constant_values(starts).size
         axes = list(range(count)) if isinstance(count, int) else None
     if axes is None or rank is None and any(a < 0 for a in axes):
         return NodeKind.LAYOUT, Select(None)
@@ -275,7 +275,7 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
     for node in graph.nodes:
         if id(node) in in_norm:
             continue
-        found = match_single_op(node) or match_decomposed(node, outputs)
+        found = match_single_op(node, outputs) or match_decomposed(node, outputs)
         if found is not None:
             norm_type, match = found
             op = node.op if len(match.nodes) == 1 else f"decomposed {norm_type.value}"

@@ -51,6 +51,18 @@ def constant_values(tensor: gs.Tensor) -> np.ndarray | None:
     return None
 
 
+def is_constant(tensor: gs.Tensor) -> bool:
+    """Whether `tensor` is an initializer or a `Constant` node's output, without loading it."""
+    if isinstance(tensor, gs.Constant):
+        return True
+    return len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant" and isinstance(tensor.inputs[0].attrs.get("value"), gs.Constant)
+
+
+def _unique_nodes(nodes) -> list[gs.Node]:
+    """Consumers once each (graphsurgeon lists a node once per input it reads the tensor on)."""
+    return list({id(n): n for n in nodes}.values())
+
+
 def _sole_consumer(tensor: gs.Tensor) -> gs.Node | None:
     return tensor.outputs[0] if len(tensor.outputs) == 1 else None
 
@@ -176,8 +188,8 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, 
         if axis is None or sub is None or sub.op != "Sub" or sub.inputs[0] is not x or sub.inputs[1] is not node.outputs[0]:
             return None
         d = sub.outputs[0]
-        core = _match_rms_core(d, list(d.outputs))
-        if core is None or len(d.outputs) != 2 or core[3] != axis:
+        core = _match_rms_core(d, _unique_nodes(d.outputs))
+        if core is None or len(_unique_nodes(d.outputs)) != 2 or core[3] != axis:
             return None
         nodes = [node, sub] + core[0]
         norm_type = NormType.LAYER
@@ -198,11 +210,11 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, 
     return norm_type, NormMatch(nodes, x, y, core[3], core[2], gamma, beta)
 
 
-def match_single_op(node: gs.Node) -> tuple[NormType, NormMatch] | None:
+def match_single_op(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, NormMatch] | None:
     """Norms that are one op: LayerNormalization, RMS ops, GroupNormalization."""
     inputs = node.inputs
     if node.op == "LayerNormalization":
-        used = any(len(o.outputs) > 0 for o in node.outputs[1:])
+        used = any(o.outputs or o.name in graph_outputs for o in node.outputs[1:])
         match = NormMatch([node], inputs[0], node.outputs[0], int(node.attrs.get("axis", -1)),
                           float(node.attrs.get("epsilon", 1e-5)), inputs[1], inputs[2] if len(inputs) > 2 else None,
                           extra_outputs_used=used)

@@ -24,7 +24,7 @@ from ..analysis import regroup_axis
 from ..graph import NormInfo, ZeroMeanGraph
 from ..plan import Centring, FoldPlan, Insertion
 from .onnx import OnnxGraph
-from .onnx_patterns import constant_values
+from .onnx_patterns import constant_values, is_constant
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
 REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -102,7 +102,9 @@ class Rewriter:
         self._note(sub, "inserted centring x − mean(x)")
         graph.nodes.append(sub)
         for consumer in consumers:
-            consumer.inputs[:] = [centred if t is tensor else t for t in consumer.inputs]
+            for index, source in enumerate(consumer.inputs):
+                if source is tensor:
+                    consumer.inputs[index] = centred
 
     def _reduce_mean(self, tensor, axis, out, name) -> gs.Node:
         if self.ctx.opset >= 18:
@@ -121,45 +123,11 @@ class Rewriter:
         match = norm.ref
         beta = None if match.beta is None else constant_values(match.beta)
         needs_bias = beta is not None and bool(np.any(beta != 0))
-        targets = []
-        frontier = [(match.y, self.ctx.shapes.get(match.y.name) and len(self.ctx.shapes[match.y.name]) - 1)]
-        while frontier:
-            tensor, axis = frontier.pop()
-            if tensor.name in self.zmg.graph_outputs or not tensor.outputs or axis is None:
-                return None
-            for consumer in tensor.outputs:
-                if consumer.inputs[0] is not tensor or tensor in consumer.inputs[1:]:
-                    return None
-                if consumer.op in REGROUP_OPS:
-                    out = consumer.outputs[0]
-                    frontier.append((out, regroup_axis(self.ctx.shapes.get(tensor.name), self.ctx.shapes.get(out.name), axis)))
-                    continue
-                target = self._linear_target(consumer, axis, needs_bias)
-                if target is None:
-                    return None
-                targets.append(target)
-        return targets
+        return migration_targets(self.ctx, self.zmg.graph_outputs, match.y, needs_bias)
 
     def _linear_target(self, consumer: gs.Node, axis: int, needs_bias: bool):
         """(node, weight input axis, bias node, bias index) if `consumer` contracts over `axis`."""
-        rank = len(self.ctx.shapes.get(consumer.inputs[0].name) or ())
-        weight = constant_values(consumer.inputs[1]) if len(consumer.inputs) > 1 else None
-        if weight is None or weight.ndim != 2 or axis != rank - 1:
-            return None
-        if consumer.op == "Gemm" and not consumer.attrs.get("transA", 0):
-            if len(consumer.inputs) > 2 and constant_values(consumer.inputs[2]) is None:
-                return None
-            return consumer, consumer.attrs.get("transB", 0), consumer, 2
-        if consumer.op != "MatMul":
-            return None
-        product = consumer.outputs[0]
-        add = product.outputs[0] if len(product.outputs) == 1 and product.name not in self.zmg.graph_outputs else None
-        if add is not None and add.op == "Add":
-            other = 1 if add.inputs[0] is product else 0
-            bias = constant_values(add.inputs[other])
-            if bias is not None and bias.shape[-1:] == (weight.shape[1],) and bias.size == weight.shape[1]:
-                return consumer, 0, add, other
-        return None if needs_bias else (consumer, 0, None, None)
+        return linear_target(self.ctx, self.zmg.graph_outputs, consumer, axis, needs_bias)
 
     def _migrate(self, norm: NormInfo, targets) -> None:
         match = norm.ref
@@ -170,7 +138,9 @@ class Rewriter:
             bias = None
             if bias_node is not None and bias_index < len(bias_node.inputs) and bias_node.inputs[bias_index].name:
                 bias = constant_values(bias_node.inputs[bias_index])
-            new_weight, new_bias = migrate_affine(weight, bias, gamma, beta, in_axis)
+            # Gemm: y = α·A·B + β_g·C, so β·W enters C scaled by α/β_g.
+            shift_scale = linear.attrs.get("alpha", 1.0) / linear.attrs.get("beta", 1.0) if linear.op == "Gemm" else 1.0
+            new_weight, new_bias = migrate_affine(weight, bias, gamma, beta, in_axis, shift_scale)
             linear.inputs[1] = gs.Constant(self._unique(f"{linear.inputs[1].name}.affine"), new_weight)
             if new_bias is not None and bias_node is not None:
                 const = gs.Constant(self._unique(f"{linear.name}.bias_affine"), new_bias)
@@ -184,7 +154,7 @@ class Rewriter:
         """Swap the norm for an RMS op; returns a note on where γ/β went."""
         match = norm.ref
         graph = self.ctx.graph
-        x, y = match.x, match.y
+        x, y = match.nodes[0].inputs[0], match.y  # x may have been rewired to an inserted centring
         for node in match.nodes:
             node.inputs.clear()
             node.outputs.clear()
@@ -198,7 +168,7 @@ class Rewriter:
             beta = None if match.beta is None else constant_values(match.beta)
             note = "γ kept in the RMS op" + (", β kept as an Add" if beta is not None else "")
         original_gamma = None if match.gamma is None else constant_values(match.gamma)
-        dtype = original_gamma.dtype if original_gamma is not None else x.dtype or np.float32
+        dtype = original_gamma.dtype if original_gamma is not None else self._dtype(x)
         width = original_gamma.shape[-1] if original_gamma is not None else self.ctx.shapes[x.name][-1]
         scale = gamma if gamma is not None else np.ones(width, dtype=dtype)
         rms_out = y if beta is None else gs.Variable(self._unique(f"{y.name}.rms"), dtype=y.dtype)
@@ -223,7 +193,7 @@ class Rewriter:
                             inputs=[x, scale], outputs=[out])]
         name = norm.name
         square, mean, shifted, root, normed = (gs.Variable(self._unique(f"{name}.{s}"), dtype=x.dtype) for s in ("sq", "ms", "mse", "rms", "xhat"))
-        eps = gs.Constant(self._unique(f"{name}.eps"), np.array(norm.epsilon, dtype=x.dtype or np.float32))
+        eps = gs.Constant(self._unique(f"{name}.eps"), np.array(norm.epsilon, dtype=self._dtype(x)))
         return [
             gs.Node("Mul", self._unique(f"{name}.square"), inputs=[x, x], outputs=[square]),
             self._reduce_mean(square, norm.axis, mean, f"{name}.mean_square"),
@@ -232,6 +202,9 @@ class Rewriter:
             gs.Node("Div", self._unique(f"{name}.normalize"), inputs=[x, root], outputs=[normed]),
             gs.Node("Mul", self._unique(f"{name}.scale"), inputs=[normed, scale], outputs=[out]),
         ]
+
+    def _dtype(self, tensor: gs.Tensor) -> np.dtype:
+        return np.dtype(self.ctx.dtypes.get(tensor.name) or tensor.dtype or np.float32)
 
     def _note(self, node: gs.Node, text: str) -> None:
         previous = self.docs.get(node.name)
@@ -257,3 +230,57 @@ class Rewriter:
         return notes
 
 
+def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: gs.Tensor, needs_bias: bool,
+                      other=None) -> list | None:
+    """Where a per-feature affine on `tensor` (its last axis) can go, or None.
+
+    Every path from `tensor` must reach, through reshapes that keep the feature axis, the input of
+    a linear layer that contracts over it (and can take a bias when `needs_bias`); each such layer
+    is a target (linear node, input-feature axis of its weight, bias node, bias index).
+    `other(consumer, tensor, axis)` may claim a consumer that is not such a layer by returning a
+    target of its own (anything not None); by default nothing else is accepted.
+    """
+    targets = []
+    shape = ctx.shapes.get(tensor.name)
+    frontier = [(tensor, shape and len(shape) - 1)]
+    while frontier:
+        current, axis = frontier.pop()
+        if current.name in graph_outputs or not current.outputs or axis is None:
+            return None
+        for consumer in current.outputs:
+            if other is not None and (claimed := other(consumer, current, axis)) is not None:
+                targets.append(claimed)
+                continue
+            if consumer.inputs[0] is not current or current in consumer.inputs[1:]:
+                return None
+            if consumer.op in REGROUP_OPS:
+                out = consumer.outputs[0]
+                frontier.append((out, regroup_axis(ctx.shapes.get(current.name), ctx.shapes.get(out.name), axis)))
+                continue
+            target = linear_target(ctx, graph_outputs, consumer, axis, needs_bias)
+            if target is None:
+                return None
+            targets.append(target)
+    return targets
+
+
+def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, axis: int, needs_bias: bool):
+    """(node, weight input axis, bias node, bias index) if `consumer` contracts over `axis`."""
+    rank = len(ctx.shapes.get(consumer.inputs[0].name) or ())
+    weight = constant_values(consumer.inputs[1]) if len(consumer.inputs) > 1 else None
+    if weight is None or weight.ndim != 2 or axis != rank - 1:
+        return None
+    if consumer.op == "Gemm" and not consumer.attrs.get("transA", 0):
+        if len(consumer.inputs) > 2 and constant_values(consumer.inputs[2]) is None:
+            return None
+        return consumer, consumer.attrs.get("transB", 0), consumer, 2
+    if consumer.op != "MatMul":
+        return None
+    product = consumer.outputs[0]
+    add = product.outputs[0] if len(product.outputs) == 1 and product.name not in graph_outputs else None
+    if add is not None and add.op == "Add":
+        other = 1 if add.inputs[0] is product else 0
+        bias = constant_values(add.inputs[other])
+        if bias is not None and bias.shape[-1:] == (weight.shape[1],) and bias.size == weight.shape[1]:
+            return consumer, 0, add, other
+    return None if needs_bias else (consumer, 0, None, None)
