@@ -19,6 +19,13 @@ from .errors import InputError
 PROTO_LIMIT = 2**31 - 1
 
 
+def _default_mode() -> int:
+    """The mode a plainly created file gets (0666 less the umask); mkstemp's 0600 is for secrets."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     path = Path(path)
     if not path.exists():
@@ -63,6 +70,7 @@ def save_onnx_atomic(model: onnx.ModelProto, out_path: str | os.PathLike) -> Non
             os.replace(Path(tmp_dir) / data_name, out.with_name(data_name))
         else:
             onnx.save_model(model, str(tmp_model))
+        os.chmod(tmp_model, _default_mode())
         os.replace(tmp_model, out)
     except OSError as e:
         raise InputError(f"{out}: could not write the model ({e.strerror or e}); choose a writable -o path") from e
@@ -80,6 +88,7 @@ def write_text_atomic(text: str, out_path: str | os.PathLike) -> None:
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
+        os.chmod(tmp, _default_mode())
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,13 +1,31 @@
-"""`normpass inspect MODEL [--json]`: which norms fold, which do not, and why."""
+"""`normpass inspect MODEL [--json]`: which norms fold, which do not, and why, grouped by block.
+
+A norm's *block* is read from the name of its γ (else β, else the norm's own name): the prefix up
+to the first numeric component (`model.transformer.h.0.ln_1.weight` → `transformer.h.0`), or the
+enclosing module when there is none (`model.transformer.ln_f.weight` → `transformer`). A leading
+`model.` (the usual wrapper attribute) is dropped.
+
+Output: a coloured table when stdout is a terminal and `rich` is installed (`normpass[pretty]`;
+rich honours NO_COLOR), else plain aligned text that is easy to grep. `--json` prints a stable
+object: {"model", "norms": [{"name", "op", "foldable", "reason", "centred_layers",
+"inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"}.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 
-from ..passes import inspect_onnx
-from ..plan import FoldPlan
+from ..analysis import plan as make_plan
+from ..frontends.onnx import build_zero_mean_graph, load_graph
+from ..graph import ZeroMeanGraph
+from ..plan import FoldPlan, NormDecision
 from .common import add_model_arguments, load_model
+
+PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
+HEADER = ("block", "norm", "op", "decision", "why")
 
 
 def add_parser(sub) -> None:
@@ -16,23 +34,110 @@ def add_parser(sub) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
 
 
-def render_table(plan: FoldPlan, label: str) -> str:
-    rows = [(d.name, d.op, "fold" if d.foldable else "keep", d.reason or f"centres {len(d.centred_layers)} layer(s)"
-             + (f", inserts centring on {', '.join(i.tensor for i in d.insertions)}" if d.insertions else ""))
-            for d in plan.decisions]
-    header = ("norm", "op", "decision", "why")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(3)]
-    lines = [f"{label}: {len(plan.folded)} of {plan.total} norms fold exactly into RMSNorm", ""]
-    for row in [header] + rows:
-        lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:3])) + "  " + row[3])
+def block_of(name: str) -> str:
+    """The block a parameter or node name belongs to (see the module docstring)."""
+    parts = [p for p in re.split(r"[./]", name) if p]
+    if len(parts) > 1 and parts[0] == "model":
+        parts = parts[1:]
+    if parts and parts[-1] in PARAMETER_NAMES:
+        parts = parts[:-1]
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return ".".join(parts[:-1]) or "(top level)"
+
+
+def blocks(zmg: ZeroMeanGraph) -> dict[str, str]:
+    """Norm name → block."""
+    return {norm.name: block_of(norm.scale or norm.bias or norm.name) for norm in zmg.norms}
+
+
+def why(decision: NormDecision) -> str:
+    if decision.reason:
+        return decision.reason
+    text = f"centres {len(decision.centred_layers)} layer(s)"
+    if decision.insertions:
+        text += f", inserts centring on {', '.join(i.tensor for i in decision.insertions)}"
+    return text
+
+
+def grouped(plan: FoldPlan, block: dict[str, str]) -> list[tuple[str, list[NormDecision]]]:
+    """Decisions grouped by block; blocks in order of their first norm, norms in graph order."""
+    groups: dict[str, list[NormDecision]] = {}
+    for decision in plan.decisions:
+        groups.setdefault(block.get(decision.name, "(top level)"), []).append(decision)
+    return list(groups.items())
+
+
+def headline(plan: FoldPlan, label: str) -> str:
+    return f"{label}: {len(plan.folded)} of {plan.total} norms fold exactly into RMSNorm"
+
+
+def render_plain(plan: FoldPlan, label: str, block: dict[str, str]) -> str:
+    """Aligned text: the block on its group's first row, a blank line between groups."""
+    groups = grouped(plan, block)
+    rows = [[(name if i == 0 else ""), d.name, d.op, "fold" if d.foldable else "keep", why(d)]
+            for name, decisions in groups for i, d in enumerate(decisions)]
+    widths = [max(len(row[i]) for row in rows + [list(HEADER)]) for i in range(len(HEADER) - 1)]
+
+    def line(row):
+        return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])) + "  " + row[-1]
+
+    lines = [headline(plan, label), "", line(HEADER)]
+    for index, row in enumerate(rows):
+        if index and row[0]:
+            lines.append("")
+        lines.append(line(row))
     return "\n".join(lines)
+
+
+def print_rich(plan: FoldPlan, label: str, block: dict[str, str], console) -> None:
+    """A rich table with a bold title row per block; fold in green, keep in red."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=headline(plan, label), title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
+                  header_style="bold")
+    for name in HEADER[1:-1]:
+        table.add_column(name, no_wrap=True)
+    table.add_column(HEADER[-1], overflow="fold")
+    for name, decisions in grouped(plan, block):
+        table.add_row(f"[bold cyan]{name}[/]")
+        for d in decisions:
+            decision = "[green]fold[/]" if d.foldable else "[red]keep[/]"
+            table.add_row(f"  {d.name}", d.op, decision, why(d))
+    console.print(table)
+
+
+def to_json(plan: FoldPlan, label: str, block: dict[str, str]) -> dict:
+    data = {"model": label, **plan.to_json()}
+    for norm in data["norms"]:
+        norm["block"] = block.get(norm["name"])
+    return data
 
 
 def run(args: argparse.Namespace) -> int:
     model, label = load_model(args)
-    plan = inspect_onnx(model, insert_centering=not args.no_insert_centering, name=label)
+    zmg = build_zero_mean_graph(load_graph(model, label))
+    fold_plan = make_plan(zmg, not args.no_insert_centering)
+    block = blocks(zmg)
     if args.json:
-        print(json.dumps({"model": label, **plan.to_json()}, indent=2))
+        print(json.dumps(to_json(fold_plan, label, block), indent=2))
+        return 0
+    console = _terminal_console()
+    if console is None:
+        print(render_plain(fold_plan, label, block))
     else:
-        print(render_table(plan, label))
+        print_rich(fold_plan, label, block, console)
     return 0
+
+
+def _terminal_console():
+    """A rich Console when stdout is a terminal and rich is installed, else None."""
+    if not sys.stdout.isatty():
+        return None
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console()

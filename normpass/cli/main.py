@@ -10,9 +10,9 @@ import sys
 
 from .. import __version__
 from ..errors import NormpassError
-from . import fold, inspect
+from . import fold, inspect, viz
 
-COMMANDS = {"inspect": inspect, "fold": fold}
+COMMANDS = {"inspect": inspect, "fold": fold, "viz": viz}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except NormpassError as e:
         print(f"normpass {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # e.g. `normpass inspect --json | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"normpass {args.command}: interrupted; nothing written", file=sys.stderr)
         return 130
