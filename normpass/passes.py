@@ -17,6 +17,7 @@ from .analysis import plan as make_plan
 from .errors import InputError, UnsupportedModelError, VerificationError
 from .frontends.onnx import build_zero_mean_graph, load_graph
 from .frontends.onnx_export import export_model
+from .frontends.onnx_fuse import fuse_skip_rms
 from .frontends.onnx_rewrite import RMS_OPS, Rewriter
 from .plan import FoldPlan
 from .verify import Comparison, verify
@@ -30,6 +31,7 @@ class FoldOptions:
     rms_op: str = "simplified"
     insert_centering: bool = True
     migrate_affine: bool = True
+    fuse_skip: bool = True  # with rms_op "simplified": Add + RMS → SkipSimplifiedLayerNormalization
     verify: bool = True
     input_shapes: dict = field(default_factory=dict)
     seed: int = 0
@@ -105,6 +107,8 @@ def fold_onnx(model: onnx.ModelProto, options: FoldOptions | None = None, name: 
     rewriter = Rewriter(ctx, zmg, options.rms_op)
     notes = rewriter.apply(fold_plan, options.migrate_affine) if fold_plan.folded else {}
     rewritten = _export(ctx, source, fold_plan, rewriter.docs)
+    if options.fuse_skip and options.rms_op == "simplified":
+        fuse_skip_rms(rewritten, ctx.shapes)
     seconds["rewrite"] = time.perf_counter() - start
     comparison = None
     if options.verify:

@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
                         help="simplified: ORT SimplifiedLayerNormalization (default); onnx: opset-23 RMSNormalization; "
                              "decomposed: standard ops for other runtimes")
     parser.add_argument("--no-migrate-affine", action="store_true", help="keep γ/β in the norm instead of the next linear layers")
+    parser.add_argument("--no-fuse-skip", action="store_true",
+                        help="with --rms-op simplified, do not fuse residual Adds into SkipSimplifiedLayerNormalization")
     parser.add_argument("--no-verify", action="store_true", help="skip the numerical check against the original")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS",
                         help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)")
@@ -35,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         rms_op=args.rms_op,
         insert_centering=not args.no_insert_centering,
         migrate_affine=not args.no_migrate_affine,
+        fuse_skip=not args.no_fuse_skip,
         verify=not args.no_verify,
         input_shapes=parse_input_shapes(args.input_shape),
         seed=args.seed,

@@ -1,0 +1,61 @@
+"""Fuse `Add` + `SimplifiedLayerNormalization` into ORT's `SkipSimplifiedLayerNormalization`.
+
+ONNX Runtime's session optimizer fuses `Add + LayerNormalization` into `SkipLayerNormalization`
+but not `Add + SimplifiedLayerNormalization`, so a folded model would lose that fusion. Here
+s = a + b; y = RMSNorm(s)·γ becomes one `com.microsoft.SkipSimplifiedLayerNormalization(a, b, γ)`
+whose outputs are (y, -, -, s); s is kept only where the residual stream goes on. The fused node
+takes the Add's place in the node order, so everything that read s still comes after it.
+Only same-shape, run-time operands qualify (a bias add is left to the linear layer).
+"""
+
+from __future__ import annotations
+
+import onnx
+
+MS_DOMAIN = "com.microsoft"
+
+
+def fuse_skip_rms(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> int:
+    """Rewrite `model` in place; returns the number of fused pairs."""
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers[name] = consumers.get(name, 0) + 1
+    constants = {i.name for i in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    outputs = {o.name for o in graph.output}
+    fused: dict[int, onnx.NodeProto] = {}  # id(Add) → the fused node, which takes the Add's place
+    removed: set[int] = set()  # ids of the fused norms
+    for norm in graph.node:
+        add = producers.get(norm.input[0]) if norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx") else None
+        if add is None or add.op_type != "Add" or id(add) in fused or len(add.input) != 2:
+            continue
+        first, second = add.input
+        shape = shapes.get(first)
+        if first in constants or second in constants or shape is None or shapes.get(second) != shape or len(shape) not in (2, 3):
+            continue
+        axis = next((a.i for a in norm.attribute if a.name == "axis"), -1)
+        if axis not in (-1, len(shape) - 1):
+            continue
+        total = add.output[0]
+        keep_sum = consumers.get(total, 0) > 1 or total in outputs
+        skip = onnx.helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            [first, second, norm.input[1]],
+            [norm.output[0], "", "", total] if keep_sum else [norm.output[0]],
+            name=norm.name,
+            domain=MS_DOMAIN,
+            epsilon=next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5),
+        )
+        skip.doc_string = (norm.doc_string + "\n" if norm.doc_string else "") + f"normpass: fused with residual Add {add.name}"
+        fused[id(add)] = skip
+        removed.add(id(norm))
+    if not fused:
+        return 0
+    nodes = [fused.get(id(node), node) for node in graph.node if id(node) not in removed]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if all(o.domain != MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+    return len(fused)
