@@ -4,10 +4,11 @@
   zero-mean for every x iff each row of W and the bias sum to zero along `out`:
   W' = W − mean_out(W), b' = b − mean(b). For any layout, centre along the axis that indexes the
   output features (`axis`); a constant added into the stream is centred the same way.
-  Arithmetic is done in float64 and rounded once to the weights' dtype, element by element, so
-  no full float64 copy of a large weight is made.
+  The mean is accumulated in float64 and rounded once; the subtraction is one rounding in the
+  weights' dtype, so no float64 copy of a large weight is made.
 * Migration of a norm's affine into a consumer y = (x̂⊙γ + β)·W + b:
-  W' = diag(γ)·W and b' = b + β·W, so the norm needs neither γ nor β.
+  W' = diag(γ)·W and b' = b + β·W, so the norm needs neither γ nor β. β·W is a matrix-vector
+  product computed in the weights' precision (at least float32), like the layer's own.
 """
 
 from __future__ import annotations
@@ -20,10 +21,7 @@ def centre(values: np.ndarray, axis: int | None) -> np.ndarray:
     if axis is None:
         return np.zeros_like(values)
     mean = values.mean(axis=axis, keepdims=True, dtype=np.float64)
-    return np.subtract(values, mean, dtype=np.float64, out=np.empty_like(values), casting="unsafe")
-
-
-ROWS_PER_CHUNK = 1024  # bounds the float64 temporaries of β·W to ROWS_PER_CHUNK rows
+    return values - mean.astype(values.dtype)
 
 
 def migrate_affine(
@@ -43,18 +41,12 @@ def migrate_affine(
     to_in = np.moveaxis(weight, in_axis, 0)  # [in, out] view
     new_bias = None if bias is None else bias.astype(np.float64)
     if beta is not None:
-        wide_beta = beta.astype(np.float64)
-        shift = sum(
-            wide_beta[i : i + ROWS_PER_CHUNK] @ to_in[i : i + ROWS_PER_CHUNK].astype(np.float64)
-            for i in range(0, to_in.shape[0], ROWS_PER_CHUNK)
-        )
-        shift = shift * shift_scale
+        # β·W in the weights' own precision (at least float32), as the model's matmuls compute it.
+        work = np.promote_types(weight.dtype, np.float32)
+        shift = (beta.astype(work) @ to_in.astype(work, copy=False)).astype(np.float64) * shift_scale
         new_bias = shift if new_bias is None else new_bias + shift
-    new_weight = weight.copy() if gamma is None else np.moveaxis(
-        np.multiply(to_in, gamma.astype(np.float64)[:, None], dtype=np.float64, out=np.empty_like(to_in), casting="unsafe"),
-        0,
-        in_axis,
-    )
+    # diag(γ)·W: one correctly rounded product per element, in the weights' dtype.
+    new_weight = weight.copy() if gamma is None else np.moveaxis(to_in * gamma.astype(weight.dtype)[:, None], 0, in_axis)
     dtype = weight.dtype if bias is None else bias.dtype
     return np.ascontiguousarray(new_weight), None if new_bias is None else new_bias.astype(dtype)
 

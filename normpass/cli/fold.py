@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..errors import InputError
 from ..frontends.onnx_rewrite import RMS_OPS
 from ..io import check_output_path, save_onnx_atomic, write_text_atomic
 from ..passes import FoldOptions, fold_onnx
@@ -32,7 +33,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     out = check_output_path(args.model, args.output)
     if args.report:
-        check_output_path(args.model, args.report)
+        report = check_output_path(args.model, args.report)
+        if report.resolve() == out.resolve():
+            raise InputError(f"{args.report}: the report must not overwrite the model written to -o; choose another --report path")
     options = FoldOptions(
         rms_op=args.rms_op,
         insert_centering=not args.no_insert_centering,

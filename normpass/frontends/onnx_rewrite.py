@@ -46,6 +46,7 @@ class Rewriter:
     def __post_init__(self):
         self.docs: dict[str, str] = {}  # node name → what normpass did to it (→ NodeProto.doc_string)
         self._copies: dict[tuple[str, str], gs.Constant] = {}
+        self._loaded: dict[str, np.ndarray | None] = {}
         self._names = set(self.ctx.graph.tensors()) | {node.name for node in self.ctx.graph.nodes}
 
     # --- constants, copy-on-write ---------------------------------------------------------------
@@ -63,7 +64,7 @@ class Rewriter:
         old = node.inputs[index]
         key = (old.name, transform)
         if key not in self._copies:
-            values = make(constant_values(old))
+            values = make(self._values(old))
             self._copies[key] = gs.Constant(self._unique(f"{old.name}.{transform.split(':')[0]}"), np.ascontiguousarray(values))
         node.inputs[index] = self._copies[key]
 
@@ -121,7 +122,7 @@ class Rewriter:
         feature axis, the input of a linear layer that contracts over it (and can take β).
         """
         match = norm.ref
-        beta = None if match.beta is None else constant_values(match.beta)
+        beta = None if match.beta is None else self._values(match.beta)
         needs_bias = beta is not None and bool(np.any(beta != 0))
         return migration_targets(self.ctx, self.zmg.graph_outputs, match.y, needs_bias)
 
@@ -131,13 +132,13 @@ class Rewriter:
 
     def _migrate(self, norm: NormInfo, targets) -> None:
         match = norm.ref
-        gamma = None if match.gamma is None else constant_values(match.gamma)
-        beta = None if match.beta is None else constant_values(match.beta)
+        gamma = None if match.gamma is None else self._values(match.gamma)
+        beta = None if match.beta is None else self._values(match.beta)
         for linear, in_axis, bias_node, bias_index in targets:
-            weight = constant_values(linear.inputs[1])
+            weight = self._values(linear.inputs[1])
             bias = None
             if bias_node is not None and bias_index < len(bias_node.inputs) and bias_node.inputs[bias_index].name:
-                bias = constant_values(bias_node.inputs[bias_index])
+                bias = self._values(bias_node.inputs[bias_index])
             # Gemm: y = α·A·B + β_g·C, so β·W enters C scaled by α/β_g.
             shift_scale = linear.attrs.get("alpha", 1.0) / linear.attrs.get("beta", 1.0) if linear.op == "Gemm" else 1.0
             new_weight, new_bias = migrate_affine(weight, bias, gamma, beta, in_axis, shift_scale)
@@ -164,10 +165,10 @@ class Rewriter:
             gamma = beta = None
             note = "γ/β migrated into " + ", ".join(t[0].name for t in targets)
         else:
-            gamma = None if match.gamma is None else constant_values(match.gamma)
-            beta = None if match.beta is None else constant_values(match.beta)
+            gamma = None if match.gamma is None else self._values(match.gamma)
+            beta = None if match.beta is None else self._values(match.beta)
             note = "γ kept in the RMS op" + (", β kept as an Add" if beta is not None else "")
-        original_gamma = None if match.gamma is None else constant_values(match.gamma)
+        original_gamma = None if match.gamma is None else self._values(match.gamma)
         dtype = original_gamma.dtype if original_gamma is not None else self._dtype(x)
         width = original_gamma.shape[-1] if original_gamma is not None else self.ctx.shapes[x.name][-1]
         scale = gamma if gamma is not None else np.ones(width, dtype=dtype)
@@ -202,6 +203,12 @@ class Rewriter:
             gs.Node("Div", self._unique(f"{name}.normalize"), inputs=[x, root], outputs=[normed]),
             gs.Node("Mul", self._unique(f"{name}.scale"), inputs=[normed, scale], outputs=[out]),
         ]
+
+    def _values(self, tensor: gs.Tensor) -> np.ndarray | None:
+        """A constant's values, loaded once per rewrite (read-only)."""
+        if tensor.name not in self._loaded:
+            self._loaded[tensor.name] = constant_values(tensor)
+        return self._loaded[tensor.name]
 
     def _dtype(self, tensor: gs.Tensor) -> np.dtype:
         return np.dtype(self.ctx.dtypes.get(tensor.name) or tensor.dtype or np.float32)
@@ -267,11 +274,12 @@ def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: gs.Tensor
 def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, axis: int, needs_bias: bool):
     """(node, weight input axis, bias node, bias index) if `consumer` contracts over `axis`."""
     rank = len(ctx.shapes.get(consumer.inputs[0].name) or ())
-    weight = constant_values(consumer.inputs[1]) if len(consumer.inputs) > 1 else None
-    if weight is None or weight.ndim != 2 or axis != rank - 1:
+    weight = consumer.inputs[1] if len(consumer.inputs) > 1 else None
+    weight_shape = None if weight is None else ctx.shapes.get(weight.name)
+    if weight is None or not is_constant(weight) or weight_shape is None or len(weight_shape) != 2 or axis != rank - 1:
         return None
     if consumer.op == "Gemm" and not consumer.attrs.get("transA", 0):
-        if len(consumer.inputs) > 2 and constant_values(consumer.inputs[2]) is None:
+        if len(consumer.inputs) > 2 and not is_constant(consumer.inputs[2]) or needs_bias and consumer.attrs.get("beta", 1.0) == 0:
             return None
         return consumer, consumer.attrs.get("transB", 0), consumer, 2
     if consumer.op != "MatMul":
@@ -281,6 +289,6 @@ def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, ax
     if add is not None and add.op == "Add":
         other = 1 if add.inputs[0] is product else 0
         bias = constant_values(add.inputs[other])
-        if bias is not None and bias.shape[-1:] == (weight.shape[1],) and bias.size == weight.shape[1]:
+        if bias is not None and bias.shape[-1:] == (weight_shape[1],) and bias.size == weight_shape[1]:
             return consumer, 0, add, other
     return None if needs_bias else (consumer, 0, None, None)
