@@ -37,6 +37,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    SwinConfig,
+    SwinModel,
     ViTConfig,
     ViTModel,
 )
@@ -323,6 +325,43 @@ def _llama_entry() -> ModelEntry:
     )
 
 
+def _swin_entry() -> ModelEntry:
+    config = SwinConfig(
+        image_size=32,
+        patch_size=2,
+        num_channels=3,
+        embed_dim=16,
+        depths=[2, 2],
+        num_heads=[2, 4],
+        window_size=4,
+        mlp_ratio=2.0,
+        # The ONNX exporter (torch 2.13) cannot decompose the reshape after Swin's SDPA attention.
+        attn_implementation="eager",
+    )
+    make_inputs = partial(_image_inputs, 3, 32)
+    return ModelEntry(
+        name="swin",
+        summary="Swin encoder, hierarchical: 2 stages of 2 blocks (window 4, shifted), patch merging, 32x32 images",
+        build_torch=partial(
+            _build, lambda: _LastHidden(SwinModel(config, add_pooling_layer=False)), make_inputs, 5
+        ),
+        make_inputs=make_inputs,
+        input_names=("pixel_values",),
+        output_names=("last_hidden_state",),
+        dynamic_shapes=IMAGE_DYNAMIC,
+        expected_norms=11,
+        expected_folded=6,
+        why=(
+            "The patch-embedding LayerNorm folds (its input is the patch Conv). Stage 1's stream starts at "
+            "that LayerNorm's affine output, so its blocks' LayerNorms cannot fold, and centring a stage-1 "
+            "projection is unsafe anyway: patch merging concatenates four spatially strided slices along "
+            "channels, so the shift would reach the merge LayerNorm unequal across its channels. Stage 2's "
+            "stream is written only by the merge's reduction Linear and the blocks' projections: its 4 "
+            "LayerNorms and the final one fold."
+        ),
+    )
+
+
 REGISTRY: dict[str, ModelEntry] = {
     entry.name: entry
     for entry in (
@@ -330,6 +369,7 @@ REGISTRY: dict[str, ModelEntry] = {
         _bert_entry(),
         _vit_entry(),
         _llama_entry(),
+        _swin_entry(),
         gpt2_entry(
             "gpt2-small-shape", n_layer=12, n_embd=768, n_head=12, vocab=50257, n_positions=1024, large=True
         ),

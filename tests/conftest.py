@@ -1,0 +1,156 @@
+"""Shared helpers for the normpass tests: building small ONNX models, checking and running them.
+
+* `build(text, **initializers)` parses an `onnx.parser` model (IR version pinned to one ONNX
+  Runtime 1.31 accepts) and attaches NumPy initializers.
+* `check_structure(model)` runs the full `onnx.checker` on a copy in which ORT's contrib op
+  `SimplifiedLayerNormalization` is moved to a custom domain, so everything else is still checked.
+* `run_ort`, `assert_equivalent`: run in ONNX Runtime (optimizations off) and compare outputs.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+from onnx import numpy_helper
+
+from normpass.verify import make_inputs, run
+
+IR_VERSION = 10  # ONNX Runtime 1.31 accepts IR ≤ 13; onnx 1.23 defaults to a newer one
+CONTRIB_TEST_DOMAIN = "normpass.test.contrib"
+REL_TOL = 1e-5
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def randn(gen: np.random.Generator, *shape, scale: float = 1.0) -> np.ndarray:
+    return (scale * gen.standard_normal(shape)).astype(np.float32)
+
+
+def build(text: str, ir_version: int = IR_VERSION, **initializers: np.ndarray) -> onnx.ModelProto:
+    """A model from `onnx.parser` text, with `initializers` (name → array) added to its graph.
+
+    Unnamed nodes are named after their first output tensor.
+    """
+    model = onnx.parser.parse_model(text)
+    model.ir_version = ir_version
+    for node in model.graph.node:  # name each node after its first output, so tests can refer to it
+        if not node.name:
+            node.name = node.output[0]
+    for name, value in initializers.items():
+        model.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+# What rms_op "simplified" produces: the ORT contrib RMS op, fused with a preceding residual Add
+# into SkipSimplifiedLayerNormalization (com.microsoft) unless FoldOptions(fuse_skip=False).
+SIMPLIFIED_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def rms_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [node for node in model.graph.node if node.op_type in SIMPLIFIED_OPS]
+
+
+def rms_scale(node: onnx.NodeProto) -> str:
+    """The name of an RMS node's γ input (Skip* ops take (x, skip, γ[, bias]))."""
+    return node.input[2] if node.op_type.startswith("Skip") else node.input[1]
+
+
+def op_counts(model: onnx.ModelProto) -> collections.Counter:
+    return collections.Counter(node.op_type for node in model.graph.node)
+
+
+def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
+    return [node for node in model.graph.node if node.op_type == op_type]
+
+
+def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+
+
+def producer(model: onnx.ModelProto, tensor: str) -> onnx.NodeProto | None:
+    return next((node for node in model.graph.node if tensor in node.output), None)
+
+
+def consumers(model: onnx.ModelProto, tensor: str) -> list[onnx.NodeProto]:
+    return [node for node in model.graph.node if tensor in node.input]
+
+
+def check_structure(model: onnx.ModelProto) -> None:
+    """`onnx.checker.check_model(full_check=True)` on a copy with the ORT contrib RMS op re-domained.
+
+    `SimplifiedLayerNormalization` is an ONNX Runtime contrib op in the default domain, which the
+    checker rejects ("No Op registered"); moving just those nodes to a custom domain keeps every
+    other node, initializer and type checked. (`com.microsoft` ops such as the fused
+    SkipSimplifiedLayerNormalization are already in a custom domain, which the checker skips.)
+    """
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    moved = False
+    for node in copy.graph.node:
+        if node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "ai.onnx"):
+            node.domain = CONTRIB_TEST_DOMAIN
+            moved = True
+    if moved and not any(o.domain == CONTRIB_TEST_DOMAIN for o in copy.opset_import):
+        copy.opset_import.append(onnx.helper.make_opsetid(CONTRIB_TEST_DOMAIN, 1))
+    onnx.checker.check_model(copy, full_check=True)
+
+
+def check_plain(model: onnx.ModelProto) -> None:
+    onnx.checker.check_model(model, full_check=True)
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return run(model, feeds)
+
+
+def max_rel_error(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> float:
+    worst = 0.0
+    assert set(reference) == set(candidate), (set(reference), set(candidate))
+    for name, ref in reference.items():
+        got = candidate[name]
+        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+        assert got.dtype == ref.dtype, (name, got.dtype, ref.dtype)
+        ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
+        scale = max(float(np.abs(ref64).max()), 1e-30) if ref.size else 1.0
+        worst = max(worst, float(np.abs(ref64 - got64).max()) / scale if ref.size else 0.0)
+    return worst
+
+
+def assert_equivalent(original: onnx.ModelProto, folded: onnx.ModelProto, seeds=(11, 12), shapes=None,
+                      rel_tol: float = REL_TOL) -> None:
+    """Both models give the same outputs (within `rel_tol` of each output's scale) on new inputs."""
+    for seed in seeds:
+        feeds = make_inputs(original, shapes, seed=seed)
+        # scale float inputs up so a forgotten shift would be visible above the tolerance
+        feeds = {k: (v * 3 + 1).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+        expected, got = run_ort(original, feeds), run_ort(folded, feeds)
+        error = max_rel_error(expected, got)
+        assert error <= rel_tol, f"seed {seed}: relative error {error:.3g} > {rel_tol}"
+
+
+@pytest.fixture
+def gen() -> np.random.Generator:
+    return rng(0)
+
+
+@pytest.fixture(scope="session")
+def registry_export(tmp_path_factory):
+    """`registry_export(name)` → path of the registry model `name` exported to ONNX, once per session."""
+    import normpass_models
+
+    root = tmp_path_factory.mktemp("registry")
+    cache: dict[str, object] = {}
+
+    def export(name: str):
+        if name not in cache:
+            cache[name] = normpass_models.export_onnx(name, root / f"{name}.onnx")
+        return cache[name]
+
+    return export

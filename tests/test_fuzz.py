@@ -1,0 +1,234 @@
+"""Property-based fuzzing of the fold on random stacks of linear layers, sums, scalings and norms.
+
+A stack is a random program over one stream tensor ([6, D] or [2, 3, D]): Gemm/MatMul with
+constant weights (random transB, optional bias, sometimes the previous layer's weight initializer),
+a constant bias Add, a scalar Mul, a Reshape that keeps the last axis, a residual Add of an earlier
+stream value, Relu (a blocker), LayerNormalization with random γ/β, a pre-LN residual block
+(LN → linear [→ Relu → linear] → Add), a final norm, and extra graph outputs at random points.
+
+Properties: a claimed fold verifies (no `VerificationError`) and matches the original on other
+inputs, every declined norm has a reason, the output has one RMS op per folded norm and keeps the
+others, and the rewritten model passes the checker.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from normpass import FoldOptions, fold_onnx, inspect_onnx
+
+from conftest import IR_VERSION, assert_equivalent, check_structure, op_counts, rms_nodes
+
+D = 8
+SHAPES = {2: (6, D), 3: (2, 3, D)}
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+OPS = ("linear", "bias", "scale", "reshape", "residual", "relu", "ln", "output", "block")
+
+
+@st.composite
+def stacks(draw, blocked_start: bool = False):
+    """A list of (op, parameters) steps; the parameters are drawn here so examples shrink well.
+
+    `blocked_start`: the stream starts at a Relu and is read by pre-LN blocks and a final norm,
+    the shape in which inserting one centring enables several folds.
+    """
+    steps = [("linear", {"gemm": draw(st.booleans()), "trans_b": draw(st.booleans()), "bias": draw(st.booleans())})]
+    if blocked_start:
+        steps.append(("relu", {}))
+        steps += [("block", {"mlp": draw(st.booleans()), "gemm": draw(st.booleans())}) for _ in range(2)]
+    for _ in range(draw(st.integers(0 if blocked_start else 2, 12))):
+        op = draw(st.sampled_from(OPS))
+        params = {}
+        if op == "linear":
+            params = {"gemm": draw(st.booleans()), "trans_b": draw(st.booleans()), "bias": draw(st.booleans()),
+                      "reuse": draw(st.booleans())}
+        elif op == "bias":
+            params = {"scalar": draw(st.booleans())}
+        elif op == "residual":
+            params = {"pick": draw(st.integers(0, 100))}
+        elif op == "ln":
+            params = {"affine": draw(st.sampled_from(["random", "random", "centred", "none"]))}
+        elif op == "block":
+            params = {"mlp": draw(st.booleans()), "gemm": draw(st.booleans())}
+        steps.append((op, params))
+    if blocked_start or draw(st.booleans()):  # a final norm, as transformers have
+        steps.append(("ln", {"affine": "random"}))
+    return steps, draw(st.integers(0, 2**16))
+
+
+def make_model(steps, seed: int) -> onnx.ModelProto:
+    gen = np.random.default_rng(seed)
+    nodes, inits, outputs = [], [], []
+    counter = iter(range(10_000))
+
+    def name(prefix):
+        return f"{prefix}{next(counter)}"
+
+    def const(prefix, values):
+        tensor_name = name(prefix)
+        inits.append(numpy_helper.from_array(np.asarray(values), tensor_name))
+        return tensor_name
+
+    def randn(*shape, scale=1.0):
+        return (scale * gen.standard_normal(shape)).astype(np.float32)
+
+    def node(op, inputs, **attrs):
+        out = name(op.lower() + "_")
+        nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    x = "x"
+    current, rank = x, 2
+    out_ranks: dict[str, int] = {}
+    weights: list[str] = []
+    history: list[tuple[str, int]] = []  # stream values produced by the stack (not the graph input)
+    for op, params in steps:
+        if op == "linear":
+            # "reuse": share the previous layer's weight initializer (tied / deduplicated weights)
+            weight = weights[-1] if params.get("reuse") and weights else const("W", randn(D, D, scale=0.5))
+            weights.append(weight)
+            if params["gemm"] and rank == 2:
+                trans_b = int(params["trans_b"])
+                inputs = [current, weight] + ([const("C", randn(D))] if params["bias"] else [])
+                current = node("Gemm", inputs, transB=trans_b)
+            else:
+                current = node("MatMul", [current, weight])
+                if params["bias"]:
+                    current = node("Add", [current, const("c", randn(D))])
+        elif op == "bias":
+            current = node("Add", [current, const("k", randn() if params["scalar"] else randn(D))])
+        elif op == "scale":
+            current = node("Mul", [current, const("s", np.float32(gen.uniform(0.5, 2.0)))])
+        elif op == "reshape":
+            rank = 5 - rank
+            current = node("Reshape", [current, const("shape", np.array(SHAPES[rank], np.int64))])
+        elif op == "residual":
+            same = [t for t, r in history if r == rank and t != current]
+            if not same:
+                continue
+            current = node("Add", [current, same[params["pick"] % len(same)]])
+        elif op == "relu":
+            current = node("Relu", [current])
+        elif op == "ln":
+            inputs = [current]
+            if params["affine"] == "random":
+                inputs += [const("g", 1 + randn(D, scale=0.3)), const("b", randn(D, scale=0.3))]
+            elif params["affine"] == "centred":
+                b = randn(D, scale=0.3)
+                inputs += [const("g", np.full(D, 1.25, np.float32)), const("b", (b - b.mean()).astype(np.float32))]
+            else:
+                inputs += [const("g", np.ones(D, np.float32))]
+            current = node("LayerNormalization", inputs, axis=-1, epsilon=1e-5)
+        elif op == "block":  # pre-LN residual block: current + linear(act(linear(LN(current))))
+            hidden = node("LayerNormalization", [current, const("g", 1 + randn(D, scale=0.3)),
+                                                 const("b", randn(D, scale=0.3))], axis=-1, epsilon=1e-5)
+            for layer in range(2 if params["mlp"] else 1):
+                if layer:
+                    hidden = node("Relu", [hidden])
+                if params["gemm"] and rank == 2:
+                    hidden = node("Gemm", [hidden, const("W", randn(D, D, scale=0.5)), const("C", randn(D))], transB=1)
+                else:
+                    hidden = node("Add", [node("MatMul", [hidden, const("W", randn(D, D, scale=0.5))]), const("c", randn(D))])
+            current = node("Add", [current, hidden])
+        elif op == "output":
+            if current != x and current not in outputs:
+                outputs.append(current)
+                out_ranks[current] = rank
+            continue
+        history.append((current, rank))
+    if current not in outputs and current != x:
+        outputs.append(current)
+        out_ranks[current] = rank
+    if not outputs:  # the stack did nothing: make it at least one op
+        outputs.append(node("Relu", [x]))
+        out_ranks[outputs[-1]] = 2
+    graph = helper.make_graph(
+        nodes, "fuzz",
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [6, D])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, SHAPES[out_ranks[o]]) for o in outputs],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=IR_VERSION)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def check_fold(model: onnx.ModelProto, insert_centering: bool):
+    norms = op_counts(model)["LayerNormalization"]
+    result = fold_onnx(model, FoldOptions(insert_centering=insert_centering))  # raises VerificationError on a bad fold
+    plan = result.plan
+    assert plan.total == norms
+    for decision in plan.decisions:
+        if decision.foldable:
+            assert decision.reason is None and decision.blocker is None
+        else:
+            assert isinstance(decision.reason, str) and decision.reason.strip(), decision
+            assert not decision.insertions
+    folded = len(plan.folded)
+    counts = op_counts(result.model)
+    assert result.folded == folded
+    assert len(rms_nodes(result.model)) == folded  # SimplifiedLayerNormalization, maybe Skip-fused
+    assert counts["LayerNormalization"] == norms - folded
+    if not insert_centering:
+        assert not plan.insertions
+        assert counts["ReduceMean"] == 0
+    assert result.comparison.passed and result.comparison.max_rel_error <= 1e-4
+    check_structure(result.model)
+    assert_equivalent(model, result.model, seeds=(7,), rel_tol=1e-4)
+    return result
+
+
+@FUZZ
+@given(stacks())
+def test_fuzz_fold_without_insertions(stack):
+    steps, seed = stack
+    check_fold(make_model(steps, seed), insert_centering=False)
+
+
+@FUZZ
+@given(stacks())
+def test_fuzz_inspect_with_insertions(stack):
+    """Planning with insertions only adds folds, and each insertion enables at least two of them."""
+    steps, seed = stack
+    model = make_model(steps, seed)
+    without = inspect_onnx(model, insert_centering=False)
+    with_insertions = inspect_onnx(model, insert_centering=True)
+    assert [d.name for d in without.decisions] == [d.name for d in with_insertions.decisions]
+    assert {d.name for d in without.folded} <= {d.name for d in with_insertions.folded}
+    for decision in with_insertions.decisions:
+        if not decision.foldable:
+            assert decision.reason and not decision.insertions
+    for insertion in with_insertions.insertions:
+        users = [d for d in with_insertions.folded if insertion in d.insertions]
+        assert len(users) >= 2, (insertion, [d.name for d in users])
+        assert all(d.name not in {n.name for n in without.folded} for d in users)
+
+
+def test_fuzz_generator_covers_the_interesting_cases():
+    """The strategy is not vacuous: its examples fold norms, refuse others and plan insertions."""
+    stats = {"folded": 0, "refused": 0, "insertions": 0}
+
+    @FUZZ
+    @given(stacks())
+    def collect(stack):
+        plan = inspect_onnx(make_model(*stack))
+        stats["folded"] += len(plan.folded)
+        stats["refused"] += plan.total - len(plan.folded)
+        stats["insertions"] += len(plan.insertions)
+
+    collect()
+    assert stats["folded"] >= 10 and stats["refused"] >= 10 and stats["insertions"] >= 1, stats
+
+
+@FUZZ
+@given(stacks(blocked_start=True))
+def test_fuzz_fold_with_insertions(stack):
+    """Streams that start at a blocker (Relu) and are read by norms: folds need inserted centrings."""
+    steps, seed = stack
+    check_fold(make_model(steps, seed), insert_centering=True)
