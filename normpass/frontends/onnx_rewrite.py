@@ -126,10 +126,6 @@ class Rewriter:
         needs_bias = beta is not None and bool(np.any(beta != 0))
         return migration_targets(self.ctx, self.zmg.graph_outputs, match.y, needs_bias)
 
-    def _linear_target(self, consumer: gs.Node, axis: int, needs_bias: bool):
-        """(node, weight input axis, bias node, bias index) if `consumer` contracts over `axis`."""
-        return linear_target(self.ctx, self.zmg.graph_outputs, consumer, axis, needs_bias)
-
     def _migrate(self, norm: NormInfo, targets) -> None:
         match = norm.ref
         gamma = None if match.gamma is None else self._values(match.gamma)
@@ -151,15 +147,14 @@ class Rewriter:
                     bias_node.inputs.append(const)
             self._note(linear, f"absorbed γ/β of {norm.name}")
 
-    def replace_norm(self, norm: NormInfo) -> str:
-        """Swap the norm for an RMS op; returns a note on where γ/β went."""
+    def replace_norm(self, norm: NormInfo, targets) -> str:
+        """Swap the norm for an RMS op, γ/β going to `targets` if any; returns a note on where they went."""
         match = norm.ref
         graph = self.ctx.graph
         x, y = match.nodes[0].inputs[0], match.y  # x may have been rewired to an inserted centring
         for node in match.nodes:
             node.inputs.clear()
             node.outputs.clear()
-        targets = self._migration_targets_cache.pop(norm.name)
         if targets is not None:
             self._migrate(norm, targets)
             gamma = beta = None
@@ -227,12 +222,12 @@ class Rewriter:
                 users.setdefault(centring, []).append(decision.name)
         folded = [self.zmg.norm_by_name(d.name) for d in plan.folded]
         # Decide migrations on the original graph, before any consumer is rewritten.
-        self._migration_targets_cache = {n.name: self._migration_targets(n) if migrate else None for n in folded}
+        targets = {n.name: self._migration_targets(n) if migrate else None for n in folded}
         for centring, norms in users.items():
             self.centre_layer(centring, norms)
         for insertion in plan.insertions:
             self.insert_centering(insertion)
-        notes = {norm.name: self.replace_norm(norm) for norm in folded}
+        notes = {norm.name: self.replace_norm(norm, targets[norm.name]) for norm in folded}
         self.ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort()
         return notes
 
