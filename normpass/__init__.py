@@ -1,7 +1,11 @@
 """normpass: fold LayerNorms into RMSNorms exactly, where the zero-mean graph proves it.
 
-Public API (ONNX): `inspect_onnx(model)` → `FoldPlan`; `fold_onnx(model, FoldOptions(...))` →
-`FoldResult` (`.model`, `.plan`, `.comparison`, `.report()`).
+Public API:
+* ONNX: `inspect_onnx(model)` → `FoldPlan`; `fold_onnx(model, FoldOptions(...))` → `FoldResult`
+  (`.model`, `.plan`, `.comparison`, `.report()`).
+* PyTorch: `inspect(module, example_inputs)` → `FoldPlan`; `fold(module, example_inputs)` →
+  `(folded module, TorchFoldReport)`. These import torch on first use only, so the ONNX path
+  never loads it.
 """
 
 __version__ = "0.1.0"
@@ -9,13 +13,27 @@ __version__ = "0.1.0"
 from .errors import InputError, NormpassError, UnsupportedModelError, VerificationError  # noqa: E402
 from .passes import FoldOptions, FoldResult, fold_onnx, inspect_onnx  # noqa: E402
 
+TORCH_API = ("fold", "inspect", "TorchFoldReport")
+
+
+def __getattr__(name):  # PEP 562: the PyTorch API is imported when first used
+    if name in TORCH_API:
+        from . import torch_api
+
+        return getattr(torch_api, name)
+    raise AttributeError(f"module 'normpass' has no attribute {name!r}")
+
+
 __all__ = [
     "FoldOptions",
     "FoldResult",
     "InputError",
     "NormpassError",
+    "TorchFoldReport",
     "UnsupportedModelError",
     "VerificationError",
+    "fold",
     "fold_onnx",
+    "inspect",
     "inspect_onnx",
 ]

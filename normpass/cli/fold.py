@@ -1,9 +1,14 @@
-"""`normpass fold MODEL -o OUT [--report R.json]`: fold, verify, write atomically."""
+"""`normpass fold MODEL -o OUT [--report R.json]`: fold, verify, write atomically.
+
+`normpass fold --torch package.module:factory -o OUT.onnx` folds a PyTorch module instead and
+exports the folded module.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ..errors import InputError
 from ..frontends.onnx_rewrite import RMS_OPS
@@ -28,14 +33,32 @@ def add_parser(sub) -> None:
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS",
                         help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
+    parser.add_argument("--torch", metavar="PACKAGE.MODULE:FACTORY",
+                        help="fold a PyTorch model instead: FACTORY() returns (module, example_inputs); the folded "
+                             "module is exported to ONNX at -o (--rms-op, --no-fuse-skip, --input-shape and --seed "
+                             "do not apply: the exporter writes the RMS ops, verification uses the example inputs)")
+
+
+def _check_outputs(args: argparse.Namespace) -> Path:
+    out = check_output_path(args.model, args.output)
+    if args.report and check_output_path(args.model, args.report).resolve() == out.resolve():
+        raise InputError(f"{args.report}: the report must not overwrite the model written to -o; choose another --report path")
+    return out
+
+
+def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
+    error = "not verified" if comparison is None else (
+        f"max abs error {comparison.max_abs_error:.3g}, max rel error {comparison.max_rel_error:.3g}")
+    print(f"{label}: {len(plan.folded)} of {plan.total} norms folded into RMSNorm ({error}{extra}); wrote {out}")
+    for decision in plan.decisions:
+        if not decision.foldable:
+            print(f"  kept {decision.name}: {decision.reason}")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = check_output_path(args.model, args.output)
-    if args.report:
-        report = check_output_path(args.model, args.report)
-        if report.resolve() == out.resolve():
-            raise InputError(f"{args.report}: the report must not overwrite the model written to -o; choose another --report path")
+    if args.torch:
+        return _run_torch(args)
+    out = _check_outputs(args)
     options = FoldOptions(
         rms_op=args.rms_op,
         insert_centering=not args.no_insert_centering,
@@ -48,13 +71,25 @@ def run(args: argparse.Namespace) -> int:
     model, label = load_model(args)
     result = fold_onnx(model, options, name=label)
     save_onnx_atomic(result.model, out)
-    report = {"model": label, "output": str(out), "rms_op": args.rms_op, **result.report()}
     if args.report:
+        report = {"model": label, "output": str(out), "rms_op": args.rms_op, **result.report()}
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
-    error = "not verified" if result.comparison is None else (
-        f"max abs error {result.comparison.max_abs_error:.3g}, max rel error {result.comparison.max_rel_error:.3g}")
-    print(f"{label}: {result.folded} of {result.plan.total} norms folded into RMSNorm ({error}); wrote {out}")
-    for decision in result.plan.decisions:
-        if not decision.foldable:
-            print(f"  kept {decision.name}: {decision.reason}")
+    _print_summary(label, result.plan, result.comparison, out)
+    return 0
+
+
+def _run_torch(args: argparse.Namespace) -> int:
+    """Fold a PyTorch model from a factory and export the folded module to ONNX."""
+    if args.model is not None or args.builtin is not None:
+        raise InputError("--torch replaces MODEL and --builtin; give only one")
+    from ..torch_api import export_onnx, fold, load_factory
+
+    out = _check_outputs(args)
+    label = f"torch:{args.torch}"
+    module, inputs = load_factory(args.torch)
+    folded, report = fold(module, inputs, migrate_affine=not args.no_migrate_affine, verify=not args.no_verify, name=label)
+    export_onnx(folded, inputs, out)
+    if args.report:
+        write_text_atomic(json.dumps({"model": label, "output": str(out), **report.to_json()}, indent=2) + "\n", args.report)
+    _print_summary(label, report.plan, report.comparison, out, f"; captured with {report.capture}")
     return 0

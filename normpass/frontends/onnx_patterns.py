@@ -4,7 +4,8 @@ Recognised:
 * `LayerNormalization` (opset ≥ 17): LN over axes [axis, rank).
 * decomposed LayerNorm, as older exporters emit it:
   d = x − ReduceMean(x); y = d / Sqrt(ReduceMean(d²) + ε) [⊙ γ] [+ β], with `Pow(d, 2)` or
-  `Mul(d, d)`, `Div` or `Mul(·, Reciprocal(·))`, and `Cast`s between the steps.
+  `Mul(d, d)`, `Div` or `Mul(·, Reciprocal(·))`, `Cast`s between the steps, and no `+ ε` at
+  all (ε = 0, or one the exporter's optimizer dropped, as torch's does for 1e-12).
 * RMSNorm: `SimplifiedLayerNormalization` (ORT), `RMSNormalization` (opset 23), and the same
   decomposed chain without the mean subtraction (Llama exports).
 * `GroupNormalization`.
@@ -136,10 +137,14 @@ def _match_rms_core(d: gs.Tensor, square_users: list[gs.Node]) -> tuple[list[gs.
     nodes.append(mean)
     mean_out = _skip_casts_forward(mean.outputs[0], nodes)
     add = _sole_consumer(mean_out)
-    if add is None or add.op != "Add" or (eps := _scalar(_other_input(add, mean_out))) is None:
+    if add is not None and add.op == "Sqrt":  # ε = 0, or an ε the exporter's optimizer dropped
+        eps, sqrt_in = 0.0, mean_out
+    elif add is None or add.op != "Add" or (eps := _scalar(_other_input(add, mean_out))) is None:
         return None
-    nodes.append(add)
-    sqrt = _sole_consumer(add.outputs[0])
+    else:
+        nodes.append(add)
+        sqrt_in = add.outputs[0]
+    sqrt = _sole_consumer(sqrt_in)
     if sqrt is None or sqrt.op != "Sqrt":
         return None
     nodes.append(sqrt)

@@ -1,0 +1,634 @@
+"""PyTorch front end: the zero-mean graph of a captured module (ATen op → rule table).
+
+The capture (`fx_capture`) gives calls in ATen vocabulary; this module classifies each with the
+same rules the ONNX front end uses (see `graph.py`), so the shared analysis and planner decide
+both front ends alike:
+
+* general linear, when its weight (and bias) is a parameter or buffer: `aten.linear` (nn.Linear,
+  F.linear; W [out, in]), `aten.addmm` / `aten.mm` / `aten.matmul` (HF Conv1D and `x @ W`;
+  W [in, out]), `aten.embedding` (a [V, d] table), `aten.convolution` with `groups == 1`
+  (output channels on axis 1);
+* residual `add` / `sub` of two tensors (position tables and CLS tokens are constants added into
+  the stream; `x − mean(x)` is already centred); scalar `mul` / `div` and `neg`;
+* value-preserving ops (`alias`, `clone`, float casts, dropout at inference) and layout ops:
+  views, permutes, `cat`, slices, splits, `select`, `roll`, `expand`, zero padding of one axis;
+* norms: `aten.layer_norm` (nn.LayerNorm, F.layer_norm), `aten.group_norm`, `aten.rms_norm`, and
+  any module whose class name ends in `RMSNorm` (HF `LlamaRMSNorm` and kin, which decompose into
+  pow/mean/rsqrt/mul) as one already-normalizing node;
+* `softmax` is shift-invariant; everything else is opaque.
+
+Names: a norm is named by its module path (`model.transformer.h.0.ln_1`, `…@1` for a second call
+of the same module); other nodes by `module path/fx node`; constants by their path in the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..algebra import has_zero_mean, is_uniform
+from ..graph import (
+    Broadcast,
+    Centered,
+    Concat,
+    Linear,
+    NodeKind,
+    NormInfo,
+    NormRule,
+    NormType,
+    Opaque,
+    Permute,
+    Regroup,
+    Scale,
+    Select,
+    ShiftInvariant,
+    Sum,
+    Take,
+    ZeroMeanGraph,
+    ZNode,
+)
+from .fx_capture import Attr, Call, Capture, Ref
+
+
+@dataclass(frozen=True)
+class LinearParams:
+    """The constants of a general linear node and the axes the rewrite edits them along.
+
+    `out_axis` of `weight` indexes output features (centred); `in_axis` indexes input features (a
+    norm's γ migrates along it), None where the input is not a feature vector (embedding, conv).
+    `bias_axis` is the bias's output-feature axis, None where it broadcasts (its centred value is 0).
+    `migratable` is False where the op scales its terms (addmm with α or β ≠ 1).
+    """
+
+    weight: str
+    out_axis: int
+    in_axis: int | None
+    bias: str | None = None
+    bias_axis: int | None = None
+    migratable: bool = True
+
+
+@dataclass(frozen=True)
+class NodeRef:
+    """`ZNode.ref` of the PyTorch front end: the call, and what the rewrite needs to know about it."""
+
+    call: Call
+    linear: LinearParams | None = None
+    identity: bool = False  # output is the input, up to layout (views, aliases, dropout at inference)
+
+
+@dataclass(frozen=True)
+class NormSite:
+    """`NormInfo.ref`: where a norm lives in the module tree, and whether a module swap can replace it."""
+
+    call: Call
+    module: str
+    replace_blocked: str | None = None  # None when the call is an nn.LayerNorm module's own forward
+
+
+@dataclass
+class TorchGraph:
+    """A module's zero-mean graph plus what the rewrite needs: which attribute each constant read uses."""
+
+    model: nn.Module
+    capture: Capture
+    zmg: ZeroMeanGraph
+    node_of_call: dict[str, str] = field(default_factory=dict)  # fx node → zero-mean graph node
+
+    def attr(self, node: str, tensor: str) -> Attr | None:
+        """The module attribute through which zero-mean graph node `node` reads constant `tensor`."""
+        return self.capture.reads.get((self.zmg.nodes[node].ref.call.node, tensor))
+
+    def uses(self) -> dict[Attr, list[tuple[str, str]]]:
+        """Every (zero-mean graph node, constant) read of each attribute."""
+        found: dict[Attr, list[tuple[str, str]]] = {}
+        for (fx_node, tensor), attr in self.capture.reads.items():
+            if attr is not None and fx_node in self.node_of_call:
+                entry = (self.node_of_call[fx_node], tensor)
+                if entry not in found.setdefault(attr, []):
+                    found[attr].append(entry)
+        return found
+
+
+@dataclass(frozen=True)
+class Classified:
+    kind: NodeKind
+    rule: object
+    inputs: list[str] | None = None  # None: every tensor argument, in order
+    linear: LinearParams | None = None
+    identity: bool = False
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU NumPy copy; dtypes NumPy lacks (bfloat16) widen to float32."""
+    tensor = tensor.detach().cpu()
+    try:
+        return tensor.numpy()
+    except TypeError:
+        return tensor.float().numpy()
+
+
+# --- op table ----------------------------------------------------------------------------------
+
+
+class _Context:
+    """Lookups the handlers share: shapes, constants, producers and readers of tensors."""
+
+    def __init__(self, capture: Capture):
+        self.capture = capture
+        self.producer = {out: call for call in capture.calls for out in call.outputs if out}
+        self.readers: dict[str, set[str]] = {}
+        for call in capture.calls:
+            for ref in call.refs():
+                self.readers.setdefault(ref, set()).add(call.node)
+        self.used = set(self.readers) | set(capture.outputs)
+
+    def rank(self, tensor) -> int | None:
+        shape = self.capture.shapes.get(tensor)
+        return None if shape is None else len(shape)
+
+    def is_constant(self, tensor) -> bool:
+        return isinstance(tensor, Ref) and tensor in self.capture.constants
+
+
+def _opaque(reason: str) -> Classified:
+    return Classified(NodeKind.OTHER, Opaque(reason))
+
+
+def _axis(dim, rank: int | None) -> int | None:
+    if not isinstance(dim, int) or rank is None:
+        return None
+    return dim % rank if rank else 0
+
+
+def _general_linear(ctx, call, x, weight, bias, out_axis, in_axis, rule_axis, bias_axis, migratable=True) -> Classified:
+    if not ctx.is_constant(weight) or bias is not None and not ctx.is_constant(bias):
+        return _opaque("its weight or bias is computed at run time")
+    if ctx.rank(weight) != 2 or rule_axis is None:
+        return _opaque("its weight is not a matrix, or its output rank is unknown")
+    if bias is not None and bias_axis is not None:
+        shape = ctx.capture.shapes[bias]
+        bias_axis = bias_axis % len(shape) if shape and shape[bias_axis] != 1 else None
+    params = LinearParams(weight, out_axis, in_axis, bias, bias_axis, migratable)
+    return Classified(NodeKind.LINEAR, Linear(rule_axis), [x, weight] + ([bias] if bias else []), params)
+
+
+def _last_axis(ctx, call):
+    rank = ctx.rank(call.node)
+    return None if rank is None else rank - 1
+
+
+def _linear(ctx, call):  # F.linear / nn.Linear: y = x·Wᵀ + b, W [out, in]
+    a = call.args
+    return _general_linear(ctx, call, a["input"], a["weight"], a["bias"], 0, 1, _last_axis(ctx, call), -1)
+
+
+def _addmm(ctx, call):  # HF Conv1D: y = β·b + α·x·W, W [in, out]
+    a = call.args
+    return _general_linear(ctx, call, a["mat1"], a["mat2"], a["self"], 1, 0, _last_axis(ctx, call), -1,
+                           a.get("alpha", 1) == 1 and a.get("beta", 1) == 1)
+
+
+def _mm(ctx, call):  # x·W, W [in, out]
+    a = call.args
+    other = a.get("mat2", a.get("other"))
+    if ctx.is_constant(a["self"]):
+        return _opaque("multiplies a constant on the left")
+    return _general_linear(ctx, call, a["self"], other, None, 1, 0, _last_axis(ctx, call), None)
+
+
+def _embedding(ctx, call):  # a lookup in a [V, d] table: rows are centred along d
+    a = call.args
+    if not ctx.is_constant(a["weight"]):
+        return _opaque("looks up a table computed at run time")
+    params = LinearParams(a["weight"], 1, None)
+    return Classified(NodeKind.LINEAR, Linear(_last_axis(ctx, call)), [a["indices"], a["weight"]], params)
+
+
+def _convolution(ctx, call):  # W [Cout, Cin/groups, k…]; output channels on axis 1
+    a = call.args
+    if a.get("transposed"):
+        return _opaque("a transposed convolution is not centred by normpass")
+    if a.get("groups", 1) != 1:
+        return _opaque("a grouped or depthwise convolution cannot be centred (seed 003 §3)")
+    if not ctx.is_constant(a["weight"]) or a.get("bias") is not None and not ctx.is_constant(a["bias"]):
+        return _opaque("its weight is computed at run time")
+    bias = a.get("bias")
+    params = LinearParams(a["weight"], 0, None, bias, 0 if bias else None)
+    return Classified(NodeKind.LINEAR, Linear(1), [a["input"], a["weight"]] + ([bias] if bias else []), params)
+
+
+def _add(ctx, call):  # residual add, bias add; x − mean(x) is already centred
+    a, b = call.args["self"], call.args["other"]
+    if isinstance(a, Ref) and isinstance(b, Ref):
+        if call.op == "sub":
+            mean = ctx.producer.get(b)
+            if mean is not None and mean.op == "mean" and mean.args.get("self") == a and mean.args.get("keepdim"):
+                dims = mean.args.get("dim")
+                dims = [dims] if isinstance(dims, int) else dims
+                axis = _axis(dims[0], ctx.rank(a)) if isinstance(dims, (list, tuple)) and len(dims) == 1 else None
+                if axis is not None:
+                    return Classified(NodeKind.CENTERED, Centered(axis), [a])
+        return Classified(NodeKind.RESIDUAL, Sum(), [a, b])
+    tensor, number = (a, b) if isinstance(a, Ref) else (b, a)
+    if number == 0 and isinstance(tensor, Ref):
+        return Classified(NodeKind.SCALAR, Scale(0, None), [tensor], identity=True)
+    return _opaque(f"adds the Python number {number}, which cannot be centred")
+
+
+def _mul(ctx, call):  # x·s: s must be constant along the axis (the analysis decides which operand)
+    a, b = call.args["self"], call.args["other"]
+    if isinstance(a, Ref) and isinstance(b, Ref):
+        return Classified(NodeKind.SCALAR, Scale(None, None), [a, b])
+    return Classified(NodeKind.SCALAR, Scale(0, None), [a if isinstance(a, Ref) else b])
+
+
+def _div(ctx, call):  # x / s
+    a, b = call.args["self"], call.args["other"]
+    if call.args.get("rounding_mode") is not None or not isinstance(a, Ref):
+        return _opaque("a rounding or reciprocal division is not linear in x")
+    if isinstance(b, Ref):
+        return Classified(NodeKind.SCALAR, Scale(0, 1), [a, b])
+    return Classified(NodeKind.SCALAR, Scale(0, None), [a])
+
+
+def _unary(ctx, call):  # −x
+    return Classified(NodeKind.SCALAR, Scale(0, None), [call.args["self"]])
+
+
+def _same(ctx, call):  # alias, clone, contiguous, …: the same values
+    return Classified(NodeKind.SCALAR, Scale(0, None), [call.refs()[0]], identity=True)
+
+
+def _cast(ctx, call):  # a float → float cast is linear up to rounding
+    dtype = call.args.get("dtype")
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return Classified(NodeKind.SCALAR, Scale(0, None), [call.args["self"]], identity=True)
+    return _opaque("casts to a non-float type")
+
+
+def _dropout(ctx, call):  # identity at inference
+    if call.args.get("train"):
+        return _opaque("dropout in training mode; call model.eval() first")
+    return Classified(NodeKind.SCALAR, Scale(0, None), [call.refs()[0]], identity=True)
+
+
+def _regroup(ctx, call):  # reshape-like: the axis is intact iff size and suffix match
+    return Classified(NodeKind.LAYOUT, Regroup(), [call.args["self"]], identity=True)
+
+
+def _permute(ctx, call):
+    rank = ctx.rank(call.args["self"])
+    if rank is None:
+        return _opaque("a permute of unknown rank")
+    if call.op == "permute":
+        perm = [_axis(d, rank) for d in call.args["dims"]]
+    else:
+        perm = list(range(rank))
+        if call.op == "transpose":
+            i, j = _axis(call.args["dim0"], rank), _axis(call.args["dim1"], rank)
+            perm[i], perm[j] = perm[j], perm[i]
+        elif rank == 2:  # t
+            perm = [1, 0]
+    return Classified(NodeKind.LAYOUT, Permute(tuple(perm)), [call.args["self"]])
+
+
+def _expand(ctx, call):  # broadcast over other axes
+    return Classified(NodeKind.LAYOUT, Broadcast(), [call.args["self"]])
+
+
+def _cat(ctx, call):  # zero-mean parts concatenate to zero mean
+    axis = _axis(call.args["dim"], ctx.rank(call.node))
+    if axis is None:
+        return _opaque("a concatenation of unknown rank")
+    return Classified(NodeKind.LAYOUT, Concat(axis), list(call.args["tensors"]))
+
+
+def _select_axes(ctx, call, dims) -> Classified:
+    rank = ctx.rank(call.args["self"])
+    axes = [_axis(d, rank) for d in dims] if isinstance(dims, (list, tuple)) else None
+    if axes is None or None in axes:
+        return Classified(NodeKind.LAYOUT, Select(None), [call.args["self"]])
+    return Classified(NodeKind.LAYOUT, Select(tuple(axes)), [call.args["self"]])
+
+
+def _slice(ctx, call):  # slice / split / narrow / roll along `dim`: other axes' slices stay whole
+    if call.op == "slice_axes":
+        return _select_axes(ctx, call, call.args["dims"])
+    if call.op == "roll":
+        dims = call.args.get("dims")
+        if not dims:
+            return _opaque("rolls the flattened tensor")
+        return _select_axes(ctx, call, dims)
+    return _select_axes(ctx, call, [call.args.get("dim", 0)])
+
+
+def _select(ctx, call):  # x.select(dim, i): a gather with a scalar index
+    axis = _axis(call.args["dim"], ctx.rank(call.args["self"]))
+    if axis is None:
+        return _opaque("a select of unknown rank")
+    return Classified(NodeKind.LAYOUT, Take(axis, 0), [call.args["self"]])
+
+
+def _index_select(ctx, call):
+    axis = _axis(call.args["dim"], ctx.rank(call.args["self"]))
+    if axis is None:
+        return _opaque("an index_select of unknown rank")
+    return Classified(NodeKind.LAYOUT, Take(axis, 1), [call.args["self"], call.args["index"]])
+
+
+def _pad(ctx, call):
+    """Zero padding of one axis: like a gather along it (padded slices are zero vectors, shifts stay
+    constant along every other axis); padding along the normalized axis blocks, as a gather does."""
+    a = call.args
+    if a.get("mode", "constant") != "constant" or a.get("value") not in (None, 0):
+        return _opaque("pads with a non-zero value or by reflection")
+    rank, pad = ctx.rank(a["self"]), list(a["pad"])
+    if rank is None:
+        return _opaque("a pad of unknown rank")
+    axes = [rank - 1 - i for i in range(len(pad) // 2) if pad[2 * i] != 0 or pad[2 * i + 1] != 0]
+    if not axes:
+        return Classified(NodeKind.SCALAR, Scale(0, None), [a["self"]], identity=True)
+    if len(axes) > 1:
+        return _opaque("pads several axes")
+    return Classified(NodeKind.LAYOUT, Take(axes[0], 1), [a["self"]])
+
+
+def _softmax(ctx, call):  # not linear, but f(x + c·1) = f(x) along its axis
+    axis = _axis(call.args["dim"], ctx.rank(call.args["self"]))
+    if axis is None:
+        return _opaque("a softmax over an unknown axis")
+    return Classified(NodeKind.OTHER, ShiftInvariant(axis), [call.args["self"]])
+
+
+OP_TABLE = {
+    "linear": _linear,  # nn.Linear, F.linear: W [out, in]
+    "addmm": _addmm,  # HF Conv1D, Linear on 2-D inputs: W [in, out]
+    "mm": _mm,  # x·W with a parameter W
+    "matmul": _mm,
+    "embedding": _embedding,  # nn.Embedding: rows of a parameter table
+    "convolution": _convolution,  # nn.Conv*d, groups == 1
+    "conv1d": _convolution,
+    "conv2d": _convolution,
+    "conv3d": _convolution,
+    "add": _add,  # residual add, constant (position table) add
+    "sub": _add,  # residual difference, or x − mean(x)
+    "mul": _mul,  # scale by a factor constant along the axis
+    "div": _div,
+    "neg": _unary,
+    "alias": _same,
+    "clone": _same,
+    "contiguous": _same,
+    "detach": _same,
+    "lift_fresh_copy": _same,
+    "_to_copy": _cast,
+    "to": _cast,
+    "type_as": _cast,
+    "dropout": _dropout,  # identity in eval mode
+    "feature_dropout": _dropout,
+    "alpha_dropout": _dropout,
+    "view": _regroup,
+    "reshape": _regroup,
+    "_unsafe_view": _regroup,
+    "unsqueeze": _regroup,
+    "squeeze": _regroup,
+    "flatten": _regroup,
+    "unflatten": _regroup,
+    "permute": _permute,
+    "transpose": _permute,
+    "t": _permute,
+    "expand": _expand,
+    "cat": _cat,
+    "concat": _cat,
+    "slice": _slice,
+    "slice_axes": _slice,  # x[..., a:b] from symbolic_trace
+    "split": _slice,
+    "split_with_sizes": _slice,
+    "chunk": _slice,
+    "narrow": _slice,
+    "roll": _slice,
+    "select": _select,
+    "index_select": _index_select,
+    "pad": _pad,
+    "constant_pad_nd": _pad,
+    "softmax": _softmax,
+    "_softmax": _softmax,
+    "log_softmax": _softmax,
+    "_log_softmax": _softmax,
+}
+
+NORM_OPS = {
+    "layer_norm": NormType.LAYER,
+    "native_layer_norm": NormType.LAYER,
+    "group_norm": NormType.GROUP,
+    "native_group_norm": NormType.GROUP,
+    "rms_norm": NormType.RMS,
+}
+
+
+def classify(ctx: _Context, call: Call) -> Classified:
+    handler = OP_TABLE.get(call.op)
+    if handler is None:
+        return _opaque(f"{call.target} is not linear in its input")
+    try:
+        return handler(ctx, call)
+    except (KeyError, IndexError, TypeError):  # arguments of an unexpected form
+        return _opaque(f"{call.target} is called with arguments normpass does not model")
+
+
+# --- norms -------------------------------------------------------------------------------------
+
+
+def _is_rms_module(module: nn.Module) -> bool:
+    return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def _norm_name(call: Call, own: bool, taken: set[str]) -> str:
+    if own:
+        base = call.module + (f"@{call.call.rpartition('@')[2]}" if "@" in call.call else "")
+    else:
+        base = f"{call.module}/{call.node}" if call.module else call.node
+    name, index = base, 1
+    while name in taken:
+        index += 1
+        name = f"{base}@{index}"
+    taken.add(name)
+    return name
+
+
+def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[NormInfo, list[str]]:
+    """NormInfo of a norm op, and the inputs of its zero-mean graph node."""
+    norm_type = NORM_OPS[call.op]
+    a = call.args
+    x = a["input"]
+    gamma, beta = a.get("weight"), a.get("bias")
+    module = tg.model.get_submodule(call.module)
+    reads = tg.capture.reads
+    own = (
+        type(module) is nn.LayerNorm
+        and call.module != ""
+        and norm_type is NormType.LAYER
+        and (gamma is None or reads.get((call.node, gamma)) == Attr(call.module, "weight"))
+        and (beta is None or reads.get((call.node, beta)) == Attr(call.module, "bias"))
+    )
+    name = _norm_name(call, own or _owns(module, norm_type), taken)
+    rank = ctx.rank(x)
+    width = len(a.get("normalized_shape") or [None])
+    extra = [o for o in call.outputs[1:] if o and o in ctx.used]
+    unsupported = None
+    if norm_type is NormType.GROUP:
+        unsupported = (
+            "GroupNorm: centring leaves a shift that varies over spatial positions, which GroupNorm "
+            "does not remove; not rewritten"
+        )
+    elif norm_type is NormType.RMS:
+        unsupported = "already an RMSNorm: there is no mean subtraction to remove"
+    elif rank is None:
+        unsupported = f"the rank of {x} is unknown, so the normalized axis cannot be tracked"
+    elif width != 1:
+        unsupported = (
+            f"normalizes over axes {rank - width}..{rank - 1}: zero mean along one axis does not make a "
+            "multi-axis LayerNorm an RMSNorm"
+        )
+    elif extra:
+        unsupported = "its mean/rstd outputs are used"
+    elif any(t is not None and not ctx.is_constant(t) for t in (gamma, beta)):
+        unsupported = "its γ or β is computed at run time, not a parameter"
+    output_centred = norm_type is NormType.LAYER and not unsupported and (
+        (gamma is None or is_uniform(to_numpy(tg.capture.constants[gamma])))
+        and (beta is None or has_zero_mean(to_numpy(tg.capture.constants[beta])))
+    )
+    blocked = None if own else (
+        f"{call.target} is called inside {type(module).__name__} {call.module or '(root)'}.forward, not by an "
+        "nn.LayerNorm module: the PyTorch rewrite replaces nn.LayerNorm modules only (the ONNX front end can fold it)"
+    )
+    info = NormInfo(
+        name=name,
+        op=type(module).__name__ if own else call.target,
+        norm_type=norm_type,
+        input=x,
+        output=call.outputs[0],
+        axis=rank - 1 if rank is not None and width == 1 else None,
+        epsilon=float(a.get("eps") or 0.0),
+        scale=gamma,
+        bias=beta,
+        output_centred=output_centred,
+        unsupported=unsupported,
+        ref=NormSite(call, call.module, blocked),
+    )
+    return info, [x] + [t for t in (gamma, beta) if t is not None]
+
+
+def _owns(module: nn.Module, norm_type: NormType) -> bool:
+    """Whether the norm op is the whole forward of a GroupNorm / RMSNorm module (named after it)."""
+    if norm_type is NormType.GROUP:
+        return isinstance(module, nn.GroupNorm)
+    return norm_type is NormType.RMS and _is_rms_module(module)
+
+
+def _rms_regions(tg: TorchGraph) -> dict[str, list[Call]]:
+    """Calls of modules named *RMSNorm that decompose into several ops, by module call.
+
+    A leading cast of the input stays outside: `x.to(float32)` of a float32 tensor is `x` itself,
+    so the caller's residual branch may read it.
+    """
+    regions: dict[str, list[Call]] = {}
+    for call in tg.capture.calls:
+        if call.call and _is_rms_module(tg.model.get_submodule(call.module)):
+            regions.setdefault(call.call, []).append(call)
+    for key, calls in regions.items():
+        while calls and calls[0].op in ("to", "_to_copy", "alias", "contiguous"):
+            calls.pop(0)
+    return {key: calls for key, calls in regions.items() if calls and not any(c.op in NORM_OPS for c in calls)}
+
+
+def _region_norm(tg: TorchGraph, ctx: _Context, calls: list[Call], taken: set[str]):
+    """One RMSNorm node for a decomposed RMSNorm module call: one input, one output, ≤ 1 weight.
+
+    Returns (NormInfo, node inputs, fx nodes covered), or None if the calls are not of that form.
+    """
+    constants = tg.capture.constants
+    produced = {o for c in calls for o in c.outputs if o}
+    inside = {c.node for c in calls}
+    inputs = {r for c in calls for r in c.refs() if r not in produced and r not in constants}
+    weights = {r for c in calls for r in c.refs() if r in constants}
+    outputs = [o for o in produced if ctx.readers.get(o, set()) - inside or o in tg.capture.outputs]
+    if len(inputs) != 1 or len(outputs) != 1 or len(weights) > 1:
+        return None
+    first = calls[0]
+    module = tg.model.get_submodule(first.module)
+    x, weight = next(iter(inputs)), next(iter(weights), None)
+    rank = len(tg.capture.shapes.get(x) or ()) or None
+    info = NormInfo(
+        name=_norm_name(first, True, taken),
+        op=type(module).__name__,
+        norm_type=NormType.RMS,
+        input=x,
+        output=outputs[0],
+        axis=None if rank is None else rank - 1,
+        epsilon=float(getattr(module, "variance_epsilon", getattr(module, "eps", 0.0)) or 0.0),
+        scale=weight,
+        unsupported="already an RMSNorm: there is no mean subtraction to remove",
+        ref=NormSite(first, first.module, "already an RMSNorm"),
+    )
+    return info, [x] + ([weight] if weight else []), [c.node for c in calls]
+
+
+# --- build -------------------------------------------------------------------------------------
+
+
+def build_zero_mean_graph(model: nn.Module, capture: Capture, name: str = "model") -> TorchGraph:
+    """Classify every call of `capture` and recognise its normalizations."""
+    zmg = ZeroMeanGraph(model_name=name, shapes=dict(capture.shapes))
+    zmg.graph_inputs = set(capture.inputs)
+    zmg.graph_outputs = set(capture.outputs)
+    for tensor_name, tensor in capture.constants.items():
+        zmg.constants[tensor_name] = lambda t=tensor: to_numpy(t)
+    tg = TorchGraph(model, capture, zmg)
+    ctx = _Context(capture)
+    taken: set[str] = set()
+    region_of: dict[str, list[Call]] = {}
+    for calls in _rms_regions(tg).values():
+        for call in calls:
+            region_of[call.node] = calls
+    done: set[str] = set()
+    for call in capture.calls:
+        if call.node in done:
+            continue
+        if call.node in region_of:
+            found = _region_norm(tg, ctx, region_of[call.node], taken)
+            if found is not None:
+                info, inputs, members = found
+                _add_norm(tg, info, inputs, members)
+                done.update(members)
+                continue
+            for member in region_of[call.node]:
+                region_of.pop(member.node, None)
+        if call.op in NORM_OPS:
+            info, inputs = _norm(tg, ctx, call, taken)
+            _add_norm(tg, info, inputs, [call.node])
+            continue
+        result = classify(ctx, call)
+        node_name = _node_name(call)
+        inputs = result.inputs if result.inputs is not None else list(call.refs())
+        ref = NodeRef(call, result.linear, result.identity)
+        zmg.add_node(ZNode(node_name, call.target, result.kind, result.rule, inputs, list(call.outputs), ref))
+        tg.node_of_call[call.node] = node_name
+    return tg
+
+
+def _node_name(call: Call) -> str:
+    """`module path/fx node`; just the path for a module's own call (symbolic_trace's call_module)."""
+    if not call.module:
+        return call.node
+    return call.module if call.node == call.module.replace(".", "_") else f"{call.module}/{call.node}"
+
+
+def _add_norm(tg: TorchGraph, info: NormInfo, inputs: list[str], members: list[str]) -> None:
+    tg.zmg.norms.append(info)
+    tg.zmg.add_node(ZNode(info.name, info.op, NodeKind.NORM, NormRule(info), inputs, [info.output], info.ref))
+    for member in members:
+        tg.node_of_call[member] = info.name

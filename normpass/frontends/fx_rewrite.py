@@ -1,0 +1,310 @@
+"""Apply a `FoldPlan` to a PyTorch module: centre parameters, swap LayerNorm modules for RMSNorms.
+
+The rewrite works on modules, not on the captured graph: the returned module keeps its class and
+its forward code, only some parameters get new values and folded `nn.LayerNorm` submodules are
+replaced by `torch.nn.RMSNorm`. So it runs eagerly at any input shape, compiles and exports like
+the original.
+
+* Centring (algebra.centre) of each attribute a planned layer reads, along the axis that indexes
+  its output features: nn.Linear W [out, in] axis 0, HF Conv1D W [in, out] axis 1, embedding
+  tables axis 1, conv W axis 0, their biases, and parameters added into the stream (position
+  tables, CLS tokens) along the stream's axis.
+* Copy-on-write: an edit assigns a new `nn.Parameter` to the one attribute the graph read it
+  through, so a parameter tied elsewhere (GPT-2's LM head is the token table) keeps its value
+  there; HF tying metadata is updated so `tie_weights()` will not tie them again.
+* Affine migration (algebra.migrate_affine): when every consumer of a folded norm is a linear
+  layer whose parameters nothing else reads, γ and β move into it (W' = diag(γ)·W, b' = b + β·W)
+  and the norm becomes an `nn.RMSNorm` without affine; otherwise it keeps γ, and β as a bias
+  (`RMSNormWithBias`).
+
+A module edit applies to every call of the module and every reader of the attribute, which the
+graph-level plan does not assume; `restrict` declines the folds a module rewrite cannot express.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..algebra import centre, migrate_affine
+from ..analysis import ShiftChecker
+from ..plan import Blocker, Centring, FoldPlan, NormDecision
+from .fx import NodeRef, NormSite, TorchGraph, to_numpy
+from .fx_capture import Attr
+
+
+class RMSNormWithBias(nn.RMSNorm):
+    """`torch.nn.RMSNorm` plus a bias: a folded LayerNorm whose β could not move into its consumers."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
+        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.bias
+
+
+# --- what a module rewrite can express ---------------------------------------------------------
+
+
+def _edits_of(tg: TorchGraph, centring: Centring) -> list[tuple[str, str, int | None]] | str:
+    """(node, constant, axis) reads that `centring` edits, or why it cannot be done on a module."""
+    if centring.input_index is not None:
+        reads = [(centring.node, centring.tensor, centring.axis)]
+    else:
+        linear = tg.zmg.nodes[centring.node].ref.linear
+        reads = [(centring.node, linear.weight, linear.out_axis)]
+        if linear.bias is not None:
+            reads.append((centring.node, linear.bias, linear.bias_axis))
+    for node, tensor, _ in reads:
+        if tg.attr(node, tensor) is None:
+            return f"{tensor}, read by {node}, is not a module parameter or buffer"
+    return reads
+
+
+def _harmless(tg: TorchGraph, checker: ShiftChecker, node: str, tensor: str, axis: int | None) -> str | None:
+    """None if centring `tensor` along `axis` where `node` reads it leaves the model unchanged, else why not."""
+    znode = tg.zmg.nodes[node]
+    linear = znode.ref.linear if isinstance(znode.ref, NodeRef) else None
+    if linear is None or (tensor, axis) not in ((linear.weight, linear.out_axis), (linear.bias, linear.bias_axis)):
+        return f"it is also read by {node}, which centring it would change"
+    blocker = checker.removed(znode.outputs[0], znode.rule.axis)
+    return None if blocker is None else f"it is also read by {node}, where centring is unsafe: {blocker.reason}"
+
+
+def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
+    """The plan less the folds a module rewrite cannot express, each declined with its reason.
+
+    A fold stays only if (1) its norm is an `nn.LayerNorm` module whose every call folds, and (2)
+    every constant it centres is a module attribute whose every reader is centred alike, or reads
+    it in a layer whose centring is safe anyway.
+    """
+    zmg = tg.zmg
+    checker = ShiftChecker(zmg)
+    uses = tg.uses()
+    decisions = [dataclasses.replace(d) for d in plan.decisions]
+    sites = {d.name: zmg.norm_by_name(d.name).ref for d in decisions}
+    calls_of: dict[str, list[NormDecision]] = {}
+    for decision in decisions:
+        if sites[decision.name].replace_blocked is None:
+            calls_of.setdefault(sites[decision.name].module, []).append(decision)
+    norms = {n.name for n in zmg.norms}
+    affine_readers = {
+        module: sorted({node for name in ("weight", "bias") for node, _ in uses.get(Attr(module, name), [])} - norms)
+        for module in calls_of
+    }
+
+    def decline(decision: NormDecision, node: str, reason: str) -> None:
+        decision.foldable = False
+        decision.reason = f"provably foldable, but the PyTorch rewrite cannot apply it: {reason}"
+        decision.blocker = Blocker(node, reason, (decision.name, node))
+
+    while True:
+        before = sum(d.foldable for d in decisions)
+        for decision in (d for d in decisions if d.foldable):
+            site: NormSite = sites[decision.name]
+            kept = [d for d in calls_of.get(site.module, []) if not d.foldable]
+            if site.replace_blocked:
+                decline(decision, decision.name, site.replace_blocked)
+            elif affine_readers[site.module]:
+                reader = affine_readers[site.module][0]
+                decline(decision, reader, f"{reader} also reads the γ or β of {site.module}, which the swap removes")
+            elif kept:
+                decline(decision, kept[0].name, f"module {site.module} is also called as {kept[0].name}, which "
+                                                "does not fold, and a module swap replaces every call")
+        edits, needs = _planned_edits(tg, decisions, decline)
+        for attr, reads in edits.items():
+            reason = _conflict(tg, checker, attr, reads, uses.get(attr, []))
+            for decision in decisions:
+                if reason and decision.foldable and decision.name in needs[attr]:
+                    decline(decision, str(attr), reason)
+        if sum(d.foldable for d in decisions) == before:
+            return FoldPlan(decisions)
+
+
+def _planned_edits(tg: TorchGraph, decisions: list[NormDecision], decline):
+    """Per attribute: the (node, constant) reads the folded decisions centre, with their axes; and who needs it."""
+    edits: dict[Attr, dict[tuple[str, str], int | None]] = {}
+    needs: dict[Attr, set[str]] = {}
+    for decision in decisions:
+        if not decision.foldable:
+            continue
+        planned = [_edits_of(tg, c) for c in decision.centrings]
+        failed = next((p for p in planned if isinstance(p, str)), None)
+        if failed:
+            decline(decision, decision.name, failed)
+            continue
+        for node, tensor, axis in (read for reads in planned for read in reads):
+            attr = tg.attr(node, tensor)
+            edits.setdefault(attr, {})[(node, tensor)] = axis
+            needs.setdefault(attr, set()).add(decision.name)
+    return edits, needs
+
+
+def _conflict(tg, checker, attr: Attr, reads: dict, uses: list[tuple[str, str]]) -> str | None:
+    """Why centring `attr` as `reads` says would change the model somewhere else, or None."""
+    axes = set(reads.values())
+    if len(axes) > 1:
+        return f"{attr} would be centred along different axes"
+    for node, tensor in uses:
+        if (node, tensor) not in reads and (why := _harmless(tg, checker, node, tensor, next(iter(axes)))):
+            return f"{attr} cannot be centred: {why}"
+    return None
+
+
+# --- apply -------------------------------------------------------------------------------------
+
+
+class _Editor:
+    """Replaces attributes of `module` with new values, copy-on-write, and records what it untied."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.holders: dict[int, list[str]] = {}
+        for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
+                module.named_buffers(remove_duplicate=False)):
+            self.holders.setdefault(id(tensor), []).append(name)
+        self.untied: dict[str, list[str]] = {}  # attribute → the other attributes that shared its tensor
+
+    def get(self, attr: Attr) -> torch.Tensor | None:
+        return getattr(self.module.get_submodule(attr.module), attr.name)
+
+    def set(self, attr: Attr, values: np.ndarray) -> None:
+        owner = self.module.get_submodule(attr.module)
+        old = getattr(owner, attr.name)
+        new = torch.as_tensor(values).to(dtype=old.dtype, device=old.device)
+        others = [p for p in self.holders.get(id(old), []) if p != str(attr)]
+        if others:
+            self.untied[str(attr)] = others
+            self.holders[id(old)] = others
+        if isinstance(old, nn.Parameter):
+            setattr(owner, attr.name, nn.Parameter(new, requires_grad=old.requires_grad))
+        else:
+            owner._buffers[attr.name] = new
+
+    def add_bias(self, linear: nn.Linear, values: np.ndarray) -> None:
+        linear.bias = nn.Parameter(torch.as_tensor(values).to(dtype=linear.weight.dtype, device=linear.weight.device))
+
+    def forget_hf_ties(self) -> None:
+        """Drop untied pairs from Hugging Face tying metadata, so `tie_weights()` keeps them apart."""
+        untied = set(self.untied)
+        for path, sub in self.module.named_modules():
+            ties = getattr(sub, "all_tied_weights_keys", None)
+            if not isinstance(ties, dict):
+                continue
+            prefix = f"{path}." if path else ""
+            dropped = {k for k, v in ties.items() if f"{prefix}{k}" in untied or f"{prefix}{v}" in untied}
+            if dropped:
+                sub.all_tied_weights_keys = {k: v for k, v in ties.items() if k not in dropped}
+                if getattr(getattr(sub, "config", None), "tie_word_embeddings", False):
+                    sub.config.tie_word_embeddings = False
+
+
+def _wide(tensor: torch.Tensor) -> np.ndarray:
+    return to_numpy(tensor).astype(np.float64)
+
+
+def _migration_targets(tg: TorchGraph, norm_name: str, uses: dict) -> list | None:
+    """The linear nodes that read a folded norm's output, if γ/β can move into all of them.
+
+    Views that keep the last axis, aliases, casts and inference dropout may sit in between; each
+    target's parameters must be read by that node alone (so editing them changes nothing else).
+    """
+    zmg = tg.zmg
+    norm = zmg.norm_by_name(norm_name)
+    if sum(n.ref.module == norm.ref.module for n in zmg.norms) > 1:
+        return None
+    width = (zmg.shape(norm.output) or (None,))[-1]
+    frontier, targets = [norm.output], []
+    while frontier:
+        tensor = frontier.pop()
+        if tensor in zmg.graph_outputs:
+            return None
+        for node, index in zmg.consumers_of(tensor):
+            ref = node.ref if isinstance(node.ref, NodeRef) else None
+            out_shape = zmg.shape(node.outputs[0]) or (None,)
+            if ref is not None and ref.identity and index == 0 and out_shape[-1] == width:
+                frontier.append(node.outputs[0])
+                continue
+            linear = ref.linear if ref is not None else None
+            if linear is None or index != 0 or linear.in_axis is None or not linear.migratable:
+                return None
+            if linear.bias is not None and linear.bias_axis is None:
+                return None  # a broadcast bias cannot take β·W
+            targets.append(node)
+    for node in targets:
+        linear = node.ref.linear
+        for tensor in (linear.weight, linear.bias):
+            if tensor is not None and uses.get(tg.attr(node.name, tensor)) != [(node.name, tensor)]:
+                return None
+        if linear.bias is None and norm.bias is not None:
+            owner = tg.model.get_submodule(tg.attr(node.name, linear.weight).module)
+            if type(owner) is not nn.Linear:
+                return None  # nowhere to put β
+    return targets or None
+
+
+def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, targets) -> str:
+    """Replace the folded nn.LayerNorm by an RMSNorm; returns a note on where γ/β went."""
+    norm = tg.zmg.norm_by_name(norm_name)
+    path = norm.ref.module
+    layer_norm = editor.module.get_submodule(path)
+    gamma, beta = layer_norm.weight, layer_norm.bias
+    shape, eps = layer_norm.normalized_shape, layer_norm.eps
+    like = {} if gamma is None else {"dtype": gamma.dtype, "device": gamma.device}
+    if targets is not None:
+        for node in targets:
+            linear = node.ref.linear
+            weight_attr = tg.attr(node.name, linear.weight)
+            bias_attr = None if linear.bias is None else tg.attr(node.name, linear.bias)
+            bias = None if bias_attr is None else _wide(editor.get(bias_attr))
+            new_weight, new_bias = migrate_affine(
+                _wide(editor.get(weight_attr)), bias, None if gamma is None else _wide(gamma),
+                None if beta is None else _wide(beta), linear.in_axis)
+            editor.set(weight_attr, new_weight)
+            if bias_attr is not None:
+                editor.set(bias_attr, new_bias)
+            elif new_bias is not None:
+                editor.add_bias(editor.module.get_submodule(weight_attr.module), new_bias)
+        replacement = nn.RMSNorm(shape, eps=eps, elementwise_affine=False, **like)
+        note = "γ/β migrated into " + ", ".join(node.name for node in targets)
+    elif beta is not None:
+        replacement = RMSNormWithBias(shape, eps=eps, **like)
+        with torch.no_grad():
+            replacement.weight.copy_(gamma)
+            replacement.bias.copy_(beta)
+        note = "γ and β kept in the RMSNorm"
+    else:
+        replacement = nn.RMSNorm(shape, eps=eps, elementwise_affine=gamma is not None, **like)
+        if gamma is not None:
+            with torch.no_grad():
+                replacement.weight.copy_(gamma)
+        note = "γ kept in the RMSNorm" if gamma is not None else "no affine"
+    parent, _, child = path.rpartition(".")
+    setattr(editor.module.get_submodule(parent), child, replacement.train(layer_norm.training))
+    return note
+
+
+def apply(
+    tg: TorchGraph, plan: FoldPlan, module: nn.Module, migrate: bool = True
+) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Rewrite `module` (a copy of `tg.model`) in place per a restricted `plan`.
+
+    Returns, per folded norm, where its γ/β went; and each untied attribute with those it was shared with.
+    """
+    uses = tg.uses()
+    editor = _Editor(module)
+    # Decide migrations on the original graph, before any parameter is rewritten.
+    targets = {d.name: _migration_targets(tg, d.name, uses) if migrate else None for d in plan.folded}
+    axes: dict[Attr, int | None] = {}
+    for centring in plan.centrings:
+        for node, tensor, axis in _edits_of(tg, centring):
+            axes[tg.attr(node, tensor)] = axis
+    for attr, axis in axes.items():
+        editor.set(attr, centre(_wide(editor.get(attr)), axis))
+    notes = {d.name: _swap_norm(tg, editor, d.name, targets[d.name]) for d in plan.folded}
+    editor.forget_hf_ties()
+    return notes, editor.untied

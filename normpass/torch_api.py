@@ -1,0 +1,243 @@
+"""The exact fold pass for PyTorch modules: capture → plan → restrict → apply → verify.
+
+    folded, report = normpass.fold(model, example_inputs)   # nn.Module in, nn.Module out
+    plan = normpass.inspect(model, example_inputs)         # the verdicts `fold` acts on
+
+The analysis and planner are the ones the ONNX front end uses; only capture (`fx_capture`), the op
+table (`fx`) and the rewrite (`fx_rewrite`) are PyTorch-specific. Two differences follow from
+rewriting modules rather than graphs: no `x − mean(x)` is ever inserted (a module's forward code
+is not edited), and `fx_rewrite.restrict` declines, with a reason, folds that a module edit
+cannot express (an `F.layer_norm` call, a layer called where centring is unsafe).
+
+The user's module is never modified: the rewrite works on a deep copy. The copy is verified
+against the original on the example inputs (fp32 tolerance 1e-4 relative; `VerificationError`
+above it), and, where the model is small enough to copy once more, both are compared with a
+float64 run of the original, which shows how much of the difference is fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from . import __version__
+from .analysis import plan as make_plan
+from .errors import InputError, UnsupportedModelError, VerificationError
+from .frontends.fx import TorchGraph, build_zero_mean_graph, to_numpy
+from .frontends.fx_capture import capture
+from .frontends.fx_rewrite import apply, restrict
+from .plan import FoldPlan
+from .verify import BFLOAT16_TOLERANCE, Comparison, compare_outputs
+
+FLOAT64_PARAMETER_LIMIT = 50_000_000  # above this, the float64 reference is skipped (memory)
+
+
+@dataclass
+class TorchFoldReport:
+    """What `fold` did: the plan, how the model was captured, where γ/β went, and the numerics."""
+
+    plan: FoldPlan
+    capture: str  # "torch.export" or "torch.fx.symbolic_trace"
+    export_error: str | None  # why torch.export was not used
+    comparison: Comparison | None
+    float64: dict = field(default_factory=dict)
+    affine_notes: dict[str, str] = field(default_factory=dict)
+    untied: dict[str, list[str]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def folded(self) -> int:
+        return len(self.plan.folded)
+
+    @property
+    def max_abs_error(self) -> float | None:
+        return None if self.comparison is None else self.comparison.max_abs_error
+
+    @property
+    def max_rel_error(self) -> float | None:
+        return None if self.comparison is None else self.comparison.max_rel_error
+
+    def to_json(self) -> dict:
+        decisions = self.plan.to_json()["norms"]
+        for decision in decisions:
+            decision["affine"] = self.affine_notes.get(decision["name"])
+        comparison = self.comparison
+        return {
+            "normpass_version": __version__,
+            "frontend": "pytorch",
+            "capture": self.capture,
+            "export_error": self.export_error,
+            "folded": self.folded,
+            "total": self.plan.total,
+            "max_abs_error": self.max_abs_error,
+            "max_rel_error": self.max_rel_error,
+            "verified": comparison is not None,
+            "outputs": [] if comparison is None else [vars(o) | {"passed": o.passed} for o in comparison.outputs],
+            "float64": self.float64,
+            "untied": self.untied,
+            "norms": decisions,
+            "seconds": self.seconds,
+        }
+
+
+def _arguments(model, example_inputs, example_kwargs) -> tuple[tuple, dict]:
+    if not isinstance(model, nn.Module):
+        raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    if model.training:
+        raise InputError(
+            f"{type(model).__name__} is in training mode; folding is an inference rewrite: call model.eval() first")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise InputError(
+            f"example_inputs must be a tensor or a tuple of arguments, got {type(example_inputs).__name__}")
+    return tuple(example_inputs), dict(example_kwargs or {})
+
+
+def _analyse(model, args, kwargs, dynamic_shapes, name) -> tuple[TorchGraph, FoldPlan]:
+    captured = capture(model, args, kwargs, dynamic_shapes)
+    if captured.export_error:
+        warnings.warn(f"{name}: torch.export failed ({captured.export_error}); captured with "
+                      "torch.fx.symbolic_trace instead", UserWarning, stacklevel=3)
+    tg = build_zero_mean_graph(model, captured, name)
+    return tg, restrict(tg, make_plan(tg.zmg, insert_centering=False))
+
+
+def inspect(model: nn.Module, example_inputs, *, example_kwargs: dict | None = None, dynamic_shapes=None,
+            name: str | None = None) -> FoldPlan:
+    """Which LayerNorms of `model` fold exactly into RMSNorms, and why the others do not.
+
+    `example_inputs` (a tensor or a tuple) and `example_kwargs` are what `model(...)` is called with;
+    `dynamic_shapes` is passed to `torch.export.export` (the proof holds for the captured shapes).
+    """
+    args, kwargs = _arguments(model, example_inputs, example_kwargs)
+    return _analyse(model, args, kwargs, dynamic_shapes, name or type(model).__name__)[1]
+
+
+def fold(
+    model: nn.Module,
+    example_inputs,
+    *,
+    example_kwargs: dict | None = None,
+    dynamic_shapes=None,
+    migrate_affine: bool = True,
+    verify: bool = True,
+    name: str | None = None,
+) -> tuple[nn.Module, TorchFoldReport]:
+    """A copy of `model` with every provable LayerNorm folded into an RMSNorm, and a report.
+
+    Raises `UnsupportedModelError` if the model cannot be captured and `VerificationError` if the
+    folded copy does not match the original on the example inputs.
+    """
+    args, kwargs = _arguments(model, example_inputs, example_kwargs)
+    name = name or type(model).__name__
+    seconds = {}
+    start = time.perf_counter()
+    tg, fold_plan = _analyse(model, args, kwargs, dynamic_shapes, name)
+    seconds["analysis"] = time.perf_counter() - start
+    start = time.perf_counter()
+    folded = copy.deepcopy(model)
+    notes, untied = apply(tg, fold_plan, folded, migrate_affine) if fold_plan.folded else ({}, {})
+    seconds["rewrite"] = time.perf_counter() - start
+    report = TorchFoldReport(fold_plan, tg.capture.method, tg.capture.export_error, None, {}, notes, untied, seconds)
+    if verify:
+        start = time.perf_counter()
+        _verify(model, folded, args, kwargs, report)
+        seconds["verify"] = time.perf_counter() - start
+        if not report.comparison.passed:
+            raise VerificationError(
+                f"{name}: folded module does not match the original: {report.comparison.failures()}")
+    return folded, report
+
+
+# --- verification ------------------------------------------------------------------------------
+
+
+def _outputs(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """Every tensor the module returns, by its path in the output structure."""
+    with torch.no_grad():
+        result = module(*args, **kwargs)
+    leaves, _ = pytree.tree_flatten_with_path(result)
+    return {pytree.keystr(path) or "output": leaf.detach().cpu() for path, leaf in leaves
+            if isinstance(leaf, torch.Tensor)}
+
+
+def _compare(reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor], shapes=None) -> Comparison:
+    """`verify.compare_outputs` on NumPy copies; bfloat16 outputs (widened for NumPy) keep their tolerance."""
+    comparison = compare_outputs(
+        {k: to_numpy(v) for k, v in reference.items()}, {k: to_numpy(v) for k, v in candidate.items()}, shapes)
+    outputs = [
+        replace(o, dtype="bfloat16", tolerance=BFLOAT16_TOLERANCE) if reference[o.name].dtype == torch.bfloat16 else o
+        for o in comparison.outputs
+    ]
+    return Comparison(tuple(outputs), comparison.input_shapes)
+
+
+def _widen(value):
+    return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def _verify(model: nn.Module, folded: nn.Module, args: tuple, kwargs: dict, report: TorchFoldReport) -> None:
+    reference = _outputs(model, args, kwargs)
+    candidate = _outputs(folded, args, kwargs)
+    shapes = {f"input[{i}]": list(a.shape) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    report.comparison = _compare(reference, candidate, shapes)
+    size = sum(p.numel() for p in model.parameters())
+    if size > FLOAT64_PARAMETER_LIMIT:
+        report.float64 = {"skipped": f"{size} parameters: a float64 copy is too large"}
+        return
+    try:
+        wide = copy.deepcopy(model).double()
+        exact = _outputs(wide, pytree.tree_map(_widen, args), pytree.tree_map(_widen, kwargs))
+    except Exception as e:  # some models do not run in float64; the check is informative only
+        report.float64 = {"skipped": f"the model does not run in float64 ({type(e).__name__}: {e})"}
+        return
+    report.float64 = {
+        "original_rel_error": _compare(exact, reference).max_rel_error,
+        "folded_rel_error": _compare(exact, candidate).max_rel_error,
+    }
+
+
+# --- command line helpers ----------------------------------------------------------------------
+
+
+def load_factory(spec: str) -> tuple[nn.Module, tuple]:
+    """`package.module:factory` → `factory()`, which must return `(module, example_inputs)`."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise InputError(f"--torch {spec!r}: expected package.module:factory")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise InputError(f"--torch {spec!r}: cannot import it ({e})") from e
+    if not callable(factory):
+        raise InputError(f"--torch {spec!r}: {attr} is not callable")
+    try:
+        built = factory()
+    except Exception as e:
+        raise InputError(f"--torch {spec!r}: the factory raised {type(e).__name__}: {e}") from e
+    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
+        raise InputError(
+            f"--torch {spec!r}: the factory must return (module, example_inputs), got {type(built).__name__}")
+    module, inputs = built
+    return module, (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+
+
+def export_onnx(module: nn.Module, example_inputs: tuple, path, dynamic_shapes=None) -> None:
+    """Export `module` with `torch.onnx.export(dynamo=True)` and write it atomically to `path`."""
+    from .io import save_onnx_atomic
+
+    try:
+        program = torch.onnx.export(module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes,
+                                    verbose=False)
+    except Exception as e:
+        raise UnsupportedModelError(f"torch.onnx.export failed on the folded module: {type(e).__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    save_onnx_atomic(program.model_proto, path)
