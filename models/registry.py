@@ -362,6 +362,69 @@ def _swin_entry() -> ModelEntry:
     )
 
 
+def bert_base_shape(seed: int = 6) -> ModelEntry:
+    """BERT-base-shaped encoder (12 layers, hidden 768, 512 positions, 110M), seeded: benchmarks only.
+
+    Not in ``REGISTRY``, like the deeper ``gpt2_entry`` variants: build it by calling this function.
+    """
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+    )
+    make_inputs = partial(_token_inputs, config.vocab_size)
+    return ModelEntry(
+        name="bert-base-shape",
+        summary="BERT-base-shaped encoder, post-LN, 12 layers, hidden 768, vocab 30522, returns last_hidden_state",
+        build_torch=partial(
+            _build, lambda: _LastHidden(BertModel(config, add_pooling_layer=False)), make_inputs, seed
+        ),
+        make_inputs=make_inputs,
+        input_names=("input_ids",),
+        output_names=("last_hidden_state",),
+        dynamic_shapes=TEXT_DYNAMIC,
+        expected_norms=1 + 2 * 12,
+        expected_folded=1,
+        why="Post-LN, as the small `bert` entry: only the embedding LayerNorm folds.",
+        large=True,
+    )
+
+
+def vit_b16_shape(seed: int = 7) -> ModelEntry:
+    """ViT-B/16-shaped encoder (224x224 images, 16x16 patches, 12 layers, hidden 768, 86M), seeded.
+
+    For benchmarks only; not in ``REGISTRY`` (call this function).
+    """
+    config = ViTConfig(
+        image_size=224,
+        patch_size=16,
+        num_channels=3,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+    )
+    make_inputs = partial(_image_inputs, 3, 224)
+    return ModelEntry(
+        name="vit-b16-shape",
+        summary="ViT-B/16-shaped encoder, pre-LN, 12 layers, hidden 768, 224x224 images in 16x16 patches",
+        build_torch=partial(
+            _build, lambda: _LastHidden(ViTModel(config, add_pooling_layer=False)), make_inputs, seed
+        ),
+        make_inputs=make_inputs,
+        input_names=("pixel_values",),
+        output_names=("last_hidden_state",),
+        dynamic_shapes=IMAGE_DYNAMIC,
+        expected_norms=2 * 12 + 1,
+        expected_folded=2 * 12 + 1,
+        why="Pre-LN, as the small `vit` entry: every LayerNorm folds.",
+        large=True,
+    )
+
+
 REGISTRY: dict[str, ModelEntry] = {
     entry.name: entry
     for entry in (

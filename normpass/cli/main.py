@@ -10,9 +10,9 @@ import sys
 
 from .. import __version__
 from ..errors import NormpassError
-from . import fold, inspect, replace, viz
+from . import bench, fold, inspect, replace, viz
 
-COMMANDS = {"inspect": inspect, "fold": fold, "viz": viz, "replace": replace}
+COMMANDS = {"inspect": inspect, "fold": fold, "viz": viz, "bench": bench, "replace": replace}
 
 
 def build_parser() -> argparse.ArgumentParser:

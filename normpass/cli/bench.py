@@ -1,0 +1,65 @@
+"""`normpass bench ORIGINAL OPTIMIZED`: is the optimized model faster in ONNX Runtime, and by how much?
+
+Interleaved runs after warm-up at one point (`--batch`, `--seq`) or along a sweep
+(`--sweep seq=64,256,1024`); medians and the ratio per point (see `normpass.bench`). Refuses
+(exit 1) when the two models' outputs differ beyond the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..bench import Candidate, parse_sweep, plot, run_benchmark, to_csv
+from ..io import check_output_path, load_onnx, write_text_atomic
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("bench", help="time an optimized model against its original in ONNX Runtime")
+    parser.add_argument("original", help="the baseline .onnx model")
+    parser.add_argument("optimized", help="the .onnx model to compare with it (e.g. the output of normpass fold)")
+    parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
+                        help="execution provider; cuda needs onnxruntime-gpu (inputs and outputs stay on the GPU)")
+    parser.add_argument("--batch", type=int, default=1, help="size of dynamic first axes (default 1)")
+    parser.add_argument("--seq", type=int, default=128, help="size of other dynamic axes (default 128)")
+    parser.add_argument("--sweep", metavar="AXIS=N,N,...",
+                        help="time several points, e.g. seq=64,256,1024 or batch=1,4")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per model and point (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per model and point first (default 2)")
+    parser.add_argument("--budget", type=float, default=0.0, metavar="SECONDS",
+                        help="time per point: short points get more than --repeats runs (default 0: --repeats only)")
+    parser.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (default 0: ORT's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    parser.add_argument("--json", metavar="PATH", help="write the full report (every run time) as JSON")
+    parser.add_argument("--csv", metavar="PATH", help="write one row per point and model as CSV")
+    parser.add_argument("--plot", metavar="PATH", help="draw times and ratios as a PNG (needs matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    for path in (args.original, args.optimized):
+        load_onnx(path)  # clear errors for a missing or unreadable file
+    outputs = [check_output_path(None, p) for p in (args.json, args.csv, args.plot) if p]
+    sweep, points = None, [(args.batch, args.seq)]
+    if args.sweep:
+        sweep, values = parse_sweep(args.sweep)
+        points = [(v, args.seq) if sweep == "batch" else (args.batch, v) for v in values]
+    candidates = [Candidate("original", args.original), Candidate("optimized", args.optimized)]
+    report = run_benchmark(candidates, points, provider=args.provider, threads=args.threads, repeats=args.repeats,
+                           warmup=args.warmup, budget_s=args.budget, seed=args.seed, progress=not args.no_progress,
+                           sweep=sweep)
+    print(f"{'batch':>5} {'seq':>6} {'original ms':>12} {'optimized ms':>13} {'ratio':>7}  quartiles of ratio  verdict")
+    for point in report["points"]:
+        base, cand = point["results"]["original"], point["results"]["optimized"]
+        verdict = ("faster" if cand["ratio_p75"] < 1 else "slower" if cand["ratio_p25"] > 1 else "within noise")
+        print(f"{point['batch']:>5} {point['seq']:>6} {base['median_ms']:>12.3f} {cand['median_ms']:>13.3f} "
+              f"{cand['ratio']:>7.3f}  {cand['ratio_p25']:.3f}–{cand['ratio_p75']:.3f}        {verdict}")
+    if args.json:
+        write_text_atomic(json.dumps(report, indent=2) + "\n", args.json)
+    if args.csv:
+        write_text_atomic(to_csv(report), args.csv)
+    if args.plot:
+        plot(report, args.plot)
+    if outputs:
+        print("wrote " + ", ".join(str(p) for p in outputs))
+    return 0

@@ -1,0 +1,206 @@
+"""End-to-end ONNX Runtime speed: original vs folded vs norms deleted, on full-size model shapes.
+
+Models (seeded random weights, `normpass_models`): GPT-2-small shape (124M, `gpt2-small-shape`),
+BERT-base shape (110M, `registry.bert_base_shape()`, 512 positions) and ViT-B/16 shape (86M,
+`registry.vit_b16_shape()`, 197 tokens per 224×224 image). For each model and dtype four
+variants are timed in the same interleaved rounds (`normpass.bench.run_benchmark`, ORT_ENABLE_ALL,
+IO binding):
+
+* `original`: the export as it is; ORT's session optimizer applies its own fusions;
+* `folded`: `fold_onnx` with default options (SimplifiedLayerNormalization, γ/β migrated,
+  residual Adds fused into SkipSimplifiedLayerNormalization); its outputs are checked against the
+  original's at every point (fp32 tolerance 1e-4, fp16 1e-2);
+* `folded-nofuse`: the same with `FoldOptions(fuse_skip=False)` (`fold --no-fuse-skip`): residual
+  Adds stay Adds before SimplifiedLayerNormalization, as ORT's optimizer leaves them; checked too;
+* `identity`: the original with every LayerNormalization replaced by Identity: the bound that no
+  norm removal can beat (its outputs differ; not checked).
+
+fp16 variants: the original converted with `normpass.precision.to_fp16` and folded *after*
+conversion; the identity bound converted likewise. Text models sweep the sequence length at
+batch 1; ViT sweeps the batch. Exports, folds and conversions are cached in `--cache`.
+Alongside the times, the ops ORT actually runs for each variant are counted (the
+`SessionOptions.optimized_model_filepath` dump): norms, fused skip norms, Adds and Casts; and at
+the middle point of each sweep ORT's profiler gives the kernel time per op type
+(`normpass.bench.profile_ops`), which shows the norms' share of the run with less noise from other
+load on the machine than wall time.
+
+    python tools/bench_e2e.py --models gpt2-small-shape --dtypes fp32 fp16 --repeats 5 --budget 20 \\
+        --cache /tmp/normpass-bench --out /tmp/normpass-e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import tempfile
+import time
+import warnings
+
+import normpass_models
+import onnx
+from normpass_models import registry
+
+from normpass import bench
+from normpass.passes import FoldOptions, fold_onnx
+from normpass.precision import to_fp16
+
+# name → (registry entry factory, sweep axis, default points)
+MODELS = {
+    "gpt2-small-shape": (lambda: normpass_models.get("gpt2-small-shape"), "seq", [64, 256, 1024]),
+    "bert-base-shape": (registry.bert_base_shape, "seq", [64, 256, 512]),
+    "vit-b16-shape": (registry.vit_b16_shape, "batch", [1, 4]),
+}
+NORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
+            "SkipSimplifiedLayerNormalization")
+COUNTED_OPS = (*NORM_OPS, "Add", "Cast")
+
+
+def save(model: onnx.ModelProto, path: pathlib.Path) -> None:
+    """Save with weights in `path.data` (which turns `model`'s tensors into references to it, in place).
+
+    The .onnx file appears last, so a cached one is complete.
+    """
+    partial = path.with_name(path.stem + ".partial.onnx")
+    onnx.save_model(model, str(partial), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data")
+    os.replace(partial, path)
+
+
+def without_norms(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with each LayerNormalization replaced by Identity of its input."""
+    bound = onnx.ModelProto()
+    bound.CopyFrom(model)
+    for node in bound.graph.node:
+        if node.op_type == "LayerNormalization":
+            if len([o for o in node.output if o]) != 1:
+                raise ValueError(f"{node.name}: LayerNormalization with mean/inv-std outputs")
+            replacement = onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name)
+            node.CopyFrom(replacement)
+    return bound
+
+
+def prepare(name: str, cache: pathlib.Path, dtype: str) -> dict[str, pathlib.Path]:
+    """Paths of the variants of `name` in `dtype` (see the module docstring), built if not cached."""
+    root = cache / name
+    root.mkdir(parents=True, exist_ok=True)
+    original = root / "model.onnx"
+    if not original.exists():
+        print(f"{name}: exporting", flush=True)
+        MODELS[name][0]().export_onnx(original)
+    suffix = "" if dtype == "fp32" else f".{dtype}"
+    paths = {label: root / f"{label}{suffix}.onnx" for label in ("original", "folded", "folded-nofuse", "identity")}
+    if dtype == "fp32":
+        paths["original"] = original
+    if all(p.exists() for p in paths.values()):
+        return paths
+    fp32 = onnx.load(str(original))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the converter clamps the -3.4e38 attention-mask constant to -1e4
+        source = fp32 if dtype == "fp32" else to_fp16(fp32)
+    folded = {}
+    for label, options in (("folded", FoldOptions()), ("folded-nofuse", FoldOptions(fuse_skip=False))):
+        result = fold_onnx(source, options, name=name)
+        print(f"{name} {dtype} {label}: {result.folded} of {result.plan.total} norms folded, max rel error "
+              f"{result.comparison.max_rel_error:.2g} (verified at its default shapes)", flush=True)
+        folded[label] = result.model
+    bound = without_norms(source)
+    if dtype != "fp32":
+        save(source, paths["original"])
+    for label, model in folded.items():
+        save(model, paths[label])
+    save(bound, paths["identity"])
+    return paths
+
+
+def ran_ops(path: pathlib.Path, threads: int) -> dict[str, int]:
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = os.path.join(tmp, "optimized.onnx")
+        bench.open_session(str(path), "cpu", threads, optimized_model_path=dump)
+        counts = collections.Counter(node.op_type for node in onnx.load(dump, load_external_data=False).graph.node)
+    return {op: counts[op] for op in COUNTED_OPS}
+
+
+def profile(paths: dict[str, pathlib.Path], point: tuple[int, int], threads: int, runs: int) -> dict:
+    """Kernel ms per run (ORT profiler) at `point`: in all, in norm ops, in Adds and in Casts."""
+    feeds = bench.make_feeds(onnx.load(str(paths["original"]), load_external_data=False), *point)
+    per_op = bench.profile_ops({k: str(v) for k, v in paths.items()}, feeds, "cpu", threads, runs)
+    return {label: {"total": sum(ops.values()), "norms": sum(ops.get(op, 0.0) for op in NORM_OPS),
+                    "Add": ops.get("Add", 0.0), "Cast": ops.get("Cast", 0.0), "by_op": ops}
+            for label, ops in per_op.items()}
+
+
+def profile_markdown(reports: list[dict]) -> str:
+    lines = ["| model | dtype | input | variant | kernel ms | norm ops ms | Add ms | Cast ms | norms + Add + Cast, % |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for report in reports:
+        shape = "×".join(str(d) for d in report["profile_input"])
+        for label, p in report["profile"].items():
+            share = 100 * (p["norms"] + p["Add"] + p["Cast"]) / p["total"]
+            lines.append(f"| {report['model']} | {report['dtype']} | {shape} | {label} | {p['total']:.1f} "
+                         f"| {p['norms']:.1f} | {p['Add']:.1f} | {p['Cast']:.1f} | {share:.1f} |")
+    return "\n".join(lines)
+
+
+def markdown(reports: list[dict]) -> str:
+    lines = [("| model | dtype | input | original ms | folded ms (ratio, quartiles) "
+              "| folded-nofuse ms (ratio, quartiles) | identity ms (ratio) | gap of folded to bound, % |"),
+             "|---|---|---|---:|---|---|---|---:|"]
+    for report in reports:
+        for point in report["points"]:
+            o, f, n, i = (point["results"][k] for k in ("original", "folded", "folded-nofuse", "identity"))
+            shape = "×".join(str(d) for d in next(iter(point["input_shapes"].values())))
+            lines.append(
+                f"| {report['model']} | {report['dtype']} | {shape} | {o['median_ms']:.1f} "
+                f"| {f['median_ms']:.1f} ({f['ratio']:.3f}, {f['ratio_p25']:.3f}–{f['ratio_p75']:.3f}) "
+                f"| {n['median_ms']:.1f} ({n['ratio']:.3f}, {n['ratio_p25']:.3f}–{n['ratio_p75']:.3f}) "
+                f"| {i['median_ms']:.1f} ({i['ratio']:.3f}) | {100 * (f['ratio'] - i['ratio']):.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument("--dtypes", nargs="+", choices=("fp32", "fp16"), default=["fp32", "fp16"])
+    parser.add_argument("--points", type=int, nargs="+", help="override the sweep (seq, or batch for ViT)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds per point: more repeats for short points")
+    parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads (0: ORT's default)")
+    parser.add_argument("--profile-runs", type=int, default=3, help="profiled runs at the middle point (0: none)")
+    parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path("/tmp/normpass-bench"))
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/normpass-e2e"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for name in args.models:
+        _, axis, points = MODELS[name]
+        points = args.points or points
+        for dtype in args.dtypes:
+            start = time.time()
+            paths = prepare(name, args.cache, dtype)
+            candidates = [bench.Candidate(label, str(path), check=label != "identity") for label, path in paths.items()]
+            batch_seq = [(p, 1) if axis == "batch" else (1, p) for p in points]
+            report = bench.run_benchmark(candidates, batch_seq, threads=args.threads, repeats=args.repeats,
+                                         warmup=args.warmup, budget_s=args.budget, sweep=axis)
+            report |= {"model": name, "dtype": dtype,
+                       "ran_ops": {c.label: ran_ops(pathlib.Path(c.path), args.threads) for c in candidates}}
+            if args.profile_runs:
+                middle = report["points"][len(points) // 2]
+                report |= {"profile_input": next(iter(middle["input_shapes"].values())),
+                           "profile": profile(paths, batch_seq[len(points) // 2], args.threads, args.profile_runs)}
+            report["seconds"] = time.time() - start
+            (args.out / f"{name}.{dtype}.json").write_text(json.dumps(report, indent=2) + "\n")
+            bench.plot(report, args.out / f"{name}.{dtype}.png")
+            reports.append(report)
+            print("\n".join(markdown([report]).splitlines()[2:]))
+            print(f"  ORT ran: {report['ran_ops']}  ({report['seconds']:.0f} s)", flush=True)
+    print(markdown(reports))
+    if args.profile_runs:
+        print("\n" + profile_markdown(reports))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""PyTorch (CPU) speed of folded models: eager and torch.compile, original vs folded vs norms deleted.
+
+The same model shapes as tools/bench_e2e.py (GPT-2-small, BERT-base, ViT-B/16; seeded weights),
+fp32. Variants, timed in the same interleaved rounds (`normpass.bench.interleave`, medians and
+per-round ratio quartiles), under `torch.inference_mode()`:
+
+* `original`: the `transformers` module;
+* `folded`: `normpass.torch_api.fold(model, example_inputs)` (LayerNorm modules replaced by
+  RMSNorm modules on centred weights, γ/β migrated into the next Linear layers where possible);
+  its outputs are checked against the original's at every point (fp32 tolerance);
+* `identity`: every `nn.LayerNorm` replaced by `nn.Identity`: the bound (outputs differ).
+
+Modes: `eager`, and `compile` (`torch.compile`, inductor, `dynamic=False`, compiled once per
+variant and shape during warm-up; compile time is reported, not timed). Compiling is slow on two
+cores, so it runs at one point per model (`MODELS`), a subset of the eager points.
+
+    python tools/bench_torch.py --models gpt2-small-shape --threads 1 --repeats 5 --budget 20 \\
+        --json /tmp/torch-gpt2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+import warnings
+
+import normpass_models
+import torch
+from normpass_models import registry
+from torch import nn
+
+from normpass import bench
+from normpass.torch_api import fold
+from normpass.verify import compare_outputs
+
+# name → (registry entry factory, sweep axis, eager points, compile points)
+MODELS = {
+    "gpt2-small-shape": (lambda: normpass_models.get("gpt2-small-shape"), "seq", [64, 256, 1024], [256]),
+    "bert-base-shape": (registry.bert_base_shape, "seq", [64, 256, 512], [256]),
+    "vit-b16-shape": (registry.vit_b16_shape, "batch", [1, 4], [1]),
+}
+
+
+class TorchRunner:
+    """A module and its inputs; `time_run` times one forward pass (the interface `bench.interleave` uses)."""
+
+    def __init__(self, module: nn.Module, inputs: tuple):
+        self.module, self.inputs = module, inputs
+
+    def forward(self) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.module(*self.inputs)
+
+    def time_run(self) -> float:
+        start = time.perf_counter()
+        self.forward()
+        return time.perf_counter() - start
+
+
+def without_norms(model: nn.Module) -> nn.Module:
+    bound = copy.deepcopy(model)
+    for name, module in list(bound.named_modules()):
+        if isinstance(module, nn.LayerNorm):
+            bound.set_submodule(name, nn.Identity())
+    return bound
+
+
+def measure(name: str, args) -> list[dict]:
+    factory, axis, eager_points, compile_points = MODELS[name]
+    entry = factory()
+    original, example = entry.build_torch()
+    folded, report = fold(original, example, name=name)
+    print(f"{name}: {report.folded} of {report.plan.total} norms folded ({report.capture}), "
+          f"max rel error {report.max_rel_error:.2g} on the example inputs", flush=True)
+    variants = {"original": original, "folded": folded, "identity": without_norms(original)}
+    results = []
+    for mode, points in (("eager", eager_points), ("compile", compile_points)):
+        for point in args.points or points:
+            batch, seq = (point, 1) if axis == "batch" else (1, point)
+            inputs = entry.make_inputs(batch, seq, 0)
+            compile_seconds = {}
+            runners = {}
+            for label, module in variants.items():
+                if mode == "compile":
+                    start = time.time()
+                    module = torch.compile(module, dynamic=False)
+                    TorchRunner(module, inputs).forward()  # compiles
+                    compile_seconds[label] = time.time() - start
+                runners[label] = TorchRunner(module, inputs)
+            outputs = {label: {"output": runner.forward().numpy()} for label, runner in runners.items()}
+            comparison = compare_outputs(outputs["original"], outputs["folded"])
+            if not comparison.passed:
+                raise SystemExit(f"{name} {mode} {batch}x{seq}: folded output differs: {comparison.failures()}")
+            times = bench.interleave(runners, args.repeats, args.warmup, budget_s=args.budget)
+            summary = bench.summarize(times, "original")
+            summary["folded"]["max_rel_error"] = comparison.max_rel_error
+            results.append({"model": name, "mode": mode, "input": list(inputs[0].shape), "results": summary,
+                            "compile_seconds": compile_seconds})
+            print(markdown(results[-1:], header=False), flush=True)
+            if compile_seconds:
+                print("  compile s: " + ", ".join(f"{k} {v:.0f}" for k, v in compile_seconds.items()), flush=True)
+    return results
+
+
+def markdown(points: list[dict], header: bool = True) -> str:
+    lines = [("| model | mode | input | original ms | folded ms | folded/original (quartiles) | identity ms "
+              "| identity/original | gap to bound (% of original) |"),
+             "|---|---|---|---:|---:|---|---:|---:|---:|"] if header else []
+    for point in points:
+        o, f, i = (point["results"][k] for k in ("original", "folded", "identity"))
+        shape = "×".join(str(d) for d in point["input"])
+        lines.append(f"| {point['model']} | {point['mode']} | {shape} | {o['median_ms']:.1f} | {f['median_ms']:.1f} "
+                     f"| {f['ratio']:.3f} ({f['ratio_p25']:.3f}–{f['ratio_p75']:.3f}) | {i['median_ms']:.1f} "
+                     f"| {i['ratio']:.3f} | {100 * (f['ratio'] - i['ratio']):.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument("--points", type=int, nargs="+", help="override the sweep (seq, or batch for ViT), both modes")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds per point: more repeats for short points")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--json", help="write every run time here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    start, load = time.time(), os.getloadavg()
+    points = [point for name in args.models for point in measure(name, args)]
+    report = {"machine": bench.machine() | {"torch": torch.__version__},
+              "settings": vars(args) | {"load_average_before": load, "load_average_after": os.getloadavg(),
+                                        "seconds": time.time() - start},
+              "points": points}
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    print(markdown(points))
+    print(f"\n{report['settings']['seconds']:.0f} s; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
