@@ -37,6 +37,21 @@ def _bias_centred(values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarra
     return centre(values, axis if axis >= 0 and values.shape[axis] != 1 else None)
 
 
+class Namer:
+    """Unique node and tensor names within one graph."""
+
+    def __init__(self, graph: gs.Graph):
+        self.names = set(graph.tensors()) | {node.name for node in graph.nodes}
+
+    def __call__(self, base: str) -> str:
+        name, index = base, 1
+        while name in self.names:
+            index += 1
+            name = f"{base}_{index}"
+        self.names.add(name)
+        return name
+
+
 @dataclass
 class Rewriter:
     ctx: OnnxGraph
@@ -47,17 +62,9 @@ class Rewriter:
         self.docs: dict[str, str] = {}  # node name → what normpass did to it (→ NodeProto.doc_string)
         self._copies: dict[tuple[str, str], gs.Constant] = {}
         self._loaded: dict[str, np.ndarray | None] = {}
-        self._names = set(self.ctx.graph.tensors()) | {node.name for node in self.ctx.graph.nodes}
+        self._unique = Namer(self.ctx.graph)
 
     # --- constants, copy-on-write ---------------------------------------------------------------
-
-    def _unique(self, base: str) -> str:
-        name, index = base, 1
-        while name in self._names:
-            index += 1
-            name = f"{base}_{index}"
-        self._names.add(name)
-        return name
 
     def _replace_input(self, node: gs.Node, index: int, transform: str, make) -> None:
         """Point `node.inputs[index]` at a new constant `make(old values)`, shared per transform."""

@@ -43,7 +43,7 @@ from ..surrogates import NormSpec, Surrogate, fold_into_linear
 from .onnx import OnnxGraph
 from .onnx_export import export_model as write_model
 from .onnx_patterns import constant_values, match_decomposed, match_single_op, norm_info
-from .onnx_rewrite import migration_targets
+from .onnx_rewrite import Namer, migration_targets
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 DOC_PREFIX = "normpass: "
@@ -93,21 +93,6 @@ def norm_cost(norm: NormInfo) -> float:
 
 
 # --- working graphs -----------------------------------------------------------------------------
-
-
-class Namer:
-    """Unique node and tensor names within one graph."""
-
-    def __init__(self, graph: gs.Graph):
-        self.names = set(graph.tensors()) | {node.name for node in graph.nodes}
-
-    def __call__(self, base: str) -> str:
-        name, index = base, 1
-        while name in self.names:
-            index += 1
-            name = f"{base}_{index}"
-        self.names.add(name)
-        return name
 
 
 def open_graph(model: onnx.ModelProto, shapes: dict, name: str = "model") -> OnnxGraph:
