@@ -197,6 +197,21 @@ class _NoBar:
         pass
 
 
+def finish_tool_run(points: list, settings: dict, started: float, load_before, machine_info: dict,
+                    table: str, json_path: str | None) -> None:
+    """Record a benchmark tool's run (machine, settings, load, points) as JSON and print its table."""
+    load_after = os.getloadavg()
+    report = {"machine": machine_info,
+              "settings": settings | {"load_average_before": load_before, "load_average_after": load_after,
+                                      "seconds": time.time() - started},
+              "points": points}
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(report, handle, indent=2)
+    print(table)
+    print(f"\n{report['settings']['seconds']:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+
+
 def progress_bar(total: int, enabled: bool):
     """A tqdm bar on stderr if tqdm is installed and `enabled` (pip install 'normpass[bench]')."""
     try:

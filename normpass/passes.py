@@ -50,22 +50,27 @@ class FoldResult:
         return len(self.plan.folded)
 
     def report(self) -> dict:
-        decisions = self.plan.to_json()["norms"]
-        for decision in decisions:
-            decision["affine"] = self.affine_notes.get(decision["name"])
-        comparison = self.comparison
-        return {
-            "normpass_version": __version__,
-            "folded": self.folded,
-            "total": self.plan.total,
-            "max_abs_error": None if comparison is None else comparison.max_abs_error,
-            "max_rel_error": None if comparison is None else comparison.max_rel_error,
-            "verified": comparison is not None,
-            "outputs": [] if comparison is None else [vars(o) | {"passed": o.passed} for o in comparison.outputs],
-            "input_shapes": {} if comparison is None else comparison.input_shapes,
-            "norms": decisions,
-            "seconds": self.seconds,
-        }
+        report = fold_report(self.plan, self.comparison, self.affine_notes, self.seconds)
+        report["input_shapes"] = {} if self.comparison is None else self.comparison.input_shapes
+        return report
+
+
+def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], seconds: dict[str, float]) -> dict:
+    """The report both front ends write: counts, errors per output, and every norm's decision."""
+    decisions = plan.to_json()["norms"]
+    for decision in decisions:
+        decision["affine"] = affine_notes.get(decision["name"])
+    return {
+        "normpass_version": __version__,
+        "folded": len(plan.folded),
+        "total": plan.total,
+        "max_abs_error": None if comparison is None else comparison.max_abs_error,
+        "max_rel_error": None if comparison is None else comparison.max_rel_error,
+        "verified": comparison is not None,
+        "outputs": [] if comparison is None else [vars(o) | {"passed": o.passed} for o in comparison.outputs],
+        "norms": decisions,
+        "seconds": seconds,
+    }
 
 
 def _to_rms_opset(model: onnx.ModelProto) -> onnx.ModelProto:

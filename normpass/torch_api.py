@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import __version__
+from .passes import fold_report
 from .analysis import plan as make_plan
 from .errors import InputError, UnsupportedModelError, VerificationError
 from .frontends.fx import TorchGraph, build_zero_mean_graph, to_numpy
@@ -65,25 +65,12 @@ class TorchFoldReport:
         return None if self.comparison is None else self.comparison.max_rel_error
 
     def to_json(self) -> dict:
-        decisions = self.plan.to_json()["norms"]
-        for decision in decisions:
-            decision["affine"] = self.affine_notes.get(decision["name"])
-        comparison = self.comparison
-        return {
-            "normpass_version": __version__,
+        return fold_report(self.plan, self.comparison, self.affine_notes, self.seconds) | {
             "frontend": "pytorch",
             "capture": self.capture,
             "export_error": self.export_error,
-            "folded": self.folded,
-            "total": self.plan.total,
-            "max_abs_error": self.max_abs_error,
-            "max_rel_error": self.max_rel_error,
-            "verified": comparison is not None,
-            "outputs": [] if comparison is None else [vars(o) | {"passed": o.passed} for o in comparison.outputs],
             "float64": self.float64,
             "untied": self.untied,
-            "norms": decisions,
-            "seconds": self.seconds,
         }
 
 

@@ -32,7 +32,6 @@ LayerNorm, skip variants against SkipLayerNorm, with the quartiles of the per-ro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -158,13 +157,7 @@ def main() -> None:
     points = [measure(dtype, tokens, width, args, bar)
               for dtype in args.dtypes for tokens in args.tokens for width in args.widths]
     bar.close()
-    report = {"machine": bench.machine(), "settings": vars(args) | {"load_average_before": load,
-              "load_average_after": os.getloadavg(), "seconds": time.time() - start}, "points": points}
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-    print(markdown(points))
-    print(f"\n{report['settings']['seconds']:.0f} s; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    bench.finish_tool_run(points, vars(args), start, load, bench.machine(), markdown(points), args.json)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import time
 import warnings
@@ -132,15 +131,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     start, load = time.time(), os.getloadavg()
     points = [point for name in args.models for point in measure(name, args)]
-    report = {"machine": bench.machine() | {"torch": torch.__version__},
-              "settings": vars(args) | {"load_average_before": load, "load_average_after": os.getloadavg(),
-                                        "seconds": time.time() - start},
-              "points": points}
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-    print(markdown(points))
-    print(f"\n{report['settings']['seconds']:.0f} s; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    bench.finish_tool_run(points, vars(args), start, load, bench.machine() | {"torch": torch.__version__},
+                          markdown(points), args.json)
 
 
 if __name__ == "__main__":
