@@ -67,9 +67,15 @@ class ModelEntry:
     output_names: tuple[str, ...]
     dynamic_shapes: tuple[dict[int, str], ...]
     expected_norms: int
-    expected_folded: int
+    expected_folded: int  # provably foldable (``normpass inspect``)
     why: str
     large: bool = False
+    expected_kept: int = 0  # of those, kept as LayerNorms by default: their β can move nowhere
+
+    @property
+    def expected_rewritten(self) -> int:
+        """Norms ``normpass fold`` rewrites with its default options."""
+        return self.expected_folded - self.expected_kept
 
     def export_onnx(self, path: str | pathlib.Path) -> pathlib.Path:
         """Export the seeded model to ONNX at ``path``, quietly; return the path.
@@ -218,11 +224,13 @@ def gpt2_entry(
         dynamic_shapes=TEXT_DYNAMIC,
         expected_norms=norms,
         expected_folded=norms,
+        expected_kept=1,
         why=(
             "Pre-LN: every LayerNorm reads the residual stream, written only by the token and position "
             "embedding Gathers and the attn/mlp c_proj Gemms and read only by LayerNorms and residual Adds, "
             "so centring those tables and weights folds all of them. The tied LM head must keep the "
-            "uncentred table; the ONNX export already feeds its MatMul a separate transposed copy."
+            "uncentred table; the ONNX export already feeds its MatMul a separate transposed copy. The "
+            "final LayerNorm's β has nowhere to go (the LM head has no bias), so `fold` keeps that one."
         ),
         large=large,
     )
@@ -285,10 +293,12 @@ def _vit_entry() -> ModelEntry:
         dynamic_shapes=IMAGE_DYNAMIC,
         expected_norms=norms,
         expected_folded=norms,
+        expected_kept=1,
         why=(
             "Pre-LN: the residual stream is written only by the patch Conv, the concatenated CLS token, the "
             "position-embedding Add and the attention/MLP output Gemms, all affine maps that can be centred, "
-            "so every LayerNorm folds."
+            "so every LayerNorm folds. The final one writes the graph output, so its β has nowhere to go "
+            "and `fold` keeps it."
         ),
     )
 
@@ -351,13 +361,16 @@ def _swin_entry() -> ModelEntry:
         dynamic_shapes=IMAGE_DYNAMIC,
         expected_norms=11,
         expected_folded=6,
+        expected_kept=4,
         why=(
             "The patch-embedding LayerNorm folds (its input is the patch Conv). Stage 1's stream starts at "
             "that LayerNorm's affine output, so its blocks' LayerNorms cannot fold, and centring a stage-1 "
             "projection is unsafe anyway: patch merging concatenates four spatially strided slices along "
             "channels, so the shift would reach the merge LayerNorm unequal across its channels. Stage 2's "
             "stream is written only by the merge's reduction Linear and the blocks' projections: its 4 "
-            "LayerNorms and the final one fold."
+            "LayerNorms and the final one fold. `fold` rewrites 2 of the 6: the β of the others cannot move "
+            "(the patch-embedding LayerNorm also starts stage 1's stream, which LayerNorms read; two reach "
+            "their attention through window padding; the last writes the graph output)."
         ),
     )
 
@@ -420,7 +433,8 @@ def vit_b16_shape(seed: int = 7) -> ModelEntry:
         dynamic_shapes=IMAGE_DYNAMIC,
         expected_norms=2 * 12 + 1,
         expected_folded=2 * 12 + 1,
-        why="Pre-LN, as the small `vit` entry: every LayerNorm folds.",
+        expected_kept=1,
+        why="Pre-LN, as the small `vit` entry: every LayerNorm folds; `fold` keeps the final one.",
         large=True,
     )
 

@@ -345,8 +345,13 @@ class ShiftChecker:
 # --- plan --------------------------------------------------------------------------------------
 
 
-def plan(zmg: ZeroMeanGraph, insert_centering: bool = True) -> FoldPlan:
-    """Decide every norm of `zmg`: fold (with the centrings it needs) or decline (with the reason)."""
+def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str] | None = None) -> FoldPlan:
+    """Decide every norm of `zmg`: fold (with the centrings it needs) or decline (with the reason).
+
+    `keep` names norms to leave as they are even where they fold, with the reason (a rewrite
+    that would not pay); their centrings and insertions are not planned for them.
+    """
+    keep = keep or {}
     checker = ShiftChecker(zmg)
     decisions: list[NormDecision] = []
     pending: dict[str, tuple[NormInfo, Proof]] = {}
@@ -362,6 +367,9 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True) -> FoldPlan:
         if unsafe is not None:
             decision.blocker = unsafe
             decision.reason = f"centring {unsafe.path[0]} is unsafe: {unsafe.reason}"
+            continue
+        if norm.name in keep:
+            decision.kept, decision.reason, decision.centrings = True, keep[norm.name], []
             continue
         if proof.blockers:
             decision.blocker = proof.blockers[0]

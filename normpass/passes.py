@@ -1,8 +1,19 @@
 """The exact fold pass for ONNX models: build → plan → apply → verify.
 
-`inspect_onnx` stops after planning; `fold_onnx` returns a new model (the input is never
-modified) and refuses, with `VerificationError`, a rewrite whose outputs differ from the
-original's beyond the dtype's tolerance.
+`inspect_onnx` stops after planning (what can be proven); `fold_onnx` returns a new model (the
+input is never modified) and refuses, with `VerificationError`, a rewrite whose outputs differ
+from the original's beyond the dtype's tolerance.
+
+What `fold_onnx` emits depends on where the model will run (`FoldOptions.target`, `provider`):
+
+* target "ort" (ONNX Runtime, default): `SimplifiedLayerNormalization`, and a residual Add fused
+  into `com.microsoft.SkipSimplifiedLayerNormalization`, except for fp16 models on the CPU
+  provider, whose fp16 Skip kernel is slower than the unfused pair (docs/BENCHMARKS.md);
+* target "onnx": standard ops only (opset-23 `RMSNormalization`, or the decomposed chain).
+
+A proven fold whose non-zero β could move nowhere would leave RMSNorm + a separate `Add`, which
+costs more than the LayerNorm it replaces (DESIGN §1, docs/BENCHMARKS.md); such norms stay
+LayerNorms, reported as kept, unless `fold_with_beta_add` is set.
 """
 
 from __future__ import annotations
@@ -10,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
 from . import __version__
@@ -26,15 +38,37 @@ RMS_OPSET = 23  # RMSNormalization
 RMS_IR_VERSION = 11  # the IR version that goes with opset 23; ONNX Runtime 1.31 accepts ≤ 13
 
 
+TARGETS = ("ort", "onnx")
+PROVIDERS = ("cuda", "cpu")
+
+
 @dataclass
 class FoldOptions:
-    rms_op: str = "simplified"
+    target: str = "ort"  # "ort": ONNX Runtime, contrib ops allowed; "onnx": standard ops only
+    provider: str = "cuda"  # with target "ort": the execution provider the model is for
+    rms_op: str | None = None  # None: "simplified" for target "ort", "onnx" for target "onnx"
     insert_centering: bool = True
     migrate_affine: bool = True
-    fuse_skip: bool = True  # with rms_op "simplified": Add + RMS → SkipSimplifiedLayerNormalization
+    fold_with_beta_add: bool = False  # also fold norms whose β would stay a separate Add
+    fuse_skip: bool | None = None  # Add + RMS → SkipSimplifiedLayerNormalization; None: per target, provider, dtype
     verify: bool = True
     input_shapes: dict = field(default_factory=dict)
     seed: int = 0
+
+    def emission(self) -> tuple[str, bool | None]:
+        """The RMS op and the skip-fusion choice (None: decided per dtype), after checking the options."""
+        if self.target not in TARGETS:
+            raise InputError(f"--target {self.target!r}: choose one of {', '.join(TARGETS)}")
+        if self.provider not in PROVIDERS:
+            raise InputError(f"--provider {self.provider!r}: choose one of {', '.join(PROVIDERS)}")
+        rms_op = self.rms_op or ("simplified" if self.target == "ort" else "onnx")
+        if rms_op not in RMS_OPS:
+            raise InputError(f"--rms-op {rms_op!r}: choose one of {', '.join(RMS_OPS)}")
+        if self.target == "onnx" and (rms_op == "simplified" or self.fuse_skip):
+            raise InputError("--target onnx emits standard ops only: SimplifiedLayerNormalization and its Skip fusion are "
+                             "ONNX Runtime contrib ops; use --rms-op onnx or decomposed, or --target ort")
+        fuse_skip = False if rms_op != "simplified" or self.target == "onnx" else self.fuse_skip
+        return rms_op, fuse_skip
 
 
 @dataclass
@@ -44,6 +78,7 @@ class FoldResult:
     comparison: Comparison | None
     affine_notes: dict[str, str]
     seconds: dict[str, float]
+    emitted: dict = field(default_factory=dict)  # target, provider, RMS op, number of skip fusions
 
     @property
     def folded(self) -> int:
@@ -52,7 +87,7 @@ class FoldResult:
     def report(self) -> dict:
         report = fold_report(self.plan, self.comparison, self.affine_notes, self.seconds)
         report["input_shapes"] = {} if self.comparison is None else self.comparison.input_shapes
-        return report
+        return report | self.emitted
 
 
 def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], seconds: dict[str, float]) -> dict:
@@ -99,21 +134,25 @@ def inspect_onnx(model: onnx.ModelProto, insert_centering: bool = True, name: st
 def fold_onnx(model: onnx.ModelProto, options: FoldOptions | None = None, name: str = "model") -> FoldResult:
     """Fold every provable LayerNorm of `model` into an RMSNorm; verify unless told not to."""
     options = options or FoldOptions()
-    if options.rms_op not in RMS_OPS:
-        raise InputError(f"--rms-op {options.rms_op!r}: choose one of {', '.join(RMS_OPS)}")
+    rms_op, fuse_skip = options.emission()
     seconds = {}
     start = time.perf_counter()
-    source = _to_rms_opset(model) if options.rms_op == "onnx" else model
+    source = _to_rms_opset(model) if rms_op == "onnx" else model
     ctx = load_graph(source, name)
     zmg = build_zero_mean_graph(ctx)
     fold_plan = make_plan(zmg, options.insert_centering)
+    rewriter = Rewriter(ctx, zmg, rms_op)
+    if options.migrate_affine and not options.fold_with_beta_add:
+        stranded = rewriter.stranded_beta(fold_plan)
+        if stranded:
+            fold_plan = make_plan(zmg, options.insert_centering, keep=stranded)
+    if fuse_skip is None:
+        fuse_skip = not (options.provider == "cpu" and _is_half(ctx, zmg, fold_plan))
     seconds["analysis"] = time.perf_counter() - start
     start = time.perf_counter()
-    rewriter = Rewriter(ctx, zmg, options.rms_op)
     notes = rewriter.apply(fold_plan, options.migrate_affine) if fold_plan.folded else {}
     rewritten = _export(ctx, source, fold_plan, rewriter.docs)
-    if options.fuse_skip and options.rms_op == "simplified":
-        fuse_skip_rms(rewritten, ctx.shapes)
+    fused = fuse_skip_rms(rewritten, ctx.shapes) if fuse_skip else 0
     seconds["rewrite"] = time.perf_counter() - start
     comparison = None
     if options.verify:
@@ -122,7 +161,13 @@ def fold_onnx(model: onnx.ModelProto, options: FoldOptions | None = None, name: 
         seconds["verify"] = time.perf_counter() - start
         if not comparison.passed:
             raise VerificationError(f"{name}: folded model does not match the original: {comparison.failures()}; nothing written")
-    return FoldResult(rewritten, fold_plan, comparison, notes, seconds)
+    emitted = {"target": options.target, "provider": options.provider, "rms_op": rms_op, "skip_fused": fused}
+    return FoldResult(rewritten, fold_plan, comparison, notes, seconds, emitted)
+
+
+def _is_half(ctx, zmg, fold_plan: FoldPlan) -> bool:
+    """Whether the folded norms compute in fp16."""
+    return any(np.dtype(ctx.dtypes.get(zmg.norm_by_name(d.name).input) or np.float32) == np.float16 for d in fold_plan.folded)
 
 
 def _export(ctx, source: onnx.ModelProto, fold_plan: FoldPlan, docs: dict[str, str]) -> onnx.ModelProto:

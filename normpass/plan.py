@@ -57,6 +57,7 @@ class NormDecision:
     centrings: list[Centring] = field(default_factory=list)
     insertions: list[Insertion] = field(default_factory=list)
     blocker: Blocker | None = None
+    kept: bool = False  # provably foldable, but left as it is (the reason says why)
 
     @property
     def centred_layers(self) -> list[str]:
@@ -67,6 +68,7 @@ class NormDecision:
             "name": self.name,
             "op": self.op,
             "foldable": self.foldable,
+            "kept": self.kept,
             "reason": self.reason,
             "centred_layers": self.centred_layers if self.foldable else [],
             "inserted_centering": [i.tensor for i in self.insertions],

@@ -341,27 +341,6 @@ def fit_pointwise(kind: str, x: np.ndarray, y: np.ndarray, stats_x: Welford, shi
     return Surrogate(kind, gamma, beta, shift=shift_value, alpha=alpha, variant=variant, extra=extra)
 
 
-def fold_into_linear(weight: np.ndarray, bias: np.ndarray | None, gamma: np.ndarray | None, beta: np.ndarray | None,
-                     in_axis: int, shift_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray | None]:
-    """(γ ⊙ u + β)·W + b = u·W' + b' with W' = diag(γ)·W, b' = b + shift_scale·(β·W).
-
-    Computed in float64 and rounded once to the weights' (bias's) dtype, so a test can check it
-    exactly. `in_axis` indexes the input features of `weight`; `shift_scale` is α/β_g of a Gemm.
-    """
-    wide = np.moveaxis(np.asarray(weight, dtype=np.float64), in_axis, 0)
-    new_bias = None if bias is None else np.asarray(bias, dtype=np.float64).reshape(-1)
-    if beta is not None:
-        shift = shift_scale * (np.asarray(beta, dtype=np.float64) @ wide)
-        new_bias = shift if new_bias is None else new_bias + shift
-    if gamma is not None:
-        wide = wide * np.asarray(gamma, dtype=np.float64)[:, None]
-    new_weight = np.ascontiguousarray(np.moveaxis(wide, 0, in_axis).astype(weight.dtype))
-    if new_bias is None:
-        return new_weight, None
-    return new_weight, new_bias.reshape(np.shape(bias) if bias is not None else (-1,)).astype(
-        weight.dtype if bias is None else bias.dtype)
-
-
 def with_fit_error(surrogate: Surrogate, x: np.ndarray, y: np.ndarray) -> Surrogate:
     surrogate.fit_error = relative_error(surrogate(x), y)
     return surrogate

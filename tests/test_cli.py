@@ -171,17 +171,18 @@ def test_fold_writes_model_and_report(workdir):
     before = sha256(model_path)
     result = normpass("fold", model_path, "-o", out, "--report", report_path)
     assert result.returncode == 0, result.stderr
-    assert "2 of 2" in result.stdout
+    # the last norm writes the graph output: its β could only stay a separate Add, so it is kept
+    assert "1 of 2" in result.stdout and "kept out: proven foldable, kept as a LayerNorm" in result.stdout
     assert sha256(model_path) == before
     folded = onnx.load(str(out))
     check_structure(folded)
-    assert len(rms_nodes(folded)) == 2 and op_counts(folded)["LayerNormalization"] == 0
+    assert len(rms_nodes(folded)) == 1 and op_counts(folded)["LayerNormalization"] == 1
     report = json.loads(report_path.read_text())
-    assert report["folded"] == 2 and report["total"] == 2
+    assert report["folded"] == 1 and report["total"] == 2
+    assert report["target"] == "ort" and report["rms_op"] == "simplified" and report["skip_fused"] == 0
     assert isinstance(report["max_abs_error"], float) and 0 <= report["max_abs_error"] < 1e-4
     assert isinstance(report["max_rel_error"], float) and 0 <= report["max_rel_error"] <= 1e-5
-    assert [n["name"] for n in report["norms"]] == ["n1", "out"]
-    assert all(n["foldable"] for n in report["norms"])
+    assert [(n["name"], n["foldable"], n["kept"]) for n in report["norms"]] == [("n1", True, False), ("out", False, True)]
     # the written model computes what the original does
     original = onnx.load(str(model_path))
     feeds = make_inputs(original, seed=5)
@@ -208,7 +209,7 @@ def test_fold_partial_reports_refusals(workdir):
 @pytest.mark.parametrize("rms_op,op", [("onnx", "RMSNormalization"), ("decomposed", None)])
 def test_fold_rms_op_choices(workdir, rms_op, op):
     out = workdir / f"{rms_op}.onnx"
-    result = normpass("fold", workdir / "pre.onnx", "-o", out, "--rms-op", rms_op)
+    result = normpass("fold", workdir / "pre.onnx", "-o", out, "--target", "onnx", "--rms-op", rms_op, "--fold-with-beta-add")
     assert result.returncode == 0, result.stderr
     folded = onnx.load(str(out))
     check_plain(folded)
@@ -238,8 +239,8 @@ def test_fold_no_verify_and_no_migrate(workdir):
 
 def test_fold_no_fuse_skip(workdir):
     fused, unfused = workdir / "fused.onnx", workdir / "unfused.onnx"
-    assert normpass("fold", workdir / "pre.onnx", "-o", fused).returncode == 0
-    result = normpass("fold", workdir / "pre.onnx", "-o", unfused, "--no-fuse-skip")
+    assert normpass("fold", workdir / "pre.onnx", "-o", fused, "--fold-with-beta-add").returncode == 0
+    result = normpass("fold", workdir / "pre.onnx", "-o", unfused, "--no-fuse-skip", "--fold-with-beta-add")
     assert result.returncode == 0, result.stderr
     assert op_counts(onnx.load(str(fused)))["SkipSimplifiedLayerNormalization"] == 1
     counts = op_counts(onnx.load(str(unfused)))
@@ -382,7 +383,7 @@ def test_verification_failure_exits_1_and_writes_nothing(workdir):
     out, report_path = workdir / "noisy_out.onnx", workdir / "noisy.json"
     out.write_bytes(b"previous content")  # an existing output must survive a failed run
     before = listing(workdir)
-    result = normpass("fold", workdir / "noisy.onnx", "-o", out, "--report", report_path)
+    result = normpass("fold", workdir / "noisy.onnx", "-o", out, "--report", report_path, "--fold-with-beta-add")
     assert result.returncode == 1, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not match" in lines[0] and "Traceback" not in result.stderr
@@ -431,10 +432,11 @@ def test_builtin_gpt2(tmp_path):
     out, report_path = tmp_path / "gpt2.onnx", tmp_path / "gpt2.json"
     result = normpass("fold", "--builtin", "gpt2", "-o", out, "--report", report_path)
     assert result.returncode == 0, result.stderr
-    assert "5 of 5" in result.stdout
+    assert "4 of 5" in result.stdout  # the final LN's β has nowhere to go (tied LM head, no bias): kept
     report = json.loads(report_path.read_text())
-    assert report["folded"] == 5 and report["total"] == 5 and report["max_rel_error"] <= 1e-5
+    assert report["folded"] == 4 and report["total"] == 5 and report["max_rel_error"] <= 1e-5
+    assert [n["kept"] for n in report["norms"]] == [False] * 4 + [True]
     folded = onnx.load(str(out))
     check_structure(folded)
-    assert len(rms_nodes(folded)) == 5
-    assert op_counts(folded)["LayerNormalization"] == 0
+    assert len(rms_nodes(folded)) == 4
+    assert op_counts(folded)["LayerNormalization"] == 1

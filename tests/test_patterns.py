@@ -54,7 +54,13 @@ def decision(plan, name):
 
 
 def fold_and_check(model: onnx.ModelProto, rel_tol: float = 1e-5, **options):
-    """fold_onnx with verification, then checker, equivalence on new inputs, input untouched."""
+    """fold_onnx with verification, then checker, equivalence on new inputs, input untouched.
+
+    Most models here end in a norm whose β has nowhere to go; these tests are about the rewrite,
+    so they fold it anyway (`fold_with_beta_add`) unless told otherwise. The default, which keeps
+    such norms, is tested in test_emission.py.
+    """
+    options.setdefault("fold_with_beta_add", True)
     before = model.SerializeToString()
     result = fold_onnx(model, FoldOptions(**options))
     assert model.SerializeToString() == before, "fold_onnx modified its input model"
@@ -103,7 +109,7 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   y = LayerNormalization<axis=-1>(h, g1, b1)
 }}""", W=randn(gen, 6, D), g1=gamma(gen), b1=beta(gen))
-    folded = fold_onnx(model).model
+    folded = fold_onnx(model, FoldOptions(fold_with_beta_add=True)).model
     check_structure(folded)
     with pytest.raises(onnx.checker.ValidationError, match="SimplifiedLayerNormalization"):
         check_plain(folded)
@@ -167,8 +173,9 @@ def test_pre_ln_block_folds_everything(linear, fuse_skip):
     if linear == "MatMul":
         _, w2 = weight_of(folded, "m2")
         assert_centred(w2, 1)
-        _, c2 = weight_of(folded, "a2")
-        assert_centred(c2, 0)
+        if not fuse_skip:
+            _, c2 = weight_of(folded, "a2")
+            assert_centred(c2, 0)
     else:
         _, w2 = weight_of(folded, "a2")
         assert_centred(w2, 0)  # [out, in] with transB=1
@@ -190,7 +197,12 @@ def test_pre_ln_block_folds_everything(linear, fuse_skip):
     if fuse_skip:  # the residual Add h1 = h0 + a2 is fused into the RMS op, and h1 is no longer needed
         assert counts["SimplifiedLayerNormalization"] == 1 and counts["SkipSimplifiedLayerNormalization"] == 1
         assert rms_out.op_type == "SkipSimplifiedLayerNormalization" and rms_out.domain == "com.microsoft"
-        assert sorted(rms_out.input[:2]) == ["a2", "h0"]
+        if linear == "MatMul":  # the bias Add a2 = m2 + c2 goes into the op's bias input too
+            assert sorted(rms_out.input[:2]) == ["h0", "m2"] and len(rms_out.input) == 4
+            assert producer(folded, "a2") is None
+            assert_centred(initializers(folded)[rms_out.input[3]], 0)
+        else:
+            assert sorted(rms_out.input[:2]) == ["a2", "h0"] and len(rms_out.input) == 3
         assert producer(folded, "h1") is None
     else:
         assert counts["SimplifiedLayerNormalization"] == 2 and counts["SkipSimplifiedLayerNormalization"] == 0
@@ -455,8 +467,16 @@ def test_post_ln_second_norm_refused_naming_the_first():
     counts = op_counts(result.model)
     assert counts["LayerNormalization"] == 1 and counts["SimplifiedLayerNormalization"] == 1
     assert producer(result.model, "y").op_type == "LayerNormalization"
-    # n1 feeds the residual add as well as a MatMul: its affine stays, β is an Add producing n1
-    assert producer(result.model, "n1").op_type == "Add"
+    # n1 feeds the residual Add as well as a MatMul: γ stays in the RMS op; β moves into the MatMul's
+    # bias (β·W1) and across the residual Add into the same bias (the other summand): c1 + β·W1 + β
+    assert producer(result.model, "n1").op_type == "SimplifiedLayerNormalization"
+    assert counts["Add"] == 2
+    source = initializers(model)
+    bias_add = producer(result.model, "a1")
+    moved = initializers(result.model)[bias_add.input[1]]
+    expected = source["c1"].astype(np.float64) + source["b1"] @ source["W1"].astype(np.float64) + source["b1"]
+    np.testing.assert_allclose(moved, expected, rtol=1e-5, atol=1e-5)
+    assert "β migrated into" in result.affine_notes["n1"]
 
 
 def test_post_ln_with_centred_affine_folds_both():

@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+import normpass_models
 from normpass.passes import fold_onnx
 from normpass.verify import REL_TOLERANCE, verify
 
@@ -46,11 +47,11 @@ def test_conversion_is_fp16_with_fp32_norm_statistics(gpt2, gpt2_fp16):
 
 def test_fold_after_conversion(gpt2_fp16):
     result = fold_onnx(gpt2_fp16)  # verifies against the fp16 original, fp16 tolerance
-    assert result.folded == 5
+    assert result.folded == normpass_models.get("gpt2").expected_rewritten
     assert result.comparison.outputs[0].dtype == "float16"
     assert 0 < result.comparison.max_rel_error <= FP16_TOLERANCE
     rms = [n for n in result.model.graph.node if "Simplified" in n.op_type]
-    assert len(rms) == 5
+    assert len(rms) == result.folded
     assert all(t == 1 for t in _stash_types(result.model))
 
 

@@ -49,31 +49,43 @@ def test_fold_verifies(exported, rms_op):
     before = model.SerializeToString()
     result = fold_onnx(model, FoldOptions(rms_op=rms_op))
     assert model.SerializeToString() == before
-    assert result.folded == entry.expected_folded and result.plan.total == entry.expected_norms
+    assert result.folded == entry.expected_rewritten and result.plan.total == entry.expected_norms
+    assert sum(d.kept for d in result.plan.decisions) == entry.expected_kept
     assert result.comparison is not None and result.comparison.passed
     assert result.comparison.max_rel_error <= 1e-5, result.comparison
     folded = result.model
     counts = op_counts(folded)
     if rms_op == "simplified":
         check_structure(folded)
-        assert len(rms_nodes(folded)) == entry.expected_folded
+        assert len(rms_nodes(folded)) == entry.expected_rewritten
     else:
         check_plain(folded)
         assert not rms_nodes(folded)
         if rms_op == "onnx":
-            assert counts["RMSNormalization"] == entry.expected_folded
+            assert counts["RMSNormalization"] == entry.expected_rewritten
             assert {o.domain: o.version for o in folded.opset_import}.get("") == 23
             assert folded.ir_version <= 13
         else:
             assert counts["RMSNormalization"] == 0
     assert counts["LayerNormalization"] == op_counts(model)["LayerNormalization"] - (
-        entry.expected_folded if op_counts(model)["LayerNormalization"] else 0)
+        entry.expected_rewritten if op_counts(model)["LayerNormalization"] else 0)
     # rewritten constants are new initializers: whatever keeps an original name keeps its values
     original = initializers(model)
     for name, values in initializers(folded).items():
         if name in original:
             np.testing.assert_array_equal(values, original[name], err_msg=name)
     assert_equivalent(model, folded, seeds=(21,), rel_tol=1e-5)
+
+
+def test_fold_with_beta_add_rewrites_every_proven_norm(exported):
+    entry, model = exported
+    result = fold_onnx(model, FoldOptions(fold_with_beta_add=True))
+    assert result.folded == entry.expected_folded and not any(d.kept for d in result.plan.decisions)
+    assert result.comparison.passed and result.comparison.max_rel_error <= 1e-5
+    # each kept-by-default norm now costs an RMS op plus a separate β Add
+    kept_names = {d.name for d in fold_onnx(model, FoldOptions(verify=False)).plan.decisions if d.kept}
+    beta_adds = [n.name for n in result.model.graph.node if n.op_type == "Add" and n.name.removesuffix(".beta") in kept_names]
+    assert len(beta_adds) == entry.expected_kept, beta_adds
 
 
 def test_bert_refusals_are_blocked_by_layernorms(registry_export):

@@ -247,13 +247,13 @@ def test_folded_model_carries_its_story(registry, tmp_path):
     props = {p.key: p.value for p in folded.metadata_props}
     assert props["normpass.version"]
     assert props["normpass.folded"] == f"{result.folded} of {fold_plan.total} norms folded into RMSNorm"
-    assert props["normpass.folded_norms"].split(", ") == [d.name for d in fold_plan.folded]
+    assert props["normpass.folded_norms"].split(", ") == [d.name for d in result.plan.folded]
     docs = {node.name: node.doc_string for node in folded.graph.node if node.doc_string}
     assert all(doc.startswith("normpass: ") for doc in docs.values())
-    for centring in fold_plan.centrings:
+    for centring in result.plan.centrings:
         if centring.tensor is None:
             assert "weights centred for" in docs[centring.node], centring.node
-    for decision in fold_plan.folded:
+    for decision in result.plan.folded:
         assert any(f"LayerNorm {decision.name} folded into an RMSNorm" in doc for doc in docs.values()), decision.name
 
 

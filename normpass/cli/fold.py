@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import InputError
 from ..frontends.onnx_rewrite import RMS_OPS
 from ..io import check_output_path, save_onnx_atomic, write_text_atomic
-from ..passes import FoldOptions, fold_onnx
+from ..passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..verify import parse_input_shapes
 from .common import add_model_arguments, load_model
 
@@ -23,20 +23,28 @@ def add_parser(sub) -> None:
     add_model_arguments(parser)
     parser.add_argument("-o", "--output", required=True, help="where to write the folded model")
     parser.add_argument("--report", help="write a JSON report here")
-    parser.add_argument("--rms-op", choices=RMS_OPS, default="simplified",
-                        help="simplified: ORT SimplifiedLayerNormalization (default); onnx: opset-23 RMSNormalization; "
-                             "decomposed: standard ops for other runtimes")
-    parser.add_argument("--no-migrate-affine", action="store_true", help="keep γ/β in the norm instead of the next linear layers")
+    parser.add_argument("--target", choices=TARGETS, default="ort",
+                        help="ort: ONNX Runtime, contrib ops allowed (default); onnx: standard ops only, for other runtimes")
+    parser.add_argument("--provider", choices=PROVIDERS, default="cuda",
+                        help="with --target ort, the execution provider the model is for (default cuda); "
+                             "cpu: fp16 models keep residual Adds unfused (ORT's CPU fp16 Skip kernel is slower)")
+    parser.add_argument("--rms-op", choices=RMS_OPS,
+                        help="simplified: ORT SimplifiedLayerNormalization (default for --target ort); onnx: opset-23 "
+                             "RMSNormalization (default for --target onnx); decomposed: Mul/ReduceMean/Add/Sqrt/Div")
+    parser.add_argument("--no-migrate-affine", action="store_true",
+                        help="keep γ in the RMS op and β as an Add instead of moving them into the next linear layers")
+    parser.add_argument("--fold-with-beta-add", action="store_true",
+                        help="also fold norms whose β can move nowhere (an RMSNorm plus an Add costs more than a LayerNorm)")
     parser.add_argument("--no-fuse-skip", action="store_true",
-                        help="with --rms-op simplified, do not fuse residual Adds into SkipSimplifiedLayerNormalization")
+                        help="never fuse residual Adds into SkipSimplifiedLayerNormalization")
     parser.add_argument("--no-verify", action="store_true", help="skip the numerical check against the original")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS",
                         help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
     parser.add_argument("--torch", metavar="PACKAGE.MODULE:FACTORY",
                         help="fold a PyTorch model instead: FACTORY() returns (module, example_inputs); the folded "
-                             "module is exported to ONNX at -o (--rms-op, --no-fuse-skip, --input-shape and --seed "
-                             "do not apply: the exporter writes the RMS ops, verification uses the example inputs)")
+                             "module is exported to ONNX at -o (--target, --provider, --rms-op, --fold-with-beta-add, "
+                             "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, verification uses the example inputs)")
 
 
 def _check_outputs(args: argparse.Namespace) -> Path:
@@ -60,10 +68,13 @@ def run(args: argparse.Namespace) -> int:
         return _run_torch(args)
     out = _check_outputs(args)
     options = FoldOptions(
+        target=args.target,
+        provider=args.provider,
         rms_op=args.rms_op,
         insert_centering=not args.no_insert_centering,
         migrate_affine=not args.no_migrate_affine,
-        fuse_skip=not args.no_fuse_skip,
+        fold_with_beta_add=args.fold_with_beta_add,
+        fuse_skip=False if args.no_fuse_skip else None,
         verify=not args.no_verify,
         input_shapes=parse_input_shapes(args.input_shape),
         seed=args.seed,
@@ -72,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     result = fold_onnx(model, options, name=label)
     save_onnx_atomic(result.model, out)
     if args.report:
-        report = {"model": label, "output": str(out), "rms_op": args.rms_op, **result.report()}
+        report = {"model": label, "output": str(out), **result.report()}
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
     _print_summary(label, result.plan, result.comparison, out)
     return 0

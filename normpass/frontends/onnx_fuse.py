@@ -5,7 +5,9 @@ but not `Add + SimplifiedLayerNormalization`, so a folded model would lose that 
 s = a + b; y = RMSNorm(s)·γ becomes one `com.microsoft.SkipSimplifiedLayerNormalization(a, b, γ)`
 whose outputs are (y, -, -, s); s is kept only where the residual stream goes on. The fused node
 takes the Add's place in the node order, so everything that read s still comes after it.
-Only same-shape, run-time operands qualify (a bias add is left to the linear layer).
+Only same-shape, run-time operands qualify. When one of them is itself t + c, with c a constant
+1-D bias and t + c read by nothing else (a linear layer's bias `Add`), that Add goes into the
+op's bias input too: s = a + t + c = Skip(a, t, γ, c), as ORT's own BiasSkipLayerNorm fusion does.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def fuse_skip_rms(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> in
             consumers[name] = consumers.get(name, 0) + 1
     constants = {i.name for i in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
     outputs = {o.name for o in graph.output}
+    vectors = {i.name: tuple(i.dims) for i in graph.initializer if len(i.dims) == 1}
     fused: dict[int, onnx.NodeProto] = {}  # id(Add) → the fused node, which takes the Add's place
-    removed: set[int] = set()  # ids of the fused norms
+    removed: set[int] = set()  # ids of the fused norms and bias Adds
     for norm in graph.node:
         add = producers.get(norm.input[0]) if norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx") else None
         if add is None or add.op_type != "Add" or id(add) in fused or len(add.input) != 2:
@@ -40,15 +43,25 @@ def fuse_skip_rms(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> in
             continue
         total = add.output[0]
         keep_sum = consumers.get(total, 0) > 1 or total in outputs
+        inputs, note = [first, second, norm.input[1]], f"normpass: fused with residual Add {add.name}"
+        for index in (1, 0):
+            bias_add = producers.get(inputs[index])
+            split = None if bias_add is None or id(bias_add) in fused else _bias_split(bias_add, shape, vectors, shapes)
+            if split is not None and consumers.get(inputs[index]) == 1 and inputs[index] not in outputs:
+                inputs[index] = split[0]
+                inputs.append(split[1])
+                removed.add(id(bias_add))
+                note += f" and bias Add {bias_add.name}"
+                break
         skip = onnx.helper.make_node(
             "SkipSimplifiedLayerNormalization",
-            [first, second, norm.input[1]],
+            inputs,
             [norm.output[0], "", "", total] if keep_sum else [norm.output[0]],
             name=norm.name,
             domain=MS_DOMAIN,
             epsilon=next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5),
         )
-        skip.doc_string = (norm.doc_string + "\n" if norm.doc_string else "") + f"normpass: fused with residual Add {add.name}"
+        skip.doc_string = (norm.doc_string + "\n" if norm.doc_string else "") + note
         fused[id(add)] = skip
         removed.add(id(norm))
     if not fused:
@@ -59,3 +72,13 @@ def fuse_skip_rms(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> in
     if all(o.domain != MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     return len(fused)
+
+
+def _bias_split(node: onnx.NodeProto, shape: tuple, vectors: dict[str, tuple], shapes: dict) -> tuple[str, str] | None:
+    """(t, c) if `node` is t + c with c a 1-D constant over the last axis and t shaped like the sum."""
+    if node.op_type != "Add" or len(node.input) != 2:
+        return None
+    for t, c in (node.input, node.input[::-1]):
+        if c in vectors and vectors[c] == (shape[-1],) and t not in vectors and shapes.get(t) == shape:
+            return t, c
+    return None

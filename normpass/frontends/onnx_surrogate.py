@@ -39,11 +39,11 @@ import onnx_graphsurgeon as gs
 
 from ..algebra import centre
 from ..graph import NormInfo, NormType
-from ..surrogates import NormSpec, Surrogate, fold_into_linear
+from ..surrogates import NormSpec, Surrogate
 from .onnx import OnnxGraph
 from .onnx_export import export_model as write_model
 from .onnx_patterns import constant_values, match_decomposed, match_single_op, norm_info
-from .onnx_rewrite import Namer, migration_targets
+from .onnx_targets import Namer, affine_plan, is_feature_vector, is_private, move_affine, private_bias, producer
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 DOC_PREFIX = "normpass: "
@@ -148,38 +148,6 @@ def dtype_of(norm: NormInfo) -> np.dtype:
 # --- where constants can go --------------------------------------------------------------------
 
 
-def _producer(tensor: gs.Tensor) -> gs.Node | None:
-    return tensor.inputs[0] if len(tensor.inputs) == 1 else None
-
-
-def _feature_vector(values: np.ndarray | None, width: int) -> bool:
-    return values is not None and values.size == width and values.shape[-1:] == (width,)
-
-
-def _private(tensor: gs.Tensor, graph_outputs: set[str]) -> bool:
-    return len(tensor.outputs) == 1 and tensor.name not in graph_outputs
-
-
-def private_bias(tensor: gs.Tensor, width: int, graph_outputs: set[str]) -> tuple[gs.Node, int] | None:
-    """(Add node, input index) of a bias summed into `tensor` through private Adds, else None.
-
-    The bias broadcasts along the feature axis only, so adding a d-vector (or a scalar) to it adds
-    the same to `tensor` and to nothing else.
-    """
-    node = _producer(tensor)
-    if node is None or node.op != "Add" or len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
-        return None
-    for index, operand in enumerate(node.inputs):
-        if _feature_vector(constant_values(operand), width):
-            return node, index
-    for operand in node.inputs:
-        if constant_values(operand) is None and _private(operand, graph_outputs):
-            found = private_bias(operand, width, graph_outputs)
-            if found is not None:
-                return found
-    return None
-
-
 def _only_read_by(tensor: gs.Tensor, nodes: list[gs.Node], graph_outputs: set[str]) -> bool:
     members = {id(n) for n in nodes}
     return tensor.name not in graph_outputs and all(id(c) in members for c in tensor.outputs)
@@ -191,52 +159,6 @@ def shift_target(norm: NormInfo, width: int, graph_outputs: set[str]) -> tuple[g
     if not _only_read_by(match.x, match.nodes, graph_outputs):
         return None
     return private_bias(match.x, width, graph_outputs)
-
-
-@dataclass(frozen=True)
-class SumTarget:
-    """β moves from y into the bias of the other summand of a residual Add: (y − β) + (s + β)."""
-
-    add: gs.Node
-    holder: gs.Node
-    index: int
-
-
-def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
-    def claim(consumer: gs.Node, tensor: gs.Tensor, axis: int):
-        if consumer.op != "Add" or len(consumer.inputs) != 2 or consumer.inputs[0] is consumer.inputs[1]:
-            return None
-        if tensor not in consumer.inputs:
-            return None
-        in_shape, out_shape = ctx.shapes.get(tensor.name), ctx.shapes.get(consumer.outputs[0].name)
-        if not in_shape or not out_shape or in_shape[-1] != width or out_shape[-1] != width or axis != len(in_shape) - 1:
-            return None
-        other_index = 1 if consumer.inputs[0] is tensor else 0
-        other = consumer.inputs[other_index]
-        if _feature_vector(constant_values(other), width):
-            return SumTarget(consumer, consumer, other_index)
-        if constant_values(other) is None and _private(other, graph_outputs):
-            found = private_bias(other, width, graph_outputs)
-            if found is not None:
-                return SumTarget(consumer, found[0], found[1])
-        return None
-
-    return claim
-
-
-@dataclass
-class OutputPlan:
-    """Where a surrogate's γ and β go: into linear layers (both), β alone, or kept as ops."""
-
-    full: list | None  # linear targets taking γ and β
-    beta: list | None  # linear or SumTarget targets taking β alone
-
-
-def plan_output(ctx: OnnxGraph, norm: NormInfo, width: int, graph_outputs: set[str]) -> OutputPlan:
-    y = norm.ref.y
-    full = migration_targets(ctx, graph_outputs, y, needs_bias=True)
-    beta = None if full is not None else migration_targets(ctx, graph_outputs, y, True, _sum_claim(ctx, width, graph_outputs))
-    return OutputPlan(full, beta)
 
 
 # --- input centring -----------------------------------------------------------------------------
@@ -263,16 +185,16 @@ def centrable_leaves(ctx: OnnxGraph, norm: NormInfo, width: int, graph_outputs: 
         return shape[-1] if shape else None
 
     def walk(tensor: gs.Tensor) -> None:
-        node = _producer(tensor)
+        node = producer(tensor)
         if node is None:
             return
         if node.op == "Add" and len(node.inputs) == 2 and node.inputs[0] is not node.inputs[1]:
             for index, operand in enumerate(node.inputs):
                 values = constant_values(operand)
                 if values is not None:
-                    if _feature_vector(values, width):
+                    if is_feature_vector(values, width):
                         leaves.append(Leaf(node, index, None))
-                elif _private(operand, graph_outputs) and last_dim(operand) == width:
+                elif is_private(operand, graph_outputs) and last_dim(operand) == width:
                     walk(operand)
         elif node.op == "MatMul" and len(node.inputs) == 2:
             weight = constant_values(node.inputs[1])
@@ -284,7 +206,7 @@ def centrable_leaves(ctx: OnnxGraph, norm: NormInfo, width: int, graph_outputs: 
             if weight is not None and weight.ndim == 2 and weight.shape[out_axis] == width:
                 if len(node.inputs) > 2 and node.inputs[2].name:
                     bias = constant_values(node.inputs[2])
-                    if bias is None or not (_feature_vector(bias, width) or bias.size == 1):
+                    if bias is None or not (is_feature_vector(bias, width) or bias.size == 1):
                         return
                     leaves.append(Leaf(node, 2, None))
                 leaves.append(Leaf(node, 1, out_axis))
@@ -326,9 +248,9 @@ class Emitter:
         self.unique = Namer(self.graph)
         self.docs: dict[str, str] = {}
 
-    def note(self, node: gs.Node, text: str) -> None:
-        previous = self.docs.get(node.name)
-        self.docs[node.name] = (previous + "; " if previous else DOC_PREFIX) + text
+    def note(self, name: str, text: str) -> None:
+        previous = self.docs.get(name)
+        self.docs[name] = (previous + "; " if previous else DOC_PREFIX) + text
 
     def _set_constant(self, node: gs.Node, index: int, values: np.ndarray, tag: str) -> None:
         """Point input `index` of `node` at a new constant (whatever else read the old one still does)."""
@@ -350,7 +272,7 @@ class Emitter:
             values = constant_values(leaf.node.inputs[leaf.index])
             axis = values.ndim - 1 if leaf.axis is None else leaf.axis
             self._set_constant(leaf.node, leaf.index, centre(values, axis), "centred")
-            self.note(leaf.node, f"centred along the features for {norm.name} (exact: the LayerNorm removes the shift)")
+            self.note(leaf.node.name, f"centred along the features for {norm.name} (exact: the LayerNorm removes the shift)")
             done.append(leaf.node.name)
         return done
 
@@ -365,7 +287,7 @@ class Emitter:
         x, y = match.x, match.y
         # decide on the original wiring, before the norm's nodes go
         target = shift_target(norm, width, self.graph_outputs) if surrogate.has_shift else None
-        output = plan_output(self.ctx, norm, width, self.graph_outputs)
+        output = affine_plan(self.ctx, self.graph_outputs, y, width, needs_bias=True)
         for node in match.nodes:
             node.inputs.clear()
             node.outputs.clear()
@@ -385,7 +307,7 @@ class Emitter:
                 holder, index = target
                 bias = constant_values(holder.inputs[index])
                 self._set_constant(holder, index, (bias.astype(np.float64) - shift).reshape(bias.shape).astype(bias.dtype), "shifted")
-                self.note(holder, f"absorbed the calibrated shift of {norm.name}")
+                self.note(holder.name, f"absorbed the calibrated shift of {norm.name}")
                 emission.shift = f"migrated into {holder.name}"
                 emission.changed.append(holder.name)
             else:
@@ -408,17 +330,21 @@ class Emitter:
         if keep_beta:
             current = add("Add", [current, self._const(f"{norm.name}.beta", beta.astype(dtype))], label="beta")
 
+        moved_to = []
         if output.full is not None:
-            self._migrate_linear(norm, output.full, gamma, beta)
-            emission.gamma = emission.beta = "migrated into " + ", ".join(t[0].name for t in output.full)
-            emission.changed += [t[0].name for t in output.full]
+            moved_to = move_affine(output.full, None if np.all(gamma == 1) else gamma, beta if np.any(beta != 0) else None, self.unique)
+            emission.gamma = emission.beta = "migrated into " + ", ".join(moved_to)
+            emission.changed += moved_to
         else:
             emission.gamma = ("in the RMS op's scale" if surrogate.kind == "rms" else "Mul") if not np.all(gamma == 1) else "none"
             if output.beta is not None and np.any(beta != 0):
-                emission.beta = "migrated into " + self._migrate_beta(norm, output.beta, beta)
-                emission.changed += emission.beta[len("migrated into "):].split(", ")
+                moved_to = move_affine(output.beta, None, beta, self.unique)
+                emission.beta = "migrated into " + ", ".join(moved_to)
+                emission.changed += moved_to
             else:
                 emission.beta = "Add" if keep_beta else "none"
+        for name in moved_to:
+            self.note(name, f"absorbed {'γ/β' if output.full is not None else 'β'} of the {norm.name} surrogate")
 
         # the last emitted op writes y; with nothing emitted, y's readers read x (or the Sub) instead
         if not nodes and y.name in self.graph_outputs:
@@ -429,7 +355,7 @@ class Emitter:
             for consumer in list(y.outputs):
                 _rewire(consumer, y, current)
         for node in nodes:
-            self.note(node, doc)
+            self.note(node.name, doc)
         self.graph.nodes.extend(nodes)
         return emission
 
@@ -450,39 +376,6 @@ class Emitter:
         if np.all(scale == 1):
             return normed
         return add("Mul", [normed, self._const(f"{norm.name}.rms_scale", scale)], label="scale")
-
-    def _migrate_linear(self, norm: NormInfo, targets, gamma: np.ndarray, beta: np.ndarray) -> None:
-        for linear, in_axis, bias_node, bias_index in targets:
-            weight = constant_values(linear.inputs[1])
-            bias = None
-            if bias_node is not None and bias_index < len(bias_node.inputs) and bias_node.inputs[bias_index].name:
-                bias = constant_values(bias_node.inputs[bias_index])
-            # Gemm: y = α·A·B + β_g·C, so β·W enters C scaled by α/β_g
-            shift_scale = linear.attrs.get("alpha", 1.0) / linear.attrs.get("beta", 1.0) if linear.op == "Gemm" else 1.0
-            new_weight, new_bias = fold_into_linear(weight, bias, None if np.all(gamma == 1) else gamma,
-                                                    beta if np.any(beta != 0) else None, in_axis, shift_scale)
-            if not np.all(gamma == 1):
-                self._set_constant(linear, 1, new_weight, "surrogate")
-            if new_bias is not None and bias_node is not None:
-                if bias_index < len(bias_node.inputs):
-                    self._set_constant(bias_node, bias_index, new_bias, "surrogate")
-                else:
-                    bias_node.inputs.append(self._const(f"{linear.name}.bias_surrogate", new_bias))
-            self.note(linear, f"absorbed γ/β of the {norm.name} surrogate")
-
-    def _migrate_beta(self, norm: NormInfo, targets, beta: np.ndarray) -> str:
-        names = []
-        for target in targets:
-            if isinstance(target, SumTarget):
-                bias = constant_values(target.holder.inputs[target.index])
-                new = (bias.astype(np.float64) + beta.reshape(-1)).reshape(bias.shape).astype(bias.dtype)
-                self._set_constant(target.holder, target.index, new, "beta")
-                self.note(target.holder, f"absorbed β of the {norm.name} surrogate (moved across {target.add.name})")
-                names.append(target.holder.name)
-            else:
-                self._migrate_linear(norm, [target], np.ones_like(beta), beta)
-                names.append(target[0].name)
-        return ", ".join(names)
 
 
 # --- models -------------------------------------------------------------------------------------

@@ -1,0 +1,236 @@
+"""Where a norm's per-feature affine can go in an ONNX graph, and moving it there.
+
+A norm's output is y = u⊙γ + β, per feature (the last axis). Both rewrites (the exact fold and
+the surrogates) remove the affine where that is exact:
+
+* **γ and β into linear layers.** When every path from y reaches, through reshapes that keep the
+  feature axis, a linear layer that contracts over the features (MatMul with a constant weight,
+  Gemm), then (u⊙γ + β)·W + b = u·W' + b' with W' = diag(γ)·W and b' = b + β·W
+  (`algebra.migrate_affine`; a Gemm's β·W is scaled by α/β_g).
+* **β alone across a residual Add.** When each consumer is such a layer or an `Add(y, s)` whose
+  other summand s carries a bias c through Adds nothing else reads, then
+  Add(y, s) = Add(y − β, s + β): c' = c + β, and the other readers take β·W as above. γ stays
+  in the norm (the residual stream needs u⊙γ).
+
+Every rewritten constant is a new initializer read only by the rewritten node (copy-on-write):
+whatever else read the old one (a tied LM head, a deduplicated bias) keeps reading it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..algebra import migrate_affine
+from ..analysis import regroup_axis
+from .onnx import OnnxGraph
+from .onnx_patterns import constant_values, is_constant
+
+REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def producer(tensor: gs.Tensor) -> gs.Node | None:
+    return tensor.inputs[0] if len(tensor.inputs) == 1 else None
+
+
+def is_feature_vector(values: np.ndarray | None, width: int) -> bool:
+    return values is not None and values.size == width and values.shape[-1:] == (width,)
+
+
+def is_private(tensor: gs.Tensor, graph_outputs: set[str]) -> bool:
+    return len(tensor.outputs) == 1 and tensor.name not in graph_outputs
+
+
+def private_bias(tensor: gs.Tensor, width: int, graph_outputs: set[str]) -> tuple[gs.Node, int] | None:
+    """(Add node, input index) of a bias summed into `tensor` through private Adds, else None.
+
+    The bias broadcasts along the feature axis only, so adding a d-vector (or a scalar) to it adds
+    the same to `tensor` and to nothing else.
+    """
+    node = producer(tensor)
+    if node is None or node.op != "Add" or len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
+        return None
+    for index, operand in enumerate(node.inputs):
+        if is_feature_vector(constant_values(operand), width):
+            return node, index
+    for operand in node.inputs:
+        if constant_values(operand) is None and is_private(operand, graph_outputs):
+            found = private_bias(operand, width, graph_outputs)
+            if found is not None:
+                return found
+    return None
+
+
+@dataclass(frozen=True)
+class LinearTarget:
+    """A linear layer contracting over the features: its weight's input axis and where its bias is."""
+
+    node: gs.Node
+    in_axis: int
+    bias_node: gs.Node | None  # the node whose input `bias_index` is (or would be) the bias
+    bias_index: int | None
+
+
+@dataclass(frozen=True)
+class SumTarget:
+    """β moves from y into the bias of the other summand of a residual Add: (y − β) + (s + β)."""
+
+    add: gs.Node
+    holder: gs.Node
+    index: int
+
+
+@dataclass
+class AffinePlan:
+    """Where a norm's γ and β can go: into linear layers (both), β alone, or nowhere."""
+
+    full: list[LinearTarget] | None  # targets taking γ and β
+    beta: list[LinearTarget | SumTarget] | None  # targets taking β alone (γ stays in the norm)
+
+
+def affine_plan(ctx: OnnxGraph, graph_outputs: set[str], y: gs.Tensor, width: int | None, needs_bias: bool) -> AffinePlan:
+    """Where the affine of a norm writing `y` (`width` features) can go; β-only only if `needs_bias`."""
+    full = migration_targets(ctx, graph_outputs, y, needs_bias)
+    if full is not None or not needs_bias or width is None:
+        return AffinePlan(full, None)
+    return AffinePlan(None, migration_targets(ctx, graph_outputs, y, True, _sum_claim(ctx, width, graph_outputs)))
+
+
+def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: gs.Tensor, needs_bias: bool, other=None) -> list | None:
+    """Where a per-feature affine on `tensor` (its last axis) can go, or None.
+
+    Every path from `tensor` must reach, through reshapes that keep the feature axis, the input of
+    a linear layer that contracts over it (and can take a bias when `needs_bias`). `other(consumer,
+    tensor, axis)` may claim a consumer that is not such a layer by returning a target of its own
+    (anything not None); by default nothing else is accepted.
+    """
+    targets = []
+    shape = ctx.shapes.get(tensor.name)
+    frontier = [(tensor, shape and len(shape) - 1)]
+    while frontier:
+        current, axis = frontier.pop()
+        if current.name in graph_outputs or not current.outputs or axis is None:
+            return None
+        for consumer in current.outputs:
+            if other is not None and (claimed := other(consumer, current, axis)) is not None:
+                targets.append(claimed)
+                continue
+            if consumer.inputs[0] is not current or current in consumer.inputs[1:]:
+                return None
+            if consumer.op in REGROUP_OPS:
+                out = consumer.outputs[0]
+                frontier.append((out, regroup_axis(ctx.shapes.get(current.name), ctx.shapes.get(out.name), axis)))
+                continue
+            target = linear_target(ctx, graph_outputs, consumer, axis, needs_bias)
+            if target is None:
+                return None
+            targets.append(target)
+    return targets
+
+
+def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, axis: int, needs_bias: bool) -> LinearTarget | None:
+    """The target if `consumer` is a linear layer contracting over `axis` (and can take a bias if needed)."""
+    rank = len(ctx.shapes.get(consumer.inputs[0].name) or ())
+    weight = consumer.inputs[1] if len(consumer.inputs) > 1 else None
+    weight_shape = None if weight is None else ctx.shapes.get(weight.name)
+    if weight is None or not is_constant(weight) or weight_shape is None or len(weight_shape) != 2 or axis != rank - 1:
+        return None
+    if consumer.op == "Gemm" and not consumer.attrs.get("transA", 0):
+        if len(consumer.inputs) > 2 and not is_constant(consumer.inputs[2]) or needs_bias and consumer.attrs.get("beta", 1.0) == 0:
+            return None
+        return LinearTarget(consumer, consumer.attrs.get("transB", 0), consumer, 2)
+    if consumer.op != "MatMul":
+        return None
+    product = consumer.outputs[0]
+    add = product.outputs[0] if len(product.outputs) == 1 and product.name not in graph_outputs else None
+    if add is not None and add.op == "Add":
+        other = 1 if add.inputs[0] is product else 0
+        bias = constant_values(add.inputs[other])
+        if bias is not None and bias.shape[-1:] == (weight_shape[1],) and bias.size == weight_shape[1]:
+            return LinearTarget(consumer, 0, add, other)
+    return None if needs_bias else LinearTarget(consumer, 0, None, None)
+
+
+def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
+    """Claims a residual `Add(tensor, s)` whose other summand s carries a private bias."""
+
+    def claim(consumer: gs.Node, tensor: gs.Tensor, axis: int) -> SumTarget | None:
+        if consumer.op != "Add" or len(consumer.inputs) != 2 or consumer.inputs[0] is consumer.inputs[1]:
+            return None
+        if tensor not in consumer.inputs:
+            return None
+        in_shape, out_shape = ctx.shapes.get(tensor.name), ctx.shapes.get(consumer.outputs[0].name)
+        if not in_shape or not out_shape or in_shape[-1] != width or out_shape[-1] != width or axis != len(in_shape) - 1:
+            return None
+        other_index = 1 if consumer.inputs[0] is tensor else 0
+        other = consumer.inputs[other_index]
+        values = constant_values(other)
+        if is_feature_vector(values, width):
+            return SumTarget(consumer, consumer, other_index)
+        if values is None and is_private(other, graph_outputs):
+            found = private_bias(other, width, graph_outputs)
+            if found is not None:
+                return SumTarget(consumer, found[0], found[1])
+        return None
+
+    return claim
+
+
+class Namer:
+    """Unique node and tensor names within one graph."""
+
+    def __init__(self, graph: gs.Graph):
+        self.names = set(graph.tensors()) | {node.name for node in graph.nodes}
+
+    def __call__(self, base: str) -> str:
+        name, index = base, 1
+        while name in self.names:
+            index += 1
+            name = f"{base}_{index}"
+        self.names.add(name)
+        return name
+
+
+def set_constant(node: gs.Node, index: int, values: np.ndarray, name: str) -> None:
+    """Point input `index` of `node` at a new constant (appended when `index` is one past the end)."""
+    constant = gs.Constant(name, np.ascontiguousarray(values))
+    if index < len(node.inputs):
+        node.inputs[index] = constant
+    else:
+        node.inputs.append(constant)
+
+
+def move_affine(targets: list, gamma: np.ndarray | None, beta: np.ndarray | None, unique: Namer) -> list[str]:
+    """Move γ/β into linear targets and β into sum targets; returns the names of the nodes changed.
+
+    Pass None for a γ of ones or a β of zeros: nothing is computed for it.
+    """
+
+    def renew(node: gs.Node, index: int, values: np.ndarray, tag: str) -> None:
+        old = node.inputs[index].name if index < len(node.inputs) and node.inputs[index].name else f"{node.name}.bias"
+        set_constant(node, index, values, unique(f"{old}.{tag}"))
+
+    changed = []
+    for target in targets:
+        if isinstance(target, SumTarget):
+            bias = constant_values(target.holder.inputs[target.index])
+            moved = (bias.astype(np.float64) + np.asarray(beta, dtype=np.float64).reshape(-1)).reshape(bias.shape)
+            renew(target.holder, target.index, moved.astype(bias.dtype), "beta")
+            changed.append(target.holder.name)
+            continue
+        linear = target.node
+        bias = None
+        if target.bias_node is not None and target.bias_index < len(target.bias_node.inputs) and target.bias_node.inputs[target.bias_index].name:
+            bias = constant_values(target.bias_node.inputs[target.bias_index])
+        # Gemm: y = α·A·B + β_g·C, so β·W enters C scaled by α/β_g.
+        shift_scale = linear.attrs.get("alpha", 1.0) / linear.attrs.get("beta", 1.0) if linear.op == "Gemm" else 1.0
+        weight = constant_values(linear.inputs[1])
+        new_weight, new_bias = migrate_affine(weight, bias, gamma, beta, target.in_axis, shift_scale)
+        if gamma is not None:
+            renew(linear, 1, new_weight, "affine")
+        if new_bias is not None and target.bias_node is not None:
+            renew(target.bias_node, target.bias_index, new_bias, "affine")
+        changed.append(linear.name)
+    return changed
