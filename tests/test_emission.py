@@ -151,3 +151,24 @@ def test_skip_fusion_per_provider_and_dtype(dtype, provider, fused):
     assert counts["SkipSimplifiedLayerNormalization"] == fused == result.emitted["skip_fused"]
     assert counts["SimplifiedLayerNormalization"] == 2 - fused
     check_structure(result.model)
+
+
+def test_on_cpu_a_norm_that_ort_would_skip_fuse_is_folded_with_its_beta_add():
+    """ORT's CPU SkipLayerNormalization is slower than RMS op + Add: the last norm of a residual stack folds."""
+    gen = rng(7)
+    model = build(f"""{HEADER}
+agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
+  h = MatMul(x, W0)
+  n1 = LayerNormalization<axis=-1>(h, g1, b1)
+  m1 = MatMul(n1, W1)
+  a1 = Add(m1, c1)
+  r = Add(h, a1)
+  y = LayerNormalization<axis=-1>(r, g2, b2)
+}}""", W0=randn(gen, 6, D), g1=1 + randn(gen, D, scale=0.3), b1=randn(gen, D, scale=0.3), W1=randn(gen, D, D),
+        c1=randn(gen, D), g2=1 + randn(gen, D, scale=0.3), b2=randn(gen, D, scale=0.3))
+    cuda = fold_onnx(model)
+    assert [d.name for d in cuda.plan.decisions if d.kept] == ["y"] and cuda.folded == 1
+    cpu = fold_onnx(model, FoldOptions(provider="cpu"))
+    assert cpu.folded == 2 and not any(d.kept for d in cpu.plan.decisions)
+    assert "β kept as an Add" in cpu.affine_notes["y"] and op_counts(cpu.model)["SkipSimplifiedLayerNormalization"] == 1
+    assert cpu.comparison.passed

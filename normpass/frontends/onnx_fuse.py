@@ -13,8 +13,24 @@ op's bias input too: s = a + t + c = Skip(a, t, γ, c), as ORT's own BiasSkipLay
 from __future__ import annotations
 
 import onnx
+import onnx_graphsurgeon as gs
 
 MS_DOMAIN = "com.microsoft"
+
+
+def ort_fuses_into_skip_layer_norm(x: gs.Tensor, shapes: dict[str, tuple | None], graph_outputs: set[str]) -> bool:
+    """Whether ORT's session optimizer will fuse the `Add` writing a LayerNorm's input `x` with it.
+
+    Its SkipLayerNormFusion takes `Add(a, b) → LayerNormalization` when a and b are same-shape
+    run-time tensors and nothing else reads the sum (as at the last norm of a pre-LN stack).
+    """
+    add = x.inputs[0] if len(x.inputs) == 1 else None
+    if add is None or add.op != "Add" or len(add.inputs) != 2 or len(x.outputs) != 1 or x.name in graph_outputs:
+        return False
+    first, second = add.inputs
+    shape = shapes.get(first.name)
+    return (not isinstance(first, gs.Constant) and not isinstance(second, gs.Constant) and shape is not None
+            and shapes.get(second.name) == shape and len(shape) in (2, 3))
 
 
 def fuse_skip_rms(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> int:

@@ -108,22 +108,25 @@ class Rewriter:
 
     # --- norms ----------------------------------------------------------------------------------
 
+    def _beta(self, norm: NormInfo) -> np.ndarray | None:
+        """The norm's β, or None when it has none or it is all zeros."""
+        beta = None if norm.ref.beta is None else self._values(norm.ref.beta)
+        return beta if beta is not None and np.any(beta != 0) else None
+
     def affine_plan(self, norm: NormInfo) -> AffinePlan:
         """Where the folded norm's γ/β can go (decided on the graph before any rewrite)."""
         match = norm.ref
-        beta = None if match.beta is None else self._values(match.beta)
         width = None if match.gamma is None else self._values(match.gamma).shape[-1]
         width = width or (self.ctx.shapes.get(match.x.name) or (None,))[-1]
-        return affine_plan(self.ctx, self.zmg.graph_outputs, match.y, width, beta is not None and bool(np.any(beta != 0)))
+        return affine_plan(self.ctx, self.zmg.graph_outputs, match.y, width, self._beta(norm) is not None)
 
     def stranded_beta(self, plan: FoldPlan) -> dict[str, str]:
         """Folded norms whose non-zero β could go nowhere and would stay a separate Add, with why."""
         stranded = {}
         for decision in plan.folded:
             norm = self.zmg.norm_by_name(decision.name)
-            beta = None if norm.ref.beta is None else self._values(norm.ref.beta)
             affine = self.affine_plan(norm)
-            if beta is not None and np.any(beta != 0) and affine.full is None and affine.beta is None:
+            if self._beta(norm) is not None and affine.full is None and affine.beta is None:
                 stranded[decision.name] = (
                     "proven foldable, kept as a LayerNorm: its β has no linear layer or residual bias to move into, "
                     "and RMSNorm plus a separate β Add costs more than the LayerNorm (--fold-with-beta-add folds it anyway)")
@@ -137,9 +140,7 @@ class Rewriter:
             node.inputs.clear()
             node.outputs.clear()
         gamma = None if match.gamma is None else self._values(match.gamma)
-        beta = None if match.beta is None else self._values(match.beta)
-        if beta is not None and not np.any(beta != 0):
-            beta = None
+        beta = self._beta(norm)
         moved_to, moved = [], ""
         if affine is not None and affine.full is not None:
             moved_to, moved = move_affine(affine.full, gamma, beta, self._unique), "γ/β"
