@@ -14,6 +14,10 @@ Each variant is a tiny ONNX model over x (and, for the skip variants, a residual
   SkipLayerNormalization only when the sum has no other consumer;
 * Add + SimplifiedLayerNorm → (y, sum): the residual Add left unfused, as ORT's optimizer
   leaves it (what normpass's SkipSimplifiedLayerNormalization emission avoids);
+* Add(bias) + SkipSimplifiedLayerNorm and SkipSimplifiedLayerNorm(bias): a linear layer's bias
+  Add before the skip op, separate or in the op's bias input (what `fold` emits);
+* SkipSimplifiedLayerNorm + Add(β): a folded last norm of a residual stack whose β could not
+  migrate, against the SkipLayerNorm ORT runs when that norm is kept;
 * affine (Mul+Add): `x·γ + β`, the cost of a calibrated affine surrogate that did not fold away;
 * Identity: a copy of x, the floor for any op that reads and writes [tokens, d].
 
@@ -73,8 +77,20 @@ VARIANTS = {
         helper.make_node("Add", ["x", "skip"], ["sum"]),
         helper.make_node("SimplifiedLayerNormalization", ["sum", "gamma"], ["y"], axis=-1, epsilon=EPS, stash_type=1)],
         ["x", "skip"], ["y", "sum"], 17),
+    "Add(bias) + SkipSimplifiedLayerNorm": (lambda: [
+        helper.make_node("Add", ["x", "beta"], ["xb"]),
+        helper.make_node("SkipSimplifiedLayerNormalization", ["xb", "skip", "gamma"], ["y", "", "", "sum"], domain=MS,
+                         epsilon=EPS)], ["x", "skip"], ["y", "sum"], 17),
+    "SkipSimplifiedLayerNorm(bias)": (lambda: [
+        helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma", "beta"], ["y", "", "", "sum"],
+                         domain=MS, epsilon=EPS)], ["x", "skip"], ["y", "sum"], 17),
+    "SkipSimplifiedLayerNorm + Add(β)": (lambda: [
+        helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["r", "", "", "sum"], domain=MS,
+                         epsilon=EPS),
+        helper.make_node("Add", ["r", "beta"], ["y"])], ["x", "skip"], ["y", "sum"], 17),
 }
-SKIP_GROUP = ("SkipLayerNorm", "SkipSimplifiedLayerNorm", "Add + LayerNorm", "Add + SimplifiedLayerNorm")
+SKIP_GROUP = ("SkipLayerNorm", "SkipSimplifiedLayerNorm", "Add + LayerNorm", "Add + SimplifiedLayerNorm",
+              "Add(bias) + SkipSimplifiedLayerNorm", "SkipSimplifiedLayerNorm(bias)", "SkipSimplifiedLayerNorm + Add(β)")
 
 
 def build(label: str, dtype: str, tokens: int, width: int, rng: np.random.Generator) -> onnx.ModelProto:
@@ -106,16 +122,17 @@ def measure(dtype: str, tokens: int, width: int, args, bar) -> dict:
     np_type = DTYPES[dtype][0]
     feeds = {name: rng.standard_normal((tokens, width)).astype(np_type) for name in ("x", "skip")}
     runners, ops = {}, {}
-    for label in VARIANTS:
+    for label in args.variants:
         model = build(label, dtype, tokens, width, rng)
         ops[label] = ran_ops(model, args.threads)
         session = bench.open_session(model.SerializeToString(), "cpu", args.threads)
         wanted = {i.name for i in session.get_inputs()}
         runners[label] = bench.Runner(session, {k: v for k, v in feeds.items() if k in wanted}, "cpu")
     times = bench.interleave(runners, args.repeats, args.warmup, bar)
-    results = bench.summarize(times, "LayerNorm")
-    skip_ratios = bench.summarize({k: times[k] for k in SKIP_GROUP}, "SkipLayerNorm")
-    for label in SKIP_GROUP:
+    results = bench.summarize(times, "LayerNorm") if "LayerNorm" in times else bench.summarize(times, next(iter(times)))
+    skips = [k for k in SKIP_GROUP if k in times]
+    skip_ratios = bench.summarize({k: times[k] for k in skips}, "SkipLayerNorm") if "SkipLayerNorm" in skips else {}
+    for label in skip_ratios:
         results[label] |= {key: skip_ratios[label].get(key) for key in ("ratio", "ratio_p25", "ratio_p75")}
     return {"dtype": dtype, "d": width, "tokens": tokens, "ran_ops": ops, "results": results}
 
@@ -129,7 +146,7 @@ def markdown(points: list[dict]) -> str:
                    "variants; quartiles of the per-round ratio)\n"),
                   "| variant | ORT ran | " + " | ".join(f"d={w}" for w in widths) + " |",
                   "|---|---|" + "---:|" * len(widths)]
-        for label in VARIANTS:
+        for label in by_width[widths[0]]["results"]:
             cells = []
             for width in widths:
                 r = by_width[width]["results"][label]
@@ -149,10 +166,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads (0: ORT's default)")
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="only these (default: all)")
     parser.add_argument("--json", help="write every run time here")
     args = parser.parse_args()
+    args.variants = args.variants or list(VARIANTS)
     start, load = time.time(), os.getloadavg()
-    total = len(args.dtypes) * len(args.tokens) * len(args.widths) * len(VARIANTS) * (args.repeats + args.warmup)
+    total = len(args.dtypes) * len(args.tokens) * len(args.widths) * len(args.variants) * (args.repeats + args.warmup)
     bar = bench.progress_bar(total, True)
     points = [measure(dtype, tokens, width, args, bar)
               for dtype in args.dtypes for tokens in args.tokens for width in args.widths]

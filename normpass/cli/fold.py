@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
                         help="ort: ONNX Runtime, contrib ops allowed (default); onnx: standard ops only, for other runtimes")
     parser.add_argument("--provider", choices=PROVIDERS, default="cuda",
                         help="with --target ort, the execution provider the model is for (default cuda); "
-                             "cpu: fp16 models keep residual Adds unfused (ORT's CPU fp16 Skip kernel is slower)")
+                             "cpu: fp16 models keep residual Adds unfused (ORT's CPU fp16 Skip kernel is slower), and a "
+                             "norm ORT would fuse into its slow CPU SkipLayerNormalization folds even with a β Add")
     parser.add_argument("--rms-op", choices=RMS_OPS,
                         help="simplified: ORT SimplifiedLayerNormalization (default for --target ort); onnx: opset-23 "
                              "RMSNormalization (default for --target onnx); decomposed: Mul/ReduceMean/Add/Sqrt/Div")
