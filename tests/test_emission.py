@@ -150,6 +150,11 @@ def test_skip_fusion_per_provider_and_dtype(dtype, provider, fused):
     counts = op_counts(result.model)
     assert counts["SkipSimplifiedLayerNormalization"] == fused == result.emitted["skip_fused"]
     assert counts["SimplifiedLayerNormalization"] == 2 - fused
+    # fused: the bias Add a1 = m1 + c1 went into the op's bias input as well
+    assert counts["Add"] == (1 if fused else 3)  # the head's bias Add stays (its input is not a residual sum)
+    if fused:
+        [skip] = [n for n in result.model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+        assert list(skip.input[:2]) == ["h", "m1"] and skip.input[3].startswith("c1")
     check_structure(result.model)
 
 
