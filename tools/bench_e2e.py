@@ -28,6 +28,10 @@ load on the machine than wall time.
 
     python tools/bench_e2e.py --models gpt2-small-shape --dtypes fp32 fp16 --repeats 5 --budget 20 \\
         --cache /tmp/normpass-bench --out /tmp/normpass-e2e
+
+On a GPU (onnxruntime-gpu with CUDAExecutionProvider), `--provider cuda` folds for CUDA, times
+with inputs and outputs bound in GPU memory and profiles CUDA kernels; the cache then holds
+separate `.cuda` variants. It has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def without_norms(model: onnx.ModelProto) -> onnx.ModelProto:
     return bound
 
 
-def prepare(name: str, cache: pathlib.Path, dtype: str) -> dict[str, pathlib.Path]:
+def prepare(name: str, cache: pathlib.Path, dtype: str, provider: str) -> dict[str, pathlib.Path]:
     """Paths of the variants of `name` in `dtype` (see the module docstring), built if not cached."""
     root = cache / name
     root.mkdir(parents=True, exist_ok=True)
@@ -93,15 +97,17 @@ def prepare(name: str, cache: pathlib.Path, dtype: str) -> dict[str, pathlib.Pat
     if not original.exists():
         print(f"{name}: exporting", flush=True)
         MODELS[name][0]().export_onnx(original)
-    suffix = "" if dtype == "fp32" else f".{dtype}"
-    variants = {"folded": FoldOptions(provider="cpu")}
+    dtype_suffix = "" if dtype == "fp32" else f".{dtype}"
+    fold_suffix = dtype_suffix + ("" if provider == "cpu" else f".{provider}")
+    other = "cuda" if provider == "cpu" else "cpu"
+    variants = {"folded": FoldOptions(provider=provider)}
     if dtype == "fp32":
-        variants["folded-nofuse"] = FoldOptions(provider="cpu", fuse_skip=False)
+        variants["folded-nofuse"] = FoldOptions(provider=provider, fuse_skip=False)
     else:
-        variants["folded-cuda"] = FoldOptions(provider="cuda")
-    paths = {label: root / f"{label}{suffix}.onnx" for label in ("original", *variants, "identity")}
-    if dtype == "fp32":
-        paths["original"] = original
+        variants[f"folded-{other}"] = FoldOptions(provider=other)
+    paths = {"original": original if dtype == "fp32" else root / f"original{dtype_suffix}.onnx"}
+    paths |= {label: root / f"{label}{fold_suffix}.onnx" for label in variants}
+    paths["identity"] = root / f"identity{dtype_suffix}.onnx"
     if all(p.exists() for p in paths.values()):
         return paths
     fp32 = onnx.load(str(original))
@@ -123,18 +129,18 @@ def prepare(name: str, cache: pathlib.Path, dtype: str) -> dict[str, pathlib.Pat
     return paths
 
 
-def ran_ops(path: pathlib.Path, threads: int) -> dict[str, int]:
+def ran_ops(path: pathlib.Path, provider: str, threads: int) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         dump = os.path.join(tmp, "optimized.onnx")
-        bench.open_session(str(path), "cpu", threads, optimized_model_path=dump)
+        bench.open_session(str(path), provider, threads, optimized_model_path=dump)
         counts = collections.Counter(node.op_type for node in onnx.load(dump, load_external_data=False).graph.node)
     return {op: counts[op] for op in COUNTED_OPS}
 
 
-def profile(paths: dict[str, pathlib.Path], point: tuple[int, int], threads: int, runs: int) -> dict:
+def profile(paths: dict[str, pathlib.Path], point: tuple[int, int], provider: str, threads: int, runs: int) -> dict:
     """Kernel ms per run (ORT profiler) at `point`: in all, in norm ops, in Adds and in Casts."""
     feeds = bench.make_feeds(onnx.load(str(paths["original"]), load_external_data=False), *point)
-    per_op = bench.profile_ops({k: str(v) for k, v in paths.items()}, feeds, "cpu", threads, runs)
+    per_op = bench.profile_ops({k: str(v) for k, v in paths.items()}, feeds, provider, threads, runs)
     return {label: {"total": sum(ops.values()), "norms": sum(ops.get(op, 0.0) for op in NORM_OPS),
                     "Add": ops.get("Add", 0.0), "Cast": ops.get("Cast", 0.0), "by_op": ops}
             for label, ops in per_op.items()}
@@ -179,6 +185,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--budget", type=float, default=20.0, help="seconds per point: more repeats for short points")
+    parser.add_argument("--provider", choices=tuple(bench.PROVIDERS), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads (0: ORT's default)")
     parser.add_argument("--profile-runs", type=int, default=3, help="profiled runs at the middle point (0: none)")
     parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path("/tmp/normpass-bench"))
@@ -191,20 +198,21 @@ def main() -> None:
         points = args.points or points
         for dtype in args.dtypes:
             start = time.time()
-            paths = prepare(name, args.cache, dtype)
+            paths = prepare(name, args.cache, dtype, args.provider)
             candidates = [bench.Candidate(label, str(path), check=label != "identity") for label, path in paths.items()]
             batch_seq = [(p, 1) if axis == "batch" else (1, p) for p in points]
-            report = bench.run_benchmark(candidates, batch_seq, threads=args.threads, repeats=args.repeats,
+            report = bench.run_benchmark(candidates, batch_seq, provider=args.provider, threads=args.threads, repeats=args.repeats,
                                          warmup=args.warmup, budget_s=args.budget, sweep=axis)
-            report |= {"model": name, "dtype": dtype,
-                       "ran_ops": {c.label: ran_ops(pathlib.Path(c.path), args.threads) for c in candidates}}
+            report |= {"model": name, "dtype": dtype, "provider": args.provider,
+                       "ran_ops": {c.label: ran_ops(pathlib.Path(c.path), args.provider, args.threads) for c in candidates}}
             if args.profile_runs:
                 middle = report["points"][len(points) // 2]
                 report |= {"profile_input": next(iter(middle["input_shapes"].values())),
-                           "profile": profile(paths, batch_seq[len(points) // 2], args.threads, args.profile_runs)}
+                           "profile": profile(paths, batch_seq[len(points) // 2], args.provider, args.threads,
+                                              args.profile_runs)}
             report["seconds"] = time.time() - start
-            (args.out / f"{name}.{dtype}.json").write_text(json.dumps(report, indent=2) + "\n")
-            bench.plot(report, args.out / f"{name}.{dtype}.png")
+            (args.out / f"{name}.{dtype}.{args.provider}.json").write_text(json.dumps(report, indent=2) + "\n")
+            bench.plot(report, args.out / f"{name}.{dtype}.{args.provider}.png")
             reports.append(report)
             print("\n".join(markdown([report]).splitlines()[2:]))
             print(f"  ORT ran: {report['ran_ops']}  ({report['seconds']:.0f} s)", flush=True)
