@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pathlib
 
-from .registry import REGISTRY, ModelEntry, default_name, get, gpt2_config, gpt2_entry, names
+from .registry import REGISTRY, ModelEntry, default_name, get, gpt2_config, gpt2_entry, gpt2_small_shape, names
 
 __all__ = [
     "REGISTRY",
@@ -22,6 +22,7 @@ __all__ = [
     "get",
     "gpt2_config",
     "gpt2_entry",
+    "gpt2_small_shape",
     "names",
 ]
 

@@ -375,6 +375,14 @@ def _swin_entry() -> ModelEntry:
     )
 
 
+def gpt2_small_shape(name: str = "gpt2-small-shape", n_layer: int = 12, n_positions: int = 1024) -> ModelEntry:
+    """GPT-2-small-shaped LM (n_embd 768, 12 heads, vocab 50257; 124M at 12 layers), seeded.
+
+    The registry holds the 12-layer, 1024-position one; benchmarks build deeper or longer ones.
+    """
+    return gpt2_entry(name, n_layer=n_layer, n_embd=768, n_head=12, vocab=50257, n_positions=n_positions, large=True)
+
+
 def bert_base_shape(seed: int = 6) -> ModelEntry:
     """BERT-base-shaped encoder (12 layers, hidden 768, 512 positions, 110M), seeded: benchmarks only.
 
@@ -447,9 +455,7 @@ REGISTRY: dict[str, ModelEntry] = {
         _vit_entry(),
         _llama_entry(),
         _swin_entry(),
-        gpt2_entry(
-            "gpt2-small-shape", n_layer=12, n_embd=768, n_head=12, vocab=50257, n_positions=1024, large=True
-        ),
+        gpt2_small_shape(),
     )
 }
 

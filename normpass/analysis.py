@@ -54,10 +54,6 @@ MIN_FOLDS_PER_INSERTION = 2
 # --- axis algebra ------------------------------------------------------------------------------
 
 
-def _dim(shape, axis):
-    return shape[axis] if shape is not None and 0 <= axis < len(shape) else None
-
-
 def _broadcast_axis(out_shape, in_shape, axis: int) -> tuple[int | None, str | None]:
     """Map output axis to the same axis of a broadcast input.
 

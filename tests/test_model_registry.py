@@ -16,7 +16,7 @@ import torch
 from onnx import numpy_helper
 
 import normpass_models
-from normpass_models import REGISTRY, default_name, export_onnx, get, gpt2_entry, names
+from normpass_models import REGISTRY, default_name, export_onnx, get, gpt2_small_shape, names
 
 SMALL = names(include_large=False)
 
@@ -73,7 +73,7 @@ def test_registry_contents():
 
 
 def test_gpt2_entry_scales_with_depth():
-    deep = gpt2_entry("gpt2-48", n_layer=48, n_embd=768, n_head=12, vocab=50257, n_positions=1024, large=True)
+    deep = gpt2_small_shape("gpt2-48", n_layer=48)
     assert deep.expected_norms == deep.expected_folded == 97
     assert deep.large
 

@@ -59,8 +59,7 @@ MODELS = {
     "bert-base-shape": (registry.bert_base_shape, "seq", [64, 256, 512]),
     "vit-b16-shape": (registry.vit_b16_shape, "batch", [1, 4]),
     # GPT-2-small with a 4096-row position table, for seq 4096 (the longest point)
-    "gpt2-small-shape-4k": (lambda: registry.gpt2_entry("gpt2-small-shape-4k", n_layer=12, n_embd=768, n_head=12,
-                                                        vocab=50257, n_positions=4096, large=True), "seq", [1024, 4096]),
+    "gpt2-small-shape-4k": (lambda: registry.gpt2_small_shape("gpt2-small-shape-4k", n_positions=4096), "seq", [1024, 4096]),
 }
 NORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
             "SkipSimplifiedLayerNormalization")

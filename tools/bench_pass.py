@@ -43,7 +43,6 @@ import tempfile
 import time
 import tracemalloc
 
-GPT2_SMALL = dict(n_embd=768, n_head=12, vocab=50257, n_positions=1024)
 TARGET_SECONDS = 0.2
 MIB = 1024 * 1024
 
@@ -60,7 +59,7 @@ def export(cache: str, layers: int) -> str:
     if layers == 12:
         entry = normpass_models.get("gpt2-small-shape")
     else:
-        entry = normpass_models.gpt2_entry(f"gpt2-small-shape-{layers}l", n_layer=layers, large=True, **GPT2_SMALL)
+        entry = normpass_models.gpt2_small_shape(f"gpt2-small-shape-{layers}l", n_layer=layers)
     partial = path.parent.with_name(path.parent.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

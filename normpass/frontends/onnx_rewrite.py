@@ -48,6 +48,7 @@ class Rewriter:
         self.docs: dict[str, str] = {}  # node name → what normpass did to it (→ NodeProto.doc_string)
         self._copies: dict[tuple[str, str], gs.Constant] = {}
         self._loaded: dict[str, np.ndarray | None] = {}
+        self._affines: dict[str, AffinePlan] = {}
         self._unique = Namer(self.ctx.graph)
 
     # --- constants, copy-on-write ---------------------------------------------------------------
@@ -114,11 +115,13 @@ class Rewriter:
         return beta if beta is not None and np.any(beta != 0) else None
 
     def affine_plan(self, norm: NormInfo) -> AffinePlan:
-        """Where the folded norm's γ/β can go (decided on the graph before any rewrite)."""
-        match = norm.ref
-        width = None if match.gamma is None else self._values(match.gamma).shape[-1]
-        width = width or (self.ctx.shapes.get(match.x.name) or (None,))[-1]
-        return affine_plan(self.ctx, self.zmg.graph_outputs, match.y, width, self._beta(norm) is not None)
+        """Where the folded norm's γ/β can go, decided once, on the graph before any rewrite."""
+        if norm.name not in self._affines:
+            match = norm.ref
+            width = None if match.gamma is None else self._values(match.gamma).shape[-1]
+            width = width or (self.ctx.shapes.get(match.x.name) or (None,))[-1]
+            self._affines[norm.name] = affine_plan(self.ctx, self.zmg.graph_outputs, match.y, width, self._beta(norm) is not None)
+        return self._affines[norm.name]
 
     def stranded_beta(self, plan: FoldPlan) -> dict[str, str]:
         """Folded norms whose non-zero β could go nowhere and would stay a separate Add, with why."""
