@@ -1,22 +1,35 @@
 """Loading and saving models: clear errors on bad input, atomic writes, nothing lost.
 
 A model is written to a temporary file in the destination directory and renamed into place, so a
-failed or interrupted write leaves any existing file untouched. Models over 2 GB are written
-with their weights in `OUT.data` beside them, renamed into place the same way.
+failed or interrupted write leaves any existing file untouched. Protobuf cannot serialize more
+than 2 GB, so the size of a model is estimated from its tensors (never by serializing it), and a
+model that may exceed the limit is written with its weights in `OUT.data` beside it, renamed into
+place the same way. Writing external data copies no weights into a second proto and leaves the
+caller's model as it was.
+
+Outputs are checked before any work: each must be a regular file or not exist yet (never a FIFO,
+device or directory), and no output may be the same file as an input or another output (same
+path, symlinks and hard links included).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from .errors import InputError
 
 PROTO_LIMIT = 2**31 - 1
+PROTO_HEADROOM = 2**28  # room for everything but the tensors' data (graph, names, shapes)
+EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to OUT.data
 
 
 def _default_mode() -> int:
@@ -36,44 +49,140 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
         model = onnx.load(str(path))
     except Exception as e:  # onnx raises DecodeError, OSError, ValidationError ...
         raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse error'})") from e
+    return checked_model(model, str(path))
+
+
+def checked_model(model, label: str = "model") -> onnx.ModelProto:
+    """`model` itself if it is a ModelProto with a graph; a path is loaded with `load_onnx`."""
+    if isinstance(model, (str, os.PathLike)):
+        return load_onnx(model)
+    if not isinstance(model, onnx.ModelProto):
+        raise InputError(f"{label}: expected an onnx.ModelProto or the path of an .onnx file, got {type(model).__name__}")
     if not model.graph.node and not model.graph.output:
-        raise InputError(f"{path}: not an ONNX model (no graph found); pass an .onnx file")
+        raise InputError(f"{label}: not an ONNX model (no graph found); pass an .onnx file")
     return model
 
 
-def check_output_path(model_path: str | os.PathLike | None, out_path: str | os.PathLike) -> Path:
-    """Refuse an output that would overwrite the input or cannot be written; returns it resolved."""
-    out = Path(out_path)
-    if model_path is not None:
-        source = Path(model_path)
-        if out.resolve() == source.resolve() or out.exists() and source.exists() and os.path.samefile(out, source):
-            raise InputError(f"{out}: the output must not overwrite the input model; choose another -o path")
-    parent = out.resolve().parent
-    if not parent.is_dir():
-        raise InputError(f"{out}: directory {parent} does not exist; create it or choose another -o path")
-    if not os.access(parent, os.W_OK) or out.is_dir() or out.exists() and not os.access(out, os.W_OK):
-        raise InputError(f"{out}: cannot write here; choose a writable -o path")
-    return out
+# --- output paths -----------------------------------------------------------------------------------
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def check_paths(inputs: dict[str, object], outputs: dict[str, object]) -> dict[str, Path]:
+    """Refuse outputs that are not regular files, cannot be written, or are an input or each other.
+
+    `inputs` and `outputs` map a label for messages (e.g. "the model", "-o") to a path or None
+    (absent); inputs that are not existing files (e.g. "synthetic") are ignored. Returns the
+    outputs given, as paths.
+    """
+    sources = {label: Path(p) for label, p in inputs.items() if p is not None and Path(p).exists()}
+    checked: dict[str, Path] = {}
+    for label, value in outputs.items():
+        if value is None:
+            continue
+        out = Path(value)
+        if out.exists() and not stat.S_ISREG(out.stat().st_mode):
+            raise InputError(f"{out}: {label} exists and is not a regular file (a directory, FIFO or device); "
+                             f"choose another {label} path")
+        for other, path in [*sources.items(), *checked.items()]:
+            if _same_file(out, path):
+                raise InputError(f"{out}: {label} is the same file as {other} ({path}); choose another {label} path")
+        parent = out.resolve().parent
+        if not parent.is_dir():
+            raise InputError(f"{out}: directory {parent} does not exist; create it or choose another {label} path")
+        if not os.access(parent, os.W_OK) or out.exists() and not os.access(out, os.W_OK):
+            raise InputError(f"{out}: cannot write here; choose a writable {label} path")
+        checked[label] = out
+    return checked
+
+
+# --- writing ----------------------------------------------------------------------------------------
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor stored in `graph`: initializers and node attributes, subgraphs included."""
+    yield from graph.initializer
+    yield from (s.values for s in graph.sparse_initializer)
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for subgraph in [*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs]:
+                yield from _tensors(subgraph)
+
+
+def _data_bytes(tensor: onnx.TensorProto) -> int:
+    """The bytes `tensor`'s data takes in the proto (external data takes none)."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return 0
+    if tensor.raw_data:
+        return len(tensor.raw_data)
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return sum(len(s) for s in tensor.string_data)
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    return count * 10 if tensor.int64_data or tensor.uint64_data else count * 8  # varints: at most 10 bytes
+
+
+def may_exceed_proto_limit(model: onnx.ModelProto) -> bool:
+    """Whether `model` may be too large to serialize in one protobuf (estimated from its tensors)."""
+    return sum(_data_bytes(t) for t in _tensors(model.graph)) + PROTO_HEADROOM >= PROTO_LIMIT
+
+
+def save_external(model: onnx.ModelProto, path: Path) -> None:
+    """Write `model` to `path` with every main-graph initializer of ≥ 1 KiB in `path.name + ".data"`.
+
+    The model written is a new proto sharing nothing with `model` but the small tensors; the
+    weights go straight from `model`'s tensors to the data file, so `model` is not modified.
+    """
+    data_name = path.name + ".data"
+    skeleton = onnx.ModelProto()
+    for descriptor, value in model.ListFields():
+        if descriptor.name != "graph":
+            skeleton.MergeFrom(onnx.ModelProto(**{descriptor.name: value}))
+    for descriptor, value in model.graph.ListFields():
+        if descriptor.name != "initializer":
+            skeleton.graph.MergeFrom(onnx.GraphProto(**{descriptor.name: value}))
+    with open(path.with_name(data_name), "wb") as data:
+        for tensor in model.graph.initializer:
+            if _data_bytes(tensor) < EXTERNAL_MIN_BYTES or tensor.data_type == onnx.TensorProto.STRING:
+                skeleton.graph.initializer.append(tensor)
+                continue
+            payload = tensor.raw_data or numpy_helper.to_array(tensor).tobytes()
+            offset = data.tell()
+            data.write(payload)
+            stored = skeleton.graph.initializer.add(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type,
+                                                    doc_string=tensor.doc_string, data_location=onnx.TensorProto.EXTERNAL)
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(payload)))):
+                stored.external_data.add(key=key, value=value)
+    onnx.save_model(skeleton, str(path))
 
 
 def save_onnx_atomic(model: onnx.ModelProto, out_path: str | os.PathLike) -> None:
-    """Write `model` to `out_path` via a temporary file and rename (external data over 2 GB)."""
+    """Write `model` to `out_path` via a temporary file and rename (`OUT.data` if it may exceed 2 GB)."""
     out = Path(out_path)
     tmp_dir = None
     try:
         tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=out.resolve().parent)
         tmp_model = Path(tmp_dir) / out.name
-        external = model.ByteSize() >= PROTO_LIMIT
-        data_name = out.name + ".data"
-        if external:
-            onnx.save_model(model, str(tmp_model), save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
-            os.replace(Path(tmp_dir) / data_name, out.with_name(data_name))
+        if may_exceed_proto_limit(model):
+            save_external(model, tmp_model)
+            data = out.with_name(out.name + ".data")
+            os.chmod(tmp_model.with_name(data.name), _default_mode())
+            os.replace(tmp_model.with_name(data.name), data)
         else:
             onnx.save_model(model, str(tmp_model))
         os.chmod(tmp_model, _default_mode())
         os.replace(tmp_model, out)
     except OSError as e:
-        raise InputError(f"{out}: could not write the model ({e.strerror or e}); choose a writable -o path") from e
+        raise InputError(f"{out}: could not write the model ({e.strerror or e}); choose a writable output path") from e
     finally:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -34,8 +34,9 @@ from .frontends.onnx import build_zero_mean_graph, load_graph
 from .frontends.onnx_export import export_model
 from .frontends.onnx_fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .frontends.onnx_rewrite import RMS_OPS, Rewriter
+from .io import checked_model
 from .plan import FoldPlan
-from .verify import Comparison, verify
+from .verify import Comparison, check_input_shapes, verify
 
 RMS_OPSET = 23  # RMSNormalization
 RMS_IR_VERSION = 11  # the IR version that goes with opset 23; ONNX Runtime 1.31 accepts ≤ 13
@@ -129,15 +130,18 @@ def _to_rms_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     return converted
 
 
-def inspect_onnx(model: onnx.ModelProto, insert_centering: bool = True, name: str = "model") -> FoldPlan:
-    """Which norms of `model` fold exactly, and why the others do not."""
+def inspect_onnx(model: onnx.ModelProto | str, insert_centering: bool = True, name: str = "model") -> FoldPlan:
+    """Which norms of `model` (a ModelProto or the path of an .onnx file) fold exactly, and why the others do not."""
+    model = checked_model(model, name)
     return make_plan(build_zero_mean_graph(load_graph(model, name)), insert_centering)
 
 
-def fold_onnx(model: onnx.ModelProto, options: FoldOptions | None = None, name: str = "model") -> FoldResult:
-    """Fold every provable LayerNorm of `model` into an RMSNorm; verify unless told not to."""
+def fold_onnx(model: onnx.ModelProto | str, options: FoldOptions | None = None, name: str = "model") -> FoldResult:
+    """Fold every provable LayerNorm of `model` (a ModelProto or an .onnx path) into an RMSNorm; verify unless told not to."""
+    model = checked_model(model, name)
     options = options or FoldOptions()
     rms_op, fuse_skip = options.emission()
+    check_input_shapes(model, options.input_shapes)
     seconds = {}
     start = time.perf_counter()
     source = _to_rms_opset(model) if rms_op == "onnx" else model
@@ -163,7 +167,12 @@ def fold_onnx(model: onnx.ModelProto, options: FoldOptions | None = None, name: 
     comparison = None
     if options.verify:
         start = time.perf_counter()
-        comparison = verify(model, rewritten, options.input_shapes, options.seed)
+        try:
+            comparison = verify(model, rewritten, options.input_shapes, options.seed)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"{name}: {len(fold_plan.folded)} of {fold_plan.total} norms folded, but the result "
+                                        f"could not be verified ({e}); nothing written; fold without verification "
+                                        "to write it unverified") from e
         seconds["verify"] = time.perf_counter() - start
         if not comparison.passed:
             raise VerificationError(f"{name}: folded model does not match the original: {comparison.failures()}; nothing written")

@@ -1,4 +1,5 @@
-"""Half-precision (fp16) copies of ONNX models, to check and time folded models in fp16.
+"""Half-precision (fp16) copies of ONNX models, to check and time folded models in fp16, and fp32
+copies of bfloat16 models, to check them where ONNX Runtime has no bfloat16 kernels.
 
 `to_fp16` converts every float tensor with onnxconverter-common's float16 converter (the one
 ONNX Runtime's transformers tools use). With `keep_io_types=False` (the default here) the outputs
@@ -15,7 +16,9 @@ runs in float64 and rounds once to fp16), and a folded model converts.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from .errors import InputError
 
@@ -38,3 +41,45 @@ def to_fp16(model: onnx.ModelProto, keep_io_types: bool = False) -> onnx.ModelPr
             del node.attribute[:]
             node.attribute.extend([*attributes, onnx.helper.make_attribute("stash_type", FLOAT)])
     return converted
+
+
+def bf16_as_fp32(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """An fp32 copy of a model that computes in bfloat16 (None if nothing is bfloat16).
+
+    Every bfloat16 tensor, type, `Cast(to=)` and `dtype=` becomes float32: the same computation
+    without bfloat16 rounding, for runtimes without bfloat16 kernels (ONNX Runtime's CPU MatMul).
+    """
+    if not _bf16_to_fp32(model.graph, apply=False):
+        return None
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    _bf16_to_fp32(copy.graph, apply=True)
+    return copy
+
+
+def _bf16_to_fp32(graph: onnx.GraphProto, apply: bool) -> bool:
+    """Whether `graph` (subgraphs included) uses bfloat16; with `apply`, convert it in place."""
+    bf16, fp32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    found = False
+    tensor_types = [v.type.tensor_type for v in (*graph.input, *graph.output, *graph.value_info)]
+    tensors = [*graph.initializer]
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.name in ("to", "dtype") and attribute.type == onnx.AttributeProto.INT and attribute.i == bf16:
+                found = True
+                if apply:
+                    attribute.i = fp32
+            tensors += [attribute.t] if attribute.HasField("t") else []
+            for subgraph in [*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs]:
+                found |= _bf16_to_fp32(subgraph, apply)
+    for tensor_type in tensor_types:
+        if tensor_type.elem_type == bf16:
+            found = True
+            if apply:
+                tensor_type.elem_type = fp32
+    for tensor in tensors:
+        if tensor.data_type == bf16:
+            found = True
+            if apply:
+                tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name))
+    return found

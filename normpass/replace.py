@@ -68,8 +68,10 @@ from .frontends.onnx_surrogate import (
     width_of,
 )
 from .graph import NormInfo, NormType
+from .io import checked_model
 from .passes import FoldOptions, fold_onnx
 from .surrogates import KINDS, Surrogate, fit_affine, fit_pointwise, fit_rms, with_fit_error
+from .verify import check_input_shapes
 
 ORDERS = ("input", "damage", "output")
 POLICIES = ("count", "cheapest")
@@ -363,9 +365,11 @@ class Prepared:
     started: float
 
 
-def prepare(model: onnx.ModelProto, calibration, options: ReplaceOptions | None = None, name: str = "model") -> Prepared:
+def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model") -> Prepared:
     """Steps 1–2 of the pass: data, exact fold, input centring, references, and the `Search`."""
+    model = checked_model(model, name)
     options = options or ReplaceOptions()
+    check_input_shapes(model, options.input_shapes)
     started = time.perf_counter()
     seconds: dict[str, float] = {}
     budget = options.budget if isinstance(options.budget, Budget) else Budget.parse(options.budget)
@@ -386,6 +390,8 @@ def prepare(model: onnx.ModelProto, calibration, options: ReplaceOptions | None 
         fit, val, _ = split_batches(batches, (options.split[0], options.split[1], 0.0), options.seed, options.batch_size)
     else:
         fit, val, test = split_batches(batches, options.split, options.seed, options.batch_size)
+    for index, batch in enumerate(batches + (test if options.holdout is not None else [])):
+        check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
     select, check = val, []
     if options.check > 0 and options.retries > 0 and _count(val) >= 2:
         select, check, _ = split_batches(val, (1 - options.check, options.check, 0.0), options.seed + 7, options.batch_size)
@@ -446,7 +452,7 @@ def prepare(model: onnx.ModelProto, calibration, options: ReplaceOptions | None 
                     seconds, started)
 
 
-def replace_onnx(model: onnx.ModelProto, calibration, options: ReplaceOptions | None = None, name: str = "model") -> ReplaceResult:
+def replace_onnx(model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model") -> ReplaceResult:
     """Replace the norms of `model` that do not fold exactly by surrogates, under `options.budget`."""
     p = prepare(model, calibration, options, name)
     options, budget, search, seconds, ctx = p.options, p.budget, p.search, p.seconds, p.ctx

@@ -8,15 +8,17 @@ up), and the tolerance of its dtype. Integer and boolean outputs must match exac
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .errors import InputError
+from .errors import InputError, UnsupportedModelError
+from .io import may_exceed_proto_limit, save_external
+from .precision import bf16_as_fp32
 
 # Relative tolerance per output dtype: a fold may only change rounding.
 REL_TOLERANCE = {
@@ -25,8 +27,9 @@ REL_TOLERANCE = {
     np.dtype(np.float16): 1e-2,
 }
 BFLOAT16_TOLERANCE = 5e-2
+BFLOAT16 = onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16)
 DEFAULT_BATCH, DEFAULT_DIM = 2, 16
-PROTO_LIMIT = 2**31 - 1
+MAX_INPUT_ELEMENTS = 2**27  # verification inputs, all together
 
 
 def tolerance_for(dtype: np.dtype) -> float:
@@ -74,17 +77,41 @@ class Comparison:
 
 
 def session(model: onnx.ModelProto, optimize: bool = False, providers=("CPUExecutionProvider",)) -> ort.InferenceSession:
-    """An ORT session for an in-memory model; models over 2 GB go through a temporary file."""
+    """An ORT session for an in-memory model (never serialized whole when it may exceed 2 GB).
+
+    Duplicate node names, which ORT rejects, are renamed in a copy; a model ORT cannot load
+    raises `UnsupportedModelError` with ORT's reason.
+    """
     options = ort.SessionOptions()
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
-    if model.ByteSize() < PROTO_LIMIT:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
+    model = _uniquely_named(model)
+    if not may_exceed_proto_limit(model):
+        return _open(model.SerializeToString(), options, providers)
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.onnx")
-        onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
-        return ort.InferenceSession(path, options, providers=list(providers))
+        path = Path(tmp) / "model.onnx"
+        save_external(model, path)
+        return _open(str(path), options, providers)
+
+
+def _open(source: bytes | str, options: ort.SessionOptions, providers) -> ort.InferenceSession:
+    try:
+        return ort.InferenceSession(source, options, providers=list(providers))
+    except Exception as e:  # ORT's Fail, InvalidGraph, NotImplemented ... derive from Exception only
+        raise UnsupportedModelError(f"ONNX Runtime cannot run it: {str(e).splitlines()[0]}") from e
+
+
+def _uniquely_named(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model`, or a copy whose nodes are renamed if any two share a name."""
+    names = [node.name for node in model.graph.node if node.name]
+    if len(names) == len(set(names)):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for index, node in enumerate(copy.graph.node):
+        node.name = f"{node.name}#{index}"
+    return copy
 
 
 def parse_input_shapes(specs: list[str]) -> dict[str, tuple[int, ...]]:
@@ -99,6 +126,28 @@ def parse_input_shapes(specs: list[str]) -> dict[str, tuple[int, ...]]:
         if not name:
             raise InputError(f"--input-shape {spec!r}: missing the input name, e.g. input_ids:1x128")
     return shapes
+
+
+def check_input_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], where: str = "input shape") -> None:
+    """Refuse shapes for inputs the model lacks, or that disagree with its declared rank or fixed dims."""
+    declared = {i.name: i.type.tensor_type for i in model.graph.input}
+    total = 0
+    for name, shape in shapes.items():
+        if name not in declared:
+            raise InputError(f"{where} {name}: the model has no input {name!r} (its inputs: {', '.join(declared)})")
+        if any(d < 1 for d in shape):
+            raise InputError(f"{where} {name}: {list(shape)} has a dimension < 1; every dimension must be positive")
+        tensor_type = declared[name]
+        if tensor_type.HasField("shape"):
+            dims = tensor_type.shape.dim
+            if len(dims) != len(shape):
+                raise InputError(f"{where} {name}: {list(shape)} has rank {len(shape)}, the model declares rank {len(dims)}")
+            for axis, (dim, size) in enumerate(zip(dims, shape)):
+                if dim.HasField("dim_value") and dim.dim_value != size:
+                    raise InputError(f"{where} {name}: dimension {axis} is {size}, the model fixes it to {dim.dim_value}")
+        total += int(np.prod(shape, dtype=object))
+    if total > MAX_INPUT_ELEMENTS:
+        raise InputError(f"{where}: {total} elements in all, more than {MAX_INPUT_ELEMENTS}; choose smaller shapes")
 
 
 def _index_bounds(model: onnx.ModelProto) -> dict[str, int]:
@@ -157,6 +206,13 @@ def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | Non
 
 
 def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of `model` on `feeds`; a bfloat16 model runs as its fp32 copy, outputs rounded back."""
+    wide = bf16_as_fp32(model)
+    if wide is not None:
+        declared = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
+        feeds = {k: v.astype(np.float32) if v.dtype == BFLOAT16 else v for k, v in feeds.items()}
+        outputs = run(wide, feeds)
+        return {k: v.astype(BFLOAT16) if declared.get(k) == onnx.TensorProto.BFLOAT16 else v for k, v in outputs.items()}
     sess = session(model)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds)))
