@@ -11,7 +11,8 @@ import argparse
 import json
 
 from ..bench import Candidate, parse_sweep, plot, run_benchmark, to_csv
-from ..io import check_output_path, load_onnx, write_text_atomic
+from ..errors import InputError
+from ..io import check_paths, load_onnx, write_text_atomic
 
 
 def add_parser(sub) -> None:
@@ -39,7 +40,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     for path in (args.original, args.optimized):
         load_onnx(path)  # clear errors for a missing or unreadable file
-    outputs = [check_output_path(None, p) for p in (args.json, args.csv, args.plot) if p]
+    outputs = list(check_paths({"ORIGINAL": args.original, "OPTIMIZED": args.optimized},
+                               {"--json": args.json, "--csv": args.csv, "--plot": args.plot}).values())
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise InputError(f"{args.plot}: --plot draws a PNG; name the file *.png")
     sweep, points = None, [(args.batch, args.seq)]
     if args.sweep:
         sweep, values = parse_sweep(args.sweep)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..frontends.onnx_rewrite import RMS_OPS
-from ..io import check_output_path, save_onnx_atomic, write_text_atomic
+from ..io import check_paths, save_onnx_atomic, write_text_atomic
 from ..passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..verify import parse_input_shapes
 from .common import add_model_arguments, load_model
@@ -49,10 +49,7 @@ def add_parser(sub) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> Path:
-    out = check_output_path(args.model, args.output)
-    if args.report and check_output_path(args.model, args.report).resolve() == out.resolve():
-        raise InputError(f"{args.report}: the report must not overwrite the model written to -o; choose another --report path")
-    return out
+    return check_paths({"the input model": args.model}, {"-o": args.output, "--report": args.report})["-o"]
 
 
 def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:

@@ -14,6 +14,7 @@ object: {"model", "norms": [{"name", "op", "foldable", "reason", "centred_layers
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -117,10 +118,11 @@ def to_json(plan: FoldPlan, label: str, block: dict[str, str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, label = load_model(args)
-    zmg = build_zero_mean_graph(load_graph(model, label))
-    fold_plan = make_plan(zmg, not args.no_insert_centering)
-    block = blocks(zmg)
+    with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings (graphsurgeon prints them) stay off stdout
+        model, label = load_model(args)
+        zmg = build_zero_mean_graph(load_graph(model, label))
+        fold_plan = make_plan(zmg, not args.no_insert_centering)
+        block = blocks(zmg)
     if args.json:
         print(json.dumps(to_json(fold_plan, label, block), indent=2))
         return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..analysis import plan as make_plan
 from ..errors import InputError
 from ..frontends.onnx import build_zero_mean_graph, load_graph
-from ..io import check_output_path, write_text_atomic
+from ..io import check_paths, write_text_atomic
 from ..viz import FORMATS, render
 from .common import add_model_arguments, load_model
 
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = check_output_path(args.model, args.output)
+    out = check_paths({"the input model": args.model}, {"-o": args.output})["-o"]
     fmt = args.format or out.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
         raise InputError(f"{out}: cannot tell the format from the suffix {Path(out).suffix!r}; "
