@@ -32,9 +32,10 @@ def ort_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np
 
 def assert_same_for_both_conditions(original: onnx.ModelProto, folded: onnx.ModelProto) -> None:
     """Independent oracle: every output agrees with cond true and with cond false."""
-    x = 3 * randn(rng(5), 2, 4, D) + 1
+    gen = rng(5)
+    floats = {i.name: 3 * randn(gen, 2, 4, D) + 1 for i in original.graph.input if i.name != "cond"}
     for cond in (True, False):
-        feeds = {"x": x, "cond": np.array(cond)}
+        feeds = floats | {"cond": np.array(cond)}
         for expected, got in zip(ort_outputs(original, feeds), ort_outputs(folded, feeds), strict=True):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), err_msg=f"cond={cond}")
 
@@ -105,3 +106,27 @@ def test_norms_inside_bodies_are_listed_with_where_they_are():
     assert nested[0].reason == "inside the else-branch of If z: norms in control-flow bodies are not rewritten"
     report = fold_onnx(model).report()
     assert report["total"] == 2 and report["folded"] == 0
+
+
+def test_skip_fusion_keeps_a_residual_sum_read_inside_a_body():
+    """t = a + a2 of two centred tensors folds without centring; the else-branch reads t."""
+    gen = rng(0)
+    text = f"""{HEADER}
+    agraph (float[2, 4, {D}] x, float[2, 4, {D}] x2, bool cond) => (float[2, 4, {D}] y, float[2, 4, {D}] z) {{
+        m1 = ReduceMean<axes=[-1]>(x)
+        a = Sub(x, m1)
+        m2 = ReduceMean<axes=[-1]>(x2)
+        a2 = Sub(x2, m2)
+        t = Add(a, a2)
+        n = LayerNormalization<axis=-1>(t, g0, be0)
+        nw = MatMul(n, W1)
+        y = Add(nw, b1)
+        z = If(cond) <then_branch = then_g () => (float[2, 4, {D}] p) {{ p = Identity(x) }},
+                      else_branch = else_g () => (float[2, 4, {D}] q) {{ q = Identity(t) }}>
+    }}"""
+    model = build(text, g0=1 + randn(gen, D, scale=0.3), be0=randn(gen, D), W1=randn(gen, D, D), b1=randn(gen, D))
+    result = fold_onnx(model, FoldOptions(fuse_skip=True))
+    assert result.folded == 1 and result.emitted["skip_fused"] == 1
+    skip = next(n for n in result.model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization")
+    assert list(skip.output)[3] == "t"
+    assert_same_for_both_conditions(model, result.model)
