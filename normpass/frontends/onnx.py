@@ -4,11 +4,19 @@ The model is held as an onnx-graphsurgeon graph (initializers stay lazy `TensorP
 124M-parameter model is not copied into NumPy). Shapes come from ONNX shape inference run on a
 light copy of the model whose large initializers are declared as inputs instead.
 The op → rule table below is the whole of what this front end knows about ONNX op semantics.
+
+Control flow (`If`, `Loop`, `Scan`): graphsurgeon imports a body as a `gs.Graph` whose nodes read
+outer-scope tensors as the very same `gs.Tensor` objects, so such a tensor lists the nested reader
+among its `outputs`. For the analysis, a tensor read anywhere inside a body (at any depth) is read
+by the top-level control-flow node: that node's zero-mean-graph inputs include every outer-scope
+tensor its bodies read, and its rule is `Opaque` (a shift reaching a body changes the model).
+Norms inside bodies are listed, with the reason they are not rewritten.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import onnx
@@ -20,6 +28,7 @@ from ..graph import (
     Concat,
     Linear,
     NodeKind,
+    NormInfo,
     NormRule,
     Opaque,
     Permute,
@@ -47,6 +56,15 @@ class OnnxGraph:
     shapes: dict[str, tuple | None] = field(default_factory=dict)
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
     name: str = "model"
+    holders: dict[int, gs.Node] = field(default_factory=dict)  # id(node in a body) → its top-level control-flow node
+
+    def readers(self, tensor: gs.Tensor) -> list[gs.Node]:
+        """Top-level nodes that read `tensor`, each once; a reader inside a body counts as its control-flow node."""
+        found: dict[int, gs.Node] = {}
+        for node in tensor.outputs:
+            holder = self.holders.get(id(node), node)
+            found.setdefault(id(holder), holder)
+        return list(found.values())
 
     @property
     def opset(self) -> int:
@@ -91,10 +109,11 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
 
 
 def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
-    """Wrap `model` (not modified) for analysis; unnamed or duplicate node names get unique ones."""
+    """Wrap `model` (not modified) for analysis; unnamed or duplicate node names (in bodies too) get unique ones."""
     graph = gs.import_onnx(model)
     seen: set[str] = set()
-    for index, node in enumerate(graph.nodes):
+    nested = [inner for node in graph.nodes for inner, _ in nested_nodes(node)]
+    for index, node in enumerate(list(graph.nodes) + nested):
         if not node.name or node.name in seen:
             node.name = f"{node.op}_{index}" if not node.name else f"{node.name}_{index}"
         seen.add(node.name)
@@ -102,7 +121,45 @@ def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
     for node in graph.nodes:
         if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
             shapes.setdefault(node.outputs[0].name, tuple(node.attrs["value"].shape))
-    return OnnxGraph(model, graph, shapes, dtypes, name)
+    return OnnxGraph(model, graph, shapes, dtypes, name, body_holders(graph))
+
+
+# --- control flow ------------------------------------------------------------------------------
+
+
+def bodies(node: gs.Node) -> list[tuple[str, gs.Graph]]:
+    """The subgraphs of a control-flow node, with the attribute that holds each."""
+    return [(attr, value) for attr, value in node.attrs.items() if isinstance(value, gs.Graph)]
+
+
+def body_holders(graph: gs.Graph) -> dict[int, gs.Node]:
+    """id(node inside a body, at any depth) → the top-level control-flow node holding it."""
+    return {id(inner): node for node in graph.nodes for inner, _ in nested_nodes(node)}
+
+
+def nested_nodes(node: gs.Node, outer: str = "") -> Iterator[tuple[gs.Node, str]]:
+    """Every node inside the bodies of `node` at any depth, with where it is ("the else-branch of If z")."""
+    for attr, body in bodies(node):
+        where = f"the {attr.replace('_', '-')} of {node.op} {node.name}" + (f", inside {outer}" if outer else "")
+        for inner in body.nodes:
+            yield inner, where
+            yield from nested_nodes(inner, where)
+
+
+def outer_reads(node: gs.Node) -> list[gs.Tensor]:
+    """Run-time tensors that the bodies of `node` (at any depth) read from outside them.
+
+    Constants are left out: a rewrite never changes a constant in place, so a body reading one
+    is not affected by it.
+    """
+    found: dict[str, gs.Tensor] = {}
+    for _, body in bodies(node):
+        local = {t.name for t in body.inputs} | {t.name for inner in body.nodes for t in inner.outputs}
+        for inner in body.nodes:
+            for tensor in list(inner.inputs) + outer_reads(inner):
+                if tensor.name and tensor.name not in local and not isinstance(tensor, gs.Constant):
+                    found.setdefault(tensor.name, tensor)
+    return list(found.values())
 
 
 # --- op table ----------------------------------------------------------------------------------
@@ -261,8 +318,40 @@ def classify(ctx: OnnxGraph, node: gs.Node):
     return handler(ctx, node)
 
 
+def _norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[gs.Node, str, object]]:
+    """(anchor node, op shown to users, (norm type, match)) of every norm among `nodes`."""
+    in_norm: set[int] = set()
+    for node in nodes:
+        if id(node) in in_norm:
+            continue
+        found = match_single_op(node, outputs) or match_decomposed(node, outputs)
+        if found is not None:
+            norm_type, match = found
+            in_norm.update(id(n) for n in match.nodes)
+            yield node, node.op if len(match.nodes) == 1 else f"decomposed {norm_type.value}", found
+
+
+def _nested_norms(node: gs.Node) -> list[NormInfo]:
+    """The norms inside the bodies of `node`, each declined with where it is."""
+    nested = list(nested_nodes(node))
+    where = {id(inner): place for inner, place in nested}
+    norms = []
+    for anchor, op, (norm_type, match) in _norm_matches([inner for inner, _ in nested], set()):
+        norm = norm_info(anchor.name, op, norm_type, match, None)
+        norm.unsupported = f"inside {where[id(anchor)]}: norms in control-flow bodies are not rewritten"
+        norms.append(norm)
+    return norms
+
+
+def _control_flow(node: gs.Node) -> tuple[NodeKind, Opaque, list[str]]:
+    """A control-flow node reads its inputs and every outer-scope tensor of its bodies."""
+    reads = [t.name for t in outer_reads(node)]
+    reason = "control flow: a shift reaching its inputs" + (f" or what its bodies read ({', '.join(reads)})" if reads else "")
+    return NodeKind.OTHER, Opaque(reason + " changes its outputs"), reads
+
+
 def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
-    """Classify every node of `ctx` and recognise its normalizations."""
+    """Classify every node of `ctx` and recognise its normalizations (those in bodies are declined)."""
     graph = ctx.graph
     outputs = {t.name for t in graph.outputs}
     zmg = ZeroMeanGraph(model_name=ctx.name, shapes=ctx.shapes)
@@ -272,16 +361,9 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
         if isinstance(tensor, gs.Constant):
             zmg.constants[tensor.name] = lambda t=tensor: t.values
     in_norm: set[int] = set()
-    for node in graph.nodes:
-        if id(node) in in_norm:
-            continue
-        found = match_single_op(node, outputs) or match_decomposed(node, outputs)
-        if found is not None:
-            norm_type, match = found
-            op = node.op if len(match.nodes) == 1 else f"decomposed {norm_type.value}"
-            norm = norm_info(node.name, op, norm_type, match, _rank(ctx, match.x))
-            zmg.norms.append(norm)
-            in_norm.update(id(n) for n in match.nodes)
+    for node, op, (norm_type, match) in _norm_matches(graph.nodes, outputs):
+        zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
+        in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}
     for node in graph.nodes:
         if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
@@ -293,7 +375,15 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
             continue
         if id(node) in in_norm:
             continue
-        kind, rule = classify(ctx, node)
-        zmg.add_node(ZNode(node.name, node.op, kind, rule, [t.name for t in node.inputs], [t.name for t in node.outputs], node))
+        inputs = [t.name for t in node.inputs]
+        if bodies(node):
+            kind, rule, reads = _control_flow(node)
+            inputs += [name for name in reads if name not in inputs]
+        else:
+            kind, rule = classify(ctx, node)
+        zmg.add_node(ZNode(node.name, node.op, kind, rule, inputs, [t.name for t in node.outputs], node))
+    for node in graph.nodes:
+        for norm in _nested_norms(node):
+            zmg.norms.append(norm)
+            zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
     return zmg
-

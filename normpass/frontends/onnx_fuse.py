@@ -39,7 +39,7 @@ def fuse_skip_rms(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> in
     producers = {out: node for node in graph.node for out in node.output}
     consumers: dict[str, int] = {}
     for node in graph.node:
-        for name in node.input:
+        for name in list(node.input) + _body_reads(node):
             consumers[name] = consumers.get(name, 0) + 1
     constants = {i.name for i in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
     outputs = {o.name for o in graph.output}
@@ -88,6 +88,15 @@ def fuse_skip_rms(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> in
     if all(o.domain != MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     return len(fused)
+
+
+def _body_reads(node: onnx.NodeProto) -> list[str]:
+    """Tensor names read inside the bodies of a control-flow node, at any depth.
+
+    Names local to a body are counted too: an extra reader only prevents a fusion.
+    """
+    bodies = [body for attr in node.attribute for body in ([attr.g] if attr.HasField("g") else attr.graphs)]
+    return [name for body in bodies for inner in body.node for name in list(inner.input) + _body_reads(inner)]
 
 
 def _bias_split(node: onnx.NodeProto, shape: tuple, vectors: dict[str, tuple], shapes: dict) -> tuple[str, str] | None:

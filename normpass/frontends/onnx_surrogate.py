@@ -40,7 +40,7 @@ import onnx_graphsurgeon as gs
 from ..algebra import centre
 from ..graph import NormInfo, NormType
 from ..surrogates import NormSpec, Surrogate
-from .onnx import OnnxGraph
+from .onnx import OnnxGraph, body_holders
 from .onnx_export import export_model as write_model
 from .onnx_patterns import constant_values, match_decomposed, match_single_op, norm_info
 from .onnx_targets import Namer, affine_plan, is_feature_vector, is_private, move_affine, private_bias, producer
@@ -97,7 +97,8 @@ def norm_cost(norm: NormInfo) -> float:
 
 def open_graph(model: onnx.ModelProto, shapes: dict, name: str = "model") -> OnnxGraph:
     """A disposable working graph of `model` (node names must already be unique), with known shapes."""
-    return OnnxGraph(model, gs.import_onnx(model), shapes, name)
+    graph = gs.import_onnx(model)
+    return OnnxGraph(model, graph, shapes, name=name, holders=body_holders(graph))
 
 
 def find_norms(ctx: OnnxGraph) -> dict[str, NormInfo]:

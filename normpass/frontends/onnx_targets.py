@@ -113,7 +113,7 @@ def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: gs.Tensor
         current, axis = frontier.pop()
         if current.name in graph_outputs or not current.outputs or axis is None:
             return None
-        for consumer in current.outputs:
+        for consumer in ctx.readers(current):  # a reader inside a control-flow body is its control-flow node
             if other is not None and (claimed := other(consumer, current, axis)) is not None:
                 targets.append(claimed)
                 continue
@@ -144,7 +144,8 @@ def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, ax
     if consumer.op != "MatMul":
         return None
     product = consumer.outputs[0]
-    add = product.outputs[0] if len(product.outputs) == 1 and product.name not in graph_outputs else None
+    readers = ctx.readers(product)
+    add = readers[0] if len(readers) == 1 and product.name not in graph_outputs else None
     if add is not None and add.op == "Add":
         other = 1 if add.inputs[0] is product else 0
         bias = constant_values(add.inputs[other])
