@@ -91,8 +91,16 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
 
 
 def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
-    """Wrap `model` (not modified) for analysis; unnamed or duplicate node names get unique ones."""
+    """Wrap `model` (not modified) for analysis; unnamed or duplicate node names get unique ones.
+
+    An initializer that is also listed in `graph.input` (IR < 4 models, `keep_initializers_as_inputs`
+    exports) is a run-time input whose initializer is only a default: it becomes a graph input
+    here (never a constant to centre or migrate into), in the model's input order, and the
+    export writes its default back unchanged.
+    """
     graph = gs.import_onnx(model)
+    tensors = graph.tensors()
+    graph.inputs = [_runtime_input(tensors.get(i.name), i) for i in model.graph.input]
     seen: set[str] = set()
     for index, node in enumerate(graph.nodes):
         if not node.name or node.name in seen:
@@ -103,6 +111,16 @@ def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
         if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
             shapes.setdefault(node.outputs[0].name, tuple(node.attrs["value"].shape))
     return OnnxGraph(model, graph, shapes, dtypes, name)
+
+
+def _runtime_input(tensor: gs.Tensor | None, info: onnx.ValueInfoProto) -> gs.Tensor:
+    """The graph input `info`: an overridable initializer becomes a Variable (in place, for every reader)."""
+    if tensor is None:  # an input no node reads
+        return gs.Variable(info.name, dtype=info.type.tensor_type.elem_type or None)
+    if isinstance(tensor, gs.Constant):
+        tensor.to_variable(shape=list(tensor.shape))
+        tensor.type = "tensor_type"  # what Variable.__init__ would have set
+    return tensor
 
 
 # --- op table ----------------------------------------------------------------------------------
@@ -125,11 +143,17 @@ def _linear_or(reason: str, ok: bool, axis: int | None):
     return NodeKind.OTHER, Opaque(reason)
 
 
+def _runtime(tensor: gs.Tensor) -> str:
+    return f"{tensor.name} is not a constant (computed at run time, or an overridable graph input)"
+
+
 def _matmul(ctx, node):
     weight = node.inputs[1]
     rank = _rank(ctx, node.outputs[0])
-    ok = is_constant(weight) and not is_constant(node.inputs[0]) and len(ctx.shapes.get(weight.name) or ()) >= 2
-    return _linear_or("multiplies two run-time tensors (or a constant on the left)", ok, None if rank is None else rank - 1)
+    if not is_constant(weight):
+        return NodeKind.OTHER, Opaque(f"its weight {_runtime(weight)}")
+    ok = not is_constant(node.inputs[0]) and len(ctx.shapes.get(weight.name) or ()) >= 2
+    return _linear_or("multiplies by a constant on the left, or by a weight of rank < 2", ok, None if rank is None else rank - 1)
 
 
 def _gemm(ctx, node):
