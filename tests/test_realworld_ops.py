@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import assert_equivalent, build, check_structure, randn, run_ort
+from conftest import assert_equivalent, build, check_structure, initializers, randn, run_ort
 from normpass import FoldOptions, fold_onnx, inspect_onnx
 
 OPSET = '<ir_version: 10, opset_import: ["" : 17]>'
@@ -72,3 +72,101 @@ def test_overridable_gamma_declines_the_norm(gen):
     assert result.folded == 0
     assert "run time" in _decision(result.plan, "n").reason
     assert [i.name for i in result.model.graph.input] == ["x", "g"]
+
+
+# --- readers of shapes only ----------------------------------------------------------------------
+
+
+def test_shape_readers_do_not_block_centring_or_affine_migration(gen):
+    """Shape of the centred stream and of the norm's output (as TorchScript exports emit for every reshape)."""
+    model = build(OPSET + """
+m (float[B,S,8] x) => (float[B,S,8] y) {
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  hs = Shape(h)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  ns = Shape(n)
+  k = Size(n)
+  y0 = MatMul(n, W1)
+  y1 = Add(y0, b1)
+  z = Reshape(y1, ns)
+  y = Reshape(z, hs)
+}""", W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8), b1=randn(gen, 8))
+    plan = inspect_onnx(model)
+    assert [d.foldable for d in plan.decisions] == [True]
+    result = fold_onnx(model)  # default options: β must have somewhere to go
+    assert result.folded == 1
+    assert result.affine_notes["n"].startswith("γ/β migrated")
+    check_structure(result.model)
+    for shape in ((1, 3, 8), (2, 5, 8)):
+        assert_equivalent(model, result.model, shapes={"x": shape})
+
+
+def test_a_value_computed_from_shapes_is_not_a_constant_to_centre(gen):
+    model = build(OPSET + """
+m (float[2,4,8] x) => (float[2,4,8] y) {
+  h0 = MatMul(x, W0)
+  s = Shape(h0)
+  f = Cast<to=1>(s)
+  t = Slice(f, two, three)
+  h = Add(h0, t)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  y = MatMul(n, W1)
+}""", W0=randn(gen, 8, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8),
+        two=np.array([2], np.int64), three=np.array([3], np.int64))
+    decision = _decision(inspect_onnx(model), "n")
+    assert not decision.foldable and "broadcasts t along the normalized axis" in decision.reason
+
+
+# --- constant-like tensors -----------------------------------------------------------------------
+
+
+def test_weights_read_through_constant_subgraphs_are_constants(gen):
+    """γ deduplicated and read through Identity by two norms (TorchScript), W0 transposed, b0 a
+    `value_floats` Constant, W1 cast from double, b1 unsqueezed: all constants. Only n1 folds, and
+    n2 keeps reading the original γ (copy-on-write)."""
+    model = build(OPSET + """
+m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] y2) {
+  b0 = Constant<value_floats = [0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 3.0, 1.0]>()
+  w0 = Transpose<perm=[1, 0]>(W0t)
+  gi = Identity(g)
+  w1 = Cast<to=1>(W1d)
+  b1 = Unsqueeze(b1v, zero)
+  h0 = MatMul(x, w0)
+  h = Add(h0, b0)
+  n1 = LayerNormalization<axis=-1>(h, gi, be)
+  y0 = MatMul(n1, w1)
+  y = Add(y0, b1)
+  n2 = LayerNormalization<axis=-1>(x, gi, be)
+  y2 = Mul(n2, two)
+}""", W0t=randn(gen, 8, 8), g=randn(gen, 8) + 1.0, be=randn(gen, 8), W1d=randn(gen, 8, 8).astype(np.float64),
+        b1v=randn(gen, 8), zero=np.array([0], np.int64), two=np.array(2.0, np.float32))
+    result = _fold(model)
+    assert [(d.name, d.foldable) for d in result.plan.decisions] == [("n1", True), ("n2", False)]
+    assert result.affine_notes["n1"].startswith("γ/β migrated")
+    check_structure(result.model)
+    (n2,) = [n for n in result.model.graph.node if n.op_type == "LayerNormalization"]
+    g_reader = next(n for n in result.model.graph.node if n.output[0] == n2.input[1])
+    assert g_reader.op_type == "Identity" and g_reader.input[0] == "g"
+    assert initializers(result.model)["g"].tobytes() == initializers(model)["g"].tobytes()
+    assert_equivalent(model, result.model)
+
+
+def test_slice_and_concat_of_constants_feed_a_centred_layer(gen):
+    text = OPSET + """
+m (float[2,4,8] x) => (float[2,4,8] y) {
+  lo = Slice(W, zero, four, one)
+  hi = Slice(W, four, eight, one, one)
+  w = Concat<axis=1>(lo, hi)
+  h = MatMul(x, w)
+  b = Gather<axis=0>(B, idx)
+  hb = Add(h, b)
+  n = LayerNormalization<axis=-1>(hb, g, be)
+  y = MatMul(n, W1)
+}"""
+    model = build(text, W=randn(gen, 8, 8), zero=np.array([0], np.int64), four=np.array([4], np.int64),
+                  eight=np.array([8], np.int64), one=np.array([1], np.int64), B=randn(gen, 3, 8),
+                  idx=np.array(1, np.int64), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8))
+    result = _fold(model)
+    assert result.folded == 1
+    assert_equivalent(model, result.model)

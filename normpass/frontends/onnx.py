@@ -26,6 +26,7 @@ from ..graph import (
     Regroup,
     Scale,
     Select,
+    ShapeOnly,
     ShiftInvariant,
     Sum,
     Take,
@@ -35,6 +36,7 @@ from ..graph import (
 from .onnx_patterns import constant_values, is_constant, match_decomposed, match_single_op, norm_info
 
 LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are declared, not copied, for inference
+SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values
 FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 
@@ -275,6 +277,7 @@ OP_TABLE = {
     "Expand": lambda ctx, node: (NodeKind.LAYOUT, Broadcast()),  # broadcast over other axes
     "Concat": _concat,  # zero-mean parts concatenate to zero mean
     "Softmax": _softmax,  # not linear, but removes a shift along its axis
+    **{op: lambda ctx, node: (NodeKind.CONSTANT, ShapeOnly()) for op in SHAPE_READERS},
 }
 
 
@@ -293,8 +296,8 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
     zmg.graph_inputs = {t.name for t in graph.inputs}
     zmg.graph_outputs = outputs
     for tensor in graph.tensors().values():
-        if isinstance(tensor, gs.Constant):
-            zmg.constants[tensor.name] = lambda t=tensor: t.values
+        if is_constant(tensor):
+            zmg.constants[tensor.name] = lambda t=tensor: constant_values(t)
     in_norm: set[int] = set()
     for node in graph.nodes:
         if id(node) in in_norm:
@@ -308,8 +311,6 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
             in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}
     for node in graph.nodes:
-        if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
-            zmg.constants[node.outputs[0].name] = lambda v=node.attrs["value"]: v.values
         if node.name in norms_by_anchor:
             norm = norms_by_anchor[node.name]
             inputs = [norm.input] + [t for t in (norm.scale, norm.bias) if t]
