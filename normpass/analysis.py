@@ -148,6 +148,8 @@ def _backward(zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int):
             required.append((index, source, in_axis))
         return required
     if isinstance(rule, Permute):
+        if axis >= len(rule.perm):
+            return f"{node.op} {node.name}: its perm does not match the rank of {tensor}"
         return [(0, node.inputs[0], rule.perm[axis])]
     if isinstance(rule, Regroup):
         in_axis = regroup_axis(out_shape, zmg.shape(node.inputs[0]), axis)
@@ -288,7 +290,7 @@ class ShiftChecker:
                 return unsafe("scales the shifted tensor by a factor that varies along its axis, or scales by it")
             return [(out, axis + lift)]
         if isinstance(rule, Permute):
-            return [(out, rule.perm.index(axis))]
+            return [(out, rule.perm.index(axis))] if axis in rule.perm else unsafe("has a perm that does not match its input")
         if isinstance(rule, Regroup):
             regrouped = regroup_axis(in_shape, out_shape, axis)
             return unsafe("does not keep the shifted axis intact") if regrouped is None else [(out, regrouped)]

@@ -170,3 +170,59 @@ m (float[2,4,8] x) => (float[2,4,8] y) {
     result = _fold(model)
     assert result.folded == 1
     assert_equivalent(model, result.model)
+
+
+# --- never crash -----------------------------------------------------------------------------------
+
+
+def _as_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every initializer written as a `Constant` node, as PaddlePaddle exports do."""
+    constants = [onnx.helper.make_node("Constant", [], [i.name], name=f"const_{i.name}", value=i) for i in model.graph.initializer]
+    nodes = constants + list(model.graph.node)
+    del model.graph.initializer[:]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
+def test_opset_11_softmax_of_unknown_rank_and_constant_node_weights(gen):
+    model = onnx.parser.parse_model("""<ir_version: 6, opset_import: ["" : 11]>
+m (float x) => (float y, float p) {
+  p = Softmax(x)
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n = LayerNormalization(h, g, be)
+  y = MatMul(n, W1)
+}""")
+    for value in list(model.graph.input) + list(model.graph.output):
+        value.type.tensor_type.ClearField("shape")  # unknown rank
+    for name, value in dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8)).items():
+        model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
+    plan = inspect_onnx(_as_constant_nodes(model))
+    assert [(d.foldable, d.reason) for d in plan.decisions] == [(False, "the rank of h is unknown, so the normalized axis cannot be tracked")]
+
+
+@pytest.mark.parametrize("node", [
+    'p = Softmax<axis=1>(h)',
+    'p = Gather<axis=-1>(h, idx)',
+    'p = Transpose<perm=[0, 0, 1]>(h)',
+    'p = Concat(h, h)',
+    'p = custom.MatMul(h, W1)',
+    'p = Sub(h)',
+])
+def test_malformed_or_unknown_readers_decline_with_a_reason(gen, node):
+    """A reader of the centred stream that cannot be analysed makes the fold unsafe, with a reason."""
+    model = onnx.parser.parse_model(OPSET.replace('"" : 17', '"" : 17, "custom" : 1') + """
+m (float[2,4,8] x) => (float[2,4,8] y, float p) {
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  y = MatMul(n, W1)
+  """ + node + """
+}""")
+    for name, value in dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8),
+                            idx=np.array([0], np.int64)).items():
+        model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
+    model.graph.output[1].type.tensor_type.ClearField("shape")
+    (decision,) = inspect_onnx(model).decisions
+    assert not decision.foldable and decision.reason

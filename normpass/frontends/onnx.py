@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from ..errors import UnsupportedModelError
 from ..graph import (
     Broadcast,
     Centered,
@@ -100,7 +101,10 @@ def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
     here (never a constant to centre or migrate into), in the model's input order, and the
     export writes its default back unchanged.
     """
-    graph = gs.import_onnx(model)
+    try:
+        graph = gs.import_onnx(model)
+    except Exception as e:  # graphsurgeon rejects graphs it cannot represent
+        raise UnsupportedModelError(f"{name}: cannot be analysed: {type(e).__name__}: {e}") from e
     tensors = graph.tensors()
     graph.inputs = [_runtime_input(tensors.get(i.name), i) for i in model.graph.input]
     seen: set[str] = set()
@@ -177,7 +181,10 @@ def _gather(ctx, node):
         rank = _rank(ctx, node.outputs[0])
         ok = len(ctx.shapes.get(data.name) or ()) == 2 and _axis(axis, 2) == 0
         return _linear_or("gathers from a constant that is not an embedding table", ok, None if rank is None else rank - 1)
-    return NodeKind.LAYOUT, Take(_axis(axis, _rank(ctx, data)) or 0, _rank(ctx, indices))
+    data_axis = _axis(axis, _rank(ctx, data))
+    if data_axis is None:
+        return NodeKind.OTHER, Opaque("a Gather along a negative axis of unknown rank")
+    return NodeKind.LAYOUT, Take(data_axis, _rank(ctx, indices))
 
 
 def _slice(ctx, node):
@@ -189,7 +196,8 @@ def _slice(ctx, node):
             return NodeKind.LAYOUT, Select(None)
         axes = [int(a) for a in np.ravel(axes)]
     else:
-        count = (starts.shape or [None])[0] if not is_constant(starts) else constant_values(starts).size
+        values = constant_values(starts)
+        count = (starts.shape or [None])[0] if values is None else values.size
         axes = list(range(count)) if isinstance(count, int) else None
     if axes is None or rank is None and any(a < 0 for a in axes):
         return NodeKind.LAYOUT, Select(None)
@@ -207,11 +215,13 @@ def _transpose(ctx, node):
         if rank is None:
             return NodeKind.OTHER, Opaque("a Transpose of unknown rank")
         perm = list(reversed(range(rank)))
+    if sorted(perm) != list(range(len(perm))):
+        return NodeKind.OTHER, Opaque(f"a Transpose with an invalid perm {list(perm)}")
     return NodeKind.LAYOUT, Permute(tuple(perm))
 
 
 def _concat(ctx, node):
-    axis = _axis(node.attrs["axis"], _rank(ctx, node.outputs[0]))
+    axis = _axis(node.attrs.get("axis", 0), _rank(ctx, node.outputs[0]))
     if axis is None:
         return NodeKind.OTHER, Opaque("a Concat of unknown rank")
     return NodeKind.LAYOUT, Concat(axis)
@@ -220,7 +230,9 @@ def _concat(ctx, node):
 def _softmax(ctx, node):
     rank = _rank(ctx, node.inputs[0])
     axis = _axis(node.attrs.get("axis", -1 if ctx.opset >= 13 else 1), rank)
-    if axis is None or ctx.opset < 13 and axis != rank - 1:
+    if axis is None or rank is None:
+        return NodeKind.OTHER, Opaque("a Softmax of unknown rank")
+    if ctx.opset < 13 and axis != rank - 1:  # before opset 13 Softmax normalizes over axes [axis, rank)
         return NodeKind.OTHER, Opaque("Softmax over several axes")
     return NodeKind.OTHER, ShiftInvariant(axis)
 
@@ -233,6 +245,8 @@ def _cast(ctx, node):
 
 def _sub(ctx, node):
     """x − ReduceMean(x, axis) is already centred (an inserted or hand-written centring)."""
+    if len(node.inputs) != 2:
+        return NodeKind.OTHER, Opaque("a Sub without two inputs")
     x, mean = node.inputs
     producer = mean.inputs[0] if len(mean.inputs) == 1 else None
     if producer is not None and producer.op == "ReduceMean" and producer.inputs[0] is x and producer.attrs.get("keepdims", 1):
@@ -282,10 +296,16 @@ OP_TABLE = {
 
 
 def classify(ctx: OnnxGraph, node: gs.Node):
-    handler = OP_TABLE.get(node.op)
+    """(kind, rule) of `node`; never raises: what cannot be analysed is `Opaque`, with the reason."""
+    domain = node.domain or ""
+    handler = OP_TABLE.get(node.op) if domain in ("", "ai.onnx") else None
     if handler is None:
-        return NodeKind.OTHER, Opaque(f"{node.op} is not linear in its input")
-    return handler(ctx, node)
+        named = node.op if domain in ("", "ai.onnx") else f"{domain}.{node.op}"
+        return NodeKind.OTHER, Opaque(f"{named} is not linear in its input")
+    try:
+        return handler(ctx, node)
+    except (IndexError, KeyError, TypeError, ValueError) as e:  # a malformed node (missing inputs or attributes)
+        return NodeKind.OTHER, Opaque(f"cannot be analysed ({type(e).__name__}: {e})")
 
 
 def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
