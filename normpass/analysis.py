@@ -14,7 +14,7 @@ it; anything else blocks the proof.
 y − m(x)·1ₖ, a per-sample shift constant along k. The model is unchanged iff every path from y
 carries that shift (through sums, scalings constant along k and axis-preserving layout ops) into
 an op that removes it: a LayerNorm over k (folded or not: LN(x + c·1) = LN(x)), a centring
-x − mean_k(x), or a Softmax over k. A shift reaching a graph output, a linear layer, a
+x − mean_k(x), or a Softmax over k. A reader of shapes only (Shape, Size) never sees it. A shift reaching a graph output, a linear layer, a
 nonlinearity or an RMSNorm makes the centring unsafe, and the norms that need it are refused.
 
 **Inserted centring.** Where a proof is blocked at a tensor t whose shifts are all removed
@@ -40,6 +40,7 @@ from .graph import (
     Regroup,
     Scale,
     Select,
+    ShapeOnly,
     ShiftInvariant,
     Sum,
     Take,
@@ -147,6 +148,8 @@ def _backward(zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int):
             required.append((index, source, in_axis))
         return required
     if isinstance(rule, Permute):
+        if axis >= len(rule.perm):
+            return f"{node.op} {node.name}: its perm does not match the rank of {tensor}"
         return [(0, node.inputs[0], rule.perm[axis])]
     if isinstance(rule, Regroup):
         in_axis = regroup_axis(out_shape, zmg.shape(node.inputs[0]), axis)
@@ -179,6 +182,8 @@ def _backward(zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int):
         )
     if isinstance(rule, Opaque):
         return f"{node.op} {node.name}: {rule.reason}"
+    if isinstance(rule, ShapeOnly):
+        return f"{node.op} {node.name} computes a value from a shape, which is not zero-mean"
     if isinstance(rule, ShiftInvariant):
         return f"{node.op} {node.name} is not linear in its input"
     raise TypeError(f"unhandled rule {rule!r}")
@@ -257,6 +262,8 @@ class ShiftChecker:
         def unsafe(reason):
             return Blocker(node.name, f"{node.op} {node.name} {reason}")
 
+        if isinstance(rule, ShapeOnly):
+            return []
         out = node.outputs[0]
         out_shape, in_shape = self.zmg.shape(out), self.zmg.shape(node.inputs[index])
         if isinstance(rule, NormRule):
@@ -283,7 +290,7 @@ class ShiftChecker:
                 return unsafe("scales the shifted tensor by a factor that varies along its axis, or scales by it")
             return [(out, axis + lift)]
         if isinstance(rule, Permute):
-            return [(out, rule.perm.index(axis))]
+            return [(out, rule.perm.index(axis))] if axis in rule.perm else unsafe("has a perm that does not match its input")
         if isinstance(rule, Regroup):
             regrouped = regroup_axis(in_shape, out_shape, axis)
             return unsafe("does not keep the shifted axis intact") if regrouped is None else [(out, regrouped)]

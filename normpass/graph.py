@@ -18,6 +18,8 @@ one axis of a tensor flows through it (seed 003 §4.2):
 * `NormRule(norm)`    a normalization node. It removes a per-sample shift that is constant along
                       its single normalized axis if it subtracts the mean (LayerNorm).
 * `ShiftInvariant(axis)`  e.g. Softmax: f(x + c·1) = f(x) along `axis`.
+* `ShapeOnly()`       reads only its input's shape or dtype (Shape, Size, EyeLike): a shift never
+                      reaches its output, and its output carries no zero-mean stream.
 * `Opaque(reason)`    anything else: zero mean does not flow through it, and a shift reaching it
                       changes the model.
 
@@ -122,6 +124,11 @@ class Centered:
 @dataclass(frozen=True)
 class ShiftInvariant:
     axis: int
+
+
+@dataclass(frozen=True)
+class ShapeOnly:
+    """Output independent of the input's values (Shape, Size, EyeLike, Random*Like)."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from ..errors import UnsupportedModelError
 from ..graph import (
     Broadcast,
     Centered,
@@ -35,6 +36,7 @@ from ..graph import (
     Regroup,
     Scale,
     Select,
+    ShapeOnly,
     ShiftInvariant,
     Sum,
     Take,
@@ -44,6 +46,7 @@ from ..graph import (
 from .onnx_patterns import constant_values, is_constant, match_decomposed, match_single_op, norm_info
 
 LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are declared, not copied, for inference
+SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values
 FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 
@@ -109,8 +112,19 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
 
 
 def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
-    """Wrap `model` (not modified) for analysis; unnamed or duplicate node names (in bodies too) get unique ones."""
-    graph = gs.import_onnx(model)
+    """Wrap `model` (not modified) for analysis; unnamed or duplicate node names (in bodies too) get unique ones.
+
+    An initializer that is also listed in `graph.input` (IR < 4 models, `keep_initializers_as_inputs`
+    exports) is a run-time input whose initializer is only a default: it becomes a graph input
+    here (never a constant to centre or migrate into), in the model's input order, and the
+    export writes its default back unchanged.
+    """
+    try:
+        graph = gs.import_onnx(model)
+    except Exception as e:  # graphsurgeon rejects graphs it cannot represent
+        raise UnsupportedModelError(f"{name}: cannot be analysed: {type(e).__name__}: {e}") from e
+    tensors = graph.tensors()
+    graph.inputs = [_runtime_input(tensors.get(i.name), i) for i in model.graph.input]
     seen: set[str] = set()
     nested = [inner for node in graph.nodes for inner, _ in nested_nodes(node)]
     for index, node in enumerate(list(graph.nodes) + nested):
@@ -162,6 +176,16 @@ def outer_reads(node: gs.Node) -> list[gs.Tensor]:
     return list(found.values())
 
 
+def _runtime_input(tensor: gs.Tensor | None, info: onnx.ValueInfoProto) -> gs.Tensor:
+    """The graph input `info`: an overridable initializer becomes a Variable (in place, for every reader)."""
+    if tensor is None:  # an input no node reads
+        return gs.Variable(info.name, dtype=info.type.tensor_type.elem_type or None)
+    if isinstance(tensor, gs.Constant):
+        tensor.to_variable(shape=list(tensor.shape))
+        tensor.type = "tensor_type"  # what Variable.__init__ would have set
+    return tensor
+
+
 # --- op table ----------------------------------------------------------------------------------
 
 
@@ -182,11 +206,17 @@ def _linear_or(reason: str, ok: bool, axis: int | None):
     return NodeKind.OTHER, Opaque(reason)
 
 
+def _runtime(tensor: gs.Tensor) -> str:
+    return f"{tensor.name} is not a constant (computed at run time, or an overridable graph input)"
+
+
 def _matmul(ctx, node):
     weight = node.inputs[1]
     rank = _rank(ctx, node.outputs[0])
-    ok = is_constant(weight) and not is_constant(node.inputs[0]) and len(ctx.shapes.get(weight.name) or ()) >= 2
-    return _linear_or("multiplies two run-time tensors (or a constant on the left)", ok, None if rank is None else rank - 1)
+    if not is_constant(weight):
+        return NodeKind.OTHER, Opaque(f"its weight {_runtime(weight)}")
+    ok = not is_constant(node.inputs[0]) and len(ctx.shapes.get(weight.name) or ()) >= 2
+    return _linear_or("multiplies by a constant on the left, or by a weight of rank < 2", ok, None if rank is None else rank - 1)
 
 
 def _gemm(ctx, node):
@@ -208,7 +238,10 @@ def _gather(ctx, node):
         rank = _rank(ctx, node.outputs[0])
         ok = len(ctx.shapes.get(data.name) or ()) == 2 and _axis(axis, 2) == 0
         return _linear_or("gathers from a constant that is not an embedding table", ok, None if rank is None else rank - 1)
-    return NodeKind.LAYOUT, Take(_axis(axis, _rank(ctx, data)) or 0, _rank(ctx, indices))
+    data_axis = _axis(axis, _rank(ctx, data))
+    if data_axis is None:
+        return NodeKind.OTHER, Opaque("a Gather along a negative axis of unknown rank")
+    return NodeKind.LAYOUT, Take(data_axis, _rank(ctx, indices))
 
 
 def _slice(ctx, node):
@@ -220,7 +253,8 @@ def _slice(ctx, node):
             return NodeKind.LAYOUT, Select(None)
         axes = [int(a) for a in np.ravel(axes)]
     else:
-        count = (starts.shape or [None])[0] if not is_constant(starts) else constant_values(starts).size
+        values = constant_values(starts)
+        count = (starts.shape or [None])[0] if values is None else values.size
         axes = list(range(count)) if isinstance(count, int) else None
     if axes is None or rank is None and any(a < 0 for a in axes):
         return NodeKind.LAYOUT, Select(None)
@@ -238,11 +272,13 @@ def _transpose(ctx, node):
         if rank is None:
             return NodeKind.OTHER, Opaque("a Transpose of unknown rank")
         perm = list(reversed(range(rank)))
+    if sorted(perm) != list(range(len(perm))):
+        return NodeKind.OTHER, Opaque(f"a Transpose with an invalid perm {list(perm)}")
     return NodeKind.LAYOUT, Permute(tuple(perm))
 
 
 def _concat(ctx, node):
-    axis = _axis(node.attrs["axis"], _rank(ctx, node.outputs[0]))
+    axis = _axis(node.attrs.get("axis", 0), _rank(ctx, node.outputs[0]))
     if axis is None:
         return NodeKind.OTHER, Opaque("a Concat of unknown rank")
     return NodeKind.LAYOUT, Concat(axis)
@@ -251,7 +287,9 @@ def _concat(ctx, node):
 def _softmax(ctx, node):
     rank = _rank(ctx, node.inputs[0])
     axis = _axis(node.attrs.get("axis", -1 if ctx.opset >= 13 else 1), rank)
-    if axis is None or ctx.opset < 13 and axis != rank - 1:
+    if axis is None or rank is None:
+        return NodeKind.OTHER, Opaque("a Softmax of unknown rank")
+    if ctx.opset < 13 and axis != rank - 1:  # before opset 13 Softmax normalizes over axes [axis, rank)
         return NodeKind.OTHER, Opaque("Softmax over several axes")
     return NodeKind.OTHER, ShiftInvariant(axis)
 
@@ -264,6 +302,8 @@ def _cast(ctx, node):
 
 def _sub(ctx, node):
     """x − ReduceMean(x, axis) is already centred (an inserted or hand-written centring)."""
+    if len(node.inputs) != 2:
+        return NodeKind.OTHER, Opaque("a Sub without two inputs")
     x, mean = node.inputs
     producer = mean.inputs[0] if len(mean.inputs) == 1 else None
     if producer is not None and producer.op == "ReduceMean" and producer.inputs[0] is x and producer.attrs.get("keepdims", 1):
@@ -308,14 +348,21 @@ OP_TABLE = {
     "Expand": lambda ctx, node: (NodeKind.LAYOUT, Broadcast()),  # broadcast over other axes
     "Concat": _concat,  # zero-mean parts concatenate to zero mean
     "Softmax": _softmax,  # not linear, but removes a shift along its axis
+    **{op: lambda ctx, node: (NodeKind.CONSTANT, ShapeOnly()) for op in SHAPE_READERS},
 }
 
 
 def classify(ctx: OnnxGraph, node: gs.Node):
-    handler = OP_TABLE.get(node.op)
+    """(kind, rule) of `node`; never raises: what cannot be analysed is `Opaque`, with the reason."""
+    domain = node.domain or ""
+    handler = OP_TABLE.get(node.op) if domain in ("", "ai.onnx") else None
     if handler is None:
-        return NodeKind.OTHER, Opaque(f"{node.op} is not linear in its input")
-    return handler(ctx, node)
+        named = node.op if domain in ("", "ai.onnx") else f"{domain}.{node.op}"
+        return NodeKind.OTHER, Opaque(f"{named} is not linear in its input")
+    try:
+        return handler(ctx, node)
+    except (IndexError, KeyError, TypeError, ValueError) as e:  # a malformed node (missing inputs or attributes)
+        return NodeKind.OTHER, Opaque(f"cannot be analysed ({type(e).__name__}: {e})")
 
 
 def _norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[gs.Node, str, object]]:
@@ -358,16 +405,14 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
     zmg.graph_inputs = {t.name for t in graph.inputs}
     zmg.graph_outputs = outputs
     for tensor in graph.tensors().values():
-        if isinstance(tensor, gs.Constant):
-            zmg.constants[tensor.name] = lambda t=tensor: t.values
+        if is_constant(tensor):
+            zmg.constants[tensor.name] = lambda t=tensor: constant_values(t)
     in_norm: set[int] = set()
     for node, op, (norm_type, match) in _norm_matches(graph.nodes, outputs):
         zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
         in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}
     for node in graph.nodes:
-        if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
-            zmg.constants[node.outputs[0].name] = lambda v=node.attrs["value"]: v.values
         if node.name in norms_by_anchor:
             norm = norms_by_anchor[node.name]
             inputs = [norm.input] + [t for t in (norm.scale, norm.bias) if t]

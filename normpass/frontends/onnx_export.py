@@ -4,7 +4,8 @@ graphsurgeon's own `export_onnx` copies every initializer several times (NumPy �
 TensorProto → GraphProto → ModelProto), which dominated the pass's cost on a 124M model.
 Here an unchanged initializer is the source `TensorProto`, appended once; a rewritten one is
 serialised once from its array. Nodes keep the source's doc_string and metadata_props (the
-exporter's provenance), with normpass's notes appended.
+exporter's provenance), with normpass's notes appended. An initializer that the source also lists
+as a graph input (an overridable default) is written back unchanged.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def export_model(graph: gs.Graph, source: onnx.ModelProto, docs: dict[str, str],
             proto.doc_string = (proto.doc_string + "\n" if proto.doc_string else "") + docs[node.name]
         out.node.append(proto)
     out.input.extend(OnnxExporter.export_value_info_proto(t, do_type_check=False) for t in graph.inputs)
+    inputs = {t.name for t in graph.inputs}
+    out.initializer.extend(init for init in source.graph.initializer if init.name in inputs)  # overridable defaults
     out.output.extend(OnnxExporter.export_value_info_proto(t, do_type_check=False) for t in graph.outputs)
     boundary = {t.name for t in graph.inputs + graph.outputs}
     for tensor in graph.tensors().values():

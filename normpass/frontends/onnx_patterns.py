@@ -18,12 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..algebra import has_zero_mean, is_uniform
 from ..graph import NormInfo, NormType
+from .onnx_constants import constant_values, is_constant  # noqa: F401  (re-exported for the front end)
 
 TRANSPARENT_CASTS = {"Cast"}
 
@@ -41,31 +40,6 @@ class NormMatch:
     beta: gs.Tensor | None = None
     extra_outputs_used: bool = False
     internal: list[gs.Tensor] = field(default_factory=list)
-
-
-def constant_values(tensor: gs.Tensor) -> np.ndarray | None:
-    """Values of an initializer or of a `Constant` node's output (read-only), else None."""
-    if isinstance(tensor, gs.Constant):
-        lazy = tensor._values
-        if isinstance(lazy, LazyValues) and lazy.tensor.HasField("raw_data") and lazy.tensor.data_location != onnx.TensorProto.EXTERNAL:
-            # One copy (protobuf → bytes) instead of graphsurgeon's to_array + np.array.
-            proto = lazy.tensor
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(proto.data_type)
-            if dtype.kind in "fiub" and dtype.itemsize in (1, 2, 4, 8):
-                return np.frombuffer(proto.raw_data, dtype=dtype).reshape(tuple(proto.dims))
-        return tensor.values
-    if len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
-        value = tensor.inputs[0].attrs.get("value")
-        if isinstance(value, gs.Constant):
-            return value.values
-    return None
-
-
-def is_constant(tensor: gs.Tensor) -> bool:
-    """Whether `tensor` is an initializer or a `Constant` node's output, without loading it."""
-    if isinstance(tensor, gs.Constant):
-        return True
-    return len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant" and isinstance(tensor.inputs[0].attrs.get("value"), gs.Constant)
 
 
 def _unique_nodes(nodes) -> list[gs.Node]:

@@ -25,7 +25,7 @@ import onnx_graphsurgeon as gs
 
 from ..algebra import migrate_affine
 from ..analysis import regroup_axis
-from .onnx import OnnxGraph
+from .onnx import SHAPE_READERS, OnnxGraph
 from .onnx_patterns import constant_values, is_constant
 
 REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -102,7 +102,7 @@ def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: gs.Tensor
     """Where a per-feature affine on `tensor` (its last axis) can go, or None.
 
     Every path from `tensor` must reach, through reshapes that keep the feature axis, the input of
-    a linear layer that contracts over it (and can take a bias when `needs_bias`). `other(consumer,
+    a reader of shapes only (`Shape`, `Size`: it does not see the affine) or of a linear layer that contracts over it (and can take a bias when `needs_bias`). `other(consumer,
     tensor, axis)` may claim a consumer that is not such a layer by returning a target of its own
     (anything not None); by default nothing else is accepted.
     """
@@ -114,6 +114,8 @@ def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: gs.Tensor
         if current.name in graph_outputs or not current.outputs or axis is None:
             return None
         for consumer in ctx.readers(current):  # a reader inside a control-flow body is its control-flow node
+            if consumer.op in SHAPE_READERS:  # reads no values: the affine does not matter to it
+                continue
             if other is not None and (claimed := other(consumer, current, axis)) is not None:
                 targets.append(claimed)
                 continue

@@ -1,0 +1,228 @@
+"""The analysis on graphs as real exporters write them: run-time initializers, shape readers,
+constant subgraphs, more zero-mean-preserving ops, and handlers that never raise."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import assert_equivalent, build, check_structure, initializers, randn, run_ort
+from normpass import FoldOptions, fold_onnx, inspect_onnx
+
+OPSET = '<ir_version: 10, opset_import: ["" : 17]>'
+
+
+def _fold(model, **options):
+    return fold_onnx(model, FoldOptions(fold_with_beta_add=True, **options))
+
+
+def _decision(plan, name):
+    return next(d for d in plan.decisions if d.name == name)
+
+
+# --- overridable initializers --------------------------------------------------------------------
+
+PRE_LN = OPSET + """
+m (float[2,4,8] x, float[8,8] W0) => (float[2,4,8] y) {
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  y0 = MatMul(n, W1)
+  y = Add(y0, b1)
+}"""
+
+
+def _pre_ln(gen, **extra):
+    return build(PRE_LN, W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8),
+                 W1=randn(gen, 8, 8), b1=randn(gen, 8), **extra)
+
+
+def test_initializer_listed_as_input_is_a_runtime_input(gen):
+    model = _pre_ln(gen)
+    result = _fold(model)
+    assert result.folded == 0
+    assert "W0" in _decision(result.plan, "n").reason
+    assert [i.name for i in result.model.graph.input] == ["x", "W0"]
+    assert [i.type for i in result.model.graph.input] == [i.type for i in model.graph.input]
+    check_structure(result.model)
+    feeds = {"x": randn(gen, 2, 4, 8, scale=3.0), "W0": randn(gen, 8, 8) + 1.0}  # an override
+    expected, got = run_ort(model, feeds), run_ort(result.model, feeds)
+    np.testing.assert_allclose(got["y"], expected["y"], rtol=1e-5, atol=1e-5)
+    assert_equivalent(model, result.model)  # the defaults, as the model runs without an override
+
+
+def test_overridable_consumer_weight_is_no_migration_target(gen):
+    """W1 can be overridden: γ/β must stay out of it, and the folded model must still take it."""
+    model = build(PRE_LN.replace("float[8,8] W0)", "float[8,8] W1)"), W0=randn(gen, 8, 8), b0=randn(gen, 8),
+                  g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8), b1=randn(gen, 8))
+    result = _fold(model)
+    assert result.folded == 1
+    assert "migrated" not in (result.affine_notes["n"] or "")
+    assert [i.name for i in result.model.graph.input] == ["x", "W1"]
+    feeds = {"x": randn(gen, 2, 4, 8, scale=3.0), "W1": randn(gen, 8, 8) + 1.0}
+    expected, got = run_ort(model, feeds), run_ort(result.model, feeds)
+    np.testing.assert_allclose(got["y"], expected["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_overridable_gamma_declines_the_norm(gen):
+    model = build(PRE_LN.replace("float[8,8] W0)", "float[8] g)"), W0=randn(gen, 8, 8), b0=randn(gen, 8),
+                  g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8), b1=randn(gen, 8))
+    result = _fold(model)
+    assert result.folded == 0
+    assert "run time" in _decision(result.plan, "n").reason
+    assert [i.name for i in result.model.graph.input] == ["x", "g"]
+
+
+# --- readers of shapes only ----------------------------------------------------------------------
+
+
+def test_shape_readers_do_not_block_centring_or_affine_migration(gen):
+    """Shape of the centred stream and of the norm's output (as TorchScript exports emit for every reshape)."""
+    model = build(OPSET + """
+m (float[B,S,8] x) => (float[B,S,8] y) {
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  hs = Shape(h)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  ns = Shape(n)
+  k = Size(n)
+  y0 = MatMul(n, W1)
+  y1 = Add(y0, b1)
+  z = Reshape(y1, ns)
+  y = Reshape(z, hs)
+}""", W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8), b1=randn(gen, 8))
+    plan = inspect_onnx(model)
+    assert [d.foldable for d in plan.decisions] == [True]
+    result = fold_onnx(model)  # default options: β must have somewhere to go
+    assert result.folded == 1
+    assert result.affine_notes["n"].startswith("γ/β migrated")
+    check_structure(result.model)
+    for shape in ((1, 3, 8), (2, 5, 8)):
+        assert_equivalent(model, result.model, shapes={"x": shape})
+
+
+def test_a_value_computed_from_shapes_is_not_a_constant_to_centre(gen):
+    model = build(OPSET + """
+m (float[2,4,8] x) => (float[2,4,8] y) {
+  h0 = MatMul(x, W0)
+  s = Shape(h0)
+  f = Cast<to=1>(s)
+  t = Slice(f, two, three)
+  h = Add(h0, t)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  y = MatMul(n, W1)
+}""", W0=randn(gen, 8, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8),
+        two=np.array([2], np.int64), three=np.array([3], np.int64))
+    decision = _decision(inspect_onnx(model), "n")
+    assert not decision.foldable and "broadcasts t along the normalized axis" in decision.reason
+
+
+# --- constant-like tensors -----------------------------------------------------------------------
+
+
+def test_weights_read_through_constant_subgraphs_are_constants(gen):
+    """γ deduplicated and read through Identity by two norms (TorchScript), W0 transposed, b0 a
+    `value_floats` Constant, W1 cast from double, b1 unsqueezed: all constants. Only n1 folds, and
+    n2 keeps reading the original γ (copy-on-write)."""
+    model = build(OPSET + """
+m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] y2) {
+  b0 = Constant<value_floats = [0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 3.0, 1.0]>()
+  w0 = Transpose<perm=[1, 0]>(W0t)
+  gi = Identity(g)
+  w1 = Cast<to=1>(W1d)
+  b1 = Unsqueeze(b1v, zero)
+  h0 = MatMul(x, w0)
+  h = Add(h0, b0)
+  n1 = LayerNormalization<axis=-1>(h, gi, be)
+  y0 = MatMul(n1, w1)
+  y = Add(y0, b1)
+  n2 = LayerNormalization<axis=-1>(x, gi, be)
+  y2 = Mul(n2, two)
+}""", W0t=randn(gen, 8, 8), g=randn(gen, 8) + 1.0, be=randn(gen, 8), W1d=randn(gen, 8, 8).astype(np.float64),
+        b1v=randn(gen, 8), zero=np.array([0], np.int64), two=np.array(2.0, np.float32))
+    result = _fold(model)
+    assert [(d.name, d.foldable) for d in result.plan.decisions] == [("n1", True), ("n2", False)]
+    assert result.affine_notes["n1"].startswith("γ/β migrated")
+    check_structure(result.model)
+    (n2,) = [n for n in result.model.graph.node if n.op_type == "LayerNormalization"]
+    g_reader = next(n for n in result.model.graph.node if n.output[0] == n2.input[1])
+    assert g_reader.op_type == "Identity" and g_reader.input[0] == "g"
+    assert initializers(result.model)["g"].tobytes() == initializers(model)["g"].tobytes()
+    assert_equivalent(model, result.model)
+
+
+def test_slice_and_concat_of_constants_feed_a_centred_layer(gen):
+    text = OPSET + """
+m (float[2,4,8] x) => (float[2,4,8] y) {
+  lo = Slice(W, zero, four, one)
+  hi = Slice(W, four, eight, one, one)
+  w = Concat<axis=1>(lo, hi)
+  h = MatMul(x, w)
+  b = Gather<axis=0>(B, idx)
+  hb = Add(h, b)
+  n = LayerNormalization<axis=-1>(hb, g, be)
+  y = MatMul(n, W1)
+}"""
+    model = build(text, W=randn(gen, 8, 8), zero=np.array([0], np.int64), four=np.array([4], np.int64),
+                  eight=np.array([8], np.int64), one=np.array([1], np.int64), B=randn(gen, 3, 8),
+                  idx=np.array(1, np.int64), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8))
+    result = _fold(model)
+    assert result.folded == 1
+    assert_equivalent(model, result.model)
+
+
+# --- never crash -----------------------------------------------------------------------------------
+
+
+def _as_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every initializer written as a `Constant` node, as PaddlePaddle exports do."""
+    constants = [onnx.helper.make_node("Constant", [], [i.name], name=f"const_{i.name}", value=i) for i in model.graph.initializer]
+    nodes = constants + list(model.graph.node)
+    del model.graph.initializer[:]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
+def test_opset_11_softmax_of_unknown_rank_and_constant_node_weights(gen):
+    model = onnx.parser.parse_model("""<ir_version: 6, opset_import: ["" : 11]>
+m (float x) => (float y, float p) {
+  p = Softmax(x)
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n = LayerNormalization(h, g, be)
+  y = MatMul(n, W1)
+}""")
+    for value in list(model.graph.input) + list(model.graph.output):
+        value.type.tensor_type.ClearField("shape")  # unknown rank
+    for name, value in dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8)).items():
+        model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
+    plan = inspect_onnx(_as_constant_nodes(model))
+    assert [(d.foldable, d.reason) for d in plan.decisions] == [(False, "the rank of h is unknown, so the normalized axis cannot be tracked")]
+
+
+@pytest.mark.parametrize("node", [
+    'p = Softmax<axis=1>(h)',
+    'p = Gather<axis=-1>(h, idx)',
+    'p = Transpose<perm=[0, 0, 1]>(h)',
+    'p = Concat(h, h)',
+    'p = custom.MatMul(h, W1)',
+    'p = Sub(h)',
+])
+def test_malformed_or_unknown_readers_decline_with_a_reason(gen, node):
+    """A reader of the centred stream that cannot be analysed makes the fold unsafe, with a reason."""
+    model = onnx.parser.parse_model(OPSET.replace('"" : 17', '"" : 17, "custom" : 1') + """
+m (float[2,4,8] x) => (float[2,4,8] y, float p) {
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  y = MatMul(n, W1)
+  """ + node + """
+}""")
+    for name, value in dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8),
+                            idx=np.array([0], np.int64)).items():
+        model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
+    model.graph.output[1].type.tensor_type.ClearField("shape")
+    (decision,) = inspect_onnx(model).decisions
+    assert not decision.foldable and decision.reason
