@@ -6,18 +6,25 @@ PyTorch, exports it to ONNX and records its expected norm and fold counts::
     from normpass_models import export_onnx, names
     for name in names(include_large=False):
         export_onnx(name, f"/tmp/{name}.onnx")
+
+``export_onnx(name, path, form=...)`` writes the same model as another exporter would (``FORMS``:
+dynamo, torchscript, ort-optimized, fp16; see ``forms.py``).
 """
 
 from __future__ import annotations
 
 import pathlib
 
+from .forms import BASE_FORM, FORMS, convert, export_form
 from .registry import REGISTRY, ModelEntry, default_name, get, gpt2_config, gpt2_entry, gpt2_small_shape, names
 
 __all__ = [
+    "BASE_FORM",
+    "FORMS",
     "REGISTRY",
     "ModelEntry",
     "default_name",
+    "convert",
     "export_onnx",
     "get",
     "gpt2_config",
@@ -27,6 +34,6 @@ __all__ = [
 ]
 
 
-def export_onnx(name: str, path: str | pathlib.Path) -> pathlib.Path:
-    """Export the registered model ``name`` to ONNX at ``path`` and return the path."""
-    return get(name).export_onnx(path)
+def export_onnx(name: str, path: str | pathlib.Path, form: str = "dynamo") -> pathlib.Path:
+    """Export the registered model ``name`` to ONNX at ``path`` in ``form`` and return the path."""
+    return export_form(get(name), path, form)

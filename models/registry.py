@@ -37,6 +37,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
     SwinConfig,
     SwinModel,
     ViTConfig,
@@ -44,6 +46,9 @@ from transformers import (
 )
 
 Inputs = tuple[torch.Tensor, ...]
+
+# The exporter forms of every entry (forms.py); the entry's expectations hold for each of them.
+FORMS = ("dynamo", "torchscript", "ort-optimized", "fp16")
 
 TEXT_DYNAMIC = ({0: "batch", 1: "seq"},)
 IMAGE_DYNAMIC = ({0: "batch"},)
@@ -57,6 +62,9 @@ class ModelEntry:
     models ignore ``seq``); ``dynamic_shapes`` holds one ``{axis: dim name}``
     dict per input, as accepted by ``torch.onnx.export``. ``large`` entries
     are too big for unit tests and are meant for benchmarks.
+
+    The expected counts (norms, proven, kept) and reasons are the target for every form in
+    ``forms``: an exporter changes how a model is spelled, not which norms provably fold.
     """
 
     name: str
@@ -71,6 +79,12 @@ class ModelEntry:
     why: str
     large: bool = False
     expected_kept: int = 0  # of those, kept as LayerNorms by default: their β can move nowhere
+    # ``onnxruntime.transformers.optimizer`` settings for the "ort-optimized" form (forms.py):
+    # model type, attention heads and hidden size (0: let the optimizer detect them).
+    ort_model_type: str = "bert"
+    num_heads: int = 0
+    hidden_size: int = 0
+    forms: tuple[str, ...] = FORMS
 
     @property
     def expected_rewritten(self) -> int:
@@ -233,6 +247,9 @@ def gpt2_entry(
             "final LayerNorm's β has nowhere to go (the LM head has no bias), so `fold` keeps that one."
         ),
         large=large,
+        ort_model_type="gpt2",
+        num_heads=n_head,
+        hidden_size=n_embd,
     )
 
 
@@ -265,6 +282,8 @@ def _bert_entry() -> ModelEntry:
             "constant table); every later LayerNorm reads a residual containing the previous LayerNorm's "
             "affine output gamma*x_hat + beta, which is not zero-mean."
         ),
+        num_heads=4,
+        hidden_size=64,
     )
 
 
@@ -300,6 +319,9 @@ def _vit_entry() -> ModelEntry:
             "so every LayerNorm folds. The final one writes the graph output, so its β has nowhere to go "
             "and `fold` keeps it."
         ),
+        ort_model_type="vit",
+        num_heads=4,
+        hidden_size=64,
     )
 
 
@@ -316,6 +338,8 @@ def _llama_entry() -> ModelEntry:
         bos_token_id=0,
         eos_token_id=1,
         use_cache=False,
+        # The TorchScript exporter cannot export SDPA with grouped KV heads (enable_gqa).
+        attn_implementation="eager",
     )
     make_inputs = partial(_token_inputs, config.vocab_size)
     return ModelEntry(
@@ -332,6 +356,9 @@ def _llama_entry() -> ModelEntry:
             "All norms are already RMSNorms, so there is no LayerNorm to fold; they export decomposed as "
             "Pow -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> Mul -> Mul(weight)."
         ),
+        ort_model_type="gpt2",
+        num_heads=4,
+        hidden_size=64,
     )
 
 
@@ -372,6 +399,47 @@ def _swin_entry() -> ModelEntry:
             "(the patch-embedding LayerNorm also starts stage 1's stream, which LayerNorms read; two reach "
             "their attention through window padding; the last writes the graph output)."
         ),
+        ort_model_type="swin",
+    )
+
+
+def _opt_entry() -> ModelEntry:
+    layers = 2
+    config = OPTConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        ffn_dim=128,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        word_embed_proj_dim=64,
+        do_layer_norm_before=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        use_cache=False,
+    )
+    make_inputs = partial(_token_inputs, config.vocab_size)
+    norms = 2 * layers + 1
+    return ModelEntry(
+        name="opt",
+        summary=f"OPT LM, pre-LN decoder (do_layer_norm_before), {layers} layers, hidden 64, vocab 128, tied LM head",
+        build_torch=partial(_build, lambda: _Logits(OPTForCausalLM(config)), make_inputs, 8),
+        make_inputs=make_inputs,
+        input_names=("input_ids",),
+        output_names=("logits",),
+        dynamic_shapes=TEXT_DYNAMIC,
+        expected_norms=norms,
+        expected_folded=norms,
+        expected_kept=1,
+        why=(
+            "Pre-LN like GPT-2: the residual stream is written by the token and learned position embedding "
+            "Gathers and the out_proj/fc2 Linears and read by LayerNorms and residual Adds, so every "
+            "LayerNorm folds; the final one's β has nowhere to go (the tied LM head has no bias)."
+        ),
+        ort_model_type="gpt2",
+        num_heads=4,
+        hidden_size=64,
     )
 
 
@@ -455,6 +523,7 @@ REGISTRY: dict[str, ModelEntry] = {
         _vit_entry(),
         _llama_entry(),
         _swin_entry(),
+        _opt_entry(),
         gpt2_small_shape(),
     )
 }

@@ -59,8 +59,8 @@ def exported(request, tmp_path_factory):
 
 
 def test_registry_contents():
-    assert names() == ["gpt2", "bert", "vit", "llama", "swin", "gpt2-small-shape"]
-    assert SMALL == ["gpt2", "bert", "vit", "llama", "swin"]
+    assert names() == ["gpt2", "bert", "vit", "llama", "swin", "opt", "gpt2-small-shape"]
+    assert SMALL == ["gpt2", "bert", "vit", "llama", "swin", "opt"]
     assert default_name in REGISTRY and not get(default_name).large
     assert get("gpt2-small-shape").large
     assert set(normpass_models.__all__) >= {"ModelEntry", "REGISTRY", "get", "names", "export_onnx"}

@@ -1,0 +1,145 @@
+"""The exporter axis: every small registry model in every form folds as its dynamo export does.
+
+Each (model, form) is exported once per session (``normpass_models.FORMS``: dynamo, torchscript,
+ort-optimized, fp16; the derived forms are made from the cached base export). Per form:
+
+* ``inspect`` finds the registry's norm count and proves the registry's count, and the declined
+  norms are declined for the same reasons as in the dynamo export (reasons compared by category:
+  node names and the spelling of the LayerNorm op are normalised away);
+* ``fold`` rewrites the registry's count, normpass's verifier passes, and an independent check
+  (both models run here in ONNX Runtime, optimizations off, on inputs of a shape the export did
+  not see) agrees within 1e-4 relative (fp32) or 1e-2 (fp16);
+* ``inspect``, ``fold`` and ``viz`` through the CLI never raise on the file.
+
+The target is exporter-independence; forms that do not reach it yet fail with normpass's reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import normpass_models
+from normpass import fold_onnx, inspect_onnx
+from normpass.cli.main import main
+
+SMALL = normpass_models.names(include_large=False)
+CASES = [(name, form) for name in SMALL for form in normpass_models.get(name).forms]
+TOLERANCE = {np.dtype(np.float32): 1e-4, np.dtype(np.float16): 1e-2}
+ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+
+
+@pytest.fixture(scope="session")
+def corpus_export(tmp_path_factory, registry_export):
+    """`corpus_export(name, form)` → path of the registry model `name` exported in `form`, once per session."""
+    root = tmp_path_factory.mktemp("corpus")
+    cache: dict[tuple[str, str], object] = {}
+
+    def export(name: str, form: str):
+        key = (name, form)
+        if key in cache:
+            return cache[key]
+        entry = normpass_models.get(name)
+        path = root / f"{name}.{form}.onnx"
+        if form == "dynamo":
+            cache[key] = registry_export(name)
+        elif form in normpass_models.BASE_FORM:
+            cache[key] = normpass_models.convert(entry, export(name, normpass_models.BASE_FORM[form]), path, form)
+        else:
+            cache[key] = normpass_models.export_onnx(name, path, form)
+        return cache[key]
+
+    return export
+
+
+def reason_category(reason: str) -> str:
+    """A decline reason without node/tensor names and with every LayerNorm op spelled alike."""
+    words = [("<name>" if re.search(r"[/_.:\d]", word) else word) for word in reason.split()]
+    return re.sub(r"\b\w*LayerNormalization\b", "LayerNorm", " ".join(words))
+
+
+def reasons(plan) -> collections.Counter:
+    return collections.Counter(reason_category(d.reason) for d in plan.decisions if d.reason and not d.foldable)
+
+
+def own_feeds(entry, model: onnx.ModelProto, seed: int = 123) -> dict[str, np.ndarray]:
+    """The entry's inputs at batch 3, sequence 7 (the exports saw 2 x 8), in the graph's input dtypes."""
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    dtypes = {i.name: ORT_DTYPES[i.type] for i in session.get_inputs()}
+    tensors = entry.make_inputs(3, 7, seed)
+    return {name: tensor.numpy().astype(dtypes[name]) for name, tensor in zip(entry.input_names, tensors)}
+
+
+def run_unoptimized(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def max_rel_error(expected: list[np.ndarray], got: list[np.ndarray]) -> float:
+    errors = []
+    for ref, out in zip(expected, got, strict=True):
+        assert ref.shape == out.shape and ref.dtype == out.dtype
+        ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
+        errors.append(float(np.abs(ref64 - out64).max()) / max(float(np.abs(ref64).max()), 1e-30))
+    return max(errors)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{name}-{form}" for name, form in CASES])
+def case(request, corpus_export):
+    name, form = request.param
+    return normpass_models.get(name), form, corpus_export(name, form)
+
+
+def test_forms_cover_every_small_entry():
+    assert normpass_models.FORMS == ("dynamo", "torchscript", "ort-optimized", "fp16")
+    assert {"gpt2", "bert", "vit", "llama", "swin", "opt"} <= set(SMALL)
+    assert all(normpass_models.get(name).forms == normpass_models.FORMS for name in SMALL)
+
+
+def test_reason_category_ignores_names_and_spelling():
+    dynamo = "centring node_add is unsafe: LayerNormalization node_layer_norm_1 has an unknown shape"
+    optimized = "centring /model/Add_3 is unsafe: SkipLayerNormalization SkipLayerNorm_0 has an unknown shape"
+    assert reason_category(dynamo) == reason_category(optimized)
+    assert reason_category(dynamo) != reason_category("already an RMSNorm: there is no mean subtraction to remove")
+
+
+def test_inspect_proves_what_dynamo_proves(case, corpus_export):
+    entry, form, path = case
+    plan = inspect_onnx(onnx.load(str(path)))
+    summary = [(d.name, d.reason) for d in plan.decisions if not d.foldable]
+    assert plan.total == entry.expected_norms, summary
+    assert len(plan.folded) == entry.expected_folded, summary
+    reference = inspect_onnx(onnx.load(str(corpus_export(entry.name, "dynamo"))))
+    assert reasons(plan) == reasons(reference)
+
+
+def test_fold_rewrites_what_dynamo_rewrites_and_verifies(case):
+    entry, form, path = case
+    model = onnx.load(str(path))
+    result = fold_onnx(model)
+    summary = [(d.name, d.reason) for d in result.plan.decisions if d.reason]
+    assert result.folded == entry.expected_rewritten, summary
+    assert result.comparison is not None and result.comparison.passed, result.comparison
+    feeds = own_feeds(entry, model)
+    expected = run_unoptimized(model, feeds)
+    error = max_rel_error(expected, run_unoptimized(result.model, feeds))
+    assert error <= TOLERANCE[expected[0].dtype], f"{entry.name} {form}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("command", ["inspect", "fold", "viz"])
+def test_cli_never_raises(case, command, tmp_path):
+    entry, form, path = case
+    outputs = {"inspect": [], "fold": ["-o", str(tmp_path / "folded.onnx")], "viz": ["-o", str(tmp_path / "graph.html")]}
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        code = main([command, str(path), *outputs[command]])
+    assert code in (0, 2), sink.getvalue()[-2000:]
