@@ -71,11 +71,17 @@ def relative_error(reference: np.ndarray, candidate: np.ndarray) -> float:
     return float(np.abs(ref[finite] - got[finite]).max()) / scale
 
 
+def describe(error: Exception) -> str:
+    """'TypeName: first line of the message'."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def signature(model: onnx.ModelProto) -> tuple:
-    def describe(values):
+    def entries(values):
         return [(v.name, v.type.tensor_type.elem_type, len(v.type.tensor_type.shape.dim)) for v in values]
 
-    return describe(model.graph.input), describe(model.graph.output)
+    return entries(model.graph.input), entries(model.graph.output)
 
 
 def check(case) -> list[Failure]:
@@ -89,7 +95,7 @@ def check(case) -> list[Failure]:
     except NormpassError as e:
         failures += _one_line(e, "inspect")
     except Exception as e:  # noqa: BLE001 - the property under test: nothing else escapes
-        failures.append(Failure("exception", "inspect", f"{type(e).__name__}: {e}"))
+        failures.append(Failure("exception", "inspect", describe(e)))
     expected = run_all(case.model, case.feeds)
     for mode, options in MODES.items():
         failures += _check_mode(case, mode, options, expected)
@@ -114,14 +120,14 @@ def _check_mode(case, mode: str, options: FoldOptions, expected) -> list[Failure
     except NormpassError as e:
         return _one_line(e, mode)
     except Exception as e:  # noqa: BLE001
-        return [Failure("exception", mode, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")]
+        return [Failure("exception", mode, describe(e))]
     failures = _signature_change(case.model, result.model, mode)
     declared = {i.name for i in result.model.graph.input}
     runnable = [i for i, feeds in enumerate(case.feeds) if set(feeds) <= declared]  # not overrides it dropped
     try:
         got = dict(zip(runnable, run_all(result.model, [case.feeds[i] for i in runnable])))
     except Exception as e:  # noqa: BLE001
-        return failures + [Failure("rejected", mode, f"{type(e).__name__}: {str(e).splitlines()[0]}")]
+        return failures + [Failure("rejected", mode, describe(e))]
     worst = (0.0, None, None)
     for index, candidate in got.items():
         for name, value in expected[index].items():
