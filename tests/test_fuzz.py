@@ -1,4 +1,12 @@
-"""Property-based fuzzing of the fold on random stacks of linear layers, sums, scalings and norms.
+"""Fuzzing of the fold: hypothesis stacks of linear layers and norms, and generated transformer-like graphs.
+
+Generated graphs (tests/graphgen.py, checked by tests/fuzzcheck.py): for a fixed list of seeds,
+every fold of every model (default options, `verify=False`, `target="onnx"`) is exact on the
+generator's own feeds in an independent ONNX Runtime run, or refused with a one-line
+`NormpassError`; nothing else escapes, the caller's model is untouched and the folded model
+keeps its inputs and outputs. `tools/fuzz.py` runs the same check over thousands of seeds.
+
+Hypothesis stacks, below:
 
 A stack is a random program over one stream tensor ([6, D] or [2, 3, D]): Gemm/MatMul with
 constant weights (random transB, optional bias, sometimes the previous layer's weight initializer),
@@ -21,6 +29,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
 
+import fuzzcheck
+import graphgen
+import pytest
 from conftest import IR_VERSION, assert_equivalent, check_structure, op_counts, rms_nodes
 
 D = 8
@@ -232,3 +243,44 @@ def test_fuzz_fold_with_insertions(stack):
     """Streams that start at a blocker (Relu) and are read by norms: folds need inserted centrings."""
     steps, seed = stack
     check_fold(make_model(steps, seed), insert_centering=True)
+
+
+GENERATED_SEEDS, BATCH = 240, 24  # CI's share of the campaign; tools/fuzz.py --examples 5000 runs more
+
+
+@pytest.mark.parametrize("first", range(0, GENERATED_SEEDS, BATCH))
+def test_fuzz_generated_graphs_fold_exactly_or_refuse(first):
+    failures = [f"seed {seed}: {failure}" for seed in range(first, first + BATCH)
+                for failure in fuzzcheck.check(graphgen.generate(seed))]
+    assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --replay SEED"])
+
+
+def test_fuzz_generator_exercises_every_feature():
+    """The CI seeds cover every feature, dtype and opset, and their models both fold and refuse norms."""
+    used, dtypes, opsets, folded, refused = set(), set(), set(), 0, 0
+    for seed in range(GENERATED_SEEDS):
+        case = graphgen.generate(seed)
+        used |= case.used
+        dtypes.add(case.model.graph.input[0].type.tensor_type.elem_type if "x" in case.feeds[0] else "ids")
+        opsets.add(case.model.opset_import[0].version)
+        plan = inspect_onnx(case.model)
+        folded += len(plan.folded)
+        refused += plan.total - len(plan.folded)
+    assert used == set(graphgen.FEATURES)
+    assert {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE} <= dtypes
+    assert opsets == set(graphgen.OPSETS)
+    assert folded >= 50 and refused >= 50, (folded, refused)
+
+
+def test_fuzz_oracle_catches_a_silently_wrong_fold(monkeypatch):
+    """A "fold" that shifts one weight, verification off, is reported as a mismatch in every mode."""
+    case = graphgen.generate(3, features=())
+
+    def wrong_fold(model, options):
+        result = fold_onnx(model, FoldOptions(verify=False))
+        weight = result.model.graph.initializer[0]
+        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + 0.5, weight.name))
+        return result
+
+    monkeypatch.setattr(fuzzcheck, "fold_onnx", wrong_fold)
+    assert [(f.kind, f.mode) for f in fuzzcheck.check(case)] == [("mismatch", mode) for mode in fuzzcheck.MODES]

@@ -1,0 +1,344 @@
+"""Random transformer-like ONNX graphs for fuzzing the fold, each made from one integer seed.
+
+`generate(seed)` returns a `Case`: a checked ONNX model and the feeds an independent oracle runs it
+on (`tests/fuzzcheck.py`). The same seed always gives the same model and feeds.
+
+A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq symbolic or fixed):
+
+* entry: a float input through a linear layer, or token ids through an embedding `Gather`;
+* blocks: pre-norm (h + f(N(h))) or post-norm (N(h + f(h))), f an attention-like branch
+  (q·kᵀ of two run-time tensors, Softmax, ·v, heads split by Reshape/Transpose sometimes) or an
+  MLP (linear → nonlinearity → linear); plus Split/Concat over D, shape arithmetic on hidden
+  states (Shape → Gather → Concat → Reshape), a scalar Mul, a bias Add, a blocker (Relu);
+* linear layers: MatMul + Add, Gemm (transB 0 or 1) on a [-1, D] view made by shape arithmetic,
+  or a 1×1 Conv on an NCHW view; weights sometimes shared with an earlier layer;
+* norms: `LayerNormalization` (opset ≥ 17) or the decomposed chain (ReduceMean, Sub, Pow/Mul,
+  Sqrt, Div), γ/β random, centred, absent or unit;
+* an `If` on a bool input whose branches read stream tensors through outer scope (nested
+  sometimes, with a norm inside sometimes), its output added to the stream or returned;
+* exits: the final stream, a norm, an LM head (tied to the embedding table sometimes), and
+  extra graph outputs at random points;
+* one float dtype per model (fp32 mostly, fp16, fp64), an opset in 13–23 with ops valid for it,
+  an IR version from the opset's minimum to 10 (opset 23 needs IR 11);
+* overridable initializers: some or all initializers also listed in `graph.input`.
+
+Feeds: several shapes when a dim is dynamic, both values of the bool input, and a feed set that
+overrides every overridable float initializer. Float inputs have a non-zero mean per feature, so
+that a dropped centring shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+D, HEADS, VOCAB = 8, 2, 11
+OPSETS = tuple(range(13, 24))
+DTYPES = (np.float32, np.float16, np.float64)
+DTYPE_WEIGHTS = (0.7, 0.15, 0.15)
+SHAPES = ((2, 5), (1, 3))  # (batch, seq) of the first and second feed shape
+FEATURES = ("subgraph", "overridable", "shared", "shape_arith", "conv", "gemm", "attention", "embedding")
+NONLINEAR = ("Relu", "Tanh", "Sigmoid", "Gelu")
+
+
+@dataclass
+class Case:
+    seed: int
+    model: onnx.ModelProto
+    feeds: list[dict[str, np.ndarray]]
+    used: set[str] = field(default_factory=set)  # the features this model exercises
+
+
+class Builder:
+    """Accumulates nodes, initializers and inputs of one graph (or of an `If` branch)."""
+
+    def __init__(self, rng: np.random.Generator, dtype, opset: int, features: set[str], prefix: str = ""):
+        self.rng, self.dtype, self.opset, self.features = rng, np.dtype(dtype), opset, features
+        self.prefix = prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.weights: dict[tuple, list[str]] = {}  # shape → weight initializers, for sharing
+        self.used: set[str] = set()
+        self.counter = 0
+
+    # --- primitives ---------------------------------------------------------------------------
+
+    def name(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{self.prefix}{prefix}{self.counter}"
+
+    def chance(self, p: float) -> bool:
+        return bool(self.rng.random() < p)
+
+    def const(self, prefix: str, values) -> str:
+        tensor = self.name(prefix)
+        self.inits.append(numpy_helper.from_array(np.asarray(values), tensor))
+        return tensor
+
+    def floats(self, prefix: str, *shape, scale=1.0, offset=0.0) -> str:
+        return self.const(prefix, (offset + scale * self.rng.standard_normal(shape)).astype(self.dtype))
+
+    def ints(self, *values) -> str:
+        return self.const("i", np.array(values, np.int64))
+
+    def node(self, op: str, inputs: list[str], outputs: int = 1, **attrs):
+        names = [self.name(op.lower() + "_") for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op, inputs, names, name=names[0], **attrs))
+        return names[0] if outputs == 1 else names
+
+    def weight(self, *shape) -> str:
+        """A weight initializer, sometimes one an earlier layer already reads (shared weights)."""
+        earlier = self.weights.setdefault(shape, [])
+        if earlier and "shared" in self.features and self.chance(0.25):
+            self.used.add("shared")
+            return earlier[self.rng.integers(len(earlier))]
+        weight = self.floats("W", *shape, scale=0.5)
+        earlier.append(weight)
+        return weight
+
+    # --- layers -------------------------------------------------------------------------------
+
+    def linear(self, x: str, d_out: int = D) -> str:
+        """x·W + b on the last axis of a [batch, seq, D] tensor, as MatMul+Add, Gemm or Conv 1×1."""
+        conv = "conv" in self.features and d_out == D and self.dtype == np.float32  # ORT's CPU Conv: fp32 only
+        kinds = ["matmul"] + ["gemm"] * ("gemm" in self.features) + ["conv"] * conv
+        kind = kinds[self.rng.integers(len(kinds))]
+        if kind == "gemm":
+            self.used.add("gemm")
+            trans_b = int(self.chance(0.5))
+            w = self.weight(d_out, D) if trans_b else self.weight(D, d_out)
+            flat = self.node("Reshape", [x, self.ints(-1, D)])
+            y = self.node("Gemm", [flat, w] + ([self.floats("c", d_out)] if self.chance(0.7) else []), transB=trans_b)
+            return self.node("Reshape", [y, self.leading_shape(x, d_out)])
+        if kind == "conv":
+            self.used.add("conv")
+            nchw = self.node("Unsqueeze", [self.node("Transpose", [x], perm=[0, 2, 1]), self.ints(3)])
+            inputs = [nchw, self.weight(D, D, 1, 1)] + ([self.floats("c", D)] if self.chance(0.7) else [])
+            y = self.node("Squeeze", [self.node("Conv", inputs, kernel_shape=[1, 1]), self.ints(3)])
+            return self.node("Transpose", [y], perm=[0, 2, 1])
+        y = self.node("MatMul", [x, self.weight(D, d_out)])
+        return self.node("Add", [y, self.floats("c", d_out)]) if self.chance(0.7) else y
+
+    def leading_shape(self, x: str, last: int) -> str:
+        """[batch, seq, last] computed from x's run-time shape (Shape → Gather → Concat)."""
+        self.used.add("shape_arith")
+        dims = self.node("Gather", [self.node("Shape", [x]), self.ints(0, 1)], axis=0)
+        return self.node("Concat", [dims, self.ints(last)], axis=0)
+
+    def reduce_mean(self, x: str) -> str:
+        if self.opset >= 18:
+            return self.node("ReduceMean", [x, self.ints(-1)], keepdims=1)
+        return self.node("ReduceMean", [x], axes=[-1], keepdims=1)
+
+    def norm(self, x: str) -> str:
+        """A LayerNorm over the last axis, in one op (opset ≥ 17) or decomposed."""
+        affine = ("random", "random", "centred", "unit", "none")[self.rng.integers(5)]
+        gamma = beta = None
+        if affine == "random":
+            gamma, beta = self.floats("g", D, scale=0.3, offset=1.0), self.floats("b", D, scale=0.3)
+        elif affine == "centred":
+            b = 0.3 * self.rng.standard_normal(D)
+            gamma, beta = self.const("g", np.full(D, 1.25, self.dtype)), self.const("b", (b - b.mean()).astype(self.dtype))
+        elif affine == "unit":
+            gamma = self.const("g", np.ones(D, self.dtype))
+        eps = float(self.rng.choice([1e-5, 1e-6]))
+        if self.opset >= 17 and self.chance(0.7):
+            gamma = gamma or self.const("g", np.ones(D, self.dtype))
+            return self.node("LayerNormalization", [x, gamma] + ([beta] if beta else []), axis=-1, epsilon=eps)
+        centred = self.node("Sub", [x, self.reduce_mean(x)])
+        square = self.node("Pow", [centred, self.const("two", np.array(2, self.dtype))]) if self.chance(0.5) \
+            else self.node("Mul", [centred, centred])
+        variance = self.node("Add", [self.reduce_mean(square), self.const("eps", np.array(eps, self.dtype))])
+        y = self.node("Div", [centred, self.node("Sqrt", [variance])])
+        y = self.node("Mul", [y, gamma]) if gamma else y
+        return self.node("Add", [y, beta]) if beta else y
+
+    def nonlinearity(self, x: str) -> str:
+        gelu = self.opset >= 20 and self.dtype != np.float64  # ORT's CPU Erf (inside Gelu) has no fp64 kernel
+        ops = NONLINEAR if gelu else NONLINEAR[:-1]
+        return self.node(ops[self.rng.integers(len(ops))], [x])
+
+    def mlp(self, x: str) -> str:
+        return self.linear(self.nonlinearity(self.linear(x)))
+
+    def attention(self, x: str) -> str:
+        """softmax(q·kᵀ)·v with q, k, v linear in x, by heads sometimes, then an output projection."""
+        self.used.add("attention")
+        q, k, v = self.linear(x), self.linear(x), self.linear(x)
+        if self.chance(0.5):  # [b, s, D] → [b, H, s, D/H]
+            q, k, v = (self.node("Transpose", [self.node("Reshape", [t, self.ints(0, 0, HEADS, D // HEADS)])],
+                                 perm=[0, 2, 1, 3]) for t in (q, k, v))
+            scores = self.node("MatMul", [q, self.node("Transpose", [k], perm=[0, 1, 3, 2])])
+            mixed = self.node("MatMul", [self.node("Softmax", [scores], axis=-1), v])
+            merged = self.node("Reshape", [self.node("Transpose", [mixed], perm=[0, 2, 1, 3]), self.ints(0, 0, D)])
+        else:
+            scores = self.node("MatMul", [q, self.node("Transpose", [k], perm=[0, 2, 1])])
+            merged = self.node("MatMul", [self.node("Softmax", [scores], axis=-1), v])
+        return self.linear(merged)
+
+    def branch(self, x: str) -> str:
+        return self.attention(x) if "attention" in self.features and self.chance(0.5) else self.mlp(x)
+
+    def block(self, h: str) -> str:
+        if self.chance(0.7):  # pre-norm
+            return self.node("Add", [h, self.branch(self.norm(h))])
+        return self.norm(self.node("Add", [h, self.branch(h)]))
+
+    def split_concat(self, h: str) -> str:
+        """Split D in two, transform one half linearly or not at all, concatenate back."""
+        left, right = self.node("Split", [h, self.ints(D // 2, D // 2)], outputs=2, axis=-1)
+        if self.chance(0.5):
+            left = self.node("Mul", [left, self.const("s", np.array(self.rng.uniform(0.5, 2), self.dtype))])
+        return self.node("Concat", [right, left] if self.chance(0.5) else [left, right], axis=-1)
+
+    def reshape_by_shape(self, h: str) -> str:
+        """An identity Reshape whose target shape is computed from the hidden state's Shape."""
+        return self.node("Reshape", [h, self.leading_shape(h, D)])
+
+
+def _if_node(parent: Builder, readers: list[str], depth: int = 0) -> str:
+    """`If(cond)`: each branch reads one of `readers` through outer scope (a norm or a nested If inside, sometimes)."""
+    parent.used.add("subgraph")
+    branches = []
+    for side in ("then", "else"):
+        sub = Builder(parent.rng, parent.dtype, parent.opset, parent.features, prefix=f"{parent.name(side)}_")
+        outer = readers[sub.rng.integers(len(readers))]
+        kind = sub.rng.integers(4)
+        if kind == 0:
+            y = sub.node("Identity", [outer])
+        elif kind == 1:
+            y = sub.node("Mul", [outer, sub.const("s", np.array(sub.rng.uniform(0.5, 2), sub.dtype))])
+        elif kind == 2:
+            y = sub.norm(outer)
+        else:
+            y = _if_node(sub, readers, depth + 1) if depth < 1 else sub.node("Neg", [outer])
+        out = helper.make_tensor_value_info(y, helper.np_dtype_to_tensor_dtype(sub.dtype), ["batch", "seq", D])
+        branches.append(helper.make_graph(sub.nodes, f"{side}{parent.counter}", [], [out], initializer=sub.inits))
+    return parent.node("If", ["cond"], then_branch=branches[0], else_branch=branches[1])
+
+
+def _ir_version(rng: np.random.Generator, opset: int) -> int:
+    lowest = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
+    return int(rng.integers(lowest, max(lowest, 10) + 1))
+
+
+def generate(seed: int, features=FEATURES) -> Case:
+    """The model and feeds for `seed`; `features` limits what the generator may use."""
+    rng = np.random.default_rng(seed)
+    features = set(features)
+    dtype = DTYPES[rng.choice(len(DTYPES), p=DTYPE_WEIGHTS)]
+    opset = int(rng.choice(OPSETS))
+    b = Builder(rng, dtype, opset, features)
+    tensor_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    seq = "seq" if rng.random() < 0.5 else SHAPES[0][1]
+    inputs, outputs = [], []
+
+    embedding = None
+    if "embedding" in features and b.chance(0.4):
+        b.used.add("embedding")
+        inputs.append(helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["batch", seq]))
+        embedding = b.floats("E", VOCAB, D, offset=0.5)
+        h = b.node("Gather", [embedding, "ids"], axis=0)
+    else:
+        inputs.append(helper.make_tensor_value_info("x", tensor_type, ["batch", seq, D]))
+        h = b.linear("x")
+    stream = [h]  # stream values, readable by subgraphs and extra outputs
+
+    for _ in range(rng.integers(1, 5)):
+        step = rng.choice(["block", "block", "block", "split", "reshape", "scale", "bias", "relu", "if", "output"])
+        if step == "block":
+            h = b.block(h)
+        elif step == "split":
+            h = b.split_concat(h)
+        elif step == "reshape" and "shape_arith" in features:
+            h = b.reshape_by_shape(h)
+        elif step == "scale":
+            h = b.node("Mul", [h, b.const("s", np.array(rng.uniform(0.5, 2), dtype))])
+        elif step == "bias":
+            h = b.node("Add", [h, b.floats("k", D)])
+        elif step == "relu":
+            h = b.node("Relu", [h])
+        elif step == "if" and "subgraph" in features:
+            result = _if_node(b, stream + [h])
+            if b.chance(0.5):
+                h = b.node("Add", [h, result])
+            else:
+                outputs.append(result)
+        elif step == "output":
+            outputs.append(h)
+        stream.append(h)
+
+    exit_kind, width = rng.integers(3), D
+    if exit_kind == 0:
+        h = b.norm(h)
+    elif exit_kind == 1:  # final norm and LM head, tied to the embedding table sometimes
+        h = b.norm(h)
+        if embedding is not None and b.chance(0.6):
+            b.used.add("shared")
+            h = b.node("MatMul", [h, b.node("Transpose", [embedding], perm=[1, 0])])
+        else:
+            h = b.linear(h, VOCAB)
+        width = VOCAB
+    outputs.append(h)
+    if "subgraph" in b.used:
+        inputs.append(helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, []))
+
+    overridable = _overridable(b, rng)
+    inputs += [helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in b.inits if i.name in overridable]
+    out_infos = [helper.make_tensor_value_info(o, tensor_type, ["batch", seq, width if o == h else D])
+                 for o in dict.fromkeys(outputs)]
+    graph = helper.make_graph(b.nodes, f"fuzz{seed}", inputs, out_infos, initializer=b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=_ir_version(rng, opset))
+    onnx.checker.check_model(model, full_check=True)
+    return Case(seed, model, _feeds(rng, model, overridable, b.inits), b.used)
+
+
+def _overridable(b: Builder, rng: np.random.Generator) -> set[str]:
+    """Initializers also listed as graph inputs: none, some float ones, or all (keep_initializers_as_inputs)."""
+    if "overridable" not in b.features:
+        return set()
+    mode = rng.choice(["none", "none", "some", "all"])
+    if mode == "none":
+        return set()
+    b.used.add("overridable")
+    if mode == "all":
+        return {i.name for i in b.inits}
+    floats = [i.name for i in b.inits if i.data_type != onnx.TensorProto.INT64]
+    return {name for name in floats if rng.random() < 0.3} or set(floats[:1])
+
+
+def _feeds(rng: np.random.Generator, model: onnx.ModelProto, overridable: set[str], inits) -> list[dict[str, np.ndarray]]:
+    """Feed sets: each shape, both bool values, and overrides of the overridable float initializers."""
+    declared = {i.name: i for i in model.graph.input}
+    dynamic_seq = any(d.dim_param == "seq" for i in model.graph.input for d in i.type.tensor_type.shape.dim)
+    shapes = SHAPES if dynamic_seq else tuple((batch, SHAPES[0][1]) for batch, _ in SHAPES)
+    feed_sets = []
+    for index, (batch, seq) in enumerate(shapes):
+        for cond in ((True, False) if "cond" in declared else (None,)):
+            feeds = {}
+            if "x" in declared:
+                x_type = declared["x"].type.tensor_type.elem_type
+                offset = rng.uniform(-2, 2, D)  # a non-zero mean per feature
+                x = offset + 1.5 * rng.standard_normal((batch, seq, D))
+                feeds["x"] = x.astype(helper.tensor_dtype_to_np_dtype(x_type))
+            if "ids" in declared:
+                feeds["ids"] = rng.integers(0, VOCAB, (batch, seq)).astype(np.int64)
+            if cond is not None:
+                feeds["cond"] = np.array(cond)
+            feed_sets.append(feeds)
+        if index == 0 and overridable:
+            feed_sets.append(feed_sets[-1] | _overrides(rng, overridable, inits))
+    return feed_sets
+
+
+def _overrides(rng: np.random.Generator, overridable: set[str], inits) -> dict[str, np.ndarray]:
+    overrides = {}
+    for init in inits:
+        value = numpy_helper.to_array(init)
+        if init.name not in overridable or value.dtype.kind != "f" or value.ndim == 0:
+            continue  # scalars (ε, exponents, scales) stay: overriding them only makes NaNs
+        overrides[init.name] = (value + 0.3 + 0.5 * rng.standard_normal(value.shape)).astype(value.dtype)
+    return overrides

@@ -1,0 +1,100 @@
+"""The long fuzzing campaign: generate random transformer-like graphs and check every fold of each.
+
+    python tools/fuzz.py --examples 5000 [--seed S] [--jobs 2] [--out fuzz-out]
+    python tools/fuzz.py --replay SEED     # one example: its failures, in full
+
+Example i uses generator seed S + i (tests/graphgen.py), checked by tests/fuzzcheck.py. Prints
+the examples run, the failures by class with their seeds, and saves each failing model as
+OUT/SEED.onnx with a one-line repro in OUT/SEED.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import onnx  # noqa: E402
+from onnx_graphsurgeon.logger import G_LOGGER  # noqa: E402
+
+import fuzzcheck  # noqa: E402
+import graphgen  # noqa: E402
+
+
+def run_one(seed: int) -> tuple[int, list[str], onnx.ModelProto | None]:
+    warnings.simplefilter("ignore")
+    G_LOGGER.severity = G_LOGGER.ERROR  # graphsurgeon's [W] lines about the generated graphs
+    case = graphgen.generate(seed)
+    try:
+        failures = [str(f) for f in fuzzcheck.check(case)]
+    except Exception as e:  # noqa: BLE001 - the generated original itself does not run: a generator bug
+        failures = [f"generator [original]: {fuzzcheck.describe(e)}"]
+    return seed, failures, case.model if failures else None
+
+
+def failure_class(failure: str) -> str:
+    """'kind [mode]: detail' → a key that groups failures of one cause: names and numbers are blanked."""
+    kind_mode, _, detail = failure.partition(": ")
+    if kind_mode.startswith("mismatch"):
+        return f"{kind_mode}: an output {'of an If' if ' if_' in detail else 'of the stream'}"
+    if kind_mode.startswith("signature"):
+        return f"{kind_mode}: " + "; ".join(re.findall(r"(?:inputs|outputs) \[", detail)).replace("[", "changed")
+    return f"{kind_mode}: {re.sub(r'[(]?[A-Za-z_]*[0-9][^ ]*', '*', ' '.join(detail.split()[:20]))}"
+
+
+def campaign(first: int, examples: int, jobs: int, out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    classes: dict[str, list[int]] = collections.defaultdict(list)
+    failing = 0
+    start = time.perf_counter()
+    with multiprocessing.Pool(jobs) as pool:
+        for done, (seed, failures, model) in enumerate(pool.imap_unordered(run_one, range(first, first + examples)), 1):
+            if failures:
+                failing += 1
+                onnx.save(model, out / f"{seed}.onnx")
+                (out / f"{seed}.txt").write_text(f"python tools/fuzz.py --replay {seed}\n" + "\n".join(failures) + "\n")
+                for key in dict.fromkeys(failure_class(f) for f in failures):
+                    classes[key].append(seed)
+            if done % 250 == 0:
+                print(f"{done} examples, {failing} failing, {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"\n{examples} examples (seeds {first}..{first + examples - 1}) in {time.perf_counter() - start:.0f} s; "
+          f"{failing} failing; models and repros in {out}/")
+    for key, seeds in sorted(classes.items(), key=lambda item: -len(item[1])):
+        seeds.sort()
+        print(f"{len(seeds):5d}  {key}\n       seeds {', '.join(map(str, seeds[:10]))}{' ...' if len(seeds) > 10 else ''}")
+    return 1 if failing else 0
+
+
+def replay(seed: int) -> int:
+    case = graphgen.generate(seed)
+    print(f"seed {seed}: opset {case.model.opset_import[0].version}, IR {case.model.ir_version}, "
+          f"features {sorted(case.used)}, {len(case.feeds)} feed sets")
+    failures = fuzzcheck.check(case)
+    for failure in failures:
+        print(failure)
+    print("no failure" if not failures else f"{len(failures)} failures")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=0, help="the first generator seed")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("fuzz-out"))
+    parser.add_argument("--replay", type=int, metavar="SEED", help="run one example and print its failures")
+    args = parser.parse_args(argv)
+    if args.replay is not None:
+        return replay(args.replay)
+    return campaign(args.seed, args.examples, args.jobs, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
