@@ -1,8 +1,10 @@
 """The exact fold pass for ONNX models: build → plan → apply → verify.
 
 `inspect_onnx` stops after planning (what can be proven); `fold_onnx` returns a new model (the
-input is never modified) and refuses, with `VerificationError`, a rewrite whose outputs differ
-from the original's beyond the dtype's tolerance.
+input is never modified) and refuses, with `VerificationError`, a rewrite that changes the model's
+inputs or outputs (checked even without verification), or whose outputs differ from the
+original's beyond the dtype's tolerance on any verification run (`verify`: both values of
+boolean inputs, a second size for dynamic dims).
 
 What `fold_onnx` emits depends on where the model will run (`FoldOptions.target`, `provider`):
 
@@ -35,7 +37,7 @@ from .frontends.onnx_export import export_model
 from .frontends.onnx_fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .frontends.onnx_rewrite import RMS_OPS, Rewriter
 from .plan import FoldPlan
-from .verify import Comparison, verify
+from .verify import Comparison, check_signature, verify
 
 RMS_OPSET = 23  # RMSNormalization
 RMS_IR_VERSION = 11  # the IR version that goes with opset 23; ONNX Runtime 1.31 accepts ≤ 13
@@ -105,6 +107,7 @@ def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], second
         "max_abs_error": None if comparison is None else comparison.max_abs_error,
         "max_rel_error": None if comparison is None else comparison.max_rel_error,
         "verified": comparison is not None,
+        "verification_runs": [] if comparison is None else [vars(r) for r in comparison.runs],
         "outputs": [] if comparison is None else [vars(o) | {"passed": o.passed} for o in comparison.outputs],
         "norms": decisions,
         "seconds": seconds,
@@ -160,10 +163,11 @@ def fold_onnx(model: onnx.ModelProto, options: FoldOptions | None = None, name: 
     rewritten = _export(ctx, source, fold_plan, rewriter.docs)
     fused = fuse_skip_rms(rewritten, ctx.shapes) if fuse_skip else 0
     seconds["rewrite"] = time.perf_counter() - start
+    check_signature(model, rewritten, name)
     comparison = None
     if options.verify:
         start = time.perf_counter()
-        comparison = verify(model, rewritten, options.input_shapes, options.seed)
+        comparison = verify(model, rewritten, options.input_shapes, options.seed, name)
         seconds["verify"] = time.perf_counter() - start
         if not comparison.passed:
             raise VerificationError(f"{name}: folded model does not match the original: {comparison.failures()}; nothing written")
