@@ -69,10 +69,8 @@ class Run:
     bools: str | None
     skipped: str | None = None  # why this run did not happen
 
-    def describe(self) -> str:
-        shapes = ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in self.shapes.items())
-        text = shapes + ("" if self.bools is None else f"; booleans {self.bools}")
-        return text if self.skipped is None else f"{text}: not run ({self.skipped})"
+    def sizes(self) -> str:
+        return ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in self.shapes.items())
 
 
 @dataclass(frozen=True)
@@ -101,9 +99,14 @@ class Comparison:
         )
 
     def exercised(self) -> str:
-        """What the comparison ran, e.g. "2 runs: x 2x16, cond scalar; booleans true | ..."."""
-        done = sum(run.skipped is None for run in self.runs)
-        return f"{done} run{'s' if done != 1 else ''}: " + " | ".join(run.describe() for run in self.runs)
+        """What ran, e.g. "3 runs: x 2x8, cond scalar with booleans true, false; x 3x5, cond scalar with booleans random"."""
+        done = [run for run in self.runs if run.skipped is None]
+        fills: dict[str, list] = {}
+        for run in done:
+            fills.setdefault(run.sizes(), []).append(run.bools)
+        parts = [sizes + ("" if None in bools else f" with booleans {', '.join(bools)}") for sizes, bools in fills.items()]
+        parts += [f"{run.sizes()} not run ({run.skipped})" for run in self.runs if run.skipped is not None]
+        return f"{len(done)} run{'s' if len(done) != 1 else ''}: " + "; ".join(parts)
 
     def describe(self) -> str:
         text = f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}"
