@@ -81,6 +81,27 @@ def test_outer_scope_reader_two_bodies_deep_blocks_the_centring():
     assert_same_for_both_conditions(model, fold_onnx(model).model)
 
 
+def test_outer_scope_reader_in_a_loop_body_blocks_the_centring():
+    gen = rng(0)
+    text = f"""{HEADER}
+    agraph (float[2, 4, {D}] x, bool cond) => (float[2, 4, {D}] y, float[2, 4, {D}] z) {{
+        xw = MatMul(x, W0)
+        h = Add(xw, b0)
+        n = LayerNormalization<axis=-1>(h, g0, be0)
+        nw = MatMul(n, W1)
+        y = Add(nw, b1)
+        z = Loop(trips, cond, x) <body = loop_body (int64 i, bool c, float[2, 4, {D}] acc) => (bool c_out, float[2, 4, {D}] acc_out) {{
+            c_out = Identity(c)
+            acc_out = Add(acc, h)
+        }}>
+    }}"""
+    model = build(text, W0=randn(gen, D, D), b0=randn(gen, D), g0=1 + randn(gen, D, scale=0.3), be0=randn(gen, D, scale=0.3),
+                  W1=randn(gen, D, D), b1=randn(gen, D), trips=np.array(2, dtype=np.int64))
+    plan = inspect_onnx(model)
+    assert len(plan.folded) == 0 and plan.decisions[0].blocker.node == "z"
+    assert_same_for_both_conditions(model, fold_onnx(model).model)
+
+
 def test_a_body_reading_only_unaffected_tensors_does_not_block():
     model = ln_model("e = Neg(x)")
     result = fold_onnx(model)
