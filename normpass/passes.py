@@ -1,8 +1,10 @@
 """The exact fold pass for ONNX models: build → plan → apply → verify.
 
 `inspect_onnx` stops after planning (what can be proven); `fold_onnx` returns a new model (the
-input is never modified) and refuses, with `VerificationError`, a rewrite whose outputs differ
-from the original's beyond the dtype's tolerance.
+input is never modified) and refuses, with `VerificationError`, a rewrite that changes the model's
+inputs or outputs (checked even without verification), or whose outputs differ from the
+original's beyond the dtype's tolerance on any verification run (`verify`: both values of
+boolean inputs, a second size for dynamic dims).
 
 What `fold_onnx` emits depends on where the model will run (`FoldOptions.target`, `provider`):
 
@@ -36,7 +38,7 @@ from .frontends.onnx_fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .frontends.onnx_rewrite import RMS_OPS, Rewriter
 from .io import checked_model
 from .plan import FoldPlan
-from .verify import Comparison, check_input_shapes, verify
+from .verify import Comparison, check_input_shapes, check_signature, verify
 
 RMS_OPSET = 23  # RMSNormalization
 RMS_IR_VERSION = 11  # the IR version that goes with opset 23; ONNX Runtime 1.31 accepts ≤ 13
@@ -106,6 +108,7 @@ def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], second
         "max_abs_error": None if comparison is None else comparison.max_abs_error,
         "max_rel_error": None if comparison is None else comparison.max_rel_error,
         "verified": comparison is not None,
+        "verification_runs": [] if comparison is None else [vars(r) for r in comparison.runs],
         "outputs": [] if comparison is None else [vars(o) | {"passed": o.passed} for o in comparison.outputs],
         "norms": decisions,
         "seconds": seconds,
@@ -164,11 +167,12 @@ def fold_onnx(model: onnx.ModelProto | str, options: FoldOptions | None = None, 
     rewritten = _export(ctx, source, fold_plan, rewriter.docs)
     fused = fuse_skip_rms(rewritten, ctx.shapes) if fuse_skip else 0
     seconds["rewrite"] = time.perf_counter() - start
+    check_signature(model, rewritten, name)
     comparison = None
     if options.verify:
         start = time.perf_counter()
         try:
-            comparison = verify(model, rewritten, options.input_shapes, options.seed)
+            comparison = verify(model, rewritten, options.input_shapes, options.seed, name)
         except UnsupportedModelError as e:
             raise UnsupportedModelError(f"{name}: {len(fold_plan.folded)} of {fold_plan.total} norms folded, but the result "
                                         f"could not be verified ({e}); nothing written; fold without verification "

@@ -399,7 +399,7 @@ def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions |
 
     # exact fold, then input centring
     folded = fold_onnx(model, FoldOptions(rms_op=options.rms_op, insert_centering=options.insert_centering, verify=True,
-                                          seed=options.seed), name=name)
+                                          input_shapes=options.input_shapes, seed=options.seed), name=name)
     exact = {d.name for d in folded.plan.folded}
     original_norms = find_norms(load_graph(model, name))
     unfolded_outputs = {n.output: n.name for n in original_norms.values() if n.name not in exact}

@@ -1,22 +1,33 @@
 """Numerical verification of a rewritten ONNX model against its original, in ONNX Runtime.
 
-Both models run with graph optimizations off on the same seeded inputs generated from the graph's
-input types and shapes. Per output we report max |a − b| and the relative error
+A rewrite must keep the model's signature: the same inputs and outputs, in the same order, with
+the same names, element types and ranks. That is checked first; then both models run with graph
+optimizations off on the same seeded inputs generated from the graph's input types and shapes,
+in up to three runs (`verification_runs`), so that a rewrite that is exact for one input only is caught:
+
+1. the given (or default) shapes, boolean inputs all true;
+2. the same shapes, boolean inputs all false (only for models with boolean inputs), so both
+   branches of control flow that a boolean input selects run;
+3. small other sizes for the dynamic dims, boolean inputs random (skipped, and said so, where
+   the original model rejects those sizes, or where it would repeat run 1).
+
+Per output we report the worst over the runs of max |a − b| and of the relative error
 max |a − b| / max |ref| (normalised by the output's scale, so near-zero elements do not blow it
-up), and the tolerance of its dtype. Integer and boolean outputs must match exactly.
+up), and the tolerance of its dtype. Integer and boolean outputs must match exactly; non-finite
+values must agree in place and value.
 """
 
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .errors import InputError, UnsupportedModelError
+from .errors import InputError, UnsupportedModelError, VerificationError
 from .io import may_exceed_proto_limit, save_external
 from .precision import bf16_as_fp32
 
@@ -30,6 +41,7 @@ BFLOAT16_TOLERANCE = 5e-2
 BFLOAT16 = onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16)
 DEFAULT_BATCH, DEFAULT_DIM = 2, 16
 MAX_INPUT_ELEMENTS = 2**27  # verification inputs, all together
+OTHER_BATCH, OTHER_DIM = 3, 5  # the extra run's dynamic dims: small, and neither 1 nor a default
 
 
 def tolerance_for(dtype: np.dtype) -> float:
@@ -52,9 +64,22 @@ class OutputComparison:
 
 
 @dataclass(frozen=True)
+class Run:
+    """One verification run: the input shapes and how boolean inputs were filled (None: there are none)."""
+
+    shapes: dict
+    bools: str | None
+    skipped: str | None = None  # why this run did not happen
+
+    def sizes(self) -> str:
+        return ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in self.shapes.items())
+
+
+@dataclass(frozen=True)
 class Comparison:
     outputs: tuple[OutputComparison, ...]
     input_shapes: dict
+    runs: tuple[Run, ...] = field(default=())
 
     @property
     def passed(self) -> bool:
@@ -74,6 +99,20 @@ class Comparison:
             for o in self.outputs
             if not o.passed
         )
+
+    def exercised(self) -> str:
+        """What ran, e.g. "3 runs: x 2x8, cond scalar with booleans true, false; x 3x5, cond scalar with booleans random"."""
+        done = [run for run in self.runs if run.skipped is None]
+        fills: dict[str, list] = {}
+        for run in done:
+            fills.setdefault(run.sizes(), []).append(run.bools)
+        parts = [sizes + ("" if None in bools else f" with booleans {', '.join(bools)}") for sizes, bools in fills.items()]
+        parts += [f"{run.sizes()} not run ({run.skipped})" for run in self.runs if run.skipped is not None]
+        return f"{len(done)} run{'s' if len(done) != 1 else ''}: " + "; ".join(parts)
+
+    def describe(self) -> str:
+        text = f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}"
+        return f"{text} over {self.exercised()}" if self.runs else text
 
 
 def session(model: onnx.ModelProto, optimize: bool = False, providers=("CPUExecutionProvider",)) -> ort.InferenceSession:
@@ -174,8 +213,25 @@ def _index_bounds(model: onnx.ModelProto) -> dict[str, int]:
     return bounds
 
 
-def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded inputs for every graph input: randn floats, in-range indices, all-ones masks."""
+def _input_shape(graph_input: onnx.ValueInfoProto, dims: tuple[int, int], named: dict[str, int]) -> tuple[int, ...]:
+    """Static dims as they are; a dynamic dim is dims[0] on axis 0, else dims[1], the same for every use of its name."""
+    shape = []
+    for axis, d in enumerate(graph_input.type.tensor_type.shape.dim):
+        if d.HasField("dim_value"):
+            shape.append(d.dim_value)
+            continue
+        value = dims[0] if axis == 0 else dims[1]
+        shape.append(named.setdefault(d.dim_param, value) if d.dim_param else value)
+    return tuple(shape)
+
+
+def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | None = None, seed: int = 0,
+                bools: str = "true", dims: tuple[int, int] = (DEFAULT_BATCH, DEFAULT_DIM)) -> dict[str, np.ndarray]:
+    """Seeded inputs for every graph input: randn floats, in-range indices, all-ones integer masks.
+
+    Boolean inputs are all true, all false or random (`bools`). Dynamic dims not fixed by `shapes`
+    are `dims` (batch, other) as `_input_shape` assigns them.
+    """
     rng = np.random.default_rng(seed)
     shapes = shapes or {}
     initializers = {i.name for i in model.graph.initializer}
@@ -183,22 +239,18 @@ def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | Non
     unknown = set(shapes) - {i.name for i in model.graph.input}
     if unknown:
         raise InputError(f"--input-shape names no graph input: {', '.join(sorted(unknown))}")
+    named: dict[str, int] = {}
     feeds = {}
     for graph_input in model.graph.input:
         if graph_input.name in initializers:
             continue
-        tensor_type = graph_input.type.tensor_type
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
-        if graph_input.name in shapes:
-            shape = shapes[graph_input.name]
-        else:
-            shape = tuple(
-                d.dim_value if d.HasField("dim_value") else (DEFAULT_BATCH if axis == 0 else DEFAULT_DIM)
-                for axis, d in enumerate(tensor_type.shape.dim)
-            )
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type)
+        shape = shapes.get(graph_input.name) or _input_shape(graph_input, dims, named)
         if dtype.kind == "f":
             feeds[graph_input.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind == "b" or "mask" in graph_input.name.lower():
+        elif dtype.kind == "b":
+            feeds[graph_input.name] = rng.integers(0, 2, size=shape).astype(bool) if bools == "random" else np.full(shape, bools == "true")
+        elif "mask" in graph_input.name.lower():
             feeds[graph_input.name] = np.ones(shape, dtype=dtype)
         else:
             feeds[graph_input.name] = rng.integers(0, bounds.get(graph_input.name, 2), size=shape).astype(dtype)
@@ -218,26 +270,85 @@ def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.nd
     return dict(zip(names, sess.run(names, feeds)))
 
 
+def _errors(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
+    """(max abs error, relative error) of one output; inf where shapes or non-finite values disagree."""
+    if ref.shape != got.shape:
+        return float("inf"), float("inf")
+    if ref.dtype.kind in "iub":
+        error = float(np.max(ref != got)) if ref.size else 0.0
+        return error, error
+    wide_ref, wide_got = ref.astype(np.float64), got.astype(np.float64)
+    finite = np.isfinite(wide_ref)
+    same_specials = np.array_equal(wide_ref[~finite], wide_got[~finite], equal_nan=True)
+    if not same_specials or not np.isfinite(wide_got[finite]).all():
+        return float("inf"), float("inf")
+    diff = np.abs(wide_ref[finite] - wide_got[finite])
+    abs_err = float(diff.max()) if diff.size else 0.0
+    scale = float(np.abs(wide_ref[finite]).max()) if diff.size else 0.0
+    return abs_err, abs_err / scale if scale > 0 else abs_err
+
+
 def compare_outputs(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray], input_shapes=None) -> Comparison:
+    """Every output of `reference` against the same-named output of `candidate` (missing: infinite error)."""
     results = []
     for name, ref in reference.items():
-        got = candidate[name]
-        if ref.dtype.kind in "iub":
-            abs_err = float(np.max(ref != got)) if ref.size else 0.0
-            rel_err = abs_err
-        else:
-            wide_ref = ref.astype(np.float64)
-            diff = np.abs(wide_ref - got.astype(np.float64))
-            abs_err = float(diff.max()) if diff.size else 0.0
-            scale = float(np.abs(wide_ref).max()) if diff.size else 0.0
-            rel_err = abs_err / scale if scale > 0 else abs_err
-            if not np.isfinite(diff).all():
-                rel_err = abs_err = float("inf") if np.isfinite(wide_ref).all() else abs_err
+        got = candidate.get(name)
+        abs_err, rel_err = (float("inf"), float("inf")) if got is None else _errors(ref, got)
         results.append(OutputComparison(name, str(ref.dtype), abs_err, rel_err, tolerance_for(ref.dtype)))
     return Comparison(tuple(results), dict(input_shapes or {}))
 
 
-def verify(original: onnx.ModelProto, rewritten: onnx.ModelProto, shapes=None, seed: int = 0) -> Comparison:
-    """Run both models on the same seeded inputs and compare every output."""
-    feeds = make_inputs(original, shapes, seed)
-    return compare_outputs(run(original, feeds), run(rewritten, feeds), {k: list(v.shape) for k, v in feeds.items()})
+def _signature(values) -> list[tuple[str, str, int | None]]:
+    """(name, element type, rank or None where unknown) of each input or output, in order."""
+
+    def rank(info):
+        tensor_type = info.type.tensor_type
+        return len(tensor_type.shape.dim) if tensor_type.HasField("shape") else None
+
+    return [(info.name, onnx.TensorProto.DataType.Name(info.type.tensor_type.elem_type), rank(info)) for info in values]
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[:2] == b[:2] and (a[2] is None or b[2] is None or a[2] == b[2])
+
+
+def check_signature(original: onnx.ModelProto, rewritten: onnx.ModelProto, name: str = "model") -> None:
+    """Refuse a rewrite whose inputs or outputs differ from the original's (names, order, element types, ranks)."""
+    for kind, before, after in (("inputs", original.graph.input, rewritten.graph.input),
+                                ("outputs", original.graph.output, rewritten.graph.output)):
+        old, new = _signature(before), _signature(after)
+        if len(old) != len(new) or not all(map(_same, old, new)):
+            changed = next((f"{a} became {b}" for a, b in zip(old, new) if not _same(a, b)), f"{len(old)} became {len(new)}")
+            raise VerificationError(f"{name}: the rewrite changed the model's {kind} (name, element type, rank): "
+                                    f"{changed}; the rewritten model is refused")
+
+
+def verification_runs(model: onnx.ModelProto) -> list[tuple[str | None, tuple[int, int] | None]]:
+    """(boolean fill or None, dynamic dims or None for the given shapes) of each run (see the module docstring)."""
+    has_bools = any(i.type.tensor_type.elem_type == onnx.TensorProto.BOOL for i in model.graph.input)
+    if not has_bools:
+        return [(None, None), (None, (OTHER_BATCH, OTHER_DIM))]
+    return [("true", None), ("false", None), ("random", (OTHER_BATCH, OTHER_DIM))]
+
+
+def verify(original: onnx.ModelProto, rewritten: onnx.ModelProto, shapes=None, seed: int = 0, name: str = "model") -> Comparison:
+    """Check the signature, then run both models on the same seeded inputs (see the module docstring) and compare."""
+    check_signature(original, rewritten, name)
+    comparisons, runs = [], []
+    for index, (bools, dims) in enumerate(verification_runs(original)):
+        feeds = make_inputs(original, None if dims else shapes, seed + index, bools or "true", dims or (DEFAULT_BATCH, DEFAULT_DIM))
+        run_shapes = {k: list(v.shape) for k, v in feeds.items()}
+        if dims and bools is None and run_shapes == runs[0].shapes:
+            runs.append(Run(run_shapes, bools, "the model has no dynamic dims"))
+            continue
+        try:
+            reference = run(original, feeds)
+        except Exception as e:  # the original need not accept other sizes than the given ones; say so instead
+            if not dims:
+                raise
+            runs.append(Run(run_shapes, bools, f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}"))
+            continue
+        comparisons.append(compare_outputs(reference, run(rewritten, feeds), run_shapes))
+        runs.append(Run(run_shapes, bools))
+    worst = [max(results, key=lambda o: (o.max_rel_error, o.max_abs_error)) for results in zip(*(c.outputs for c in comparisons))]
+    return Comparison(tuple(worst), comparisons[0].input_shapes, tuple(runs))

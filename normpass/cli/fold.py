@@ -53,8 +53,7 @@ def _check_outputs(args: argparse.Namespace) -> Path:
 
 
 def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
-    error = "not verified" if comparison is None else (
-        f"max abs error {comparison.max_abs_error:.3g}, max rel error {comparison.max_rel_error:.3g}")
+    error = "not verified" if comparison is None else comparison.describe()
     print(f"{label}: {len(plan.folded)} of {plan.total} norms folded into RMSNorm ({error}{extra}); wrote {out}")
     for decision in plan.decisions:
         if not decision.foldable:
