@@ -90,13 +90,13 @@ def check_paths(inputs: dict[str, object], outputs: dict[str, object]) -> dict[s
         out = Path(value)
         if out.exists() and not stat.S_ISREG(out.stat().st_mode):
             raise InputError(f"{out}: {label} exists and is not a regular file (a directory, FIFO or device); "
-                             f"choose another {label} path")
+                             f"choose another path for {label}")
         for other, path in [*sources.items(), *checked.items()]:
             if _same_file(out, path):
-                raise InputError(f"{out}: {label} is the same file as {other} ({path}); choose another {label} path")
+                raise InputError(f"{out}: {label} is the same file as {other} ({path}); choose another path for {label}")
         parent = out.resolve().parent
         if not parent.is_dir():
-            raise InputError(f"{out}: directory {parent} does not exist; create it or choose another {label} path")
+            raise InputError(f"{out}: directory {parent} does not exist; create it or choose another path for {label}")
         if not os.access(parent, os.W_OK) or out.exists() and not os.access(out, os.W_OK):
             raise InputError(f"{out}: cannot write here; choose a writable {label} path")
         checked[label] = out
@@ -142,7 +142,7 @@ def save_external(model: onnx.ModelProto, path: Path) -> None:
     The model written is a new proto sharing nothing with `model` but the small tensors; the
     weights go straight from `model`'s tensors to the data file, so `model` is not modified.
     """
-    data_name = path.name + ".data"
+    data_name = data_path(path).name
     skeleton = onnx.ModelProto()
     for descriptor, value in model.ListFields():
         if descriptor.name != "graph":
@@ -150,7 +150,7 @@ def save_external(model: onnx.ModelProto, path: Path) -> None:
     for descriptor, value in model.graph.ListFields():
         if descriptor.name != "initializer":
             skeleton.graph.MergeFrom(onnx.GraphProto(**{descriptor.name: value}))
-    with open(path.with_name(data_name), "wb") as data:
+    with open(data_path(path), "wb") as data:
         for tensor in model.graph.initializer:
             if _data_bytes(tensor) < EXTERNAL_MIN_BYTES or tensor.data_type == onnx.TensorProto.STRING:
                 skeleton.graph.initializer.append(tensor)
@@ -165,22 +165,31 @@ def save_external(model: onnx.ModelProto, path: Path) -> None:
     onnx.save_model(skeleton, str(path))
 
 
+def data_path(out_path: str | os.PathLike) -> Path:
+    """Where the weights of a model written to `out_path` go when it may exceed 2 GB."""
+    return Path(f"{out_path}.data")
+
+
 def save_onnx_atomic(model: onnx.ModelProto, out_path: str | os.PathLike) -> None:
-    """Write `model` to `out_path` via a temporary file and rename (`OUT.data` if it may exceed 2 GB)."""
+    """Write `model` to `out_path` via a temporary file and rename (`OUT.data` if it may exceed 2 GB).
+
+    A symlink is written through: its target is replaced, the link stays.
+    """
     out = Path(out_path)
+    target = out.resolve()
     tmp_dir = None
     try:
-        tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=out.resolve().parent)
-        tmp_model = Path(tmp_dir) / out.name
+        tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=target.parent)
+        tmp_model = Path(tmp_dir) / target.name
         if may_exceed_proto_limit(model):
             save_external(model, tmp_model)
-            data = out.with_name(out.name + ".data")
-            os.chmod(tmp_model.with_name(data.name), _default_mode())
-            os.replace(tmp_model.with_name(data.name), data)
+            tmp_data = data_path(tmp_model)
+            os.chmod(tmp_data, _default_mode())
+            os.replace(tmp_data, data_path(target))
         else:
             onnx.save_model(model, str(tmp_model))
         os.chmod(tmp_model, _default_mode())
-        os.replace(tmp_model, out)
+        os.replace(tmp_model, target)
     except OSError as e:
         raise InputError(f"{out}: could not write the model ({e.strerror or e}); choose a writable output path") from e
     finally:
@@ -190,15 +199,16 @@ def save_onnx_atomic(model: onnx.ModelProto, out_path: str | os.PathLike) -> Non
 
 def write_text_atomic(text: str, out_path: str | os.PathLike) -> None:
     out = Path(out_path)
+    target = out.resolve()  # a symlink is written through
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".normpass-", dir=out.resolve().parent)
+        fd, tmp = tempfile.mkstemp(prefix=".normpass-", dir=target.parent)
     except OSError as e:
         raise InputError(f"{out}: could not write ({e.strerror or e}); choose a writable path") from e
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.chmod(tmp, _default_mode())
-        os.replace(tmp, out)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

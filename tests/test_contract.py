@@ -183,6 +183,17 @@ def test_viz_refuses_a_fifo(tmp_path, capsys, model_file):
     refused(capsys, "viz", model_file, "-o", fifo)
 
 
+def test_fold_writes_through_a_symlink_and_refuses_a_fifo_weights_file(tmp_path, capsys, model_file):
+    target, link = tmp_path / "target.onnx", tmp_path / "link.onnx"
+    target.write_text("old")
+    link.symlink_to(target)
+    code, _, err = cli(capsys, "fold", model_file, "-o", link)
+    assert code == 0, err
+    assert link.is_symlink() and onnx.load(str(target)).graph.node
+    os.mkfifo(tmp_path / "out.onnx.data")
+    refused(capsys, "fold", model_file, "-o", tmp_path / "out.onnx")
+
+
 # --- 6. one line instead of a traceback -----------------------------------------------------------
 
 
@@ -305,3 +316,4 @@ def test_unexpected_errors_print_one_line_with_a_hint(tmp_path, capsys, monkeypa
     monkeypatch.setenv("NORMPASS_DEBUG", "1")
     with pytest.raises(ZeroDivisionError):
         main(["inspect", str(model_file)])
+

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..frontends.onnx_rewrite import RMS_OPS
-from ..io import check_paths, save_onnx_atomic, write_text_atomic
+from ..io import check_paths, data_path, save_onnx_atomic, write_text_atomic
 from ..passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..verify import parse_input_shapes
 from .common import add_model_arguments, load_model
@@ -49,7 +49,8 @@ def add_parser(sub) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> Path:
-    return check_paths({"the input model": args.model}, {"-o": args.output, "--report": args.report})["-o"]
+    outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
+    return check_paths({"the input model": args.model}, outputs)["-o"]
 
 
 def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:

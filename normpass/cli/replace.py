@@ -14,7 +14,7 @@ import sys
 from ..calibrate import Budget
 from ..errors import InputError
 from ..frontends.onnx_rewrite import RMS_OPS
-from ..io import check_paths, save_onnx_atomic, write_text_atomic
+from ..io import check_paths, data_path, save_onnx_atomic, write_text_atomic
 from ..replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions, replace_onnx
 from ..surrogates import KINDS
 from .common import add_model_arguments, load_model
@@ -73,7 +73,8 @@ def _fractions(text: str) -> tuple[float, float, float]:
 
 def run(args: argparse.Namespace) -> int:
     inputs = {"the input model": args.model, "--calib": args.calib, "--holdout": args.holdout}
-    out = check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"]
+    outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
+    out = check_paths(inputs, outputs)["-o"]
     if args.batch_size < 1 or args.samples < 1:
         raise InputError("--batch-size and --samples must be at least 1")
     options = ReplaceOptions(
