@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from .graph import (
     Broadcast,
     Centered,
+    Choose,
     Concat,
     Linear,
+    Mix,
     NormInfo,
     NormRule,
     Opaque,
@@ -114,6 +116,12 @@ def _scale_roles(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, int |
     return f"{node.op} {node.name} multiplies by a factor that is not constant along the normalized axis"
 
 
+def _along_rows(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> bool:
+    """Whether a Where's condition is constant along output axis `axis` (it picks whole rows)."""
+    cond_axis, why = _broadcast_axis(zmg.shape(node.outputs[0]), zmg.shape(node.inputs[0]), axis)
+    return cond_axis is None and why is None
+
+
 # --- proof (backward) --------------------------------------------------------------------------
 
 
@@ -129,12 +137,16 @@ def _backward(zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int):
     out_shape = zmg.shape(tensor)
     if out_shape is None:
         return f"{node.op} {node.name}: the shape of {tensor} is unknown"
-    if isinstance(rule, (Sum, Concat, Scale, Broadcast)):
+    if isinstance(rule, (Sum, Concat, Scale, Broadcast, Choose)):
         if isinstance(rule, Scale):
             roles = _scale_roles(zmg, node, axis)
             if isinstance(roles, str):
                 return roles
             indices = [roles[0]]
+        elif isinstance(rule, Choose):
+            if not _along_rows(zmg, node, axis):
+                return f"{node.op} {node.name} selects elements within a row, not whole rows (its condition varies along the axis)"
+            indices = [1, 2]
         else:
             indices = [0] if isinstance(rule, Broadcast) else range(len(node.inputs))
         required = []
@@ -147,6 +159,10 @@ def _backward(zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int):
                 return f"{node.op} {node.name} broadcasts {source} along the normalized axis"
             required.append((index, source, in_axis))
         return required
+    if isinstance(rule, Mix):
+        if axis not in rule.kept:
+            return f"{node.op} {node.name} mixes or pads along the normalized axis (or its parameters are not constant)"
+        return [(0, node.inputs[0], axis)]
     if isinstance(rule, Permute):
         if axis >= len(rule.perm):
             return f"{node.op} {node.name}: its perm does not match the rank of {tensor}"
@@ -275,13 +291,17 @@ class ShiftChecker:
             return [] if index == 0 and rule.axis == axis else unsafe("does not remove a shift along this axis")
         if out_shape is None or in_shape is None:
             return unsafe("has an unknown shape")
+        lift = len(out_shape) - len(in_shape)
+        if isinstance(rule, Choose) and (index == 0 or not _along_rows(self.zmg, node, out_axis if axis is None else axis + lift)):
+            return unsafe("selects elements within a row, or takes the shifted tensor as its condition")
         if axis is None:
-            passes = isinstance(rule, (Sum, Broadcast)) or isinstance(rule, Scale) and self._is_stream(node, index, out_axis)
+            passes = isinstance(rule, (Sum, Broadcast, Choose)) or isinstance(rule, Scale) and self._is_stream(node, index, out_axis)
             if passes:
                 return [(out, out_axis)]
             return unsafe("receives a shift it may not pass on")
-        lift = len(out_shape) - len(in_shape)
-        if isinstance(rule, (Sum, Broadcast)):
+        if isinstance(rule, Mix):
+            return [(out, axis)] if index == 0 and axis in rule.kept else unsafe("mixes or pads along the shifted axis")
+        if isinstance(rule, (Sum, Broadcast, Choose)):
             if isinstance(rule, Broadcast) and index != 0:
                 return unsafe("takes the shifted tensor as its shape")
             return [(out, axis + lift)]

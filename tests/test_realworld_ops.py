@@ -226,3 +226,94 @@ m (float[2,4,8] x) => (float[2,4,8] y, float p) {
     model.graph.output[1].type.tensor_type.ClearField("shape")
     (decision,) = inspect_onnx(model).decisions
     assert not decision.foldable and decision.reason
+
+
+# --- more zero-mean-preserving ops ---------------------------------------------------------------
+
+STREAM = OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1') + """
+m (float[2,4,6,8] x) => (float[{y}] y) {{
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  {op}
+  n = LayerNormalization<axis=-1>(t, g, be)
+  y = MatMul(n, W1)
+}}"""
+NO_ROI = np.zeros(0, np.float32)
+
+
+def _stream_model(gen, op: str, out: str, **constants):
+    """The stream `h` → `op` → `t` → LayerNorm → MatMul; `out` is the shape of t (and y)."""
+    shape = [int(d) for d in out.split(",")]
+    text = STREAM.format(op=op, y=out[:out.rindex(",")] + ",8")
+    model = onnx.parser.parse_model(text)
+    if "com.microsoft" in op:  # ONNX shape inference does not know contrib ops: declare t's shape
+        model.graph.value_info.append(onnx.helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, shape))
+    width = shape[-1]
+    return build(onnx.printer.to_text(model), W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, width),
+                 be=randn(gen, width), W1=randn(gen, width, 8), **constants)
+
+
+@pytest.mark.parametrize("op, out, constants", [
+    ('t = Resize<mode="linear">(h, roi, scales)', "2,8,12,8", dict(roi=NO_ROI, scales=np.array([1, 2, 2, 1], np.float32))),
+    ('t = Resize<mode="cubic">(h, roi, "", sizes)', "2,4,9,8", dict(roi=NO_ROI, sizes=np.array([2, 4, 9, 8], np.int64))),
+    ('t = Pad(h, pads)', "2,7,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 2, 0, 0], np.int64))),
+    ('t = Pad<mode="reflect">(h, pads)', "2,4,8,8", dict(pads=np.array([0, 0, 1, 0, 0, 0, 1, 0], np.int64))),
+    ('t = Tile(h, reps)', "2,8,6,8", dict(reps=np.array([1, 2, 1, 1], np.int64))),
+    ('t = Where(rows, h, zero)', "2,4,6,8", dict(rows=np.arange(48).reshape(2, 4, 6, 1) % 3 == 0, zero=np.array(-1e4, np.float32))),
+])
+def test_ops_that_keep_rows_whole_fold(gen, op, out, constants):
+    model = _stream_model(gen, op, out, **constants)
+    result = _fold(model)
+    assert result.folded == 1, result.plan.decisions
+    check_structure(result.model)
+    assert_equivalent(model, result.model)
+
+
+@pytest.mark.parametrize("op, out, constants, reason", [
+    ('t = Resize<mode="linear">(h, roi, scales)', "2,4,6,16", dict(roi=NO_ROI, scales=np.array([1, 1, 1, 2], np.float32)),
+     "mixes or pads along the normalized axis"),
+    ('t = Pad(h, pads)', "2,4,6,9", dict(pads=np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64)), "mixes or pads along the normalized axis"),
+    ('t = Pad(h, pads, one)', "2,5,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int64), one=np.array(1, np.float32)),
+     "pads with a non-zero value"),
+    ('t = Tile(h, reps)', "2,4,6,16", dict(reps=np.array([1, 1, 1, 2], np.int64)), "mixes or pads along the normalized axis"),
+    ('t = Where(cols, h, zero)', "2,4,6,8", dict(cols=np.arange(8) % 2 == 0, zero=np.array(0, np.float32)), "not whole rows"),
+    ('t = com.microsoft.FastGelu(h)', "2,4,6,8", {}, "a GELU is nonlinear"),
+])
+def test_ops_that_mix_a_row_decline_with_a_reason(gen, op, out, constants, reason):
+    (decision,) = inspect_onnx(_stream_model(gen, op, out, **constants)).decisions
+    assert not decision.foldable and reason in decision.reason
+
+
+def test_contrib_bias_add_is_a_residual_sum(gen):
+    """com.microsoft.BiasAdd (x + bias + skip; ORT runs it on CUDA only, so checked by analysis alone)."""
+    (decision,) = inspect_onnx(_stream_model(gen, "t = com.microsoft.BiasAdd(h0, b0, h)", "2,4,6,8")).decisions
+    assert decision.foldable and {c.label for c in decision.centrings} == {"h0", "b0"}
+
+
+POOLED = OPSET + """
+m (float[2,8,6,6] x) => (float[2,{side},{side},8] y) {{
+  h = Conv(x, W0, b0)
+  p = {pool}
+  t = Transpose<perm=[0, 2, 3, 1]>(p)
+  n = LayerNormalization<axis=-1>(t, g, be)
+  y = MatMul(n, W1)
+}}"""
+
+
+@pytest.mark.parametrize("pool, side", [("AveragePool<kernel_shape=[2, 2], strides=[2, 2]>(h)", 3), ("GlobalAveragePool(h)", 1)])
+def test_average_pooling_over_spatial_axes_folds(gen, pool, side):
+    model = build(POOLED.format(pool=pool, side=side), W0=randn(gen, 8, 8, 1, 1), b0=randn(gen, 8), g=randn(gen, 8),
+                  be=randn(gen, 8), W1=randn(gen, 8, 8))
+    result = _fold(model)
+    assert result.folded == 1
+    assert_equivalent(model, result.model)
+
+
+@pytest.mark.parametrize("equation, weight", [("bhsd,de->bhse", (8, 8)), ("bhsd,ed->bhse", (8, 8))])
+def test_einsum_with_a_constant_operand_is_a_linear_layer(gen, equation, weight):
+    text = STREAM.format(op=f't = Einsum<equation="{equation}">(h, We)', y="2,4,6,8")
+    model = build(text.replace("h = Add(h0, b0)", "h = Relu(h0)"), W0=randn(gen, 8, 8), g=randn(gen, 8), be=randn(gen, 8),
+                  W1=randn(gen, 8, 8), We=randn(gen, *weight))
+    result = _fold(model)
+    assert result.folded == 1
+    assert_equivalent(model, result.model)

@@ -2,7 +2,8 @@
 
 * Centring (algebra.centre) of the planned layers' constants, along the axis that indexes their
   output features: Gemm B (axis 1, or 0 with transB) and C, MatMul W (last axis), Conv W and bias
-  (axis 0), Gather tables (axis 1), constants added into the stream.
+  (axis 0), Gather tables (axis 1), an Einsum's constant operand (the axis its letter produces),
+  constants added into the stream.
 * Copy-on-write: a rewritten constant is a new initializer read only by the rewritten input;
   whatever else read the old one (a tied LM head, a deduplicated bias) still reads the original.
 * Affine migration (`onnx_targets`): when every consumer of a folded norm is a linear layer with
@@ -24,8 +25,8 @@ import onnx_graphsurgeon as gs
 from ..algebra import centre
 from ..graph import NormInfo, ZeroMeanGraph
 from ..plan import Centring, FoldPlan, Insertion
-from .onnx import OnnxGraph
-from .onnx_patterns import constant_values
+from .onnx import OnnxGraph, einsum_weight_axis
+from .onnx_patterns import constant_values, is_constant
 from .onnx_targets import AffinePlan, Namer, affine_plan, move_affine
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
@@ -80,6 +81,10 @@ class Rewriter:
                 self._replace_input(node, 2, "centred:0", lambda v: centre(v, 0))
         elif node.op == "Gather":
             self._replace_input(node, 0, "centred:1", lambda v: centre(v, 1))
+        elif node.op == "Einsum":
+            index = 0 if is_constant(node.inputs[0]) else 1
+            axis = einsum_weight_axis(node.attrs["equation"], index, centring.axis)
+            self._replace_input(node, index, f"centred:{axis}", lambda v: centre(v, axis))
         else:
             raise TypeError(f"no centring rule for {node.op} {node.name}")
         self._note(node.name, doc)
