@@ -5,7 +5,8 @@ mean_k(x) = 0 for every input, so N folds if we can make its input zero-mean alo
 centring the weights of the linear layers that produce it.
 
 **Proof (backward, seed 003 Algorithm 1).** From (x, k), walk producers: a `Linear` layer whose
-output axis is k is centred (W' = W − mean_out(W), b' = b − mean(b)) and the walk stops; a
+output axis is k is centred (W' = W − mean_out(W), b' = b − mean(b)) and the walk stops, and so
+is one followed by a per-channel constant Mul (LayerScale: W' = centre(W⊙s), b' = centre(b⊙s)); a
 constant on a branch is centred; `Sum`, `Concat`, `Scale` (factor constant along k) and layout
 ops that keep the axis intact continue the walk on their inputs; an already-centred output stops
 it; anything else blocks the proof.
@@ -120,6 +121,51 @@ def _along_rows(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> bool:
     """Whether a Where's condition is constant along output axis `axis` (it picks whole rows)."""
     cond_axis, why = _broadcast_axis(zmg.shape(node.outputs[0]), zmg.shape(node.inputs[0]), axis)
     return cond_axis is None and why is None
+
+
+def layer_scale(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, ZNode, ZNode | None] | None:
+    """(factor index, linear layer, bias Add or None) if `node` is a LayerScale, else None.
+
+    A LayerScale multiplies the output of a linear layer (with or without a bias Add) by a
+    per-channel constant s: (x·W + b)⊙s = x·(W⊙s) + b⊙s, so s is absorbed into the layer, which
+    is then centred. The layer's output and the bias sum must be read by nothing else.
+    """
+    if not isinstance(node.rule, Scale) or node.op != "Mul" or len(node.inputs) != 2:
+        return None
+    factors = [i for i, t in enumerate(node.inputs) if zmg.is_constant(t)]
+    out_shape = zmg.shape(node.outputs[0])
+    if len(factors) != 1 or out_shape is None or not _per_channel(zmg.shape(node.inputs[factors[0]]), len(out_shape), axis):
+        return None
+    stream = node.inputs[1 - factors[0]]
+    add = None
+    producer = _private_producer(zmg, stream)
+    if producer is not None and producer.op == "Add" and isinstance(producer.rule, Sum) and len(producer.inputs) == 2:
+        biases = [t for t in producer.inputs if zmg.is_constant(t)]
+        linear = [t for t in producer.inputs if not zmg.is_constant(t)]
+        if len(biases) != 1 or len(linear) != 1:
+            return None
+        add, producer = producer, _private_producer(zmg, linear[0])
+    if producer is None or not isinstance(producer.rule, Linear) or producer.rule.axis != axis or producer.op not in ABSORBING_OPS:
+        return None
+    return factors[0], producer, add
+
+
+def _per_channel(shape, rank: int, axis: int) -> bool:
+    """Whether a factor of `shape` broadcast to rank `rank` varies along `axis` alone."""
+    if shape is None or len(shape) > rank:
+        return False
+    padded = (1,) * (rank - len(shape)) + tuple(shape)
+    return all(d == 1 for j, d in enumerate(padded) if j != axis)
+
+
+ABSORBING_OPS = ("MatMul", "Gemm", "Conv")  # linear layers a LayerScale can be absorbed into
+
+
+def _private_producer(zmg: ZeroMeanGraph, tensor: str) -> ZNode | None:
+    """The producer of `tensor` if `tensor` has one reader and is not a graph output."""
+    if tensor in zmg.graph_outputs or len(zmg.consumers.get(tensor, [])) != 1:
+        return None
+    return zmg.producer_of(tensor)
 
 
 # --- proof (backward) --------------------------------------------------------------------------
@@ -239,6 +285,9 @@ def prove(zmg: ZeroMeanGraph, norm: NormInfo) -> Proof:
                 block(state, node.name, f"{node.op} {node.name} centres axis {node.rule.axis}, the norm needs {axis}", tensor, axis)
             continue
         required = _backward(zmg, node, tensor, axis)
+        if isinstance(required, str) and layer_scale(zmg, node, axis) is not None:
+            proof.centrings.append(Centring(node.name, axis))  # absorbed into its layer, which is centred
+            continue
         if isinstance(required, str):
             block(state, node.name, required, tensor, axis)
             continue

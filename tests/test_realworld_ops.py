@@ -317,3 +317,54 @@ def test_einsum_with_a_constant_operand_is_a_linear_layer(gen, equation, weight)
     result = _fold(model)
     assert result.folded == 1
     assert_equivalent(model, result.model)
+
+
+LAYER_SCALE = OPSET + """
+m (float[2,4,8] x) => (float[2,4,8] y) {
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n1 = LayerNormalization<axis=-1>(h, g1, be1)
+  a0 = MatMul(n1, Wa)
+  a = Add(a0, ba)
+  s = Mul(a, ls)
+  r = Add(h, s)
+  n2 = LayerNormalization<axis=-1>(r, g2, be2)
+  y = MatMul(n2, W1)
+}"""
+
+
+def test_layer_scale_after_a_linear_layer_is_absorbed_and_centred(gen):
+    model = build(LAYER_SCALE, W0=randn(gen, 8, 8), b0=randn(gen, 8), g1=randn(gen, 8), be1=randn(gen, 8),
+                  Wa=randn(gen, 8, 8), ba=randn(gen, 8), ls=randn(gen, 8) + 0.5, g2=randn(gen, 8), be2=randn(gen, 8),
+                  W1=randn(gen, 8, 8))
+    result = _fold(model)
+    assert result.folded == 2, result.plan.decisions
+    (mul,) = [n for n in result.model.graph.node if n.op_type == "Mul" and n.output[0] == "s"]
+    assert np.all(initializers(result.model)[mul.input[1]] == 1)
+    check_structure(result.model)
+    assert_equivalent(model, result.model)
+
+
+def test_layer_scale_varying_along_other_axes_is_not_absorbed(gen):
+    model = build(LAYER_SCALE, W0=randn(gen, 8, 8), b0=randn(gen, 8), g1=randn(gen, 8), be1=randn(gen, 8),
+                  Wa=randn(gen, 8, 8), ba=randn(gen, 8), ls=randn(gen, 4, 8), g2=randn(gen, 8), be2=randn(gen, 8),
+                  W1=randn(gen, 8, 8))
+    decision = _decision(inspect_onnx(model), "n2")
+    assert not decision.foldable and "factor that is not constant along the normalized axis" in decision.reason
+
+
+def test_layer_scale_after_a_gemm_with_transposed_weight(gen):
+    model = build(OPSET + """
+m (float[4,8] x) => (float[4,8] y) {
+  h = Gemm<transB=1>(x, W0, b0)
+  n1 = LayerNormalization<axis=-1>(h, g1, be1)
+  a = Gemm<transB=1, alpha=0.5>(n1, Wa, ba)
+  s = Mul(ls, a)
+  r = Add(h, s)
+  n2 = LayerNormalization<axis=-1>(r, g2, be2)
+  y = MatMul(n2, W1)
+}""", W0=randn(gen, 8, 8), b0=randn(gen, 8), g1=randn(gen, 8), be1=randn(gen, 8), Wa=randn(gen, 8, 8), ba=randn(gen, 8),
+        ls=randn(gen, 1, 8) + 0.5, g2=randn(gen, 8), be2=randn(gen, 8), W1=randn(gen, 8, 8))
+    result = _fold(model)
+    assert result.folded == 2, result.plan.decisions
+    assert_equivalent(model, result.model)
