@@ -371,7 +371,8 @@ class ShiftChecker:
             return [(out, axis if axis < rule.axis else axis + rule.index_rank - 1)]
         if isinstance(rule, Concat):
             return unsafe("concatenates along the shifted axis") if rule.axis == axis else [(out, axis)]
-        return unsafe("would change its output (it is not shift-invariant)")
+        detail = f": {rule.reason}" if isinstance(rule, Opaque) else ""
+        return unsafe(f"would change its output (it is not shift-invariant){detail}")
 
     def _is_stream(self, node: ZNode, index: int, out_axis: int) -> bool:
         roles = _scale_roles(self.zmg, node, out_axis)

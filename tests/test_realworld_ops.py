@@ -368,3 +368,24 @@ m (float[4,8] x) => (float[4,8] y) {
     result = _fold(model)
     assert result.folded == 2, result.plan.decisions
     assert_equivalent(model, result.model)
+
+
+def test_fused_attention_takes_the_affine_and_refuses_a_shift(gen):
+    """com.microsoft.Attention computes x·W_qkv + b_qkv: γ/β migrate into them; centring its input would not be exact."""
+    text = OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1') + """
+m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] z) {
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  y = com.microsoft.Attention<num_heads=2>(n, Wqkv, bqkv)
+  z = com.microsoft.Attention<num_heads=2>(h0, Wqkv, bqkv)
+}"""
+    constants = dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8),
+                     Wqkv=randn(gen, 8, 24), bqkv=randn(gen, 24))
+    model = build(text, **constants)
+    (decision,) = inspect_onnx(model).decisions
+    assert not decision.foldable and "fused attention" in decision.reason
+    model = build(text.replace("(h0, Wqkv, bqkv)", "(x, Wqkv, bqkv)"), **constants)
+    result = fold_onnx(model)
+    assert result.folded == 1 and result.affine_notes["n"].startswith("γ/β migrated")
+    assert_equivalent(model, result.model)
