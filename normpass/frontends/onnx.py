@@ -75,10 +75,7 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
             graph.initializer.append(init)
         elif init.name not in declared:
             graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light, data_prop=True)
-    except Exception:  # inference is best effort; unknown shapes make the analysis decline
-        inferred = light
+    inferred = _infer(light)
     shapes: dict[str, tuple | None] = {}
     dtypes: dict[str, np.dtype] = {}
     for info in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
@@ -93,6 +90,22 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
         shapes[init.name] = tuple(init.dims)
         dtypes[init.name] = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
     return shapes, dtypes
+
+
+def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX shape inference, or ONNX Runtime's symbolic one where the graph has contrib ops (which
+    ONNX's does not know); best effort: unknown shapes make the analysis decline."""
+    if any(node.domain == "com.microsoft" for node in light.graph.node):
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        try:
+            return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
+        except Exception:  # noqa: BLE001 - fall back to ONNX's inference
+            pass
+    try:
+        return onnx.shape_inference.infer_shapes(light, data_prop=True)
+    except Exception:  # noqa: BLE001
+        return light
 
 
 def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
