@@ -388,3 +388,15 @@ m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] z) {
     result = fold_onnx(model)
     assert result.folded == 1 and result.affine_notes["n"].startswith("γ/β migrated")
     assert_equivalent(model, result.model)
+
+
+def test_a_residual_chain_deeper_than_the_recursion_limit(gen):
+    depth = 1100
+    lines = ["h0 = MatMul(x, W0)"] + [f"h{i + 1} = Add(h{i}, b)" for i in range(depth)]
+    model = build(OPSET + f"""
+m (float[2,8] x) => (float[2,8] y) {{
+  {chr(10).join(lines)}
+  n = LayerNormalization<axis=-1>(h{depth}, g, be)
+  y = MatMul(n, W1)
+}}""", W0=randn(gen, 8, 8), b=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8))
+    assert [d.foldable for d in inspect_onnx(model).decisions] == [True]
