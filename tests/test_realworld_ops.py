@@ -400,3 +400,59 @@ m (float[2,8] x) => (float[2,8] y) {{
   y = MatMul(n, W1)
 }}""", W0=randn(gen, 8, 8), b=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8))
     assert [d.foldable for d in inspect_onnx(model).decisions] == [True]
+
+
+# --- end to end: TorchScript exports with dynamic axes ------------------------------------------
+
+
+def _torchscript_export(name: str) -> onnx.ModelProto:
+    """`name` built from `transformers` code (one layer, registry sizes), exported by
+    `torch.onnx.export(dynamo=False)` at opset 17 with dynamic axes, as HF Optimum does."""
+    import io
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from normpass_models.registry import _randomise, gpt2_config
+
+    class LM(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):  # an explicit all-ones mask, computed from the input's shape
+            return self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+
+    class Encoder(LM):
+        def forward(self, pixels):
+            return self.model(pixels).last_hidden_state
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model, args = LM(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1))), (torch.randint(0, 128, (2, 8)),)
+    elif name == "opt":
+        config = transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, ffn_dim=128, num_attention_heads=4,
+                                        max_position_embeddings=64, word_embed_proj_dim=64, pad_token_id=1)
+        model, args = LM(transformers.OPTForCausalLM(config)), (torch.randint(0, 128, (2, 8)),)
+    else:
+        config = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, intermediate_size=128)
+        model, args = Encoder(transformers.ViTModel(config, add_pooling_layer=False)), (torch.randn(2, 3, 32, 32),)
+    _randomise(model)
+    dynamic = {0: "batch"} if name == "vit" else {0: "batch", 1: "sequence"}
+    buffer = io.BytesIO()
+    torch.onnx.export(model.eval(), args, buffer, dynamo=False, opset_version=17, input_names=["input"], output_names=["output"],
+                      dynamic_axes={"input": dynamic, "output": dynamic})
+    return onnx.load_from_string(buffer.getvalue())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "vit"])
+def test_torchscript_exports_fold_every_norm(name):
+    """Shape readers on hidden states, γ/β through Identity, masks from shapes: all 3 norms fold."""
+    model = _torchscript_export(name)
+    result = _fold(model)
+    assert (result.folded, result.plan.total) == (3, 3), result.plan.decisions
+    shapes = [{"input": (1, 3, 32, 32)}] if name == "vit" else [{"input": (1, 5)}, {"input": (3, 11)}]
+    for shape in shapes:
+        assert_equivalent(model, result.model, shapes=shape)
+    default = fold_onnx(model)  # only the final norm, whose β has nowhere to go, stays a LayerNorm
+    assert [d.kept for d in default.plan.decisions] == [False, False, True]
