@@ -5,7 +5,8 @@ mean_k(x) = 0 for every input, so N folds if we can make its input zero-mean alo
 centring the weights of the linear layers that produce it.
 
 **Proof (backward, seed 003 Algorithm 1).** From (x, k), walk producers: a `Linear` layer whose
-output axis is k is centred (W' = W − mean_out(W), b' = b − mean(b)) and the walk stops; a
+output axis is k is centred (W' = W − mean_out(W), b' = b − mean(b)) and the walk stops, and so
+is one followed by a per-channel constant Mul (LayerScale: W' = centre(W⊙s), b' = centre(b⊙s)); a
 constant on a branch is centred; `Sum`, `Concat`, `Scale` (factor constant along k) and layout
 ops that keep the axis intact continue the walk on their inputs; an already-centred output stops
 it; anything else blocks the proof.
@@ -31,8 +32,10 @@ from dataclasses import dataclass, field
 from .graph import (
     Broadcast,
     Centered,
+    Choose,
     Concat,
     Linear,
+    Mix,
     NormInfo,
     NormRule,
     Opaque,
@@ -114,6 +117,57 @@ def _scale_roles(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, int |
     return f"{node.op} {node.name} multiplies by a factor that is not constant along the normalized axis"
 
 
+def _along_rows(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> bool:
+    """Whether a Where's condition is constant along output axis `axis` (it picks whole rows)."""
+    cond_axis, why = _broadcast_axis(zmg.shape(node.outputs[0]), zmg.shape(node.inputs[0]), axis)
+    return cond_axis is None and why is None
+
+
+def layer_scale(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, ZNode, ZNode | None] | None:
+    """(factor index, linear layer, bias Add or None) if `node` is a LayerScale, else None.
+
+    A LayerScale multiplies the output of a linear layer (with or without a bias Add) by a
+    per-channel constant s: (x·W + b)⊙s = x·(W⊙s) + b⊙s, so s is absorbed into the layer, which
+    is then centred. The layer's output and the bias sum must be read by nothing else.
+    """
+    if not isinstance(node.rule, Scale) or node.op != "Mul" or len(node.inputs) != 2:
+        return None
+    factors = [i for i, t in enumerate(node.inputs) if zmg.is_constant(t)]
+    out_shape = zmg.shape(node.outputs[0])
+    if len(factors) != 1 or out_shape is None or not _per_channel(zmg.shape(node.inputs[factors[0]]), len(out_shape), axis):
+        return None
+    stream = node.inputs[1 - factors[0]]
+    add = None
+    producer = _private_producer(zmg, stream)
+    if producer is not None and producer.op == "Add" and isinstance(producer.rule, Sum) and len(producer.inputs) == 2:
+        biases = [t for t in producer.inputs if zmg.is_constant(t)]
+        linear = [t for t in producer.inputs if not zmg.is_constant(t)]
+        if len(biases) != 1 or len(linear) != 1:
+            return None
+        add, producer = producer, _private_producer(zmg, linear[0])
+    if producer is None or not isinstance(producer.rule, Linear) or producer.rule.axis != axis or producer.op not in ABSORBING_OPS:
+        return None
+    return factors[0], producer, add
+
+
+def _per_channel(shape, rank: int, axis: int) -> bool:
+    """Whether a factor of `shape` broadcast to rank `rank` varies along `axis` alone."""
+    if shape is None or len(shape) > rank:
+        return False
+    padded = (1,) * (rank - len(shape)) + tuple(shape)
+    return all(d == 1 for j, d in enumerate(padded) if j != axis)
+
+
+ABSORBING_OPS = ("MatMul", "Gemm", "Conv")  # linear layers a LayerScale can be absorbed into
+
+
+def _private_producer(zmg: ZeroMeanGraph, tensor: str) -> ZNode | None:
+    """The producer of `tensor` if `tensor` has one reader and is not a graph output."""
+    if tensor in zmg.graph_outputs or len(zmg.consumers.get(tensor, [])) != 1:
+        return None
+    return zmg.producer_of(tensor)
+
+
 # --- proof (backward) --------------------------------------------------------------------------
 
 
@@ -129,12 +183,16 @@ def _backward(zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int):
     out_shape = zmg.shape(tensor)
     if out_shape is None:
         return f"{node.op} {node.name}: the shape of {tensor} is unknown"
-    if isinstance(rule, (Sum, Concat, Scale, Broadcast)):
+    if isinstance(rule, (Sum, Concat, Scale, Broadcast, Choose)):
         if isinstance(rule, Scale):
             roles = _scale_roles(zmg, node, axis)
             if isinstance(roles, str):
                 return roles
             indices = [roles[0]]
+        elif isinstance(rule, Choose):
+            if not _along_rows(zmg, node, axis):
+                return f"{node.op} {node.name} selects elements within a row, not whole rows (its condition varies along the axis)"
+            indices = [1, 2]
         else:
             indices = [0] if isinstance(rule, Broadcast) else range(len(node.inputs))
         required = []
@@ -147,6 +205,10 @@ def _backward(zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int):
                 return f"{node.op} {node.name} broadcasts {source} along the normalized axis"
             required.append((index, source, in_axis))
         return required
+    if isinstance(rule, Mix):
+        if axis not in rule.kept:
+            return f"{node.op} {node.name} mixes or pads along the normalized axis (or its parameters are not constant)"
+        return [(0, node.inputs[0], axis)]
     if isinstance(rule, Permute):
         if axis >= len(rule.perm):
             return f"{node.op} {node.name}: its perm does not match the rank of {tensor}"
@@ -223,6 +285,9 @@ def prove(zmg: ZeroMeanGraph, norm: NormInfo) -> Proof:
                 block(state, node.name, f"{node.op} {node.name} centres axis {node.rule.axis}, the norm needs {axis}", tensor, axis)
             continue
         required = _backward(zmg, node, tensor, axis)
+        if isinstance(required, str) and layer_scale(zmg, node, axis) is not None:
+            proof.centrings.append(Centring(node.name, axis))  # absorbed into its layer, which is centred
+            continue
         if isinstance(required, str):
             block(state, node.name, required, tensor, axis)
             continue
@@ -275,13 +340,17 @@ class ShiftChecker:
             return [] if index == 0 and rule.axis == axis else unsafe("does not remove a shift along this axis")
         if out_shape is None or in_shape is None:
             return unsafe("has an unknown shape")
+        lift = len(out_shape) - len(in_shape)
+        if isinstance(rule, Choose) and (index == 0 or not _along_rows(self.zmg, node, out_axis if axis is None else axis + lift)):
+            return unsafe("selects elements within a row, or takes the shifted tensor as its condition")
         if axis is None:
-            passes = isinstance(rule, (Sum, Broadcast)) or isinstance(rule, Scale) and self._is_stream(node, index, out_axis)
+            passes = isinstance(rule, (Sum, Broadcast, Choose)) or isinstance(rule, Scale) and self._is_stream(node, index, out_axis)
             if passes:
                 return [(out, out_axis)]
             return unsafe("receives a shift it may not pass on")
-        lift = len(out_shape) - len(in_shape)
-        if isinstance(rule, (Sum, Broadcast)):
+        if isinstance(rule, Mix):
+            return [(out, axis)] if index == 0 and axis in rule.kept else unsafe("mixes or pads along the shifted axis")
+        if isinstance(rule, (Sum, Broadcast, Choose)):
             if isinstance(rule, Broadcast) and index != 0:
                 return unsafe("takes the shifted tensor as its shape")
             return [(out, axis + lift)]
@@ -302,7 +371,8 @@ class ShiftChecker:
             return [(out, axis if axis < rule.axis else axis + rule.index_rank - 1)]
         if isinstance(rule, Concat):
             return unsafe("concatenates along the shifted axis") if rule.axis == axis else [(out, axis)]
-        return unsafe("would change its output (it is not shift-invariant)")
+        detail = f": {rule.reason}" if isinstance(rule, Opaque) else ""
+        return unsafe(f"would change its output (it is not shift-invariant){detail}")
 
     def _is_stream(self, node: ZNode, index: int, out_axis: int) -> bool:
         roles = _scale_roles(self.zmg, node, out_axis)

@@ -14,6 +14,10 @@ one axis of a tensor flows through it (seed 003 §4.2):
 * `Take(axis, index_rank)`  gather along `axis` of data from an index tensor.
 * `Broadcast()`       expand over other axes.
 * `Concat(axis)`      zero-mean parts concatenated (along any axis) are zero-mean.
+* `Mix(kept)`         y = a linear map over the other axes, the same for every slice along an axis
+                      in `kept` (Resize, average pooling, Pad with zeros, Tile with repeat 1 on
+                      the axis): zero-mean slices stay zero-mean, a shift constant along it stays so.
+* `Choose()`          Where(c, a, b) with c constant along the axis: whole rows come from a or b.
 * `Centered(axis)`    the output is already zero-mean along `axis` (x − mean(x)).
 * `NormRule(norm)`    a normalization node. It removes a per-sample shift that is constant along
                       its single normalized axis if it subtracts the mean (LayerNorm).
@@ -114,6 +118,18 @@ class Broadcast:
 @dataclass(frozen=True)
 class Concat:
     axis: int
+
+
+@dataclass(frozen=True)
+class Mix:
+    """Input 0 mapped over other axes by one linear map; `kept`: the axes it leaves alone."""
+
+    kept: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Choose:
+    """Where(condition, a, b): each element from a or b, per the condition (input 0)."""
 
 
 @dataclass(frozen=True)

@@ -226,3 +226,233 @@ m (float[2,4,8] x) => (float[2,4,8] y, float p) {
     model.graph.output[1].type.tensor_type.ClearField("shape")
     (decision,) = inspect_onnx(model).decisions
     assert not decision.foldable and decision.reason
+
+
+# --- more zero-mean-preserving ops ---------------------------------------------------------------
+
+STREAM = OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1') + """
+m (float[2,4,6,8] x) => (float[{y}] y) {{
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  {op}
+  n = LayerNormalization<axis=-1>(t, g, be)
+  y = MatMul(n, W1)
+}}"""
+NO_ROI = np.zeros(0, np.float32)
+
+
+def _stream_model(gen, op: str, out: str, **constants):
+    """The stream `h` → `op` → `t` → LayerNorm → MatMul; `out` is the shape of t.
+
+    Shapes through contrib ops come from ONNX Runtime's symbolic shape inference."""
+    shape = [int(d) for d in out.split(",")]
+    text = STREAM.format(op=op, y=out[:out.rindex(",")] + ",8")
+    width = shape[-1]
+    return build(text, W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, width),
+                 be=randn(gen, width), W1=randn(gen, width, 8), **constants)
+
+
+@pytest.mark.parametrize("op, out, constants", [
+    ('t = Resize<mode="linear">(h, roi, scales)', "2,8,12,8", dict(roi=NO_ROI, scales=np.array([1, 2, 2, 1], np.float32))),
+    ('t = Resize<mode="cubic">(h, roi, "", sizes)', "2,4,9,8", dict(roi=NO_ROI, sizes=np.array([2, 4, 9, 8], np.int64))),
+    ('t = Pad(h, pads)', "2,7,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 2, 0, 0], np.int64))),
+    ('t = Pad<mode="reflect">(h, pads)', "2,4,8,8", dict(pads=np.array([0, 0, 1, 0, 0, 0, 1, 0], np.int64))),
+    ('t = Tile(h, reps)', "2,8,6,8", dict(reps=np.array([1, 2, 1, 1], np.int64))),
+    ('t = Where(rows, h, zero)', "2,4,6,8", dict(rows=np.arange(48).reshape(2, 4, 6, 1) % 3 == 0, zero=np.array(-1e4, np.float32))),
+])
+def test_ops_that_keep_rows_whole_fold(gen, op, out, constants):
+    model = _stream_model(gen, op, out, **constants)
+    result = _fold(model)
+    assert result.folded == 1, result.plan.decisions
+    check_structure(result.model)
+    assert_equivalent(model, result.model)
+
+
+@pytest.mark.parametrize("op, out, constants, reason", [
+    ('t = Resize<mode="linear">(h, roi, scales)', "2,4,6,16", dict(roi=NO_ROI, scales=np.array([1, 1, 1, 2], np.float32)),
+     "mixes or pads along the normalized axis"),
+    ('t = Pad(h, pads)', "2,4,6,9", dict(pads=np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64)), "mixes or pads along the normalized axis"),
+    ('t = Pad(h, pads, one)', "2,5,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int64), one=np.array(1, np.float32)),
+     "pads with a non-zero value"),
+    ('t = Tile(h, reps)', "2,4,6,16", dict(reps=np.array([1, 1, 1, 2], np.int64)), "mixes or pads along the normalized axis"),
+    ('t = Where(cols, h, zero)', "2,4,6,8", dict(cols=np.arange(8) % 2 == 0, zero=np.array(0, np.float32)), "not whole rows"),
+    ('t = com.microsoft.FastGelu(h)', "2,4,6,8", {}, "a GELU is nonlinear"),
+])
+def test_ops_that_mix_a_row_decline_with_a_reason(gen, op, out, constants, reason):
+    (decision,) = inspect_onnx(_stream_model(gen, op, out, **constants)).decisions
+    assert not decision.foldable and reason in decision.reason
+
+
+def test_contrib_bias_add_is_a_residual_sum(gen):
+    """com.microsoft.BiasAdd (x + bias + skip; ORT runs it on CUDA only, so checked by analysis alone)."""
+    (decision,) = inspect_onnx(_stream_model(gen, "t = com.microsoft.BiasAdd(h0, b0, h)", "2,4,6,8")).decisions
+    assert decision.foldable and {c.label for c in decision.centrings} == {"h0", "b0"}
+
+
+POOLED = OPSET + """
+m (float[2,8,6,6] x) => (float[2,{side},{side},8] y) {{
+  h = Conv(x, W0, b0)
+  p = {pool}
+  t = Transpose<perm=[0, 2, 3, 1]>(p)
+  n = LayerNormalization<axis=-1>(t, g, be)
+  y = MatMul(n, W1)
+}}"""
+
+
+@pytest.mark.parametrize("pool, side", [("AveragePool<kernel_shape=[2, 2], strides=[2, 2]>(h)", 3), ("GlobalAveragePool(h)", 1)])
+def test_average_pooling_over_spatial_axes_folds(gen, pool, side):
+    model = build(POOLED.format(pool=pool, side=side), W0=randn(gen, 8, 8, 1, 1), b0=randn(gen, 8), g=randn(gen, 8),
+                  be=randn(gen, 8), W1=randn(gen, 8, 8))
+    result = _fold(model)
+    assert result.folded == 1
+    assert_equivalent(model, result.model)
+
+
+@pytest.mark.parametrize("equation, weight", [("bhsd,de->bhse", (8, 8)), ("bhsd,ed->bhse", (8, 8))])
+def test_einsum_with_a_constant_operand_is_a_linear_layer(gen, equation, weight):
+    text = STREAM.format(op=f't = Einsum<equation="{equation}">(h, We)', y="2,4,6,8")
+    model = build(text.replace("h = Add(h0, b0)", "h = Relu(h0)"), W0=randn(gen, 8, 8), g=randn(gen, 8), be=randn(gen, 8),
+                  W1=randn(gen, 8, 8), We=randn(gen, *weight))
+    result = _fold(model)
+    assert result.folded == 1
+    assert_equivalent(model, result.model)
+
+
+LAYER_SCALE = OPSET + """
+m (float[2,4,8] x) => (float[2,4,8] y) {
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n1 = LayerNormalization<axis=-1>(h, g1, be1)
+  a0 = MatMul(n1, Wa)
+  a = Add(a0, ba)
+  s = Mul(a, ls)
+  r = Add(h, s)
+  n2 = LayerNormalization<axis=-1>(r, g2, be2)
+  y = MatMul(n2, W1)
+}"""
+
+
+def test_layer_scale_after_a_linear_layer_is_absorbed_and_centred(gen):
+    model = build(LAYER_SCALE, W0=randn(gen, 8, 8), b0=randn(gen, 8), g1=randn(gen, 8), be1=randn(gen, 8),
+                  Wa=randn(gen, 8, 8), ba=randn(gen, 8), ls=randn(gen, 8) + 0.5, g2=randn(gen, 8), be2=randn(gen, 8),
+                  W1=randn(gen, 8, 8))
+    result = _fold(model)
+    assert result.folded == 2, result.plan.decisions
+    (mul,) = [n for n in result.model.graph.node if n.op_type == "Mul" and n.output[0] == "s"]
+    assert np.all(initializers(result.model)[mul.input[1]] == 1)
+    check_structure(result.model)
+    assert_equivalent(model, result.model)
+
+
+def test_layer_scale_varying_along_other_axes_is_not_absorbed(gen):
+    model = build(LAYER_SCALE, W0=randn(gen, 8, 8), b0=randn(gen, 8), g1=randn(gen, 8), be1=randn(gen, 8),
+                  Wa=randn(gen, 8, 8), ba=randn(gen, 8), ls=randn(gen, 4, 8), g2=randn(gen, 8), be2=randn(gen, 8),
+                  W1=randn(gen, 8, 8))
+    decision = _decision(inspect_onnx(model), "n2")
+    assert not decision.foldable and "factor that is not constant along the normalized axis" in decision.reason
+
+
+def test_layer_scale_after_a_gemm_with_transposed_weight(gen):
+    model = build(OPSET + """
+m (float[4,8] x) => (float[4,8] y) {
+  h = Gemm<transB=1>(x, W0, b0)
+  n1 = LayerNormalization<axis=-1>(h, g1, be1)
+  a = Gemm<transB=1, alpha=0.5>(n1, Wa, ba)
+  s = Mul(ls, a)
+  r = Add(h, s)
+  n2 = LayerNormalization<axis=-1>(r, g2, be2)
+  y = MatMul(n2, W1)
+}""", W0=randn(gen, 8, 8), b0=randn(gen, 8), g1=randn(gen, 8), be1=randn(gen, 8), Wa=randn(gen, 8, 8), ba=randn(gen, 8),
+        ls=randn(gen, 1, 8) + 0.5, g2=randn(gen, 8), be2=randn(gen, 8), W1=randn(gen, 8, 8))
+    result = _fold(model)
+    assert result.folded == 2, result.plan.decisions
+    assert_equivalent(model, result.model)
+
+
+def test_fused_attention_takes_the_affine_and_refuses_a_shift(gen):
+    """com.microsoft.Attention computes x·W_qkv + b_qkv: γ/β migrate into them; centring its input would not be exact."""
+    text = OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1') + """
+m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] z) {
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  y = com.microsoft.Attention<num_heads=2>(n, Wqkv, bqkv)
+  z = com.microsoft.Attention<num_heads=2>(h0, Wqkv, bqkv)
+}"""
+    constants = dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8),
+                     Wqkv=randn(gen, 8, 24), bqkv=randn(gen, 24))
+    model = build(text, **constants)
+    (decision,) = inspect_onnx(model).decisions
+    assert not decision.foldable and "fused attention" in decision.reason
+    model = build(text.replace("(h0, Wqkv, bqkv)", "(x, Wqkv, bqkv)"), **constants)
+    result = fold_onnx(model)
+    assert result.folded == 1 and result.affine_notes["n"].startswith("γ/β migrated")
+    assert_equivalent(model, result.model)
+
+
+def test_a_residual_chain_deeper_than_the_recursion_limit(gen):
+    depth = 1100
+    lines = ["h0 = MatMul(x, W0)"] + [f"h{i + 1} = Add(h{i}, b)" for i in range(depth)]
+    model = build(OPSET + f"""
+m (float[2,8] x) => (float[2,8] y) {{
+  {chr(10).join(lines)}
+  n = LayerNormalization<axis=-1>(h{depth}, g, be)
+  y = MatMul(n, W1)
+}}""", W0=randn(gen, 8, 8), b=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8))
+    assert [d.foldable for d in inspect_onnx(model).decisions] == [True]
+
+
+# --- end to end: TorchScript exports with dynamic axes ------------------------------------------
+
+
+def _torchscript_export(name: str) -> onnx.ModelProto:
+    """`name` built from `transformers` code (one layer, registry sizes), exported by
+    `torch.onnx.export(dynamo=False)` at opset 17 with dynamic axes, as HF Optimum does."""
+    import io
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from normpass_models.registry import _randomise, gpt2_config
+
+    class LM(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):  # an explicit all-ones mask, computed from the input's shape
+            return self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+
+    class Encoder(LM):
+        def forward(self, pixels):
+            return self.model(pixels).last_hidden_state
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model, args = LM(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1))), (torch.randint(0, 128, (2, 8)),)
+    elif name == "opt":
+        config = transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, ffn_dim=128, num_attention_heads=4,
+                                        max_position_embeddings=64, word_embed_proj_dim=64, pad_token_id=1)
+        model, args = LM(transformers.OPTForCausalLM(config)), (torch.randint(0, 128, (2, 8)),)
+    else:
+        config = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, intermediate_size=128)
+        model, args = Encoder(transformers.ViTModel(config, add_pooling_layer=False)), (torch.randn(2, 3, 32, 32),)
+    _randomise(model)
+    dynamic = {0: "batch"} if name == "vit" else {0: "batch", 1: "sequence"}
+    buffer = io.BytesIO()
+    torch.onnx.export(model.eval(), args, buffer, dynamo=False, opset_version=17, input_names=["input"], output_names=["output"],
+                      dynamic_axes={"input": dynamic, "output": dynamic})
+    return onnx.load_from_string(buffer.getvalue())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "vit"])
+def test_torchscript_exports_fold_every_norm(name):
+    """Shape readers on hidden states, γ/β through Identity, masks from shapes: all 3 norms fold."""
+    model = _torchscript_export(name)
+    result = _fold(model)
+    assert (result.folded, result.plan.total) == (3, 3), result.plan.decisions
+    shapes = [{"input": (1, 3, 32, 32)}] if name == "vit" else [{"input": (1, 5)}, {"input": (3, 11)}]
+    for shape in shapes:
+        assert_equivalent(model, result.model, shapes=shape)
+    default = fold_onnx(model)  # only the final norm, whose β has nowhere to go, stays a LayerNorm
+    assert [d.kept for d in default.plan.decisions] == [False, False, True]

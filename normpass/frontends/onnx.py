@@ -26,8 +26,10 @@ from ..errors import UnsupportedModelError
 from ..graph import (
     Broadcast,
     Centered,
+    Choose,
     Concat,
     Linear,
+    Mix,
     NodeKind,
     NormInfo,
     NormRule,
@@ -91,10 +93,7 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
             graph.initializer.append(init)
         elif init.name not in declared:
             graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light, data_prop=True)
-    except Exception:  # inference is best effort; unknown shapes make the analysis decline
-        inferred = light
+    inferred = _infer(light)
     shapes: dict[str, tuple | None] = {}
     dtypes: dict[str, np.dtype] = {}
     for info in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
@@ -109,6 +108,22 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
         shapes[init.name] = tuple(init.dims)
         dtypes[init.name] = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
     return shapes, dtypes
+
+
+def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX shape inference, or ONNX Runtime's symbolic one where the graph has contrib ops (which
+    ONNX's does not know); best effort: unknown shapes make the analysis decline."""
+    if any(node.domain == "com.microsoft" for node in light.graph.node):
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        try:
+            return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
+        except Exception:  # noqa: BLE001 - fall back to ONNX's inference
+            pass
+    try:
+        return onnx.shape_inference.infer_shapes(light, data_prop=True)
+    except Exception:  # noqa: BLE001
+        return light
 
 
 def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
@@ -317,6 +332,99 @@ def _sub(ctx, node):
     return NodeKind.RESIDUAL, Sum()
 
 
+def _input_values(node: gs.Node, index: int) -> np.ndarray | None:
+    """Values of optional input `index` if it is present and constant."""
+    return constant_values(node.inputs[index]) if len(node.inputs) > index and node.inputs[index].name else None
+
+
+def _unchanged_axes(rank: int, axes, factors, unchanged: int) -> list[int]:
+    """Axes that `factors` (per entry of `axes`, or per axis) leave alone: equal to `unchanged`."""
+    axes = list(range(rank)) if axes is None else [_axis(int(a), rank) for a in axes]
+    if factors is None or np.size(factors) != len(axes):
+        return [a for a in range(rank) if a not in axes]
+    return [a for a in range(rank) if a not in axes or np.ravel(factors)[axes.index(a)] == unchanged]
+
+
+def _resize(ctx, node):
+    """Nearest/linear/cubic interpolation is one linear map per axis, the identity on an axis of scale 1."""
+    rank = _rank(ctx, node.inputs[0])
+    attrs = node.attrs
+    if rank is None:
+        return NodeKind.OTHER, Opaque("a Resize of unknown rank")
+    if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+        return NodeKind.OTHER, Opaque("crop-and-resize shifts even the axes it does not scale")
+    axes = attrs.get("axes")
+    scales = attrs.get("scales") if "scales" in attrs else _input_values(node, 1 if node.op == "Upsample" or ctx.opset < 11 else 2)
+    if scales is not None and np.size(scales):
+        return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, scales, 1)))
+    sizes, in_shape = _input_values(node, 3), ctx.shapes.get(node.inputs[0].name)
+    if sizes is None or attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, None, 1)))
+    in_dims = [in_shape[a] for a in (range(rank) if axes is None else [_axis(int(a), rank) for a in axes])]
+    resized = [int(size != dim) for size, dim in zip(np.ravel(sizes), in_dims)]
+    return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, resized, 0)))
+
+
+def _average_pool(ctx, node):
+    """Averages over the spatial axes of N×C×spatial: the same weights for every (batch, channel)."""
+    return NodeKind.LAYOUT, Mix((0, 1))
+
+
+def _pad(ctx, node):
+    """Zero (or reflected, edge, wrapped) padding of other axes keeps every row or adds zero rows."""
+    rank = _rank(ctx, node.inputs[0])
+    if rank is None:
+        return NodeKind.OTHER, Opaque("a Pad of unknown rank")
+    mode = node.attrs.get("mode", "constant")
+    value = node.attrs.get("value", 0.0) if "pads" in node.attrs else _input_values(node, 2)
+    if mode == "constant" and value is not None and np.any(np.asarray(value) != 0):
+        return NodeKind.OTHER, Opaque("pads with a non-zero value, which is not zero-mean")
+    pads = node.attrs.get("pads") if "pads" in node.attrs else _input_values(node, 1)
+    axes = _input_values(node, 3)
+    if pads is None:
+        return NodeKind.LAYOUT, Mix(())
+    pads = np.ravel(pads).reshape(2, -1)
+    return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, np.abs(pads).sum(axis=0), 0)))
+
+
+def _tile(ctx, node):
+    rank = _rank(ctx, node.inputs[0])
+    if rank is None:
+        return NodeKind.OTHER, Opaque("a Tile of unknown rank")
+    return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, None, _input_values(node, 1), 1)))
+
+
+def einsum_weight_axis(equation: str, weight_index: int, out_axis: int) -> int | None:
+    """The axis of constant operand `weight_index` that becomes `out_axis` of an Einsum's output.
+
+    Centring that operand along it makes the output zero-mean along `out_axis` iff its letter is
+    in that operand once and in no other operand (a contraction x·W producing the axis).
+    """
+    if "..." in equation or "->" not in equation:
+        return None
+    operands, output = equation.replace(" ", "").split("->")
+    terms = operands.split(",")
+    if len(terms) != 2 or out_axis >= len(output):
+        return None
+    letter = output[out_axis]
+    weight, other = terms[weight_index], terms[1 - weight_index]
+    if weight.count(letter) != 1 or letter in other:
+        return None
+    return weight.index(letter)
+
+
+def _einsum(ctx, node):
+    """x·W written as an Einsum: general linear on the output axis produced by W alone."""
+    rank = _rank(ctx, node.outputs[0])
+    constant = [is_constant(t) for t in node.inputs]
+    if len(node.inputs) != 2 or constant.count(True) != 1 or rank is None:
+        return NodeKind.OTHER, Opaque("an Einsum that is not one run-time tensor times one constant")
+    equation = node.attrs.get("equation", "")
+    if einsum_weight_axis(equation, constant.index(True), rank - 1) is None:
+        return NodeKind.OTHER, Opaque(f"Einsum {equation!r} does not produce its last axis from the constant alone")
+    return NodeKind.LINEAR, Linear(rank - 1)
+
+
 def _unary(ctx, node):
     return NodeKind.SCALAR, Scale(0, None)
 
@@ -348,14 +456,36 @@ OP_TABLE = {
     "Expand": lambda ctx, node: (NodeKind.LAYOUT, Broadcast()),  # broadcast over other axes
     "Concat": _concat,  # zero-mean parts concatenate to zero mean
     "Softmax": _softmax,  # not linear, but removes a shift along its axis
+    "Einsum": _einsum,  # x·W as an equation: general linear on the axis W produces
+    "Resize": _resize,  # interpolation over other axes: the same linear map for every row
+    "Upsample": _resize,
+    "AveragePool": _average_pool,  # averages over spatial axes, per channel
+    "GlobalAveragePool": _average_pool,
+    "Pad": _pad,  # zero rows (or copies) on other axes
+    "Tile": _tile,  # copies along axes with repeat 1 left alone
+    "Where": lambda ctx, node: (NodeKind.RESIDUAL, Choose()),  # whole rows from one input or the other
     **{op: lambda ctx, node: (NodeKind.CONSTANT, ShapeOnly()) for op in SHAPE_READERS},
 }
+
+
+def _opaque(reason: str):
+    return lambda ctx, node: (NodeKind.OTHER, Opaque(reason))
+
+
+CONTRIB_TABLE = {  # com.microsoft ops that ONNX Runtime's transformers optimizer emits
+    "BiasAdd": lambda ctx, node: (NodeKind.RESIDUAL, Sum()),  # x + bias + skip
+    **{op: _opaque("a GELU is nonlinear") for op in ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasFastGelu")},
+    **{op: _opaque("fused attention: a linear projection of its input, so a shift changes its output")
+       for op in ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")},
+    "SkipGroupNorm": _opaque("a GroupNorm fused with a residual add is not analysed"),
+}
+DOMAINS = {"": OP_TABLE, "ai.onnx": OP_TABLE, "com.microsoft": CONTRIB_TABLE}
 
 
 def classify(ctx: OnnxGraph, node: gs.Node):
     """(kind, rule) of `node`; never raises: what cannot be analysed is `Opaque`, with the reason."""
     domain = node.domain or ""
-    handler = OP_TABLE.get(node.op) if domain in ("", "ai.onnx") else None
+    handler = DOMAINS.get(domain, {}).get(node.op)
     if handler is None:
         named = node.op if domain in ("", "ai.onnx") else f"{domain}.{node.op}"
         return NodeKind.OTHER, Opaque(f"{named} is not linear in its input")

@@ -20,6 +20,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+MAX_CONSTANT_NODES = 256  # a constant subgraph larger than this is not recognised as one
 CAST_DTYPES = {
     onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BOOL,
     onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32, onnx.TensorProto.INT64,
@@ -116,13 +117,23 @@ def _producer(tensor: gs.Tensor) -> gs.Node | None:
 
 
 def is_constant(tensor: gs.Tensor) -> bool:
-    """Whether `tensor` is an initializer or computed from constants alone, without loading it."""
-    if isinstance(tensor, gs.Constant):
-        return True
-    node = _producer(tensor)
-    if node is None or not _evaluable(node) or node.outputs[0] is not tensor:
-        return False
-    return all(is_constant(t) for t in node.inputs if t.name)
+    """Whether `tensor` is an initializer or computed from constants alone, without loading it.
+
+    Iterative and bounded: a subgraph of more than `MAX_CONSTANT_NODES` evaluable nodes is taken
+    as not constant (a safe answer: a weight that is not constant only declines a fold), so a
+    run-time residual stream of Adds is not walked to its start for every tensor on it.
+    """
+    stack, seen = [tensor], set()
+    while stack:
+        current = stack.pop()
+        if isinstance(current, gs.Constant) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        node = _producer(current)
+        if node is None or not _evaluable(node) or node.outputs[0] is not current or len(seen) > MAX_CONSTANT_NODES:
+            return False
+        stack.extend(t for t in node.inputs if t.name)
+    return True
 
 
 def constant_values(tensor: gs.Tensor) -> np.ndarray | None:

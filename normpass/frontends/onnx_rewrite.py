@@ -2,7 +2,10 @@
 
 * Centring (algebra.centre) of the planned layers' constants, along the axis that indexes their
   output features: Gemm B (axis 1, or 0 with transB) and C, MatMul W (last axis), Conv W and bias
-  (axis 0), Gather tables (axis 1), constants added into the stream.
+  (axis 0), Gather tables (axis 1), an Einsum's constant operand (the axis its letter produces),
+  constants added into the stream.
+* LayerScale: a per-channel constant Mul s after a linear layer is absorbed into it first,
+  W⊙s and b⊙s, and its factor becomes ones.
 * Copy-on-write: a rewritten constant is a new initializer read only by the rewritten input;
   whatever else read the old one (a tied LM head, a deduplicated bias) still reads the original.
 * Affine migration (`onnx_targets`): when every consumer of a folded norm is a linear layer with
@@ -22,10 +25,11 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..algebra import centre
+from ..analysis import layer_scale
 from ..graph import NormInfo, ZeroMeanGraph
 from ..plan import Centring, FoldPlan, Insertion
-from .onnx import OnnxGraph
-from .onnx_patterns import constant_values
+from .onnx import OnnxGraph, einsum_weight_axis
+from .onnx_patterns import constant_values, is_constant
 from .onnx_targets import AffinePlan, Namer, affine_plan, move_affine
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
@@ -80,9 +84,40 @@ class Rewriter:
                 self._replace_input(node, 2, "centred:0", lambda v: centre(v, 0))
         elif node.op == "Gather":
             self._replace_input(node, 0, "centred:1", lambda v: centre(v, 1))
+        elif node.op == "Mul":
+            self._absorb_layer_scale(centring, norms)
+        elif node.op == "Einsum":
+            index = 0 if is_constant(node.inputs[0]) else 1
+            axis = einsum_weight_axis(node.attrs["equation"], index, centring.axis)
+            self._replace_input(node, index, f"centred:{axis}", lambda v: centre(v, axis))
         else:
             raise TypeError(f"no centring rule for {node.op} {node.name}")
         self._note(node.name, doc)
+
+    def _absorb_layer_scale(self, centring: Centring, norms: list[str]) -> None:
+        """(x·W + b)⊙s → x·centre(W⊙s) + centre(b⊙s), and the Mul's factor becomes ones."""
+        mul = self.zmg.nodes[centring.node]
+        factor_index, linear, add = layer_scale(self.zmg, mul, centring.axis)
+        node, scale = linear.ref, np.ravel(self._values(mul.ref.inputs[factor_index]))
+        out_axis = {"MatMul": -1, "Gemm": 1 - node.attrs.get("transB", 0), "Conv": 0}[node.op]
+
+        def scaled(values, axis):
+            shape = [1] * values.ndim
+            shape[axis] = -1
+            return (values * scale.reshape(shape)).astype(values.dtype)
+
+        tag = f"scaled:{mul.name}"
+        self._replace_input(node, 1, tag, lambda v: scaled(v, out_axis))
+        if node.op != "MatMul" and len(node.inputs) > 2 and node.inputs[2].name:
+            self._replace_input(node, 2, tag, lambda v: scaled(v, -1 if node.op == "Gemm" else 0))
+        if add is not None:
+            index = next(i for i, t in enumerate(add.inputs) if self.zmg.is_constant(t))
+            out_rank = len(self.zmg.shape(add.outputs[0]))
+            factor = self._values(mul.ref.inputs[factor_index])
+            self._replace_input(add.ref, index, tag, lambda v: _bias_centred(np.asarray(v * factor, dtype=v.dtype), out_rank, centring.axis))
+        self.centre_layer(Centring(linear.name, centring.axis), norms)
+        self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like)
+        self._note(mul.name, f"LayerScale absorbed into {linear.name} for {', '.join(norms)}")
 
     # --- inserted centring ----------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ the surrogates) remove the affine where that is exact:
 
 * **γ and β into linear layers.** When every path from y reaches, through reshapes that keep the
   feature axis, a linear layer that contracts over the features (MatMul with a constant weight,
-  Gemm), then (u⊙γ + β)·W + b = u·W' + b' with W' = diag(γ)·W and b' = b + β·W
+  Gemm, the packed QKV projection of `com.microsoft.Attention`), then (u⊙γ + β)·W + b = u·W' + b' with W' = diag(γ)·W and b' = b + β·W
   (`algebra.migrate_affine`; a Gemm's β·W is scaled by α/β_g).
 * **β alone across a residual Add.** When each consumer is such a layer or an `Add(y, s)` whose
   other summand s carries a bias c through Adds nothing else reads, then
@@ -143,6 +143,10 @@ def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, ax
         if len(consumer.inputs) > 2 and not is_constant(consumer.inputs[2]) or needs_bias and consumer.attrs.get("beta", 1.0) == 0:
             return None
         return LinearTarget(consumer, consumer.attrs.get("transB", 0), consumer, 2)
+    if consumer.op == "Attention" and consumer.domain == "com.microsoft":  # QKV = x·W + b, W packed [d, 3d]
+        if len(consumer.inputs) > 2 and consumer.inputs[2].name and is_constant(consumer.inputs[2]):
+            return LinearTarget(consumer, 0, consumer, 2)
+        return None if needs_bias else LinearTarget(consumer, 0, None, None)
     if consumer.op != "MatMul":
         return None
     product = consumer.outputs[0]
