@@ -73,10 +73,8 @@ def _no_packed_sequences():
         yield
 
 
-def _export_torchscript(entry: ModelEntry, path: pathlib.Path) -> pathlib.Path:
-    module, inputs = entry.build_torch()
-    axes = dict(zip(entry.input_names, entry.dynamic_shapes))
-    axes.update({name: entry.dynamic_shapes[0] for name in entry.output_names})
+def torchscript_export(module, inputs, path, input_names, output_names, dynamic_axes) -> pathlib.Path:
+    """``torch.onnx.export(dynamo=False)`` at opset 17 with ``dynamic_axes`` ({name: {axis: dim}}), quietly."""
     with _quiet(), _no_packed_sequences(), torch.no_grad():
         torch.onnx.export(
             module,
@@ -84,11 +82,18 @@ def _export_torchscript(entry: ModelEntry, path: pathlib.Path) -> pathlib.Path:
             str(path),
             dynamo=False,
             opset_version=TORCHSCRIPT_OPSET,
-            input_names=list(entry.input_names),
-            output_names=list(entry.output_names),
-            dynamic_axes=axes,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            dynamic_axes=dynamic_axes,
         )
-    return path
+    return pathlib.Path(path)
+
+
+def _export_torchscript(entry: ModelEntry, path: pathlib.Path) -> pathlib.Path:
+    module, inputs = entry.build_torch()
+    axes = dict(zip(entry.input_names, entry.dynamic_shapes))
+    axes.update({name: entry.dynamic_shapes[0] for name in entry.output_names})
+    return torchscript_export(module, inputs, path, entry.input_names, entry.output_names, axes)
 
 
 def _optimize(entry: ModelEntry, source: pathlib.Path, path: pathlib.Path) -> pathlib.Path:

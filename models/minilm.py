@@ -122,15 +122,25 @@ def build_torch():
     return MeanPooled(bert).eval(), inputs
 
 
-def export_onnx(path: str | os.PathLike) -> pathlib.Path:
-    """Export the mean-pooled encoder to ONNX (dynamo exporter, dynamic batch and sequence)."""
+def export_onnx(path: str | os.PathLike, form: str = "dynamo") -> pathlib.Path:
+    """Export the mean-pooled encoder to ONNX with dynamic batch and sequence.
+
+    ``form`` is ``"dynamo"`` (``torch.onnx.export(dynamo=True)``) or ``"torchscript"`` (the
+    TorchScript exporter at opset 17, as HF Optimum and most published ONNX files use).
+    """
     import torch
 
+    from .forms import torchscript_export
     from .registry import _quiet
 
     path = pathlib.Path(path)
     module, inputs = build_torch()
     dynamic = ({0: "batch", 1: "seq"}, {0: "batch", 1: "seq"})
+    if form == "torchscript":
+        axes = {**dict(zip(INPUT_NAMES, dynamic)), OUTPUT_NAMES[0]: {0: "batch"}}
+        return torchscript_export(module, inputs, path, INPUT_NAMES, OUTPUT_NAMES, axes)
+    if form != "dynamo":
+        raise ValueError(f"unknown form {form!r}; all-MiniLM-L6-v2 exports as dynamo or torchscript")
     with _quiet(), torch.no_grad():
         torch.onnx.export(module, inputs, str(path), dynamo=True, input_names=list(INPUT_NAMES),
                           output_names=list(OUTPUT_NAMES), dynamic_shapes=dynamic, verbose=False)

