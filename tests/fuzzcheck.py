@@ -6,6 +6,7 @@
 * "exception": something other than a `NormpassError` escaped (a `NormpassError` is a refusal,
   fine if its message is one line; `VerificationError` is normpass refusing its own rewrite);
 * "message": a `NormpassError` or a decline reason that is empty or spans several lines;
+* "count": the plan does not list every norm the generator built (subgraphs included);
 * "mutated": the caller's model was modified;
 * "signature": the folded model's inputs or outputs differ (names, element types, ranks);
 * "rejected": the folded model fails on feeds the original accepts;
@@ -90,6 +91,8 @@ def check(case) -> list[Failure]:
     original = case.model.SerializeToString()
     try:
         plan = inspect_onnx(case.model)
+        if plan.total != len(case.norms):
+            failures.append(Failure("count", "inspect", f"the plan lists {plan.total} norms, the model has {len(case.norms)}"))
         failures += [Failure("message", "inspect", f"{d.name}: reason {d.reason!r}") for d in plan.decisions
                      if not d.foldable and (not d.reason or "\n" in d.reason)]
     except NormpassError as e:

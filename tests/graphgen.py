@@ -15,7 +15,8 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
 * norms: `LayerNormalization` (opset ≥ 17) or the decomposed chain (ReduceMean, Sub, Pow/Mul,
   Sqrt, Div), γ/β random, centred, absent or unit;
 * an `If` on a bool input whose branches read stream tensors through outer scope (nested
-  sometimes, with a norm inside sometimes), its output added to the stream or returned;
+  sometimes, with a norm inside sometimes), or a `Loop` whose body does, its output added to the
+  stream or returned;
 * exits: the final stream, a norm, an LM head (tied to the embedding table sometimes), and
   extra graph outputs at random points;
 * one float dtype per model (fp32 mostly, fp16, fp64), an opset in 13–23 with ops valid for it,
@@ -40,7 +41,7 @@ OPSETS = tuple(range(13, 24))
 DTYPES = (np.float32, np.float16, np.float64)
 DTYPE_WEIGHTS = (0.7, 0.15, 0.15)
 SHAPES = ((2, 5), (1, 3))  # (batch, seq) of the first and second feed shape
-FEATURES = ("subgraph", "overridable", "shared", "shape_arith", "conv", "gemm", "attention", "embedding")
+FEATURES = ("subgraph", "loop", "overridable", "shared", "shape_arith", "conv", "gemm", "attention", "embedding")
 NONLINEAR = ("Relu", "Tanh", "Sigmoid", "Gelu")
 
 
@@ -50,19 +51,29 @@ class Case:
     model: onnx.ModelProto
     feeds: list[dict[str, np.ndarray]]
     used: set[str] = field(default_factory=set)  # the features this model exercises
+    norms: list[str] = field(default_factory=list)  # outputs of every LayerNorm built, subgraphs included
 
 
 class Builder:
-    """Accumulates nodes, initializers and inputs of one graph (or of an `If` branch)."""
+    """Accumulates the nodes and initializers of one graph; a subgraph's builder shares its parent's records."""
 
-    def __init__(self, rng: np.random.Generator, dtype, opset: int, features: set[str], prefix: str = ""):
+    def __init__(self, rng: np.random.Generator, dtype, opset: int, features: set[str]):
         self.rng, self.dtype, self.opset, self.features = rng, np.dtype(dtype), opset, features
-        self.prefix = prefix
+        self.prefix = ""
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.weights: dict[tuple, list[str]] = {}  # shape → weight initializers, for sharing
         self.used: set[str] = set()
+        self.norms: list[str] = []
         self.counter = 0
+
+    def subgraph(self, kind: str) -> Builder:
+        sub = Builder(self.rng, self.dtype, self.opset, self.features)
+        sub.prefix, sub.used, sub.norms = f"{self.name(kind)}_", self.used, self.norms
+        return sub
+
+    def stream_info(self, name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(self.dtype), ["batch", "seq", D])
 
     # --- primitives ---------------------------------------------------------------------------
 
@@ -147,14 +158,17 @@ class Builder:
         eps = float(self.rng.choice([1e-5, 1e-6]))
         if self.opset >= 17 and self.chance(0.7):
             gamma = gamma or self.const("g", np.ones(D, self.dtype))
-            return self.node("LayerNormalization", [x, gamma] + ([beta] if beta else []), axis=-1, epsilon=eps)
-        centred = self.node("Sub", [x, self.reduce_mean(x)])
-        square = self.node("Pow", [centred, self.const("two", np.array(2, self.dtype))]) if self.chance(0.5) \
-            else self.node("Mul", [centred, centred])
-        variance = self.node("Add", [self.reduce_mean(square), self.const("eps", np.array(eps, self.dtype))])
-        y = self.node("Div", [centred, self.node("Sqrt", [variance])])
-        y = self.node("Mul", [y, gamma]) if gamma else y
-        return self.node("Add", [y, beta]) if beta else y
+            y = self.node("LayerNormalization", [x, gamma] + ([beta] if beta else []), axis=-1, epsilon=eps)
+        else:
+            centred = self.node("Sub", [x, self.reduce_mean(x)])
+            square = self.node("Pow", [centred, self.const("two", np.array(2, self.dtype))]) if self.chance(0.5) \
+                else self.node("Mul", [centred, centred])
+            variance = self.node("Add", [self.reduce_mean(square), self.const("eps", np.array(eps, self.dtype))])
+            y = self.node("Div", [centred, self.node("Sqrt", [variance])])
+            y = self.node("Mul", [y, gamma]) if gamma else y
+            y = self.node("Add", [y, beta]) if beta else y
+        self.norms.append(y)
+        return y
 
     def nonlinearity(self, x: str) -> str:
         gelu = self.opset >= 20 and self.dtype != np.float64  # ORT's CPU Erf (inside Gelu) has no fp64 kernel
@@ -199,12 +213,19 @@ class Builder:
         return self.node("Reshape", [h, self.leading_shape(h, D)])
 
 
-def _if_node(parent: Builder, readers: list[str], depth: int = 0) -> str:
-    """`If(cond)`: each branch reads one of `readers` through outer scope (a norm or a nested If inside, sometimes)."""
+def _subgraph_node(parent: Builder, readers: list[str], depth: int = 0) -> str:
+    """An `If` on the bool input or a two-step `Loop`, whose bodies read `readers` through outer scope."""
+    if "loop" in parent.features and ("subgraph" not in parent.features or parent.chance(0.3)):
+        return _loop(parent, readers)
+    return _if(parent, readers, depth)
+
+
+def _if(parent: Builder, readers: list[str], depth: int) -> str:
+    """Each branch: Identity, a scalar Mul, a norm, or a nested If/Loop of one outer-scope reader."""
     parent.used.add("subgraph")
     branches = []
     for side in ("then", "else"):
-        sub = Builder(parent.rng, parent.dtype, parent.opset, parent.features, prefix=f"{parent.name(side)}_")
+        sub = parent.subgraph(side)
         outer = readers[sub.rng.integers(len(readers))]
         kind = sub.rng.integers(4)
         if kind == 0:
@@ -214,10 +235,28 @@ def _if_node(parent: Builder, readers: list[str], depth: int = 0) -> str:
         elif kind == 2:
             y = sub.norm(outer)
         else:
-            y = _if_node(sub, readers, depth + 1) if depth < 1 else sub.node("Neg", [outer])
-        out = helper.make_tensor_value_info(y, helper.np_dtype_to_tensor_dtype(sub.dtype), ["batch", "seq", D])
-        branches.append(helper.make_graph(sub.nodes, f"{side}{parent.counter}", [], [out], initializer=sub.inits))
+            y = _subgraph_node(sub, readers, depth + 1) if depth < 1 else sub.node("Neg", [outer])
+        branches.append(helper.make_graph(sub.nodes, sub.prefix + "graph", [], [sub.stream_info(y)], initializer=sub.inits))
     return parent.node("If", ["cond"], then_branch=branches[0], else_branch=branches[1])
+
+
+def _loop(parent: Builder, readers: list[str]) -> str:
+    """carried ← carried + s·f(outer) twice, f the identity or a norm, from a stream value."""
+    parent.used.add("loop")
+    body = parent.subgraph("loop")
+    step, cond, carried = body.name("iter"), body.name("cond"), body.name("carried")
+    outer = readers[body.rng.integers(len(readers))]
+    read = body.norm(outer) if body.chance(0.5) else outer
+    scaled = body.node("Mul", [read, body.const("s", np.array(body.rng.uniform(0.5, 2), body.dtype))])
+    outputs = [body.node("Identity", [cond]), body.node("Add", [carried, scaled])]
+    graph = helper.make_graph(
+        body.nodes, body.prefix + "graph",
+        [helper.make_tensor_value_info(step, onnx.TensorProto.INT64, []),
+         helper.make_tensor_value_info(cond, onnx.TensorProto.BOOL, []), body.stream_info(carried)],
+        [helper.make_tensor_value_info(outputs[0], onnx.TensorProto.BOOL, []), body.stream_info(outputs[1])],
+        initializer=body.inits)
+    start = readers[parent.rng.integers(len(readers))]
+    return parent.node("Loop", [parent.const("trips", np.array(2, np.int64)), "", start], body=graph)
 
 
 def _ir_version(rng: np.random.Generator, opset: int) -> int:
@@ -248,7 +287,7 @@ def generate(seed: int, features=FEATURES) -> Case:
     stream = [h]  # stream values, readable by subgraphs and extra outputs
 
     for _ in range(rng.integers(1, 5)):
-        step = rng.choice(["block", "block", "block", "split", "reshape", "scale", "bias", "relu", "if", "output"])
+        step = rng.choice(["block", "block", "block", "split", "reshape", "scale", "bias", "relu", "subgraph", "output"])
         if step == "block":
             h = b.block(h)
         elif step == "split":
@@ -261,8 +300,8 @@ def generate(seed: int, features=FEATURES) -> Case:
             h = b.node("Add", [h, b.floats("k", D)])
         elif step == "relu":
             h = b.node("Relu", [h])
-        elif step == "if" and "subgraph" in features:
-            result = _if_node(b, stream + [h])
+        elif step == "subgraph" and {"subgraph", "loop"} & features:
+            result = _subgraph_node(b, stream + [h])
             if b.chance(0.5):
                 h = b.node("Add", [h, result])
             else:
@@ -283,7 +322,7 @@ def generate(seed: int, features=FEATURES) -> Case:
             h = b.linear(h, VOCAB)
         width = VOCAB
     outputs.append(h)
-    if "subgraph" in b.used:
+    if "subgraph" in b.used:  # an If reads the bool input
         inputs.append(helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, []))
 
     overridable = _overridable(b, rng)
@@ -293,7 +332,7 @@ def generate(seed: int, features=FEATURES) -> Case:
     graph = helper.make_graph(b.nodes, f"fuzz{seed}", inputs, out_infos, initializer=b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=_ir_version(rng, opset))
     onnx.checker.check_model(model, full_check=True)
-    return Case(seed, model, _feeds(rng, model, overridable, b.inits), b.used)
+    return Case(seed, model, _feeds(rng, model, overridable, b.inits), b.used, b.norms)
 
 
 def _overridable(b: Builder, rng: np.random.Generator) -> set[str]:
