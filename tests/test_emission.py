@@ -177,3 +177,22 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
     assert cpu.folded == 2 and not any(d.kept for d in cpu.plan.decisions)
     assert "β kept as an Add" in cpu.affine_notes["y"] and op_counts(cpu.model)["SkipSimplifiedLayerNormalization"] == 1
     assert cpu.comparison.passed
+
+
+def test_double_models_keep_the_residual_add_unfused():
+    """ORT has no double kernel for SkipSimplifiedLayerNormalization: fusing would emit a model it refuses."""
+    gen = rng(5)
+    model = build(f"""{HEADER}
+agraph (double[B, {S}, {D}] x) => (double[B, {S}, {D}] y) {{
+  h = MatMul(x, W0)
+  n1 = LayerNormalization<axis=-1>(h, g1)
+  f = MatMul(n1, W1)
+  r = Add(h, f)
+  n2 = LayerNormalization<axis=-1>(r, g2)
+  y = MatMul(n2, W2)
+}}""", **{name: randn(gen, *shape).astype(np.float64) for name, shape in
+          (("W0", (D, D)), ("W1", (D, D)), ("W2", (D, D)), ("g1", (D,)), ("g2", (D,)))})
+    result = fold_onnx(model)
+    assert result.folded == 2 and result.emitted["skip_fused"] == 0
+    assert op_counts(result.model)["SimplifiedLayerNormalization"] == 2
+    assert_equivalent(model, result.model)

@@ -5,7 +5,8 @@ but not `Add + SimplifiedLayerNormalization`, so a folded model would lose that 
 s = a + b; y = RMSNorm(s)·γ becomes one `com.microsoft.SkipSimplifiedLayerNormalization(a, b, γ)`
 whose outputs are (y, -, -, s); s is kept only where the residual stream goes on. The fused node
 takes the Add's place in the node order, so everything that read s still comes after it.
-Only same-shape, run-time operands qualify. When one of them is itself t + c, with c a constant
+Only same-shape, run-time operands in float or float16 qualify (ORT registers the op for those
+alone: a double model keeps the pair), the dtype read from γ's initializer. When one of them is itself t + c, with c a constant
 1-D bias and t + c read by nothing else (a linear layer's bias `Add`), that Add goes into the
 op's bias input too: s = a + t + c = Skip(a, t, γ, c), as ORT's own BiasSkipLayerNorm fusion does.
 """
@@ -16,6 +17,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 MS_DOMAIN = "com.microsoft"
+SKIP_DTYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)  # ORT's kernels for SkipSimplifiedLayerNormalization
 
 
 def ort_fuses_into_skip_layer_norm(x: gs.Tensor, shapes: dict[str, tuple | None], graph_outputs: set[str]) -> bool:
@@ -44,11 +46,14 @@ def fuse_skip_rms(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> in
     constants = {i.name for i in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
     outputs = {o.name for o in graph.output}
     vectors = {i.name: tuple(i.dims) for i in graph.initializer if len(i.dims) == 1}
+    dtypes = {i.name: i.data_type for i in graph.initializer}
     fused: dict[int, onnx.NodeProto] = {}  # id(Add) → the fused node, which takes the Add's place
     removed: set[int] = set()  # ids of the fused norms and bias Adds
     for norm in graph.node:
         add = producers.get(norm.input[0]) if norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx") else None
         if add is None or add.op_type != "Add" or id(add) in fused or len(add.input) != 2:
+            continue
+        if len(norm.input) < 2 or dtypes.get(norm.input[1]) not in SKIP_DTYPES:
             continue
         first, second = add.input
         shape = shapes.get(first)
