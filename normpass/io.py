@@ -93,7 +93,7 @@ def check_paths(inputs: dict[str, object], outputs: dict[str, object]) -> dict[s
                              f"choose another path for {label}")
         for other, path in [*sources.items(), *checked.items()]:
             if _same_file(out, path):
-                raise InputError(f"{out}: {label} is the same file as {other} ({path}); choose another path for {label}")
+                raise InputError(f"{out}: {label} must not overwrite {other} ({path}), the same file; choose another path for {label}")
         parent = out.resolve().parent
         if not parent.is_dir():
             raise InputError(f"{out}: directory {parent} does not exist; create it or choose another path for {label}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -193,6 +195,15 @@ def test_fold_writes_through_a_symlink_and_refuses_a_fifo_weights_file(tmp_path,
     os.mkfifo(tmp_path / "out.onnx.data")
     refused(capsys, "fold", model_file, "-o", tmp_path / "out.onnx")
 
+
+
+def test_report_to_a_piped_stdout_is_refused_before_the_model_is_written(tmp_path, model_file):
+    """`--report /dev/stdout` with stdout a pipe: a real process, since pytest captures stdout in-process."""
+    out = tmp_path / "out.onnx"
+    done = subprocess.run([sys.executable, "-m", "normpass", "fold", str(model_file), "-o", str(out), "--report", "/dev/stdout"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "not a regular file" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not out.exists()
 
 # --- 6. one line instead of a traceback -----------------------------------------------------------
 
