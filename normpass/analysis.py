@@ -15,8 +15,9 @@ it; anything else blocks the proof.
 y − m(x)·1ₖ, a per-sample shift constant along k. The model is unchanged iff every path from y
 carries that shift (through sums, scalings constant along k and axis-preserving layout ops) into
 an op that removes it: a LayerNorm over k (folded or not: LN(x + c·1) = LN(x)), a centring
-x − mean_k(x), or a Softmax over k. A reader of shapes only (Shape, Size) never sees it. A shift reaching a graph output, a linear layer, a
-nonlinearity or an RMSNorm makes the centring unsafe, and the norms that need it are refused.
+x − mean_k(x), or a Softmax over k; a reader of shapes only (Shape, Size) never sees it. A shift
+reaching a graph output, a linear layer, a nonlinearity or an RMSNorm makes the centring unsafe,
+and the norms that need it are refused.
 
 **Inserted centring.** Where a proof is blocked at a tensor t whose shifts are all removed
 downstream (the safety condition), inserting t' = t − mean_k(t) makes t zero-mean at the cost of

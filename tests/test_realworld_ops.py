@@ -9,6 +9,7 @@ import pytest
 
 from conftest import assert_equivalent, build, check_structure, initializers, randn, run_ort
 from normpass import FoldOptions, fold_onnx, inspect_onnx
+from normpass.frontends.onnx_constants import constant_values, is_constant
 
 OPSET = '<ir_version: 10, opset_import: ["" : 17]>'
 
@@ -273,7 +274,8 @@ def test_ops_that_keep_rows_whole_fold(gen, op, out, constants):
      "mixes or pads along the normalized axis"),
     ('t = Pad(h, pads)', "2,4,6,9", dict(pads=np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64)), "mixes or pads along the normalized axis"),
     ('t = Pad(h, pads, one)', "2,5,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int64), one=np.array(1, np.float32)),
-     "pads with a non-zero value"),
+     "pads with a value that is not a constant zero"),
+    ('x0 = ReduceMax<keepdims=0>(x)\n  t = Pad(h, pads, x0)', "2,5,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int64)), "not a constant zero"),
     ('t = Tile(h, reps)', "2,4,6,16", dict(reps=np.array([1, 1, 1, 2], np.int64)), "mixes or pads along the normalized axis"),
     ('t = Where(cols, h, zero)', "2,4,6,8", dict(cols=np.arange(8) % 2 == 0, zero=np.array(0, np.float32)), "not whole rows"),
     ('t = com.microsoft.FastGelu(h)', "2,4,6,8", {}, "a GELU is nonlinear"),
@@ -456,3 +458,44 @@ def test_torchscript_exports_fold_every_norm(name):
         assert_equivalent(model, result.model, shapes=shape)
     default = fold_onnx(model)  # only the final norm, whose β has nowhere to go, stays a LayerNorm
     assert [d.kept for d in default.plan.decisions] == [False, False, True]
+
+
+@pytest.mark.parametrize("opset, body", [
+    (17, "y = Identity(a)"),
+    (17, "y = Cast<to=10>(a)"),
+    (17, "y = Reshape(a, shape)"),
+    (17, "y = Flatten<axis=1>(a)"),
+    (17, "y = Squeeze(u, zero)"),
+    (11, "y = Squeeze<axes=[0]>(u)"),
+    (11, "y = Unsqueeze<axes=[0, -1]>(a)"),
+    (17, "y = Unsqueeze(a, zero)"),
+    (17, "y = Transpose(a)"),
+    (17, "y = Concat<axis=-1>(a, a)"),
+    (17, "y = Gather<axis=1>(a, idx)"),
+    (17, "y = Slice(a, one, big, minus_one_axis)"),
+    (9, "y = Slice<starts=[1], ends=[2], axes=[0]>(a)"),
+    (17, "y = Expand(a, wide)"),
+    (17, "t = Neg(a)\n  s = Sub(t, a)\n  y = Mul(s, a)"),
+    (17, "y = ConstantOfShape<value=float[1] {0.5}>(shape)"),
+    (17, 'y = Constant<value_ints=[3, 1, 2]>()'),
+    (17, "r = Range(zero_f, three_f, half_f)\n  y = Add(r, zero_f)"),
+])
+def test_constant_subgraphs_evaluate_as_the_onnx_reference_does(gen, opset, body):
+    from onnx.reference import ReferenceEvaluator
+
+    from normpass.frontends.onnx import load_graph
+
+    text = f'<ir_version: 7, opset_import: ["" : {opset}]>\nm () => (y) {{\n  {body}\n}}'
+    model = onnx.parser.parse_model(text)
+    constants = dict(a=randn(gen, 2, 3), u=randn(gen, 1, 3), shape=np.array([3, 2], np.int64), zero=np.array([0], np.int64),
+                     idx=np.array([[2, 0]], np.int64), one=np.array([1], np.int64), big=np.array([2**62], np.int64),
+                     minus_one_axis=np.array([-1], np.int64), wide=np.array([4, 2, 3], np.int64),
+                     zero_f=np.array(0, np.float32), three_f=np.array(3, np.float32), half_f=np.array(0.5, np.float32))
+    used = {name for node in model.graph.node for name in node.input}
+    model.graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in constants.items() if k in used)
+    (expected,) = ReferenceEvaluator(model).run(None, {})
+    tensor = load_graph(model).graph.tensors()["y"]
+    assert is_constant(tensor)
+    got = constant_values(tensor)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)

@@ -376,9 +376,10 @@ def _pad(ctx, node):
     if rank is None:
         return NodeKind.OTHER, Opaque("a Pad of unknown rank")
     mode = node.attrs.get("mode", "constant")
-    value = node.attrs.get("value", 0.0) if "pads" in node.attrs else _input_values(node, 2)
-    if mode == "constant" and value is not None and np.any(np.asarray(value) != 0):
-        return NodeKind.OTHER, Opaque("pads with a non-zero value, which is not zero-mean")
+    given = "pads" not in node.attrs and len(node.inputs) > 2 and node.inputs[2].name
+    value = _input_values(node, 2) if given else node.attrs.get("value", 0.0)
+    if mode == "constant" and (value is None or np.any(np.asarray(value) != 0)):
+        return NodeKind.OTHER, Opaque("pads with a value that is not a constant zero, so padded rows are not zero-mean")
     pads = node.attrs.get("pads") if "pads" in node.attrs else _input_values(node, 1)
     axes = _input_values(node, 3)
     if pads is None:

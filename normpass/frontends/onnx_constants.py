@@ -79,8 +79,16 @@ def _constant(node, inputs):
     return np.array(node.attrs[name], dtype=CONSTANT_ATTRS[name])
 
 
+def _constant_of_shape(node, inputs):
+    value = node.attrs.get("value")
+    fill = value.values.reshape(-1)[0] if isinstance(value, gs.Constant) else np.float32(0)
+    return np.full(tuple(int(d) for d in np.ravel(inputs[0])), fill, dtype=np.asarray(fill).dtype)
+
+
 EVALUATORS = {  # op → NumPy evaluation of the node's first output from its inputs' values
     "Constant": _constant,
+    "ConstantOfShape": _constant_of_shape,
+    "Range": lambda node, inputs: np.arange(inputs[0], inputs[1], inputs[2]).astype(np.asarray(inputs[0]).dtype),
     "Identity": lambda node, inputs: inputs[0],
     "Cast": lambda node, inputs: inputs[0].astype(onnx.helper.tensor_dtype_to_np_dtype(node.attrs["to"])),
     "Reshape": _reshape,

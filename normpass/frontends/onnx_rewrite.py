@@ -109,7 +109,7 @@ class Rewriter:
         tag = f"scaled:{mul.name}"
         self._replace_input(node, 1, tag, lambda v: scaled(v, out_axis))
         if node.op != "MatMul" and len(node.inputs) > 2 and node.inputs[2].name:
-            self._replace_input(node, 2, tag, lambda v: scaled(v, -1 if node.op == "Gemm" else 0))
+            self._replace_input(node, 2, tag, lambda v: (v * scale).astype(v.dtype))  # [..., out] or scalar
         if add is not None:
             index = next(i for i, t in enumerate(add.inputs) if self.zmg.is_constant(t))
             out_rank = len(self.zmg.shape(add.outputs[0]))
