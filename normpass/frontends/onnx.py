@@ -70,10 +70,12 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
             graph.initializer.append(init)
         elif init.name not in declared:
             graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light, data_prop=True)
-    except Exception:  # inference is best effort; unknown shapes make the analysis decline
-        inferred = light
+    inferred = _infer_contrib(light)
+    if inferred is None:
+        try:
+            inferred = onnx.shape_inference.infer_shapes(light, data_prop=True)
+        except Exception:  # inference is best effort; unknown shapes make the analysis decline
+            inferred = light
     shapes: dict[str, tuple | None] = {}
     dtypes: dict[str, np.dtype] = {}
     for info in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
@@ -88,6 +90,18 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
         shapes[init.name] = tuple(init.dims)
         dtypes[init.name] = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
     return shapes, dtypes
+
+
+def _infer_contrib(light: onnx.ModelProto) -> onnx.ModelProto | None:
+    """ONNX Runtime's symbolic inference, which knows its `com.microsoft` ops, for models that use them."""
+    if all(o.domain != "com.microsoft" for o in light.opset_import):
+        return None
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
+    except Exception:  # best effort: fall back to ONNX's own inference
+        return None
 
 
 def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
@@ -289,6 +303,8 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
         if node.name in norms_by_anchor:
             norm = norms_by_anchor[node.name]
             inputs = [norm.input] + [t for t in (norm.scale, norm.bias) if t]
+            if norm.ref.skip is not None:
+                _add_skip_sum(ctx, zmg, node, norm)
             zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), inputs, [norm.output], norm.ref))
             continue
         if id(node) in in_norm:
@@ -297,3 +313,14 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
         zmg.add_node(ZNode(node.name, node.op, kind, rule, [t.name for t in node.inputs], [t.name for t in node.outputs], node))
     return zmg
 
+
+
+def _add_skip_sum(ctx: OnnxGraph, zmg: ZeroMeanGraph, node: gs.Node, norm) -> None:
+    """A Skip*LayerNormalization normalizes x + skip (+ bias): model that sum as its own `Sum` node.
+
+    Its output is the op's output 3 where something reads it, else a name of its own; it has x's shape.
+    """
+    match = norm.ref
+    operands = [t.name for t in (match.x, match.skip, match.skip_bias) if t is not None]
+    ctx.shapes.setdefault(norm.input, ctx.shapes.get(match.x.name))
+    zmg.add_node(ZNode(f"{node.name}.sum", f"{node.op} (sum)", NodeKind.RESIDUAL, Sum(), operands, [norm.input], node))

@@ -41,6 +41,17 @@ class NormMatch:
     beta: gs.Tensor | None = None
     extra_outputs_used: bool = False
     internal: list[gs.Tensor] = field(default_factory=list)
+    skip: gs.Tensor | None = None  # Skip*LayerNormalization: normalizes x + skip (+ bias)
+    skip_bias: gs.Tensor | None = None
+    skip_sum: gs.Tensor | None = None  # its output 3, the sum, where something reads it
+    unsupported: str | None = None  # why this spelling can never be folded
+
+    @property
+    def normalized(self) -> str:
+        """Name of the tensor the norm normalizes (for a Skip op, its sum, named even when unused)."""
+        if self.skip is None:
+            return self.x.name
+        return self.skip_sum.name if self.skip_sum is not None else f"{self.nodes[0].name}.sum"
 
 
 def constant_values(tensor: gs.Tensor) -> np.ndarray | None:
@@ -224,21 +235,48 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, 
     return norm_type, NormMatch(nodes, x, y, core[3], core[2], gamma, beta)
 
 
+def _input(node: gs.Node, index: int) -> gs.Tensor | None:
+    """Input `index` of `node`, or None where it is absent or empty (an omitted optional input)."""
+    return node.inputs[index] if len(node.inputs) > index and node.inputs[index].name else None
+
+
+def _used(tensor: gs.Tensor, graph_outputs: set[str]) -> bool:
+    return bool(tensor.name) and (bool(tensor.outputs) or tensor.name in graph_outputs)
+
+
+def _single(node: gs.Node, gamma: int | None, beta: int | None, eps: float, axis: int = -1, **extra) -> NormMatch:
+    return NormMatch([node], node.inputs[0], node.outputs[0], int(node.attrs.get("axis", axis)),
+                     float(node.attrs.get("epsilon", eps)), None if gamma is None else _input(node, gamma),
+                     None if beta is None else _input(node, beta), **extra)
+
+
+def _skip_parts(node: gs.Node, graph_outputs: set[str]) -> dict:
+    """The residual operands of a Skip*LayerNormalization: (x, skip, γ, [β], [bias]) → (y, -, -, [sum])."""
+    bias_index = 4 if node.op == "SkipLayerNormalization" else 3
+    total = node.outputs[3] if len(node.outputs) > 3 and _used(node.outputs[3], graph_outputs) else None
+    return dict(skip=node.inputs[1], skip_bias=_input(node, bias_index), skip_sum=total)
+
+
 def match_single_op(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, NormMatch] | None:
-    """Norms that are one op: LayerNormalization, RMS ops, GroupNormalization."""
-    inputs = node.inputs
-    if node.op == "LayerNormalization":
-        used = any(o.outputs or o.name in graph_outputs for o in node.outputs[1:])
-        match = NormMatch([node], inputs[0], node.outputs[0], int(node.attrs.get("axis", -1)),
-                          float(node.attrs.get("epsilon", 1e-5)), inputs[1], inputs[2] if len(inputs) > 2 else None,
-                          extra_outputs_used=used)
-        return NormType.LAYER, match
+    """Norms that are one op (see the module docstring for the list)."""
+    stats_used = any(_used(o, graph_outputs) for o in node.outputs[1:3])
+    if node.op == "LayerNormalization":  # ONNX (opset ≥ 17) and com.microsoft: same inputs and outputs
+        return NormType.LAYER, _single(node, 1, 2, 1e-5, extra_outputs_used=stats_used)
+    if node.op == "SkipLayerNormalization":
+        return NormType.LAYER, _single(node, 2, 3, 1e-12, extra_outputs_used=stats_used, **_skip_parts(node, graph_outputs))
+    if node.op == "SkipSimplifiedLayerNormalization":
+        return NormType.RMS, _single(node, 2, None, 1e-12, **_skip_parts(node, graph_outputs))
     if node.op in ("SimplifiedLayerNormalization", "RMSNormalization"):
-        return NormType.RMS, NormMatch([node], inputs[0], node.outputs[0], int(node.attrs.get("axis", -1)),
-                                       float(node.attrs.get("epsilon", 1e-5)), inputs[1] if len(inputs) > 1 else None)
+        return NormType.RMS, _single(node, 1, None, 1e-5)
+    if node.op == "EmbedLayerNormalization":
+        return NormType.LAYER, NormMatch([node], node.inputs[0], node.outputs[0], -1, float(node.attrs.get("epsilon", 1e-12)),
+                                         _input(node, 5), _input(node, 6), unsupported=(
+            "EmbedLayerNormalization normalizes a sum of embedding lookups computed inside the op; "
+            "proving it zero-mean is not implemented, not rewritten"))
     if node.op == "GroupNormalization":
-        return NormType.GROUP, NormMatch([node], inputs[0], node.outputs[0], 1, float(node.attrs.get("epsilon", 1e-5)),
-                                         inputs[1], inputs[2])
+        return NormType.GROUP, _single(node, 1, 2, 1e-5, axis=1)
+    if node.op in ("SkipGroupNorm", "GroupNorm"):  # com.microsoft, channels-last
+        return NormType.GROUP, _single(node, 1, 2, 1e-5)
     return None
 
 
@@ -264,6 +302,7 @@ def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: i
         )
     elif match.extra_outputs_used:
         unsupported = "its Mean/InvStdDev outputs are used"
+    unsupported = match.unsupported or unsupported
     gamma = None if match.gamma is None else constant_values(match.gamma)
     beta = None if match.beta is None else constant_values(match.beta)
     output_centred = (
@@ -277,7 +316,7 @@ def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: i
         name=name,
         op=op,
         norm_type=norm_type,
-        input=match.x.name,
+        input=match.normalized,
         output=match.y.name,
         axis=axis if rank is not None and axis == rank - 1 else None,
         epsilon=match.epsilon,
