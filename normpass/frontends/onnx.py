@@ -92,9 +92,21 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
     return shapes, dtypes
 
 
+def _has_contrib_ops(model: onnx.ModelProto) -> bool:
+    """Whether some node is no ONNX op at the model's opset (an ONNX Runtime contrib op, say)."""
+    versions = {o.domain or "": o.version for o in model.opset_import}
+    for node in model.graph.node:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        try:
+            onnx.defs.get_schema(node.op_type, versions.get(domain, 1), domain)
+        except onnx.defs.SchemaError:
+            return True
+    return False
+
+
 def _infer_contrib(light: onnx.ModelProto) -> onnx.ModelProto | None:
-    """ONNX Runtime's symbolic inference, which knows its `com.microsoft` ops, for models that use them."""
-    if all(o.domain != "com.microsoft" for o in light.opset_import):
+    """ONNX Runtime's symbolic inference, which knows its contrib ops, for models that use them."""
+    if not _has_contrib_ops(light):
         return None
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 

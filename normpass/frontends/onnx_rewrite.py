@@ -193,28 +193,32 @@ class Rewriter:
                 return [gs.Node("SkipSimplifiedLayerNormalization", self._unique(norm.name), attrs={"epsilon": norm.epsilon},
                                 inputs=[x, operands[0], scale] + operands[1:], outputs=outputs, domain="com.microsoft")]
             adds = []
-            for operand in operands:
-                summed = gs.Variable(self._unique(f"{norm.name}.sum"), dtype=x.dtype, shape=x.shape)
+            for index, operand in enumerate(operands):
+                last = index == len(operands) - 1
+                summed = total if last and total is not None else gs.Variable(self._unique(f"{norm.name}.sum"), dtype=x.dtype)
                 adds.append(gs.Node("Add", self._unique(f"{norm.name}.add"), inputs=[x, operand], outputs=[summed]))
                 x = summed
-            if total is not None:
-                adds[-1].outputs = [total]
-                x = total
             return adds + self._rms_nodes(norm, x, scale, out)
-        if self.rms_op == "simplified":
+        outside = norm.ref.eps_outside_root  # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
+        if self.rms_op == "simplified" and not outside:
             return [gs.Node("SimplifiedLayerNormalization", self._unique(norm.name), attrs={**attrs, "stash_type": 1},
                             inputs=[x, scale], outputs=[out])]
-        if self.rms_op == "onnx":
+        if self.rms_op == "onnx" and not outside:
             return [gs.Node("RMSNormalization", self._unique(norm.name), attrs={**attrs, "stash_type": 1},
                             inputs=[x, scale], outputs=[out])]
         name = norm.name
-        square, mean, shifted, root, normed = (gs.Variable(self._unique(f"{name}.{s}"), dtype=x.dtype) for s in ("sq", "ms", "mse", "rms", "xhat"))
+        square, mean, inner, root, normed = (gs.Variable(self._unique(f"{name}.{s}"), dtype=x.dtype) for s in ("sq", "ms", "inner", "rms", "xhat"))
         eps = gs.Constant(self._unique(f"{name}.eps"), np.array(norm.epsilon, dtype=self._dtype(x)))
+        if outside:  # √mean + ε
+            root_nodes = [gs.Node("Sqrt", self._unique(f"{name}.sqrt"), inputs=[mean], outputs=[inner]),
+                          gs.Node("Add", self._unique(f"{name}.add_eps"), inputs=[inner, eps], outputs=[root])]
+        else:  # √(mean + ε)
+            root_nodes = [gs.Node("Add", self._unique(f"{name}.add_eps"), inputs=[mean, eps], outputs=[inner]),
+                          gs.Node("Sqrt", self._unique(f"{name}.sqrt"), inputs=[inner], outputs=[root])]
         return [
             gs.Node("Mul", self._unique(f"{name}.square"), inputs=[x, x], outputs=[square]),
             self._reduce_mean(square, norm.axis, mean, f"{name}.mean_square"),
-            gs.Node("Add", self._unique(f"{name}.add_eps"), inputs=[mean, eps], outputs=[shifted]),
-            gs.Node("Sqrt", self._unique(f"{name}.sqrt"), inputs=[shifted], outputs=[root]),
+            *root_nodes,
             gs.Node("Div", self._unique(f"{name}.normalize"), inputs=[x, root], outputs=[normed]),
             gs.Node("Mul", self._unique(f"{name}.scale"), inputs=[normed, scale], outputs=[out]),
         ]
