@@ -323,6 +323,8 @@ def why_not(norm: NormInfo, width: int | None, kind: str) -> str | None:
         return norm.unsupported or "does not normalize over one (last) axis"
     if norm.ref.extra_outputs_used:
         return "its Mean/InvStdDev outputs are used"
+    if getattr(norm.ref, "skip", None) is not None:
+        return "a SkipLayerNormalization: surrogates for norms fused with their residual Add are not implemented"
     if width is None:
         return "the normalized width is unknown"
     if any(t is not None and constant_values(t) is None for t in (norm.ref.gamma, norm.ref.beta)):

@@ -110,10 +110,22 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
     return shapes, dtypes
 
 
+def _has_contrib_ops(model: onnx.ModelProto) -> bool:
+    """Whether some node is no ONNX op at the model's opset (an ONNX Runtime contrib op, say)."""
+    versions = {o.domain or "": o.version for o in model.opset_import}
+    for node in model.graph.node:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        try:
+            onnx.defs.get_schema(node.op_type, versions.get(domain, 1), domain)
+        except onnx.defs.SchemaError:
+            return True
+    return False
+
+
 def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference, or ONNX Runtime's symbolic one where the graph has contrib ops (which
     ONNX's does not know); best effort: unknown shapes make the analysis decline."""
-    if any(node.domain == "com.microsoft" for node in light.graph.node):
+    if _has_contrib_ops(light):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
         try:
@@ -547,6 +559,8 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
         if node.name in norms_by_anchor:
             norm = norms_by_anchor[node.name]
             inputs = [norm.input] + [t for t in (norm.scale, norm.bias) if t]
+            if norm.ref.skip is not None:
+                _add_skip_sum(ctx, zmg, node, norm)
             zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), inputs, [norm.output], norm.ref))
             continue
         if id(node) in in_norm:
@@ -563,3 +577,14 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
             zmg.norms.append(norm)
             zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
     return zmg
+
+
+def _add_skip_sum(ctx: OnnxGraph, zmg: ZeroMeanGraph, node: gs.Node, norm) -> None:
+    """A Skip*LayerNormalization normalizes x + skip (+ bias): model that sum as its own `Sum` node.
+
+    Its output is the op's output 3 where something reads it, else a name of its own; it has x's shape.
+    """
+    match = norm.ref
+    operands = [t.name for t in (match.x, match.skip, match.skip_bias) if t is not None]
+    ctx.shapes.setdefault(norm.input, ctx.shapes.get(match.x.name))
+    zmg.add_node(ZNode(f"{node.name}.sum", f"{node.op} (sum)", NodeKind.RESIDUAL, Sum(), operands, [norm.input], node))

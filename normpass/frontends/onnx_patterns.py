@@ -40,6 +40,18 @@ class NormMatch:
     beta: gs.Tensor | None = None
     extra_outputs_used: bool = False
     internal: list[gs.Tensor] = field(default_factory=list)
+    eps_outside_root: bool = False  # decomposed x̂ = d / (√var + ε) instead of d / √(var + ε)
+    skip: gs.Tensor | None = None  # Skip*LayerNormalization: normalizes x + skip (+ bias)
+    skip_bias: gs.Tensor | None = None
+    skip_sum: gs.Tensor | None = None  # its output 3, the sum, where something reads it
+    unsupported: str | None = None  # why this spelling can never be folded
+
+    @property
+    def normalized(self) -> str:
+        """Name of the tensor the norm normalizes (for a Skip op, its sum, named even when unused)."""
+        if self.skip is None:
+            return self.x.name
+        return self.skip_sum.name if self.skip_sum is not None else f"{self.nodes[0].name}.sum"
 
 
 def _unique_nodes(nodes) -> list[gs.Node]:
@@ -96,33 +108,51 @@ def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
     return None
 
 
-def _match_rms_core(d: gs.Tensor, square_users: list[gs.Node]) -> tuple[list[gs.Node], gs.Tensor, float, int] | None:
-    """From d: `d / Sqrt(ReduceMean(d²) + ε)`. Returns (nodes, normalized tensor, ε, axis)."""
-    squares = [n for n in square_users if n.op == "Pow" and _scalar(n.inputs[1]) == 2.0 and n.inputs[0] is d
-               or n.op == "Mul" and len(n.inputs) == 2 and n.inputs[0] is d and n.inputs[1] is d]
-    if len(squares) != 1:
-        return None
-    square = squares[0]
-    nodes = [square]
+def _is_square_of(node: gs.Node, t: gs.Tensor) -> bool:
+    """`Pow(t, 2)` or `Mul(t, t)`."""
+    if node.op == "Pow":
+        return node.inputs[0] is t and _scalar(node.inputs[1]) == 2.0
+    return node.op == "Mul" and len(node.inputs) == 2 and node.inputs[0] is t and node.inputs[1] is t
+
+
+def _mean_of_square(t: gs.Tensor, square: gs.Node, nodes: list[gs.Node]) -> tuple[gs.Tensor, int] | None:
+    """From `square` = t²: `ReduceMean(t²)` over one axis (Casts between). Returns (its output, axis)."""
+    nodes.append(square)
     mean_in = _skip_casts_forward(square.outputs[0], nodes)
     mean = _sole_consumer(mean_in)
     if mean is None or (axis := _single_reduce_axis(mean)) is None:
         return None
     nodes.append(mean)
-    mean_out = _skip_casts_forward(mean.outputs[0], nodes)
-    add = _sole_consumer(mean_out)
-    if add is not None and add.op == "Sqrt":  # ε = 0, or an ε the exporter's optimizer dropped
-        eps, sqrt_in = 0.0, mean_out
-    elif add is None or add.op != "Add" or (eps := _scalar(_other_input(add, mean_out))) is None:
+    return _skip_casts_forward(mean.outputs[0], nodes), axis
+
+
+def _scalar_add(t: gs.Tensor) -> tuple[gs.Node, float] | None:
+    """The sole consumer of `t` if it is `t + ε` with a constant scalar ε, and ε."""
+    add = _sole_consumer(t)
+    if add is None or add.op != "Add" or (eps := _scalar(_other_input(add, t))) is None:
         return None
-    else:
-        nodes.append(add)
-        sqrt_in = add.outputs[0]
-    sqrt = _sole_consumer(sqrt_in)
+    return add, eps
+
+
+def _match_root_divide(var: gs.Tensor, d: gs.Tensor, nodes: list[gs.Node]) -> tuple[gs.Tensor, float, bool] | None:
+    """From the variance: `d / Sqrt(var + ε)`, or `d / (Sqrt(var) + ε)`, with `Div` or `Mul(·, Reciprocal(·))`.
+
+    Returns (normalized tensor, ε, whether ε is outside the root). No ε at all is ε = 0 inside (or
+    an ε the exporter's optimizer dropped, as torch's does for 1e-12).
+    """
+    eps, outside = 0.0, False
+    if (inside := _scalar_add(var)) is not None:
+        nodes.append(inside[0])
+        eps, var = inside[1], inside[0].outputs[0]
+    sqrt = _sole_consumer(var)
     if sqrt is None or sqrt.op != "Sqrt":
         return None
     nodes.append(sqrt)
     root = _skip_casts_forward(sqrt.outputs[0], nodes)
+    if inside is None and (after := _scalar_add(root)) is not None:
+        nodes.append(after[0])
+        eps, outside = after[1], True
+        root = _skip_casts_forward(after[0].outputs[0], nodes)
     divider = _sole_consumer(root)
     if divider is None:
         return None
@@ -135,7 +165,41 @@ def _match_rms_core(d: gs.Tensor, square_users: list[gs.Node]) -> tuple[list[gs.
     elif divider.op != "Div" or divider.inputs[1] is not root or _skip_casts_back(divider.inputs[0]) is not d:
         return None
     nodes.append(divider)
-    return nodes, divider.outputs[0], eps, axis
+    return divider.outputs[0], eps, outside
+
+
+def _match_rms_core(d: gs.Tensor, square_users: list[gs.Node]) -> tuple[list[gs.Node], gs.Tensor, float, int, bool] | None:
+    """From d: `d / Sqrt(ReduceMean(d²) + ε)`. Returns (nodes, normalized tensor, ε, axis, ε outside the root)."""
+    squares = [n for n in square_users if _is_square_of(n, d)]
+    if len(squares) != 1:
+        return None
+    nodes: list[gs.Node] = []
+    head = _mean_of_square(d, squares[0], nodes)
+    tail = None if head is None else _match_root_divide(head[0], d, nodes)
+    return None if tail is None else (nodes, tail[0], tail[1], head[1], tail[2])
+
+
+def _match_variance_core(mean: gs.Node, x: gs.Tensor, d: gs.Tensor, axis: int):
+    """The variance form: `(x − E[x]) / Sqrt(E[x²] − E[x]² + ε)`, anchored at `mean` = ReduceMean(x).
+
+    Returns what `_match_rms_core` returns, or None.
+    """
+    mean_users = _unique_nodes(mean.outputs[0].outputs)
+    mean_squares = [n for n in mean_users if _is_square_of(n, mean.outputs[0])]
+    x_squares = [n for n in _unique_nodes(x.outputs) if _is_square_of(n, x)]
+    if len(mean_users) != 2 or len(mean_squares) != 1 or len(x_squares) != 1:
+        return None
+    nodes = [mean_squares[0]]
+    mean_sq = _skip_casts_forward(mean_squares[0].outputs[0], nodes)
+    head = _mean_of_square(x, x_squares[0], nodes)
+    if head is None or head[1] != axis:
+        return None
+    var = _sole_consumer(head[0])
+    if var is None or var.op != "Sub" or var.inputs[0] is not head[0] or var.inputs[1] is not mean_sq:
+        return None
+    nodes.append(var)
+    tail = _match_root_divide(var.outputs[0], d, nodes)
+    return None if tail is None else (nodes, tail[0], tail[1], axis, tail[2])
 
 
 def _match_affine(y: gs.Tensor, nodes: list[gs.Node]) -> tuple[gs.Tensor, gs.Tensor | None, gs.Tensor | None]:
@@ -172,12 +236,14 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, 
     if node.op == "ReduceMean":
         axis = _single_reduce_axis(node)
         x = node.inputs[0]
-        sub = _sole_consumer(node.outputs[0])
-        if axis is None or sub is None or sub.op != "Sub" or sub.inputs[0] is not x or sub.inputs[1] is not node.outputs[0]:
+        subs = [n for n in _unique_nodes(node.outputs[0].outputs) if n.op == "Sub"]
+        sub = subs[0] if len(subs) == 1 else None
+        if axis is None or sub is None or sub.inputs[0] is not x or sub.inputs[1] is not node.outputs[0]:
             return None
         d = sub.outputs[0]
-        core = _match_rms_core(d, _unique_nodes(d.outputs))
-        if core is None or len(_unique_nodes(d.outputs)) != 2 or core[3] != axis:
+        core = _match_rms_core(d, _unique_nodes(d.outputs)) if len(_unique_nodes(d.outputs)) == 2 else None
+        core = core or _match_variance_core(node, x, d, axis)
+        if core is None or core[3] != axis:
             return None
         nodes = [node, sub] + core[0]
         norm_type = NormType.LAYER
@@ -195,24 +261,51 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, 
     y, gamma, beta = _match_affine(core[1], nodes)
     if not _internal_tensors_private(nodes, y, graph_outputs):
         return None
-    return norm_type, NormMatch(nodes, x, y, core[3], core[2], gamma, beta)
+    return norm_type, NormMatch(nodes, x, y, core[3], core[2], gamma, beta, eps_outside_root=core[4])
+
+
+def _input(node: gs.Node, index: int) -> gs.Tensor | None:
+    """Input `index` of `node`, or None where it is absent or empty (an omitted optional input)."""
+    return node.inputs[index] if len(node.inputs) > index and node.inputs[index].name else None
+
+
+def _used(tensor: gs.Tensor, graph_outputs: set[str]) -> bool:
+    return bool(tensor.name) and (bool(tensor.outputs) or tensor.name in graph_outputs)
+
+
+def _single(node: gs.Node, gamma: int | None, beta: int | None, eps: float, axis: int = -1, **extra) -> NormMatch:
+    return NormMatch([node], node.inputs[0], node.outputs[0], int(node.attrs.get("axis", axis)),
+                     float(node.attrs.get("epsilon", eps)), None if gamma is None else _input(node, gamma),
+                     None if beta is None else _input(node, beta), **extra)
+
+
+def _skip_parts(node: gs.Node, graph_outputs: set[str]) -> dict:
+    """The residual operands of a Skip*LayerNormalization: (x, skip, γ, [β], [bias]) → (y, -, -, [sum])."""
+    bias_index = 4 if node.op == "SkipLayerNormalization" else 3
+    total = node.outputs[3] if len(node.outputs) > 3 and _used(node.outputs[3], graph_outputs) else None
+    return dict(skip=node.inputs[1], skip_bias=_input(node, bias_index), skip_sum=total)
 
 
 def match_single_op(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, NormMatch] | None:
-    """Norms that are one op: LayerNormalization, RMS ops, GroupNormalization."""
-    inputs = node.inputs
-    if node.op == "LayerNormalization":
-        used = any(o.outputs or o.name in graph_outputs for o in node.outputs[1:])
-        match = NormMatch([node], inputs[0], node.outputs[0], int(node.attrs.get("axis", -1)),
-                          float(node.attrs.get("epsilon", 1e-5)), inputs[1], inputs[2] if len(inputs) > 2 else None,
-                          extra_outputs_used=used)
-        return NormType.LAYER, match
+    """Norms that are one op (see the module docstring for the list)."""
+    stats_used = any(_used(o, graph_outputs) for o in node.outputs[1:3])
+    if node.op == "LayerNormalization":  # ONNX (opset ≥ 17) and com.microsoft: same inputs and outputs
+        return NormType.LAYER, _single(node, 1, 2, 1e-5, extra_outputs_used=stats_used)
+    if node.op == "SkipLayerNormalization":
+        return NormType.LAYER, _single(node, 2, 3, 1e-12, extra_outputs_used=stats_used, **_skip_parts(node, graph_outputs))
+    if node.op == "SkipSimplifiedLayerNormalization":
+        return NormType.RMS, _single(node, 2, None, 1e-12, **_skip_parts(node, graph_outputs))
     if node.op in ("SimplifiedLayerNormalization", "RMSNormalization"):
-        return NormType.RMS, NormMatch([node], inputs[0], node.outputs[0], int(node.attrs.get("axis", -1)),
-                                       float(node.attrs.get("epsilon", 1e-5)), inputs[1] if len(inputs) > 1 else None)
+        return NormType.RMS, _single(node, 1, None, 1e-5)
+    if node.op == "EmbedLayerNormalization":
+        return NormType.LAYER, NormMatch([node], node.inputs[0], node.outputs[0], -1, float(node.attrs.get("epsilon", 1e-12)),
+                                         _input(node, 5), _input(node, 6), unsupported=(
+            "EmbedLayerNormalization normalizes a sum of embedding lookups computed inside the op; "
+            "proving it zero-mean is not implemented, not rewritten"))
     if node.op == "GroupNormalization":
-        return NormType.GROUP, NormMatch([node], inputs[0], node.outputs[0], 1, float(node.attrs.get("epsilon", 1e-5)),
-                                         inputs[1], inputs[2])
+        return NormType.GROUP, _single(node, 1, 2, 1e-5, axis=1)
+    if node.op in ("SkipGroupNorm", "GroupNorm"):  # com.microsoft, channels-last
+        return NormType.GROUP, _single(node, 1, 2, 1e-5)
     return None
 
 
@@ -238,6 +331,7 @@ def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: i
         )
     elif match.extra_outputs_used:
         unsupported = "its Mean/InvStdDev outputs are used"
+    unsupported = match.unsupported or unsupported
     gamma = None if match.gamma is None else constant_values(match.gamma)
     beta = None if match.beta is None else constant_values(match.beta)
     output_centred = (
@@ -251,9 +345,9 @@ def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: i
         name=name,
         op=op,
         norm_type=norm_type,
-        input=match.x.name,
+        input=match.normalized,
         output=match.y.name,
-        axis=axis if rank is not None and axis == rank - 1 else None,
+        axis=axis if rank is not None and axis == rank - 1 and match.unsupported is None else None,
         epsilon=match.epsilon,
         scale=None if match.gamma is None else match.gamma.name,
         bias=None if match.beta is None else match.beta.name,

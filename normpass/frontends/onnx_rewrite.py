@@ -69,8 +69,9 @@ class Rewriter:
     def centre_layer(self, centring: Centring, norms: list[str]) -> None:
         node: gs.Node = self.zmg.nodes[centring.node].ref
         doc = f"weights centred for {', '.join(norms)}"
-        if centring.input_index is not None:
-            self._replace_input(node, centring.input_index, f"centred:{centring.axis}", lambda v: centre(v, centring.axis))
+        if centring.input_index is not None:  # found by name: a node's model may list a subset of its inputs
+            index = next(i for i, t in enumerate(node.inputs) if t.name == centring.tensor)
+            self._replace_input(node, index, f"centred:{centring.axis}", lambda v: centre(v, centring.axis))
         elif node.op == "Gemm":
             self._replace_input(node, 1, f"centred:{1 - node.attrs.get('transB', 0)}",
                                 lambda v: centre(v, 1 - node.attrs.get("transB", 0)))
@@ -174,6 +175,7 @@ class Rewriter:
         """Swap the norm for an RMS op, moving γ/β per `affine` (None: keep both); returns a note."""
         match = norm.ref
         x, y = match.nodes[0].inputs[0], match.y  # x may have been rewired to an inserted centring
+        skip = None if match.skip is None else self._skip_operands(match)
         for node in match.nodes:
             node.inputs.clear()
             node.outputs.clear()
@@ -200,7 +202,7 @@ class Rewriter:
         rms_out = y if beta is None else gs.Variable(self._unique(f"{y.name}.rms"), dtype=y.dtype)
         doc = f"LayerNorm {norm.name} folded into an RMSNorm (input proven zero-mean); {note}"
         scale_const = gs.Constant(self._unique(f"{norm.name}.rms_scale"), np.asarray(scale, dtype=dtype))
-        nodes = self._rms_nodes(norm, x, scale_const, rms_out)
+        nodes = self._rms_nodes(norm, x, scale_const, rms_out, skip)
         if beta is not None:
             nodes.append(gs.Node("Add", self._unique(f"{norm.name}.beta"), inputs=[rms_out, gs.Constant(self._unique(f"{norm.name}.beta"), beta)],
                                  outputs=[y]))
@@ -209,22 +211,49 @@ class Rewriter:
         self.ctx.graph.nodes.extend(nodes)
         return note
 
-    def _rms_nodes(self, norm: NormInfo, x, scale, out) -> list[gs.Node]:
+    @staticmethod
+    def _skip_operands(match) -> tuple[list[gs.Tensor], gs.Tensor | None]:
+        """A SkipLayerNormalization's (skip, [bias]) as they are now (the bias may be a centred copy), and its sum output."""
+        inputs = match.nodes[0].inputs  # (x, skip, γ, [β], [bias])
+        bias = inputs[4] if len(inputs) > 4 and inputs[4].name else None
+        return [inputs[1]] + ([bias] if bias is not None else []), match.skip_sum
+
+    def _rms_nodes(self, norm: NormInfo, x, scale, out, skip=None) -> list[gs.Node]:
+        """RMS op(s) normalizing x (or, for a Skip op, x + skip + bias, written to its sum output)."""
         attrs = {"axis": norm.axis, "epsilon": norm.epsilon}
-        if self.rms_op == "simplified":
+        if skip is not None:
+            operands, total = skip
+            if self.rms_op == "simplified":
+                outputs = [out] + ([gs.Variable.empty(), gs.Variable.empty(), total] if total is not None else [])
+                return [gs.Node("SkipSimplifiedLayerNormalization", self._unique(norm.name), attrs={"epsilon": norm.epsilon},
+                                inputs=[x, operands[0], scale] + operands[1:], outputs=outputs, domain="com.microsoft")]
+            adds = []
+            for index, operand in enumerate(operands):
+                last = index == len(operands) - 1
+                summed = total if last and total is not None else gs.Variable(self._unique(f"{norm.name}.sum"), dtype=x.dtype)
+                adds.append(gs.Node("Add", self._unique(f"{norm.name}.add"), inputs=[x, operand], outputs=[summed]))
+                x = summed
+            return adds + self._rms_nodes(norm, x, scale, out)
+        outside = norm.ref.eps_outside_root  # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
+        if self.rms_op == "simplified" and not outside:
             return [gs.Node("SimplifiedLayerNormalization", self._unique(norm.name), attrs={**attrs, "stash_type": 1},
                             inputs=[x, scale], outputs=[out])]
-        if self.rms_op == "onnx":
+        if self.rms_op == "onnx" and not outside:
             return [gs.Node("RMSNormalization", self._unique(norm.name), attrs={**attrs, "stash_type": 1},
                             inputs=[x, scale], outputs=[out])]
         name = norm.name
-        square, mean, shifted, root, normed = (gs.Variable(self._unique(f"{name}.{s}"), dtype=x.dtype) for s in ("sq", "ms", "mse", "rms", "xhat"))
+        square, mean, inner, root, normed = (gs.Variable(self._unique(f"{name}.{s}"), dtype=x.dtype) for s in ("sq", "ms", "inner", "rms", "xhat"))
         eps = gs.Constant(self._unique(f"{name}.eps"), np.array(norm.epsilon, dtype=self._dtype(x)))
+        if outside:  # √mean + ε
+            root_nodes = [gs.Node("Sqrt", self._unique(f"{name}.sqrt"), inputs=[mean], outputs=[inner]),
+                          gs.Node("Add", self._unique(f"{name}.add_eps"), inputs=[inner, eps], outputs=[root])]
+        else:  # √(mean + ε)
+            root_nodes = [gs.Node("Add", self._unique(f"{name}.add_eps"), inputs=[mean, eps], outputs=[inner]),
+                          gs.Node("Sqrt", self._unique(f"{name}.sqrt"), inputs=[inner], outputs=[root])]
         return [
             gs.Node("Mul", self._unique(f"{name}.square"), inputs=[x, x], outputs=[square]),
             self._reduce_mean(square, norm.axis, mean, f"{name}.mean_square"),
-            gs.Node("Add", self._unique(f"{name}.add_eps"), inputs=[mean, eps], outputs=[shifted]),
-            gs.Node("Sqrt", self._unique(f"{name}.sqrt"), inputs=[shifted], outputs=[root]),
+            *root_nodes,
             gs.Node("Div", self._unique(f"{name}.normalize"), inputs=[x, root], outputs=[normed]),
             gs.Node("Mul", self._unique(f"{name}.scale"), inputs=[normed, scale], outputs=[out]),
         ]
