@@ -35,6 +35,11 @@ class ThirdPartyModel:
     input_shape: tuple[int, ...]  # a shape its single image input accepts
 
 
+def _rapidocr(name: str, file: str, summary: str, layer_norms: int, input_shape: tuple[int, ...]) -> ThirdPartyModel:
+    return ThirdPartyModel(name, "rapidocr-onnxruntime", "rapidocr_onnxruntime", f"models/{file}", summary,
+                           layer_norms, input_shape)
+
+
 THIRDPARTY: dict[str, ThirdPartyModel] = {
     model.name: model
     for model in (
@@ -47,33 +52,15 @@ THIRDPARTY: dict[str, ThirdPartyModel] = {
             layer_norms=25,
             input_shape=(2, 3, 224, 224),
         ),
-        ThirdPartyModel(
-            name="ppocrv4-rec",
-            distribution="rapidocr-onnxruntime",
-            package="rapidocr_onnxruntime",
-            relative_path="models/ch_PP-OCRv4_rec_infer.onnx",
-            summary="PP-OCRv4 text recogniser (PaddlePaddle, paddle2onnx, opset 12), SVTR neck with LayerNorms",
-            layer_norms=5,
-            input_shape=(2, 3, 48, 160),
-        ),
-        ThirdPartyModel(
-            name="ppocrv4-det",
-            distribution="rapidocr-onnxruntime",
-            package="rapidocr_onnxruntime",
-            relative_path="models/ch_PP-OCRv4_det_infer.onnx",
-            summary="PP-OCRv4 text detector (PaddlePaddle, paddle2onnx, opset 12), a CNN without LayerNorms",
-            layer_norms=0,
-            input_shape=(1, 3, 64, 96),
-        ),
-        ThirdPartyModel(
-            name="ppocr-cls",
-            distribution="rapidocr-onnxruntime",
-            package="rapidocr_onnxruntime",
-            relative_path="models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
-            summary="PP-OCR mobile v2 text-direction classifier (PaddlePaddle, opset 11), a CNN without LayerNorms",
-            layer_norms=0,
-            input_shape=(2, 3, 48, 192),
-        ),
+        _rapidocr("ppocrv4-rec", "ch_PP-OCRv4_rec_infer.onnx",
+                  "PP-OCRv4 text recogniser (PaddlePaddle, paddle2onnx, opset 12), SVTR neck with LayerNorms",
+                  5, (2, 3, 48, 160)),
+        _rapidocr("ppocrv4-det", "ch_PP-OCRv4_det_infer.onnx",
+                  "PP-OCRv4 text detector (PaddlePaddle, paddle2onnx, opset 12), a CNN without LayerNorms",
+                  0, (1, 3, 64, 96)),
+        _rapidocr("ppocr-cls", "ch_ppocr_mobile_v2.0_cls_infer.onnx",
+                  "PP-OCR mobile v2 text-direction classifier (PaddlePaddle, opset 11), a CNN without LayerNorms",
+                  0, (2, 3, 48, 192)),
     )
 }
 

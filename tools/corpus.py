@@ -19,7 +19,7 @@ Usage::
     python tools/corpus.py                          # Markdown table on stdout
     python tools/corpus.py --json corpus.json       # and every row as JSON
     python tools/corpus.py --models gpt2,vit --forms torchscript,ort-optimized --no-thirdparty
-    python tools/corpus.py --minilm
+    python tools/corpus.py --models= --no-thirdparty --minilm   # only the MiniLM row
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -45,17 +46,21 @@ COLUMNS = ("model", "form", "norms", "proven", "rewritten", "target", "max_rel_e
 CALIBRATION_SENTENCES = 60
 
 
-def measure(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict:
-    """inspect + fold ``model``, then check the fold on ``feeds`` independently."""
-    start = time.perf_counter()
+def measure(model: onnx.ModelProto, make_feeds: Callable[[], dict[str, np.ndarray]]) -> dict:
+    """inspect + fold ``model``, then check the fold independently on ``make_feeds()``.
+
+    What raises (normpass, or ONNX Runtime on the original) is reported in ``error`` with the
+    file and line it came from, instead of stopping the table.
+    """
     try:
+        start = time.perf_counter()
         plan = inspect_onnx(model)
         result = fold_onnx(model)
-    except Exception as e:  # the table reports what normpass raises instead of stopping
+        seconds = time.perf_counter() - start
+        error, _ = rewrite_error(model, result.model, make_feeds())
+    except Exception as e:
         frame = traceback.extract_tb(e.__traceback__)[-1]
         return {"error": f"{type(e).__name__} at {pathlib.Path(frame.filename).name}:{frame.lineno}: {e}"[:300]}
-    seconds = time.perf_counter() - start
-    error, _ = rewrite_error(model, result.model, feeds)
     return {
         "norms": plan.total,
         "proven": len(plan.folded),
@@ -80,7 +85,7 @@ def registry_rows(names: list[str], forms: list[str], root: pathlib.Path) -> lis
                 exported[form] = normpass_models.export_onnx(name, path, form)
             model = onnx.load(str(exported[form]))
             row = {"model": name, "form": form, "target": f"{entry.expected_folded}/{entry.expected_rewritten}"}
-            row.update(measure(model, entry_feeds(entry, model)))
+            row.update(measure(model, lambda: entry_feeds(entry, model)))
             rows.append(row)
             print(f"  {name} {form}: {row}", file=sys.stderr)
     return rows
@@ -97,7 +102,7 @@ def thirdparty_rows() -> list[dict]:
         (input_name,) = [i.name for i in model.graph.input if i.name not in initializers]
         feeds = {input_name: np.random.default_rng(5).standard_normal(published.input_shape).astype(np.float32)}
         row = {"model": name, "form": "published", "target": ""}
-        row.update(measure(model, feeds))
+        row.update(measure(model, lambda: feeds))
         rows.append(row)
         print(f"  {name}: {row}", file=sys.stderr)
     return rows
@@ -150,7 +155,7 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(normpass_models.names(include_large=False)),
-                        help="comma-separated registry models (default: every small one)")
+                        help="comma-separated registry models (default: every small one; empty: none)")
     parser.add_argument("--forms", default=",".join(normpass_models.FORMS), help="comma-separated forms (default: all)")
     parser.add_argument("--no-thirdparty", action="store_true", help="leave out the installed published files")
     parser.add_argument("--minilm", action="store_true", help="add the all-MiniLM-L6-v2 replace row (minutes)")
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
-        rows = registry_rows(args.models.split(","), args.forms.split(","), root)
+        rows = registry_rows([m for m in args.models.split(",") if m], [f for f in args.forms.split(",") if f], root)
         if not args.no_thirdparty:
             rows += thirdparty_rows()
         print(markdown(rows))
