@@ -57,8 +57,8 @@ class Case:
 class Builder:
     """Accumulates the nodes and initializers of one graph; a subgraph's builder shares its parent's records."""
 
-    def __init__(self, rng: np.random.Generator, dtype, opset: int, features: set[str]):
-        self.rng, self.dtype, self.opset, self.features = rng, np.dtype(dtype), opset, features
+    def __init__(self, rng: np.random.Generator, dtype, opset: int, features: set[str], seq):
+        self.rng, self.dtype, self.opset, self.features, self.seq = rng, np.dtype(dtype), opset, features, seq
         self.prefix = ""
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
@@ -68,12 +68,12 @@ class Builder:
         self.counter = 0
 
     def subgraph(self, kind: str) -> Builder:
-        sub = Builder(self.rng, self.dtype, self.opset, self.features)
+        sub = Builder(self.rng, self.dtype, self.opset, self.features, self.seq)
         sub.prefix, sub.used, sub.norms = f"{self.name(kind)}_", self.used, self.norms
         return sub
 
     def stream_info(self, name: str) -> onnx.ValueInfoProto:
-        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(self.dtype), ["batch", "seq", D])
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(self.dtype), ["batch", self.seq, D])
 
     # --- primitives ---------------------------------------------------------------------------
 
@@ -128,8 +128,10 @@ class Builder:
             self.used.add("conv")
             nchw = self.node("Unsqueeze", [self.node("Transpose", [x], perm=[0, 2, 1]), self.ints(3)])
             inputs = [nchw, self.weight(D, D, 1, 1)] + ([self.floats("c", D)] if self.chance(0.7) else [])
-            y = self.node("Squeeze", [self.node("Conv", inputs, kernel_shape=[1, 1]), self.ints(3)])
-            return self.node("Transpose", [y], perm=[0, 2, 1])
+            y = self.node("Conv", inputs, kernel_shape=[1, 1])  # [b, D, s, 1]
+            if self.chance(0.5):
+                return self.node("Transpose", [self.node("Squeeze", [y, self.ints(3)])], perm=[0, 2, 1])
+            return self.node("Reshape", [self.node("Transpose", [y], perm=[0, 2, 3, 1]), self.ints(0, 0, D)])
         y = self.node("MatMul", [x, self.weight(D, d_out)])
         return self.node("Add", [y, self.floats("c", d_out)]) if self.chance(0.7) else y
 
@@ -241,7 +243,7 @@ def _if(parent: Builder, readers: list[str], depth: int) -> str:
 
 
 def _loop(parent: Builder, readers: list[str]) -> str:
-    """carried ← carried + s·f(outer) twice, f the identity or a norm, from a stream value."""
+    """carried ← carried + s·f(outer) twice, f the identity or a norm, from a stream value or from zeros."""
     parent.used.add("loop")
     body = parent.subgraph("loop")
     step, cond, carried = body.name("iter"), body.name("cond"), body.name("carried")
@@ -256,6 +258,9 @@ def _loop(parent: Builder, readers: list[str]) -> str:
         [helper.make_tensor_value_info(outputs[0], onnx.TensorProto.BOOL, []), body.stream_info(outputs[1])],
         initializer=body.inits)
     start = readers[parent.rng.integers(len(readers))]
+    if parent.chance(0.5):  # zeros of the stream's shape: the body's outer-scope read is the only value reader
+        zero = numpy_helper.from_array(np.zeros(1, parent.dtype))
+        start = parent.node("ConstantOfShape", [parent.node("Shape", [start])], value=zero)
     return parent.node("Loop", [parent.const("trips", np.array(2, np.int64)), "", start], body=graph)
 
 
@@ -270,9 +275,9 @@ def generate(seed: int, features=FEATURES) -> Case:
     features = set(features)
     dtype = DTYPES[rng.choice(len(DTYPES), p=DTYPE_WEIGHTS)]
     opset = int(rng.choice(OPSETS))
-    b = Builder(rng, dtype, opset, features)
-    tensor_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     seq = "seq" if rng.random() < 0.5 else SHAPES[0][1]
+    b = Builder(rng, dtype, opset, features, seq)
+    tensor_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     inputs, outputs = [], []
 
     embedding = None
@@ -331,7 +336,7 @@ def generate(seed: int, features=FEATURES) -> Case:
                  for o in dict.fromkeys(outputs)]
     graph = helper.make_graph(b.nodes, f"fuzz{seed}", inputs, out_infos, initializer=b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=_ir_version(rng, opset))
-    onnx.checker.check_model(model, full_check=True)
+    onnx.checker.check_model(model, full_check=True)  # full_check: strict shape inference passes too
     return Case(seed, model, _feeds(rng, model, overridable, b.inits), b.used, b.norms)
 
 
