@@ -21,6 +21,7 @@ from typing import Iterator
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..errors import UnsupportedModelError
 from ..graph import (
@@ -158,11 +159,24 @@ def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
         if not node.name or node.name in seen:
             node.name = f"{node.op}_{index}" if not node.name else f"{node.name}_{index}"
         seen.add(node.name)
+        _own_attribute_tensors(node)
     shapes, dtypes = infer_shapes(model)
     for node in graph.nodes:
         if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
             shapes.setdefault(node.outputs[0].name, tuple(node.attrs["value"].shape))
     return OnnxGraph(model, graph, shapes, dtypes, name, body_holders(graph))
+
+
+def _own_attribute_tensors(node: gs.Node) -> None:
+    """Give a tensor attribute (`Constant`'s `value`, `ConstantOfShape`'s) its own unnamed-proto copy.
+
+    graphsurgeon's exporter writes the tensor's name into the very `TensorProto` it imported,
+    which for an attribute tensor without a name would change the caller's model. These
+    tensors are usually small (weights are usually initializers), so copying them costs little.
+    """
+    for value in node.attrs.values():
+        if isinstance(value, gs.Constant) and isinstance(value._values, LazyValues) and not value._values.tensor.HasField("name"):
+            value._values = LazyValues(onnx.TensorProto.FromString(value._values.tensor.SerializeToString()))
 
 
 # --- control flow ------------------------------------------------------------------------------

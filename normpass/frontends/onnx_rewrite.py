@@ -145,18 +145,31 @@ class Rewriter:
 
     # --- norms ----------------------------------------------------------------------------------
 
+    def _width(self, norm: NormInfo) -> int | None:
+        """The number of features: the input's static last dim, else γ's or β's length."""
+        width = (self.ctx.shapes.get(norm.ref.x.name) or (None,))[-1]
+        if isinstance(width, int):
+            return width
+        vectors = [self._values(t) for t in (norm.ref.gamma, norm.ref.beta) if t is not None]
+        return next((v.shape[-1] for v in vectors if v.ndim and v.shape[-1] > 1), None)
+
+    def _feature_vector(self, norm: NormInfo, tensor: gs.Tensor | None) -> np.ndarray | None:
+        """γ or β as one value per feature (a decomposed norm may scale by a scalar or a [1, 1, d] tensor)."""
+        if tensor is None:
+            return None
+        values, width = self._values(tensor), self._width(norm)
+        return values if width is None else np.broadcast_to(values, values.shape[:-1] + (width,)).reshape(width)
+
     def _beta(self, norm: NormInfo) -> np.ndarray | None:
         """The norm's β, or None when it has none or it is all zeros."""
-        beta = None if norm.ref.beta is None else self._values(norm.ref.beta)
+        beta = self._feature_vector(norm, norm.ref.beta)
         return beta if beta is not None and np.any(beta != 0) else None
 
     def affine_plan(self, norm: NormInfo) -> AffinePlan:
         """Where the folded norm's γ/β can go, decided once, on the graph before any rewrite."""
         if norm.name not in self._affines:
-            match = norm.ref
-            width = None if match.gamma is None else self._values(match.gamma).shape[-1]
-            width = width or (self.ctx.shapes.get(match.x.name) or (None,))[-1]
-            self._affines[norm.name] = affine_plan(self.ctx, self.zmg.graph_outputs, match.y, width, self._beta(norm) is not None)
+            self._affines[norm.name] = affine_plan(self.ctx, self.zmg.graph_outputs, norm.ref.y, self._width(norm),
+                                                   self._beta(norm) is not None)
         return self._affines[norm.name]
 
     def stranded_beta(self, plan: FoldPlan) -> dict[str, str]:
@@ -179,7 +192,7 @@ class Rewriter:
         for node in match.nodes:
             node.inputs.clear()
             node.outputs.clear()
-        gamma = None if match.gamma is None else self._values(match.gamma)
+        gamma = self._feature_vector(norm, match.gamma)
         beta = self._beta(norm)
         moved_to, moved = [], ""
         if affine is not None and affine.full is not None:
@@ -195,10 +208,9 @@ class Rewriter:
         else:
             note = "γ kept in the RMS op" + (", β migrated into " + ", ".join(moved_to) if moved_to else "")
             note += ", β kept as an Add" if beta is not None else ""
-        original_gamma = None if match.gamma is None else self._values(match.gamma)
+        original_gamma = self._feature_vector(norm, match.gamma)
         dtype = original_gamma.dtype if original_gamma is not None else self._dtype(x)
-        width = original_gamma.shape[-1] if original_gamma is not None else self.ctx.shapes[x.name][-1]
-        scale = gamma if gamma is not None else np.ones(width, dtype=dtype)
+        scale = gamma if gamma is not None else np.ones(self._width(norm), dtype=dtype)
         rms_out = y if beta is None else gs.Variable(self._unique(f"{y.name}.rms"), dtype=y.dtype)
         doc = f"LayerNorm {norm.name} folded into an RMSNorm (input proven zero-mean); {note}"
         scale_const = gs.Constant(self._unique(f"{norm.name}.rms_scale"), np.asarray(scale, dtype=dtype))

@@ -1,0 +1,83 @@
+"""Regressions found by the graph fuzzer (tools/fuzz.py), each reduced to a minimal graph.
+
+* a decomposed LayerNorm whose γ is a scalar (`Mul(x̂, s)`): γ and β are per-feature vectors
+  for the rewrite, broadcast from whatever shape the graph gives them;
+* γ-less decomposed LayerNorms behind an inserted centring: the rewrite reads the width from
+  the norm's original input, not from the inserted tensor;
+* a tensor attribute (`ConstantOfShape`'s `value`) must not be touched in the caller's model;
+* double models: see tests/test_emission.py (no double SkipSimplifiedLayerNormalization).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from normpass import FoldOptions, fold_onnx
+
+from conftest import assert_equivalent, build, check_structure, op_counts, randn, rng
+
+D = 8
+HEADER = '<ir_version: 10, opset_import: ["" : 17]>'
+
+
+def decomposed_ln(x: str, y: str, scale: str | None = None) -> str:
+    """(x − mean) / √(mean((x − mean)²) + ε) [· scale], written out op by op."""
+    out = f"{y}_n" if scale else y
+    text = f"""
+  {y}_mean = ReduceMean<axes=[-1]>({x})
+  {y}_d = Sub({x}, {y}_mean)
+  {y}_sq = Mul({y}_d, {y}_d)
+  {y}_var = ReduceMean<axes=[-1]>({y}_sq)
+  {y}_ve = Add({y}_var, eps)
+  {y}_std = Sqrt({y}_ve)
+  {out} = Div({y}_d, {y}_std)"""
+    return text + (f"\n  {y} = Mul({out}, {scale})" if scale else "")
+
+
+def test_decomposed_norm_with_a_scalar_gamma_folds():
+    gen = rng(0)
+    model = build(f"""{HEADER}
+agraph (float[B, {D}] x) => (float[B, {D}] z) {{
+  m0 = MatMul(x, W0)
+  h = Add(m0, b0){decomposed_ln("h", "y", scale="s")}
+  z = MatMul(y, W1)
+}}""", W0=randn(gen, D, D), b0=randn(gen, D), W1=randn(gen, D, D), eps=np.array(1e-5, np.float32),
+        s=np.array(1.7, np.float32))
+    for options in (FoldOptions(), FoldOptions(target="onnx")):
+        result = fold_onnx(model, options)
+        assert result.folded == 1 and op_counts(result.model)["ReduceMean"] == 0
+        assert_equivalent(model, result.model)
+
+
+def test_gammaless_decomposed_norms_behind_an_inserted_centring_fold():
+    gen = rng(1)
+    model = build(f"""{HEADER}
+agraph (float[B, {D}] x) => (float[B, {D}] y) {{
+  m0 = MatMul(x, W0)
+  a0 = Add(m0, b0)
+  h = Relu(a0){decomposed_ln("h", "n1")}
+  m1 = MatMul(n1, W1)
+  f = Add(m1, b1)
+  r = Add(h, f){decomposed_ln("r", "y")}
+}}""", W0=randn(gen, D, D), b0=randn(gen, D), W1=randn(gen, D, D), b1=randn(gen, D), eps=np.array(1e-5, np.float32))
+    result = fold_onnx(model, FoldOptions(fold_with_beta_add=True))
+    assert result.folded == 2 and [d.insertions for d in result.plan.folded][0]
+    check_structure(result.model)
+    assert_equivalent(model, result.model)
+
+
+def test_tensor_attributes_of_the_callers_model_are_untouched():
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"], name="shape"),
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"], name="zeros", value=numpy_helper.from_array(np.zeros(1, np.float32))),
+        helper.make_node("Add", ["x", "zeros"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(nodes, "attribute", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", D])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", D])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    before = model.SerializeToString()
+    for options in (FoldOptions(), FoldOptions(verify=False)):
+        fold_onnx(model, options)
+        assert model.SerializeToString() == before
