@@ -229,8 +229,9 @@ def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | Non
                 bools: str = "true", dims: tuple[int, int] = (DEFAULT_BATCH, DEFAULT_DIM)) -> dict[str, np.ndarray]:
     """Seeded inputs for every graph input: randn floats, in-range indices, all-ones integer masks.
 
-    Boolean inputs are all true, all false or random (`bools`). Dynamic dims not fixed by `shapes`
-    are `dims` (batch, other) as `_input_shape` assigns them.
+    Boolean inputs are all true, all false or random (`bools`). A named dynamic dim takes its size
+    from an input in `shapes` that has it; other dynamic dims are `dims` (batch, other) as
+    `_input_shape` assigns them.
     """
     rng = np.random.default_rng(seed)
     shapes = shapes or {}
@@ -239,7 +240,8 @@ def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | Non
     unknown = set(shapes) - {i.name for i in model.graph.input}
     if unknown:
         raise InputError(f"--input-shape names no graph input: {', '.join(sorted(unknown))}")
-    named: dict[str, int] = {}
+    named = {d.dim_param: value for i in model.graph.input if i.name in shapes
+             for d, value in zip(i.type.tensor_type.shape.dim, shapes[i.name]) if d.dim_param}
     feeds = {}
     for graph_input in model.graph.input:
         if graph_input.name in initializers:

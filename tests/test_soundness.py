@@ -19,7 +19,7 @@ import pytest
 from onnx import numpy_helper
 
 from normpass import FoldOptions, VerificationError, fold_onnx, inspect_onnx
-from normpass.verify import check_signature, compare_outputs, verify
+from normpass.verify import check_signature, compare_outputs, make_inputs, verify
 
 from conftest import build, check_structure, randn, rng
 
@@ -189,6 +189,19 @@ def test_verification_tries_other_sizes_for_dynamic_dims():
     assert comparison.passed
     assert [run.shapes["x"] for run in comparison.runs] == [[1, 7, D], [3, 5, D]]
     assert comparison.input_shapes == {"x": [1, 7, D]}
+
+
+def test_named_dims_of_a_given_shape_size_the_other_inputs():
+    text = f"""{HEADER}
+    agraph (float[batch, seq, {D}] x, bool[batch, seq] keep) => (float[batch, seq, {D}] y) {{
+        k = Unsqueeze(keep, axes)
+        y = Where(k, x, zero)
+    }}"""
+    model = build(text, axes=np.array([-1], dtype=np.int64), zero=np.zeros((), np.float32))
+    feeds = make_inputs(model, {"x": (1, 7, D)})
+    assert feeds["keep"].shape == (1, 7) and feeds["keep"].all()
+    comparison = verify(model, model, {"x": (1, 7, D)})
+    assert comparison.passed and [run.shapes["keep"] for run in comparison.runs] == [[1, 7], [1, 7], [3, 5]]
 
 
 def test_verification_says_when_the_original_rejects_other_sizes():
