@@ -31,11 +31,10 @@ from typing import Callable, Iterable
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
-from .errors import InputError
+from .errors import InputError, UnsupportedModelError
 from .surrogates import Reservoir, Welford
-from .verify import make_inputs
+from .verify import make_inputs, session
 
 Batch = dict  # graph input name -> np.ndarray, axis 0 = samples
 
@@ -229,13 +228,10 @@ class Runner:
     """An ONNX Runtime session (CPU, optimizations off) for a model whose large weights are inputs."""
 
     def __init__(self, model: onnx.ModelProto, weights: dict[str, np.ndarray] | None = None):
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.log_severity_level = 3
         try:
-            self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        except Exception as e:
-            raise InputError(f"ONNX Runtime cannot load the model being calibrated ({str(e).splitlines()[0]})") from e
+            self.session = session(model)  # models over 2 GB, duplicate node names
+        except UnsupportedModelError as e:
+            raise InputError(f"the model being calibrated: {e}") from e
         self.weights = weights or {}
         self.outputs = [o.name for o in self.session.get_outputs()]
 

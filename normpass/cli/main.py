@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+from onnx_graphsurgeon.logger import G_LOGGER
+
 from .. import __version__
 from ..errors import NormpassError
 from . import bench, fold, inspect, replace, viz
@@ -29,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    G_LOGGER.severity = G_LOGGER.ERROR  # graphsurgeon prints its warnings on stdout; normpass reports what matters
     try:
         return COMMANDS[args.command].run(args)
     except NormpassError as e:
