@@ -274,3 +274,24 @@ agraph (float[B, 4, 4, {D}] x, float[B, 4, 4, {D}] k) => (float[B, 4, 4, {D}] y)
 }}""", **affine(gen))
     norm = only_decision(model)
     assert norm.op == "SkipGroupNorm" and not norm.foldable and "GroupNorm" in norm.reason
+
+
+# --- what ORT's optimizer fuses after a norm ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ["FastGelu", "BiasGelu"])
+def test_affine_migrates_into_a_matmul_whose_bias_a_fused_gelu_adds(activation):
+    """LN → MatMul → com.microsoft.FastGelu/BiasGelu(·, bias): γ/β go into W and that bias, so the
+    default fold (which keeps a norm whose β has nowhere to go) rewrites it."""
+    gen = rng(12)
+    model = build(f"""{header()}
+agraph (float[B, 4, 6] x) => (float[B, 4, 16] y) {{
+  h = MatMul(x, W0)
+  n = LayerNormalization<axis=-1>(h, g1, b1)
+  m = MatMul(n, W1)
+  y = com.microsoft.{activation}(m, c1)
+}}""", W0=randn(gen, 6, D), W1=randn(gen, D, 16), c1=randn(gen, 16), **affine(gen))
+    result = fold_checked(model, 1, fold_with_beta_add=False)
+    rms = nodes_of(result.model, "SimplifiedLayerNormalization")[0]
+    np.testing.assert_array_equal(initializers(result.model)[rms.input[1]], np.ones(D, np.float32))
+    assert not nodes_of(result.model, "Add")

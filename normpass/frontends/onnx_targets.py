@@ -29,6 +29,7 @@ from .onnx import OnnxGraph
 from .onnx_patterns import constant_values, is_constant
 
 REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+BIASED_ACTIVATIONS = ("BiasGelu", "FastGelu")  # com.microsoft f(x + bias): the bias input takes β·W like an Add
 
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:
@@ -145,7 +146,7 @@ def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, ax
         return None
     product = consumer.outputs[0]
     add = product.outputs[0] if len(product.outputs) == 1 and product.name not in graph_outputs else None
-    if add is not None and add.op == "Add":
+    if add is not None and (add.op == "Add" or add.op in BIASED_ACTIVATIONS and len(add.inputs) > 1 and add.inputs[0] is product):
         other = 1 if add.inputs[0] is product else 0
         bias = constant_values(add.inputs[other])
         if bias is not None and bias.shape[-1:] == (weight_shape[1],) and bias.size == weight_shape[1]:
