@@ -29,6 +29,7 @@ from .onnx import OnnxGraph
 from .onnx_patterns import constant_values, is_constant
 
 REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+SKIP_BIAS_INPUT = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}  # com.microsoft: x + skip + bias
 BIASED_ACTIVATIONS = ("BiasGelu", "FastGelu")  # com.microsoft f(x + bias): the bias input takes β·W like an Add
 
 
@@ -158,6 +159,8 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
     """Claims a residual `Add(tensor, s)` whose other summand s carries a private bias."""
 
     def claim(consumer: gs.Node, tensor: gs.Tensor, axis: int) -> SumTarget | None:
+        if consumer.op in SKIP_BIAS_INPUT:
+            return _skip_claim(consumer, tensor, width)
         if consumer.op != "Add" or len(consumer.inputs) != 2 or consumer.inputs[0] is consumer.inputs[1]:
             return None
         if tensor not in consumer.inputs:
@@ -177,6 +180,15 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
         return None
 
     return claim
+
+
+def _skip_claim(node: gs.Node, tensor: gs.Tensor, width: int) -> SumTarget | None:
+    """A Skip op summing `tensor` with another run-time operand and a bias: β moves into that bias."""
+    index = SKIP_BIAS_INPUT[node.op]
+    operands = node.inputs[:2]
+    if sum(t is tensor for t in node.inputs) != 1 or tensor not in operands or len(node.inputs) <= index:
+        return None
+    return SumTarget(node, node, index) if is_feature_vector(constant_values(node.inputs[index]), width) else None
 
 
 class Namer:
