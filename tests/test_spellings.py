@@ -274,3 +274,44 @@ agraph (float[B, 4, 4, {D}] x, float[B, 4, 4, {D}] k) => (float[B, 4, 4, {D}] y)
 }}""", **affine(gen))
     norm = only_decision(model)
     assert norm.op == "SkipGroupNorm" and not norm.foldable and "GroupNorm" in norm.reason
+
+
+# --- what ORT's optimizer fuses after a norm ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ["FastGelu", "BiasGelu"])
+def test_affine_migrates_into_a_matmul_whose_bias_a_fused_gelu_adds(activation):
+    """LN → MatMul → com.microsoft.FastGelu/BiasGelu(·, bias): γ/β go into W and that bias, so the
+    default fold (which keeps a norm whose β has nowhere to go) rewrites it."""
+    gen = rng(12)
+    model = build(f"""{header()}
+agraph (float[B, 4, 6] x) => (float[B, 4, 16] y) {{
+  h = MatMul(x, W0)
+  n = LayerNormalization<axis=-1>(h, g1, b1)
+  m = MatMul(n, W1)
+  y = com.microsoft.{activation}(m, c1)
+}}""", W0=randn(gen, 6, D), W1=randn(gen, D, 16), c1=randn(gen, 16), **affine(gen))
+    result = fold_checked(model, 1, fold_with_beta_add=False)
+    rms = nodes_of(result.model, "SimplifiedLayerNormalization")[0]
+    np.testing.assert_array_equal(initializers(result.model)[rms.input[1]], np.ones(D, np.float32))
+    assert not nodes_of(result.model, "Add")
+
+
+def test_beta_moves_into_the_bias_of_a_skip_layer_norm_reading_the_norm():
+    """Post-LN (BERT after ORT's optimizer): the embedding LN feeds a linear layer and the skip input
+    of a SkipLayerNormalization; its β moves into that op's bias, (n − β) + q + (c + β), so the
+    default fold rewrites it without a separate β Add."""
+    gen = rng(13)
+    model = build(f"""{header()}
+agraph (float[B, 4, 6] x) => (float[B, 4, {D}] y) {{
+  h = MatMul(x, W0)
+  n = LayerNormalization<axis=-1>(h, g1, b1)
+  q0 = MatMul(n, W1)
+  q = Add(q0, c1)
+  y, m, v, s = com.microsoft.SkipLayerNormalization<epsilon=1e-5>(q, n, g2, b2, c2)
+}}""", W0=randn(gen, 6, D), W1=randn(gen, D, D), c1=randn(gen, D), g2=1 + randn(gen, D, scale=0.3),
+        b2=randn(gen, D), c2=randn(gen, D), **affine(gen))
+    result = fold_checked(model, 1, fold_with_beta_add=False)
+    assert [n.name for n in nodes_of(result.model, "Add")] == ["q"]  # no β Add
+    skip = nodes_of(result.model, "SkipLayerNormalization")[0]
+    assert skip.input[4] != "c2" and skip.input[1] == "n"

@@ -1,14 +1,32 @@
 """Recognise normalizations in an ONNX graph (onnx-graphsurgeon IR), in one op or decomposed.
 
-Recognised:
-* `LayerNormalization` (opset ≥ 17): LN over axes [axis, rank).
-* decomposed LayerNorm, as older exporters emit it:
-  d = x − ReduceMean(x); y = d / Sqrt(ReduceMean(d²) + ε) [⊙ γ] [+ β], with `Pow(d, 2)` or
-  `Mul(d, d)`, `Div` or `Mul(·, Reciprocal(·))`, `Cast`s between the steps, and no `+ ε` at
-  all (ε = 0, or one the exporter's optimizer dropped, as torch's does for 1e-12).
-* RMSNorm: `SimplifiedLayerNormalization` (ORT), `RMSNormalization` (opset 23), and the same
-  decomposed chain without the mean subtraction (Llama exports).
-* `GroupNormalization`.
+Recognised spellings (every one is listed in `inspect`; those that cannot fold say why):
+
+* LayerNorm, one op — folds into an RMS op:
+  * `LayerNormalization` (ONNX, opset ≥ 17, either `stash_type`; below 17 the ONNX Runtime contrib
+    op of the same name, in the default or the `com.microsoft` domain): LN over axes [axis, rank).
+  * `com.microsoft.SkipLayerNormalization(x, skip, γ, [β], [bias])` → (y, mean, inv_std, [sum]):
+    LN of s = x + skip + bias. The zero-mean graph models s as a `Sum` node of its own, so the proof
+    walks into x and skip and centres the bias; folded, it becomes
+    `com.microsoft.SkipSimplifiedLayerNormalization(x, skip, γ, [bias])`, keeping s as output 3
+    where something reads it (plain-ONNX emission: `Add`s, then the RMS op).
+* LayerNorm, decomposed, as exporters emit it — folds:
+  d = x − ReduceMean(x); y = d / Sqrt(ReduceMean(d²) + ε) [⊙ γ] [+ β], where
+  * the square is `Pow(d, 2)` or `Mul(d, d)`; `ReduceMean` takes its axes as an attribute
+    (opset < 18) or as a constant input (opset ≥ 18);
+  * the division is `Div` or `Mul` by `Reciprocal`; `Cast`s may sit between the steps;
+  * the variance may be the moments form E[x²] − E[x]² (`ReduceMean(x²) − ReduceMean(x)²`);
+  * ε may be absent (ε = 0, or one the exporter's optimizer dropped, as torch's does for 1e-12),
+    or added outside the root, d / (Sqrt(var) + ε): a distinct algebra that no RMS op computes,
+    so its fold is emitted as the exact chain x / (Sqrt(ReduceMean(x²)) + ε);
+  * γ and β are `Mul`/`Add` in either operand order, with constant-like operands
+    (`constant_values`).
+* RMSNorm, reported as already RMS: `SimplifiedLayerNormalization` (ORT),
+  `com.microsoft.SkipSimplifiedLayerNormalization` (its sum is modelled like SkipLayerNorm's),
+  `RMSNormalization` (opset 23), and the decomposed chain without the mean subtraction (Llama).
+* Listed with a reason, never folded: `com.microsoft.EmbedLayerNormalization` (normalizes a sum of
+  embedding lookups made inside the op), `GroupNormalization`, `com.microsoft.SkipGroupNorm` and
+  `com.microsoft.GroupNorm`.
 
 A decomposed pattern matches only if its intermediate tensors are used inside it alone.
 """

@@ -29,6 +29,8 @@ from .onnx import SHAPE_READERS, OnnxGraph
 from .onnx_patterns import constant_values, is_constant
 
 REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+SKIP_BIAS_INPUT = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}  # com.microsoft: x + skip + bias
+BIASED_ACTIVATIONS = ("BiasGelu", "FastGelu")  # com.microsoft f(x + bias): the bias input takes β·W like an Add
 
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:
@@ -152,7 +154,7 @@ def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, ax
     product = consumer.outputs[0]
     readers = ctx.readers(product)
     add = readers[0] if len(readers) == 1 and product.name not in graph_outputs else None
-    if add is not None and add.op == "Add":
+    if add is not None and (add.op == "Add" or add.op in BIASED_ACTIVATIONS and len(add.inputs) > 1 and add.inputs[0] is product):
         other = 1 if add.inputs[0] is product else 0
         bias = constant_values(add.inputs[other])
         if bias is not None and bias.shape[-1:] == (weight_shape[1],) and bias.size == weight_shape[1]:
@@ -164,6 +166,8 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
     """Claims a residual `Add(tensor, s)` whose other summand s carries a private bias."""
 
     def claim(consumer: gs.Node, tensor: gs.Tensor, axis: int) -> SumTarget | None:
+        if consumer.op in SKIP_BIAS_INPUT:
+            return _skip_claim(consumer, tensor, width)
         if consumer.op != "Add" or len(consumer.inputs) != 2 or consumer.inputs[0] is consumer.inputs[1]:
             return None
         if tensor not in consumer.inputs:
@@ -183,6 +187,15 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
         return None
 
     return claim
+
+
+def _skip_claim(node: gs.Node, tensor: gs.Tensor, width: int) -> SumTarget | None:
+    """A Skip op summing `tensor` with another run-time operand and a bias: β moves into that bias."""
+    index = SKIP_BIAS_INPUT[node.op]
+    operands = node.inputs[:2]
+    if sum(t is tensor for t in node.inputs) != 1 or tensor not in operands or len(node.inputs) <= index:
+        return None
+    return SumTarget(node, node, index) if is_feature_vector(constant_values(node.inputs[index]), width) else None
 
 
 class Namer:
