@@ -326,7 +326,6 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
     return zmg
 
 
-
 def _add_skip_sum(ctx: OnnxGraph, zmg: ZeroMeanGraph, node: gs.Node, norm) -> None:
     """A Skip*LayerNormalization normalizes x + skip (+ bias): model that sum as its own `Sum` node.
 
