@@ -25,7 +25,7 @@ Recognised spellings (every one is listed in `inspect`; those that cannot fold s
   `com.microsoft.SkipSimplifiedLayerNormalization` (its sum is modelled like SkipLayerNorm's),
   `RMSNormalization` (opset 23), and the decomposed chain without the mean subtraction (Llama).
 * Listed with a reason, never folded: `com.microsoft.EmbedLayerNormalization` (normalizes a sum of
-  embedding lookups made inside the op), `GroupNormalization`, `com.microsoft.SkipGroupNorm` and
+  embedding lookups made inside the op, and has no RMS variant), `GroupNormalization`, `com.microsoft.SkipGroupNorm` and
   `com.microsoft.GroupNorm`.
 
 A decomposed pattern matches only if its intermediate tensors are used inside it alone.
@@ -43,6 +43,7 @@ from ..graph import NormInfo, NormType
 from .onnx_constants import constant_values, is_constant  # noqa: F401  (re-exported for the front end)
 
 TRANSPARENT_CASTS = {"Cast"}
+SKIP_BIAS_INPUT = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}  # com.microsoft: x + skip + bias
 
 
 @dataclass
@@ -299,9 +300,8 @@ def _single(node: gs.Node, gamma: int | None, beta: int | None, eps: float, axis
 
 def _skip_parts(node: gs.Node, graph_outputs: set[str]) -> dict:
     """The residual operands of a Skip*LayerNormalization: (x, skip, γ, [β], [bias]) → (y, -, -, [sum])."""
-    bias_index = 4 if node.op == "SkipLayerNormalization" else 3
     total = node.outputs[3] if len(node.outputs) > 3 and _used(node.outputs[3], graph_outputs) else None
-    return dict(skip=node.inputs[1], skip_bias=_input(node, bias_index), skip_sum=total)
+    return dict(skip=node.inputs[1], skip_bias=_input(node, SKIP_BIAS_INPUT[node.op]), skip_sum=total)
 
 
 def match_single_op(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, NormMatch] | None:
@@ -316,10 +316,9 @@ def match_single_op(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, N
     if node.op in ("SimplifiedLayerNormalization", "RMSNormalization"):
         return NormType.RMS, _single(node, 1, None, 1e-5)
     if node.op == "EmbedLayerNormalization":
-        return NormType.LAYER, NormMatch([node], node.inputs[0], node.outputs[0], -1, float(node.attrs.get("epsilon", 1e-12)),
-                                         _input(node, 5), _input(node, 6), unsupported=(
-            "EmbedLayerNormalization normalizes a sum of embedding lookups computed inside the op; "
-            "proving it zero-mean is not implemented, not rewritten"))
+        return NormType.LAYER, _single(node, 5, 6, 1e-12, unsupported=(
+            "EmbedLayerNormalization normalizes a sum of embedding lookups made inside the op, and "
+            "ONNX Runtime has no RMS variant of it; not rewritten"))
     if node.op == "GroupNormalization":
         return NormType.GROUP, _single(node, 1, 2, 1e-5, axis=1)
     if node.op in ("SkipGroupNorm", "GroupNorm"):  # com.microsoft, channels-last

@@ -14,7 +14,10 @@
   residual Adds where it can, else stays an Add. `stranded_beta` names the folds that would
   keep that Add, so the pass can leave those norms as LayerNorms.
 * RMS ops: `SimplifiedLayerNormalization` (ORT, default), opset-23 `RMSNormalization`, or the
-  decomposed chain Mul → ReduceMean → Add → Sqrt → Div.
+  decomposed chain Mul → ReduceMean → Add → Sqrt → Div. A decomposed LayerNorm with ε outside
+  the root, d / (√var + ε), always becomes the chain with Sqrt before the Add: x / (√mean(x²) + ε).
+  A `SkipLayerNormalization` becomes `SkipSimplifiedLayerNormalization` with the same skip, bias
+  and sum output (plain ONNX: the Adds of x + skip + bias, then the RMS op).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ..analysis import layer_scale
 from ..graph import NormInfo, ZeroMeanGraph
 from ..plan import Centring, FoldPlan, Insertion
 from .onnx import OnnxGraph, einsum_weight_axis
-from .onnx_patterns import constant_values, is_constant
+from .onnx_patterns import SKIP_BIAS_INPUT, constant_values, is_constant
 from .onnx_targets import AffinePlan, Namer, affine_plan, move_affine
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
@@ -226,9 +229,10 @@ class Rewriter:
     @staticmethod
     def _skip_operands(match) -> tuple[list[gs.Tensor], gs.Tensor | None]:
         """A SkipLayerNormalization's (skip, [bias]) as they are now (the bias may be a centred copy), and its sum output."""
-        inputs = match.nodes[0].inputs  # (x, skip, γ, [β], [bias])
-        bias = inputs[4] if len(inputs) > 4 and inputs[4].name else None
-        return [inputs[1]] + ([bias] if bias is not None else []), match.skip_sum
+        node = match.nodes[0]
+        index = SKIP_BIAS_INPUT[node.op]
+        bias = node.inputs[index] if len(node.inputs) > index and node.inputs[index].name else None
+        return [node.inputs[1]] + ([bias] if bias is not None else []), match.skip_sum
 
     def _rms_nodes(self, norm: NormInfo, x, scale, out, skip=None) -> list[gs.Node]:
         """RMS op(s) normalizing x (or, for a Skip op, x + skip + bias, written to its sum output)."""

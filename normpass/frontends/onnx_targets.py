@@ -26,10 +26,9 @@ import onnx_graphsurgeon as gs
 from ..algebra import migrate_affine
 from ..analysis import regroup_axis
 from .onnx import SHAPE_READERS, OnnxGraph
-from .onnx_patterns import constant_values, is_constant
+from .onnx_patterns import SKIP_BIAS_INPUT, constant_values, is_constant
 
 REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
-SKIP_BIAS_INPUT = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}  # com.microsoft: x + skip + bias
 BIASED_ACTIVATIONS = ("BiasGelu", "FastGelu")  # com.microsoft f(x + bias): the bias input takes β·W like an Add
 
 
@@ -192,8 +191,8 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
 def _skip_claim(node: gs.Node, tensor: gs.Tensor, width: int) -> SumTarget | None:
     """A Skip op summing `tensor` with another run-time operand and a bias: β moves into that bias."""
     index = SKIP_BIAS_INPUT[node.op]
-    operands = node.inputs[:2]
-    if sum(t is tensor for t in node.inputs) != 1 or tensor not in operands or len(node.inputs) <= index:
+    reads = [i for i, t in enumerate(node.inputs) if t is tensor]
+    if reads not in ([0], [1]) or len(node.inputs) <= index:
         return None
     return SumTarget(node, node, index) if is_feature_vector(constant_values(node.inputs[index]), width) else None
 
