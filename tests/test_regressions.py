@@ -81,3 +81,18 @@ def test_tensor_attributes_of_the_callers_model_are_untouched():
     for options in (FoldOptions(), FoldOptions(verify=False)):
         fold_onnx(model, options)
         assert model.SerializeToString() == before
+
+
+def test_decomposed_norm_with_a_run_time_epsilon_is_listed_and_declined():
+    """ε (or Pow's exponent) given as an overridable initializer: the norm is listed, with the reason."""
+    gen = rng(2)
+    model = build(f"""{HEADER}
+agraph (float[B, {D}] x, float eps) => (float[B, {D}] z) {{
+  m0 = MatMul(x, W0)
+  h = Add(m0, b0){decomposed_ln("h", "y")}
+  z = MatMul(y, W1)
+}}""", W0=randn(gen, D, D), b0=randn(gen, D), W1=randn(gen, D, D), eps=np.array(1e-5, np.float32))
+    result = fold_onnx(model)
+    [decision] = result.plan.decisions
+    assert result.folded == 0 and "ε" in decision.reason and "run-time input" in decision.reason
+    assert [i.name for i in result.model.graph.input] == ["x", "eps"]

@@ -33,6 +33,7 @@ A decomposed pattern matches only if its intermediate tensors are used inside it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,6 +117,11 @@ def _scalar(tensor: gs.Tensor | None) -> float | None:
     return float(values.reshape(-1)[0]) if values is not None and values.size == 1 else None
 
 
+def _runtime_scalar(tensor: gs.Tensor | None) -> bool:
+    """A graph input (e.g. an initializer also listed in `graph.input`) where a pattern has a constant."""
+    return tensor is not None and not tensor.inputs and constant_values(tensor) is None
+
+
 def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
     if len(node.inputs) != 2:
         return None
@@ -130,7 +136,7 @@ def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
 def _is_square_of(node: gs.Node, t: gs.Tensor) -> bool:
     """`Pow(t, 2)` or `Mul(t, t)`."""
     if node.op == "Pow":
-        return node.inputs[0] is t and _scalar(node.inputs[1]) == 2.0
+        return node.inputs[0] is t and (_scalar(node.inputs[1]) == 2.0 or _runtime_scalar(node.inputs[1]))
     return node.op == "Mul" and len(node.inputs) == 2 and node.inputs[0] is t and node.inputs[1] is t
 
 
@@ -146,11 +152,13 @@ def _mean_of_square(t: gs.Tensor, square: gs.Node, nodes: list[gs.Node]) -> tupl
 
 
 def _scalar_add(t: gs.Tensor) -> tuple[gs.Node, float] | None:
-    """The sole consumer of `t` if it is `t + ε` with a constant scalar ε, and ε."""
+    """The sole consumer of `t` if it is `t + ε` with a scalar ε, and ε (NaN where ε is a run-time input)."""
     add = _sole_consumer(t)
-    if add is None or add.op != "Add" or (eps := _scalar(_other_input(add, t))) is None:
+    if add is None or add.op != "Add":
         return None
-    return add, eps
+    other = _other_input(add, t)
+    eps = math.nan if _runtime_scalar(other) else _scalar(other)
+    return None if eps is None else (add, eps)
 
 
 def _match_root_divide(var: gs.Tensor, d: gs.Tensor, nodes: list[gs.Node]) -> tuple[gs.Tensor, float, bool] | None:
@@ -280,7 +288,10 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, 
     y, gamma, beta = _match_affine(core[1], nodes)
     if not _internal_tensors_private(nodes, y, graph_outputs):
         return None
-    return norm_type, NormMatch(nodes, x, y, core[3], core[2], gamma, beta, eps_outside_root=core[4])
+    runtime = ["ε"] * math.isnan(core[2]) + [f"exponent {n.inputs[1].name}" for n in nodes if n.op == "Pow" and _scalar(n.inputs[1]) is None]
+    unsupported = None if not runtime else (
+        f"its {' and '.join(runtime)} is a run-time input (an initializer listed as a graph input), so its algebra is not fixed")
+    return norm_type, NormMatch(nodes, x, y, core[3], core[2], gamma, beta, eps_outside_root=core[4], unsupported=unsupported)
 
 
 def _input(node: gs.Node, index: int) -> gs.Tensor | None:
