@@ -255,6 +255,18 @@ def test_fuzz_generated_graphs_fold_exactly_or_refuse(first):
     assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --replay SEED"])
 
 
+# Campaign seeds (docs/FUZZING.md) of failure classes seeds 0–239 miss: a verified fold wrong on
+# cond=False (2419), a Loop body's outer-scope read (1323), a residual sum an If reads dropped by
+# the skip fusion (381).
+CAMPAIGN_SEEDS = (381, 1323, 2419)
+
+
+@pytest.mark.parametrize("seed", CAMPAIGN_SEEDS)
+def test_fuzz_campaign_findings(seed):
+    failures = fuzzcheck.check(graphgen.generate(seed))
+    assert not failures, "\n".join(map(str, failures))
+
+
 def test_fuzz_generator_exercises_every_feature():
     """The CI seeds cover every feature, dtype and opset, and their models both fold and refuse norms."""
     used, dtypes, opsets, folded, refused = set(), set(), set(), 0, 0
