@@ -167,6 +167,11 @@ def parse_input_shapes(specs: list[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def fixed_dim(dim: onnx.TensorShapeProto.Dimension) -> int | None:
+    """A dimension's static size, or None where it is dynamic (some exporters write -1 or 0 for that)."""
+    return dim.dim_value if dim.HasField("dim_value") and dim.dim_value > 0 else None
+
+
 def check_input_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], where: str = "input shape") -> None:
     """Refuse shapes for inputs the model lacks, or that disagree with its declared rank or fixed dims."""
     declared = {i.name: i.type.tensor_type for i in model.graph.input}
@@ -182,7 +187,7 @@ def check_input_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]
             if len(dims) != len(shape):
                 raise InputError(f"{where} {name}: {list(shape)} has rank {len(shape)}, the model declares rank {len(dims)}")
             for axis, (dim, size) in enumerate(zip(dims, shape)):
-                if dim.HasField("dim_value") and dim.dim_value != size:
+                if fixed_dim(dim) not in (None, size):
                     raise InputError(f"{where} {name}: dimension {axis} is {size}, the model fixes it to {dim.dim_value}")
         total += int(np.prod(shape, dtype=object))
     if total > MAX_INPUT_ELEMENTS:
@@ -217,8 +222,8 @@ def _input_shape(graph_input: onnx.ValueInfoProto, dims: tuple[int, int], named:
     """Static dims as they are; a dynamic dim is dims[0] on axis 0, else dims[1], the same for every use of its name."""
     shape = []
     for axis, d in enumerate(graph_input.type.tensor_type.shape.dim):
-        if d.HasField("dim_value"):
-            shape.append(d.dim_value)
+        if (size := fixed_dim(d)) is not None:
+            shape.append(size)
             continue
         value = dims[0] if axis == 0 else dims[1]
         shape.append(named.setdefault(d.dim_param, value) if d.dim_param else value)
@@ -347,7 +352,10 @@ def verify(original: onnx.ModelProto, rewritten: onnx.ModelProto, shapes=None, s
             reference = run(original, feeds)
         except Exception as e:  # the original need not accept other sizes than the given ones; say so instead
             if not dims:
-                raise
+                sizes = ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in run_shapes.items())
+                raise UnsupportedModelError(
+                    f"{name}: the original model does not run on the verification inputs ({sizes}): "
+                    f"{str(e).splitlines()[0][:200]}; give the input shapes the model expects") from e
             runs.append(Run(run_shapes, bools, f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}"))
             continue
         comparisons.append(compare_outputs(reference, run(rewritten, feeds), run_shapes))

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from normpass import fold_onnx, inspect_onnx
+from normpass import FoldOptions, fold_onnx, inspect_onnx
 from normpass_models import thirdparty
 from normpass_models.reference import rewrite_error
 
@@ -63,7 +63,7 @@ def test_fold_verifies_independently(published):
     model, path = published
     original = onnx.load(str(path))
     feeds = feeds_for(model, original)
-    result = fold_onnx(original)
+    result = fold_onnx(original, FoldOptions(input_shapes={name: model.input_shape for name in feeds}))
     assert result.comparison is None or result.comparison.passed, result.comparison
     error, tolerance = rewrite_error(original, result.model, feeds)
     assert error <= tolerance, f"{model.name}: relative error {error:.3g}"

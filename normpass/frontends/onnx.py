@@ -103,7 +103,7 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
             dtypes[info.name] = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
         if tensor_type.HasField("shape"):
             shapes[info.name] = tuple(
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim
+                d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None) for d in tensor_type.shape.dim
             )
     for init in model.graph.initializer:
         shapes[init.name] = tuple(init.dims)
