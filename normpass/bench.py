@@ -43,7 +43,7 @@ import onnxruntime as ort
 
 from . import __version__
 from .errors import InputError, VerificationError
-from .verify import compare_outputs, make_inputs
+from .verify import compare_outputs, fixed_dim, make_inputs
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 SWEEP_AXES = ("batch", "seq")
@@ -75,7 +75,7 @@ def point_shapes(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, tupl
             continue
         dims = graph_input.type.tensor_type.shape.dim
         shapes[graph_input.name] = tuple(
-            d.dim_value if d.HasField("dim_value") else (batch if axis == 0 else seq) for axis, d in enumerate(dims)
+            fixed_dim(d) or (batch if axis == 0 else seq) for axis, d in enumerate(dims)
         )
     return shapes
 

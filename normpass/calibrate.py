@@ -34,7 +34,7 @@ import onnx
 
 from .errors import InputError, UnsupportedModelError
 from .surrogates import Reservoir, Welford
-from .verify import make_inputs, session
+from .verify import fixed_dim, make_inputs, session
 
 Batch = dict  # graph input name -> np.ndarray, axis 0 = samples
 
@@ -132,7 +132,7 @@ def synthetic_batches(model: onnx.ModelProto, samples: int = 64, batch_size: int
             if name not in shapes:
                 value = next(v for v in model.graph.input if v.name == name)
                 dims = value.type.tensor_type.shape.dim
-                shapes[name] = tuple(d.dim_value if d.HasField("dim_value") else (size if axis == 0 else 16)
+                shapes[name] = tuple(fixed_dim(d) or (size if axis == 0 else 16)
                                      for axis, d in enumerate(dims))
             shapes[name] = (size,) + tuple(shapes[name][1:])
         batches.append(make_inputs(model, shapes, seed=seed * 100003 + index))
