@@ -96,9 +96,14 @@ def _skip_casts_back(tensor: gs.Tensor) -> gs.Tensor:
     return tensor
 
 
+RUNTIME_AXIS = -(1 << 62)  # ReduceMean axes given at run time: the pattern matches, the norm is declined
+
+
 def _reduce_axes(node: gs.Node) -> list[int] | None:
     if "axes" in node.attrs:
         return list(node.attrs["axes"])
+    if len(node.inputs) > 1 and _runtime_input(node.inputs[1]):
+        return [RUNTIME_AXIS]
     if len(node.inputs) > 1:
         axes = constant_values(node.inputs[1])
         return None if axes is None else [int(a) for a in np.ravel(axes)]
@@ -117,8 +122,8 @@ def _scalar(tensor: gs.Tensor | None) -> float | None:
     return float(values.reshape(-1)[0]) if values is not None and values.size == 1 else None
 
 
-def _runtime_scalar(tensor: gs.Tensor | None) -> bool:
-    """A graph input (e.g. an initializer also listed in `graph.input`) where a pattern has a constant."""
+def _runtime_input(tensor: gs.Tensor | None) -> bool:
+    """A graph input (e.g. an initializer also listed in `graph.input`) where a pattern needs a constant."""
     return tensor is not None and not tensor.inputs and constant_values(tensor) is None
 
 
@@ -136,7 +141,7 @@ def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
 def _is_square_of(node: gs.Node, t: gs.Tensor) -> bool:
     """`Pow(t, 2)` or `Mul(t, t)`."""
     if node.op == "Pow":
-        return node.inputs[0] is t and (_scalar(node.inputs[1]) == 2.0 or _runtime_scalar(node.inputs[1]))
+        return node.inputs[0] is t and (_scalar(node.inputs[1]) == 2.0 or _runtime_input(node.inputs[1]))
     return node.op == "Mul" and len(node.inputs) == 2 and node.inputs[0] is t and node.inputs[1] is t
 
 
@@ -157,7 +162,7 @@ def _scalar_add(t: gs.Tensor) -> tuple[gs.Node, float] | None:
     if add is None or add.op != "Add":
         return None
     other = _other_input(add, t)
-    eps = math.nan if _runtime_scalar(other) else _scalar(other)
+    eps = math.nan if _runtime_input(other) else _scalar(other)
     return None if eps is None else (add, eps)
 
 
@@ -288,10 +293,12 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, 
     y, gamma, beta = _match_affine(core[1], nodes)
     if not _internal_tensors_private(nodes, y, graph_outputs):
         return None
-    runtime = ["ε"] * math.isnan(core[2]) + [f"exponent {n.inputs[1].name}" for n in nodes if n.op == "Pow" and _scalar(n.inputs[1]) is None]
+    runtime = (["ε"] * math.isnan(core[2]) + ["axes"] * (core[3] == RUNTIME_AXIS)
+               + [f"exponent {n.inputs[1].name}" for n in nodes if n.op == "Pow" and _scalar(n.inputs[1]) is None])
     unsupported = None if not runtime else (
-        f"its {' and '.join(runtime)} is a run-time input (an initializer listed as a graph input), so its algebra is not fixed")
-    return norm_type, NormMatch(nodes, x, y, core[3], core[2], gamma, beta, eps_outside_root=core[4], unsupported=unsupported)
+        f"its {' and '.join(runtime)} {'are' if len(runtime) > 1 else 'is'} given at run time (an initializer listed as a graph input), so its algebra is not fixed")
+    axis = -1 if core[3] == RUNTIME_AXIS else core[3]
+    return norm_type, NormMatch(nodes, x, y, axis, core[2], gamma, beta, eps_outside_root=core[4], unsupported=unsupported)
 
 
 def _input(node: gs.Node, index: int) -> gs.Tensor | None:
