@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.parser
 from onnx import helper, numpy_helper
 
 from normpass import FoldOptions, fold_onnx
@@ -96,3 +97,26 @@ agraph (float[B, {D}] x, float eps) => (float[B, {D}] z) {{
     [decision] = result.plan.decisions
     assert result.folded == 0 and "ε" in decision.reason and "given at run time" in decision.reason
     assert [i.name for i in result.model.graph.input] == ["x", "eps"]
+
+
+def test_a_body_reading_the_norm_output_is_no_part_of_the_norm():
+    """graphsurgeon lists an If branch's Mul among the consumers of the outer tensor it reads: not γ."""
+    gen = rng(3)
+    float_out = lambda name: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["B", D])  # noqa: E731
+    then_branch = helper.make_graph([helper.make_node("Mul", ["y", "s"], ["t"], name="scale_y")], "then", [], [float_out("t")],
+                                    [numpy_helper.from_array(np.array(2.0, np.float32), "s")])
+    else_branch = helper.make_graph([helper.make_node("Neg", ["x"], ["e"], name="negate_x")], "else", [], [float_out("e")])
+    chain = onnx.parser.parse_graph(f"""chain (float[B, {D}] x) => (float[B, {D}] y) {{
+  m0 = MatMul(x, W0)
+  h = Add(m0, b0){decomposed_ln("h", "y")}
+}}""")
+    nodes = list(chain.node) + [helper.make_node("If", ["cond"], ["z"], name="branch", then_branch=then_branch, else_branch=else_branch)]
+    for node in nodes:
+        node.name = node.name or node.output[0]
+    inits = {"W0": randn(gen, D, D), "b0": randn(gen, D), "eps": np.array(1e-5, np.float32)}
+    graph = helper.make_graph(nodes, "body_reader", [float_out("x"), helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])],
+                              [float_out("y"), float_out("z")], [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    plan = fold_onnx(model).plan
+    assert [d.op for d in plan.decisions] == ["decomposed LayerNorm"], plan.to_json()

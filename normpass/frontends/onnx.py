@@ -525,10 +525,11 @@ def classify(ctx: OnnxGraph, node: gs.Node):
 def _norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[gs.Node, str, object]]:
     """(anchor node, op shown to users, (norm type, match)) of every norm among `nodes`."""
     in_norm: set[int] = set()
+    scope = {id(node) for node in nodes}
     for node in nodes:
         if id(node) in in_norm:
             continue
-        found = match_single_op(node, outputs) or match_decomposed(node, outputs)
+        found = match_single_op(node, outputs) or match_decomposed(node, outputs, scope)
         if found is not None:
             norm_type, match = found
             in_norm.update(id(n) for n in match.nodes)

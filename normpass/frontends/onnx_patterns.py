@@ -234,16 +234,25 @@ def _match_variance_core(mean: gs.Node, x: gs.Tensor, d: gs.Tensor, axis: int):
     return None if tail is None else (nodes, tail[0], tail[1], axis, tail[2])
 
 
-def _match_affine(y: gs.Tensor, nodes: list[gs.Node]) -> tuple[gs.Tensor, gs.Tensor | None, gs.Tensor | None]:
-    """Optional `⊙ γ` then `+ β` with constant operands after the normalized tensor."""
+def _match_affine(y: gs.Tensor, nodes: list[gs.Node], scope: set[int] | None) -> tuple[gs.Tensor, gs.Tensor | None, gs.Tensor | None]:
+    """Optional `⊙ γ` then `+ β` with constant operands after the normalized tensor.
+
+    Only nodes in `scope` (ids; None: any) qualify: graphsurgeon lists a node inside a control-flow
+    body among the consumers of an outer tensor it reads, and that node is no part of the norm.
+    """
     gamma = beta = None
-    consumer = _sole_consumer(y)
+
+    def next_consumer(tensor):
+        node = _sole_consumer(tensor)
+        return node if node is None or scope is None or id(node) in scope else None
+
+    consumer = next_consumer(y)
     if consumer is not None and consumer.op == "Mul":
         other = _other_input(consumer, y)
         if other is not None and constant_values(other) is not None:
             gamma, y = other, consumer.outputs[0]
             nodes.append(consumer)
-            consumer = _sole_consumer(y)
+            consumer = next_consumer(y)
     if consumer is not None and consumer.op == "Add":
         other = _other_input(consumer, y)
         if other is not None and constant_values(other) is not None:
@@ -263,8 +272,11 @@ def _internal_tensors_private(nodes: list[gs.Node], y: gs.Tensor, graph_outputs:
     return True
 
 
-def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, NormMatch] | None:
-    """Match a decomposed LayerNorm anchored at its first ReduceMean, or an RMSNorm at its square."""
+def match_decomposed(node: gs.Node, graph_outputs: set[str], scope: set[int] | None = None) -> tuple[NormType, NormMatch] | None:
+    """Match a decomposed LayerNorm anchored at its first ReduceMean, or an RMSNorm at its square.
+
+    `scope`: ids of the nodes of the graph being matched (see `_match_affine`).
+    """
     if node.op == "ReduceMean":
         axis = _single_reduce_axis(node)
         x = node.inputs[0]
@@ -290,7 +302,7 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, 
         norm_type = NormType.RMS
     else:
         return None
-    y, gamma, beta = _match_affine(core[1], nodes)
+    y, gamma, beta = _match_affine(core[1], nodes, scope)
     if not _internal_tensors_private(nodes, y, graph_outputs):
         return None
     runtime = (["ε"] * math.isnan(core[2]) + ["axes"] * (core[3] == RUNTIME_AXIS)
