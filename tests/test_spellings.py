@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx.parser
+import onnx_graphsurgeon as gs
 import pytest
 from onnx import numpy_helper
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
+from normpass.frontends.onnx_patterns import match_decomposed
 
 from conftest import (
     assert_equivalent,
@@ -282,6 +284,29 @@ agraph (float[N, 6] x) => (float[N, {D}] y) {{
                   eps=np.array(1e-6, np.float32), one=np.array(1.0, np.float32))
     norm = only_decision(model)
     assert norm.op == "decomposed RMSNorm" and not norm.foldable and "already an RMSNorm" in norm.reason
+
+
+def test_cast_to_another_type_before_gamma_stays_outside_the_norm():
+    """x̂ cast to fp16 before γ: the RMS op that would replace the norm keeps x's type, so γ and the
+    Cast are not part of the norm; it is matched without γ."""
+    gen = rng(9)
+    model = build(f"""{header(17)}
+agraph (float[N, {D}] h) => (float16[N, {D}] y) {{
+  h2 = Pow(h, two)
+  ms = ReduceMean<axes=[-1]>(h2)
+  me = Add(ms, eps)
+  s = Sqrt(me)
+  rs = Div(one, s)
+  xn = Mul(h, rs)
+  xc = Cast<to=10>(xn)
+  y = Mul(g1, xc)
+}}""", g1=affine(gen)["g1"].astype(np.float16), two=np.array(2.0, np.float32), eps=np.array(1e-6, np.float32),
+        one=np.array(1.0, np.float32))
+    graph = gs.import_onnx(model)
+    square = next(n for n in graph.nodes if n.op == "Pow")
+    _, match = match_decomposed(square, {"y"})
+    assert match.gamma is None and match.y.name == "xn"
+    assert only_decision(model).op == "decomposed RMSNorm"
 
 
 def test_embed_layer_normalization_is_listed_with_a_reason():

@@ -14,7 +14,9 @@ Recognised spellings (every one is listed in `inspect`; those that cannot fold s
   d = x − ReduceMean(x); y = d / Sqrt(ReduceMean(d²) + ε) [⊙ γ] [+ β], where
   * the square is `Pow(d, 2)` or `Mul(d, d)`; `ReduceMean` takes its axes as an attribute
     (opset < 18) or as a constant input (opset ≥ 18);
-  * the division is `Div` or `Mul` by `Reciprocal`; `Cast`s may sit between the steps;
+  * the division is `Div` or `Mul` by `Reciprocal` or by `Div(1, ·)` (TorchScript's `rsqrt`);
+    `Cast`s may sit between the steps, x may itself be a `Cast`'s output, and `Cast`s to x's own
+    type may sit before γ (`γ * x̂.to(dtype)`);
   * the variance may be the moments form E[x²] − E[x]² (`ReduceMean(x²) − ReduceMean(x)²`);
   * ε may be absent (ε = 0, or one the exporter's optimizer dropped, as torch's does for 1e-12),
     or added outside the root, d / (Sqrt(var) + ε): a distinct algebra that no RMS op computes,
@@ -246,7 +248,9 @@ def _elem_type(tensor: gs.Tensor) -> int | None:
     """The ONNX element type of `tensor` where the graph states it (a Cast's `to`, or a declared dtype)."""
     if len(tensor.inputs) == 1 and tensor.inputs[0].op in TRANSPARENT_CASTS:
         return int(tensor.inputs[0].attrs["to"])
-    return None if tensor.dtype is None else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
+    if tensor.dtype is None or isinstance(tensor.dtype, int):  # graphsurgeon keeps some types as ONNX enums
+        return tensor.dtype
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
 
 
 def _casts_to(tensor: gs.Tensor, elem_type: int | None) -> list[gs.Node]:
