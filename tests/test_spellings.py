@@ -265,11 +265,12 @@ agraph (float[N, 6] x) => (float[N, {D}] y) {{
     assert norm.op == op and not norm.foldable and "already an RMSNorm" in norm.reason
 
 
-def test_torchscript_llama_rms_norm_reported_as_already_rms():
-    """`weight * (h * rsqrt(mean(h²) + ε)).to(dtype)` as the TorchScript exporter writes it: rsqrt as Div(1, ·)."""
-    gen = rng(9)
-    model = build(f"""{header(17)}
-agraph (float[N, 6] x) => (float[N, {D}] y) {{
+def torchscript_rms(gen, to: int) -> onnx.ModelProto:
+    """Gemm → Llama's RMSNorm as TorchScript exports it, `γ * (h * rsqrt(mean(h²) + ε)).to(dtype)`:
+    the norm reads `Cast<to=float>(h)`, rsqrt is `Div(1, ·)`, and x̂ is cast to `to` before γ."""
+    dtype, name = (np.float32, "float") if to == onnx.TensorProto.FLOAT else (np.float16, "float16")
+    return build(f"""{header(17)}
+agraph (float[N, 6] x) => ({name}[N, {D}] y) {{
   h = Gemm<transB=1>(x, W, C)
   hc = Cast<to=1>(h)
   h2 = Pow(hc, two)
@@ -278,32 +279,22 @@ agraph (float[N, 6] x) => (float[N, {D}] y) {{
   s = Sqrt(me)
   rs = Div(one, s)
   xn = Mul(hc, rs)
-  xc = Cast<to=1>(xn)
+  xc = Cast<to={to}>(xn)
   y = Mul(g1, xc)
-}}""", W=randn(gen, D, 6), C=randn(gen, D), g1=affine(gen)["g1"], two=np.array(2.0, np.float32),
-                  eps=np.array(1e-6, np.float32), one=np.array(1.0, np.float32))
-    norm = only_decision(model)
+}}""", W=randn(gen, D, 6), C=randn(gen, D), g1=affine(gen)["g1"].astype(dtype), two=np.array(2.0, np.float32),
+                 eps=np.array(1e-6, np.float32), one=np.array(1.0, np.float32))
+
+
+def test_torchscript_llama_rms_norm_reported_as_already_rms():
+    norm = only_decision(torchscript_rms(rng(9), onnx.TensorProto.FLOAT))
     assert norm.op == "decomposed RMSNorm" and not norm.foldable and "already an RMSNorm" in norm.reason
 
 
 def test_cast_to_another_type_before_gamma_stays_outside_the_norm():
-    """x̂ cast to fp16 before γ: the RMS op that would replace the norm keeps x's type, so γ and the
-    Cast are not part of the norm; it is matched without γ."""
-    gen = rng(9)
-    model = build(f"""{header(17)}
-agraph (float[N, {D}] h) => (float16[N, {D}] y) {{
-  h2 = Pow(h, two)
-  ms = ReduceMean<axes=[-1]>(h2)
-  me = Add(ms, eps)
-  s = Sqrt(me)
-  rs = Div(one, s)
-  xn = Mul(h, rs)
-  xc = Cast<to=10>(xn)
-  y = Mul(g1, xc)
-}}""", g1=affine(gen)["g1"].astype(np.float16), two=np.array(2.0, np.float32), eps=np.array(1e-6, np.float32),
-        one=np.array(1.0, np.float32))
-    graph = gs.import_onnx(model)
-    square = next(n for n in graph.nodes if n.op == "Pow")
+    """x̂ cast to fp16 before γ: the RMS op that would replace the norm keeps its input's type, so
+    the Cast and γ are not part of the norm; it is matched without γ."""
+    model = torchscript_rms(rng(9), onnx.TensorProto.FLOAT16)
+    square = next(n for n in gs.import_onnx(model).nodes if n.op == "Pow")
     _, match = match_decomposed(square, {"y"})
     assert match.gamma is None and match.y.name == "xn"
     assert only_decision(model).op == "decomposed RMSNorm"
