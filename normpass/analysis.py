@@ -83,9 +83,12 @@ def regroup_axis(from_shape, to_shape, axis: int) -> int | None:
 
     The axis survives iff `to_shape` has an axis of the same size with the same number of
     elements after it: then every slice along it holds the same elements in the same order.
+    One unknown dimension in either shape is first solved from the element count a reshape keeps
+    (`_solve_unknown_dim`).
     """
     if from_shape is None or to_shape is None:
         return None
+    from_shape, to_shape = _solve_unknown_dim(tuple(from_shape), tuple(to_shape))
     tail = from_shape[axis:]
     if not all(isinstance(d, int) for d in tail):
         return None
@@ -99,6 +102,35 @@ def regroup_axis(from_shape, to_shape, axis: int) -> int | None:
             return None
         product *= dim
     return None
+
+
+def _solve_unknown_dim(from_shape: tuple, to_shape: tuple) -> tuple[tuple, tuple]:
+    """The two shapes of a reshape with their one unknown dimension solved, where that is possible.
+
+    A reshape keeps the element count: prod(from_shape) = prod(to_shape). A symbolic dimension
+    named alike in both shapes is one value (ONNX's `dim_param` meaning, which shape inference
+    propagates through `Shape` arithmetic, e.g. a batch dimension), so it cancels. If what remains
+    is all static but one dimension u, named nowhere else, then u = (static product of the other
+    side) / (static product of its own side), exactly (an empty tensor, where a cancelled
+    dimension is 0, has no elements whose grouping could matter). Otherwise the shapes are
+    returned unchanged.
+    """
+    sides = [dict(enumerate(from_shape)), dict(enumerate(to_shape))]
+    for j, dim in enumerate(to_shape):
+        match = next((i for i, d in sides[0].items() if isinstance(dim, str) and d == dim), None)
+        if match is not None:
+            del sides[0][match], sides[1][j]
+    unknown = [(side, i) for side in (0, 1) for i, d in sides[side].items() if not isinstance(d, int)]
+    if len(unknown) != 1 or [*from_shape, *to_shape].count(sides[unknown[0][0]][unknown[0][1]]) != 1:
+        return from_shape, to_shape
+    side, index = unknown[0]
+    known = math.prod(d for i, d in sides[side].items() if i != index)
+    total = math.prod(sides[1 - side].values())
+    if known == 0 or total % known:
+        return from_shape, to_shape
+    shapes = [list(from_shape), list(to_shape)]
+    shapes[side][index] = total // known
+    return tuple(shapes[0]), tuple(shapes[1])
 
 
 def _scale_roles(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, int | None] | str:

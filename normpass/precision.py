@@ -10,6 +10,12 @@ RMSNormalization, ORT's SimplifiedLayerNormalization) gets `stash_type=1`: its m
 are computed in fp32 and only its inputs, weights and outputs are stored in fp16. ORT's
 `Skip*LayerNormalization` ops have no such attribute.
 
+The converter retypes every float tensor to float16 but leaves the `to` of the graph's own
+`Cast(to=float)` nodes (e.g. torch's `_to_copy`), so their outputs would be float feeding fp16
+ops, which ONNX Runtime rejects. Each such Cast gets the type the converter gave its output:
+float16, or float where the converter kept the tensor float deliberately (the inputs it casts
+back to float for ops on its block list, whose kernels are fp32-only).
+
 Folding commutes with the conversion up to fp16 rounding: an fp16 model folds (the weight algebra
 runs in float64 and rounds once to fp16), and a folded model converts.
 """
@@ -35,12 +41,24 @@ def to_fp16(model: onnx.ModelProto, keep_io_types: bool = False) -> onnx.ModelPr
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     converted = float16.convert_float_to_float16(copy, keep_io_types=keep_io_types)
+    _retype_float_casts(converted.graph)
     for node in converted.graph.node:
         if node.op_type in STASH_TYPE_OPS:
             attributes = [a for a in node.attribute if a.name != "stash_type"]
             del node.attribute[:]
             node.attribute.extend([*attributes, onnx.helper.make_attribute("stash_type", FLOAT)])
     return converted
+
+
+def _retype_float_casts(graph: onnx.GraphProto) -> None:
+    """Give every `Cast(to=float)` (subgraphs included) the element type its output has after conversion."""
+    declared = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.output)}
+    for node in graph.node:
+        for attribute in node.attribute:
+            for subgraph in [*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs]:
+                _retype_float_casts(subgraph)
+            if node.op_type == "Cast" and attribute.name == "to" and attribute.i == onnx.TensorProto.FLOAT:
+                attribute.i = declared.get(node.output[0]) or attribute.i
 
 
 def bf16_as_fp32(model: onnx.ModelProto) -> onnx.ModelProto | None:

@@ -965,6 +965,38 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, 2, {D // 2}] y) {{
     fold_and_check(model)
 
 
+def flattened_patches(gen, kept: int) -> onnx.ModelProto:
+    """Conv → Reshape to Concat(Shape(h)[:kept], [-1]) (TorchScript's `flatten(kept)`) → [Transpose] → LN."""
+    width, layout = (D, "t = Transpose<perm=[0, 2, 1]>(flat)") if kept == 2 else (16 * D, "t = Identity(flat)")
+    out = f"float[B, M, {D}] y" if kept == 2 else f"float[B, {16 * D}] y"
+    return build(f"""{header(17)}
+agraph (float[B, 3, 8, 8] x) => ({out}) {{
+  h = Conv<kernel_shape=[2, 2], strides=[2, 2]>(x, W, C)
+  s = Shape(h)
+  lead = Slice(s, zero, upto)
+  shp = Concat<axis=0>(lead, minus_one)
+  flat = Reshape(h, shp)
+  {layout}
+  y = LayerNormalization<axis=-1>(t, g1, b1)
+}}""", W=randn(gen, D, 3, 2, 2), C=randn(gen, D), zero=np.array([0], np.int64), upto=np.array([kept], np.int64),
+        minus_one=np.array([-1], np.int64), g1=gamma(gen, width), b1=beta(gen, width))
+
+
+def test_reshape_to_shape_arithmetic_keeping_channels_folds():
+    """flatten(2) of a Conv output written with Shape arithmetic, (B, D, 4, 4) → (B, D, unknown): the
+    unknown dimension is 16 by element count, so the channel axis is intact."""
+    model = flattened_patches(rng(35), kept=2)
+    plan = inspect_onnx(model)
+    assert len(plan.folded) == 1, plan.to_json()
+    fold_and_check(model)
+
+
+def test_reshape_to_shape_arithmetic_merging_channels_refused():
+    """flatten(1) of the same output, (B, D, 4, 4) → (B, unknown = 16·D): the channels are merged."""
+    plan = inspect_onnx(flattened_patches(rng(35), kept=1))
+    assert not plan.folded and "intact" in plan.decisions[0].reason, plan.to_json()
+
+
 def test_weights_from_constant_nodes_fold():
     gen = rng(33)
     weight, bias = randn(gen, 6, D), randn(gen, D)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
 import normpass_models
 from normpass.passes import fold_onnx
 from normpass.verify import REL_TOLERANCE, verify
+
+from conftest import build
 
 pytestmark = pytest.mark.filterwarnings("ignore:the float32 number")
 pytest.importorskip("onnxconverter_common")
@@ -60,3 +63,29 @@ def test_conversion_after_fold(gpt2, gpt2_fp16):
     comparison = verify(gpt2_fp16, folded_fp16)
     assert comparison.passed and comparison.max_rel_error <= FP16_TOLERANCE
     assert _stash_types(folded_fp16) and all(t == 1 for t in _stash_types(folded_fp16))
+
+
+def test_graph_casts_to_float_become_fp16_except_into_fp32_only_ops():
+    """A graph's own `Cast(to=float)` casts to float16 after conversion; the converter's casts to
+    float in front of the ops it keeps in fp32 (its block list, here `Max`) stay float."""
+    model = build("""<ir_version: 10, opset_import: ["" : 17]>
+agraph (float[2, 4] x, int64[2, 4] k) => (float[2, 4] y) {
+  kf = Cast<to=1>(k)
+  s = Add(x, kf)
+  m = Max(s, x)
+  y = Mul(m, w)
+}""", w=np.full(4, 0.5, np.float32))
+    converted = to_fp16(model)
+    producers = {out: n for n in converted.graph.node for out in n.output}
+    casts = {n.output[0]: n.attribute[0].i for n in converted.graph.node if n.op_type == "Cast"}
+    assert casts[producers["s"].input[1]] == onnx.TensorProto.FLOAT16
+    max_node = next(n for n in converted.graph.node if n.op_type == "Max")
+    assert [casts[i] for i in max_node.input] == [onnx.TensorProto.FLOAT] * 2
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(converted.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = np.linspace(-2, 2, 8, dtype=np.float32).reshape(2, 4)
+    k = np.arange(-4, 4, dtype=np.int64).reshape(2, 4)
+    (y,) = session.run(None, {"x": x.astype(np.float16), "k": k})
+    assert y.dtype == np.float16
+    np.testing.assert_allclose(y, np.maximum(x + k, x) * 0.5, rtol=FP16_TOLERANCE)

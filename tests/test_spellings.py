@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx.parser
+import onnx_graphsurgeon as gs
 import pytest
 from onnx import numpy_helper
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
+from normpass.frontends.onnx_patterns import match_decomposed
 
 from conftest import (
     assert_equivalent,
@@ -103,32 +105,38 @@ agraph (float[N, 6] x) => (float[N, {D}] y) {{
 
 
 def decomposed(gen, *, opset=18, square="Pow", divide="Div", eps="inside", variance="centred",
-               order="normal", beta_node=False) -> onnx.ModelProto:
+               order="normal", beta_node=False, casts=False) -> onnx.ModelProto:
     """Gemm → a decomposed LayerNorm spelled as asked → γ, β.
 
     eps: "inside" √(v + ε), "outside" √v + ε. variance: "centred" mean((x − μ)²), "moments"
-    mean(x²) − μ². order: "swapped" writes γ⊙x̂ as Mul(γ, x̂) and + β as Add(β, ·).
-    beta_node: β is a `Constant` node's output instead of an initializer.
+    mean(x²) − μ². divide: "Div" d / s, "Reciprocal" Mul(Reciprocal(s), d), "Div1" Mul(d, Div(1, s)).
+    order: "swapped" writes γ⊙x̂ as Mul(γ, x̂) and + β as Add(β, ·).
+    beta_node: β is a `Constant` node's output instead of an initializer. casts: the norm reads
+    `Cast<to=float>(h)` and casts x̂ to float again before γ (TorchScript's `.to(dtype)`).
     """
     mean = "ReduceMean<axes=[-1]>({})" if opset < 18 else "ReduceMean({}, ax)"
     sq = "Pow({0}, two)" if square == "Pow" else "Mul({0}, {0})"
-    lines = ["h = Gemm<transB=1>(x, W, C)", f"mu = {mean.format('h')}", "d = Sub(h, mu)"]
+    src = "hc" if casts else "h"
+    lines = ["h = Gemm<transB=1>(x, W, C)"] + ["hc = Cast<to=1>(h)"] * casts + [f"mu = {mean.format(src)}", f"d = Sub({src}, mu)"]
     if variance == "centred":
         lines += [f"d2 = {sq.format('d')}", f"v = {mean.format('d2')}"]
     else:
-        lines += [f"h2 = {sq.format('h')}", f"m2 = {mean.format('h2')}", f"mu2 = {sq.format('mu')}", "v = Sub(m2, mu2)"]
+        lines += [f"h2 = {sq.format(src)}", f"m2 = {mean.format('h2')}", f"mu2 = {sq.format('mu')}", "v = Sub(m2, mu2)"]
     lines += ["ve = Add(v, eps)", "s = Sqrt(ve)"] if eps == "inside" else ["r = Sqrt(v)", "s = Add(r, eps)"]
-    lines += ["xn = Div(d, s)"] if divide == "Div" else ["rs = Reciprocal(s)", "xn = Mul(rs, d)"]
+    lines += {"Div": ["xn = Div(d, s)"], "Reciprocal": ["rs = Reciprocal(s)", "xn = Mul(rs, d)"],
+              "Div1": ["rs = Div(one, s)", "xn = Mul(d, rs)"]}[divide]
+    lines += ["xc = Cast<to=1>(xn)"] if casts else []
+    xn = "xc" if casts else "xn"
     if beta_node:
         lines.insert(0, f"b1 = Constant<value=float[{D}] {{{', '.join(map(str, randn(gen, D).tolist()))}}}>()")
-    lines += ["xg = Mul(xn, g1)", "y = Add(xg, b1)"] if order == "normal" else ["xg = Mul(g1, xn)", "y = Add(b1, xg)"]
+    lines += [f"xg = Mul({xn}, g1)", "y = Add(xg, b1)"] if order == "normal" else [f"xg = Mul(g1, {xn})", "y = Add(b1, xg)"]
     body = "\n  ".join(lines)
     text = f"""{header(opset)}
 agraph (float[N, 6] x) => (float[N, {D}] y) {{
   {body}
 }}"""
     values = dict(W=randn(gen, D, 6), C=randn(gen, D) + 1, two=np.array(2.0, np.float32),
-                  eps=np.array(1e-3, np.float32), ax=np.array([-1], np.int64), **affine(gen))
+                  eps=np.array(1e-3, np.float32), one=np.array(1.0, np.float32), ax=np.array([-1], np.int64), **affine(gen))
     if beta_node:
         del values["b1"]
     used = {name for node in onnx.parser.parse_model(text).graph.node for name in node.input}
@@ -145,6 +153,8 @@ SPELLINGS = {
     "constant-node-beta": dict(beta_node=True),
     "moments": dict(variance="moments"),
     "moments-reciprocal-opset13": dict(variance="moments", divide="Reciprocal", square="Mul", opset=13),
+    "div-one-reciprocal": dict(divide="Div1"),
+    "torchscript-casts": dict(divide="Div1", casts=True, opset=17),
 }
 
 
@@ -253,6 +263,41 @@ agraph (float[N, 6] x) => (float[N, {D}] y) {{
 }}""", W=randn(gen, D, 6), C=randn(gen, D), g1=affine(gen)["g1"])
     norm = only_decision(model)
     assert norm.op == op and not norm.foldable and "already an RMSNorm" in norm.reason
+
+
+def torchscript_rms(gen, to: int) -> onnx.ModelProto:
+    """Gemm → Llama's RMSNorm as TorchScript exports it, `γ * (h * rsqrt(mean(h²) + ε)).to(dtype)`:
+    the norm reads `Cast<to=float>(h)`, rsqrt is `Div(1, ·)`, and x̂ is cast to `to` before γ."""
+    dtype, name = (np.float32, "float") if to == onnx.TensorProto.FLOAT else (np.float16, "float16")
+    return build(f"""{header(17)}
+agraph (float[N, 6] x) => ({name}[N, {D}] y) {{
+  h = Gemm<transB=1>(x, W, C)
+  hc = Cast<to=1>(h)
+  h2 = Pow(hc, two)
+  ms = ReduceMean<axes=[-1]>(h2)
+  me = Add(ms, eps)
+  s = Sqrt(me)
+  rs = Div(one, s)
+  xn = Mul(hc, rs)
+  xc = Cast<to={to}>(xn)
+  y = Mul(g1, xc)
+}}""", W=randn(gen, D, 6), C=randn(gen, D), g1=affine(gen)["g1"].astype(dtype), two=np.array(2.0, np.float32),
+                 eps=np.array(1e-6, np.float32), one=np.array(1.0, np.float32))
+
+
+def test_torchscript_llama_rms_norm_reported_as_already_rms():
+    norm = only_decision(torchscript_rms(rng(9), onnx.TensorProto.FLOAT))
+    assert norm.op == "decomposed RMSNorm" and not norm.foldable and "already an RMSNorm" in norm.reason
+
+
+def test_cast_to_another_type_before_gamma_stays_outside_the_norm():
+    """x̂ cast to fp16 before γ: the RMS op that would replace the norm keeps its input's type, so
+    the Cast and γ are not part of the norm; it is matched without γ."""
+    model = torchscript_rms(rng(9), onnx.TensorProto.FLOAT16)
+    square = next(n for n in gs.import_onnx(model).nodes if n.op == "Pow")
+    _, match = match_decomposed(square, {"y"})
+    assert match.gamma is None and match.y.name == "xn"
+    assert only_decision(model).op == "decomposed RMSNorm"
 
 
 def test_embed_layer_normalization_is_listed_with_a_reason():

@@ -14,7 +14,9 @@ Recognised spellings (every one is listed in `inspect`; those that cannot fold s
   d = x − ReduceMean(x); y = d / Sqrt(ReduceMean(d²) + ε) [⊙ γ] [+ β], where
   * the square is `Pow(d, 2)` or `Mul(d, d)`; `ReduceMean` takes its axes as an attribute
     (opset < 18) or as a constant input (opset ≥ 18);
-  * the division is `Div` or `Mul` by `Reciprocal`; `Cast`s may sit between the steps;
+  * the division is `Div` or `Mul` by `Reciprocal` or by `Div(1, ·)` (TorchScript's `rsqrt`);
+    `Cast`s may sit between the steps, x may itself be a `Cast`'s output, and `Cast`s to x's own
+    type may sit before γ (`γ * x̂.to(dtype)`);
   * the variance may be the moments form E[x²] − E[x]² (`ReduceMean(x²) − ReduceMean(x)²`);
   * ε may be absent (ε = 0, or one the exporter's optimizer dropped, as torch's does for 1e-12),
     or added outside the root, d / (Sqrt(var) + ε): a distinct algebra that no RMS op computes,
@@ -37,6 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from ..algebra import has_zero_mean, is_uniform
@@ -90,10 +93,11 @@ def _skip_casts_forward(tensor: gs.Tensor, chain: list[gs.Node]) -> gs.Tensor:
     return tensor
 
 
-def _skip_casts_back(tensor: gs.Tensor) -> gs.Tensor:
-    while len(tensor.inputs) == 1 and tensor.inputs[0].op in TRANSPARENT_CASTS:
+def _cast_of(tensor: gs.Tensor, source: gs.Tensor) -> bool:
+    """Whether `tensor` is `source`, or `source` through Casts (`source` may itself be a Cast's output)."""
+    while tensor is not source and len(tensor.inputs) == 1 and tensor.inputs[0].op in TRANSPARENT_CASTS:
         tensor = tensor.inputs[0].inputs[0]
-    return tensor
+    return tensor is source
 
 
 RUNTIME_AXIS = -(1 << 62)  # ReduceMean axes given at run time: the pattern matches, the norm is declined
@@ -166,8 +170,14 @@ def _scalar_add(t: gs.Tensor) -> tuple[gs.Node, float] | None:
     return None if eps is None else (add, eps)
 
 
+def _is_reciprocal_div(node: gs.Node, t: gs.Tensor) -> bool:
+    """`Div(1, t)`: the reciprocal as the TorchScript exporter spells `torch.rsqrt`."""
+    return node.op == "Div" and len(node.inputs) == 2 and node.inputs[1] is t and _scalar(node.inputs[0]) == 1.0
+
+
 def _match_root_divide(var: gs.Tensor, d: gs.Tensor, nodes: list[gs.Node]) -> tuple[gs.Tensor, float, bool] | None:
-    """From the variance: `d / Sqrt(var + ε)`, or `d / (Sqrt(var) + ε)`, with `Div` or `Mul(·, Reciprocal(·))`.
+    """From the variance: `d / Sqrt(var + ε)`, or `d / (Sqrt(var) + ε)`, with `Div` or `Mul(·, Reciprocal(·))`
+    (`Div(1, ·)` as the reciprocal too).
 
     Returns (normalized tensor, ε, whether ε is outside the root). No ε at all is ε = 0 inside (or
     an ε the exporter's optimizer dropped, as torch's does for 1e-12).
@@ -188,13 +198,13 @@ def _match_root_divide(var: gs.Tensor, d: gs.Tensor, nodes: list[gs.Node]) -> tu
     divider = _sole_consumer(root)
     if divider is None:
         return None
-    if divider.op == "Reciprocal":
+    if divider.op == "Reciprocal" or _is_reciprocal_div(divider, root):
         nodes.append(divider)
         inverse = _skip_casts_forward(divider.outputs[0], nodes)
         divider = _sole_consumer(inverse)
-        if divider is None or divider.op != "Mul" or _skip_casts_back(_other_input(divider, inverse) or inverse) is not d:
+        if divider is None or divider.op != "Mul" or not _cast_of(_other_input(divider, inverse) or inverse, d):
             return None
-    elif divider.op != "Div" or divider.inputs[1] is not root or _skip_casts_back(divider.inputs[0]) is not d:
+    elif divider.op != "Div" or divider.inputs[1] is not root or not _cast_of(divider.inputs[0], d):
         return None
     nodes.append(divider)
     return divider.outputs[0], eps, outside
@@ -234,11 +244,35 @@ def _match_variance_core(mean: gs.Node, x: gs.Tensor, d: gs.Tensor, axis: int):
     return None if tail is None else (nodes, tail[0], tail[1], axis, tail[2])
 
 
-def _match_affine(y: gs.Tensor, nodes: list[gs.Node], scope: set[int] | None) -> tuple[gs.Tensor, gs.Tensor | None, gs.Tensor | None]:
-    """Optional `⊙ γ` then `+ β` with constant operands after the normalized tensor.
+def _elem_type(tensor: gs.Tensor) -> int | None:
+    """The ONNX element type of `tensor` where the graph states it (a Cast's `to`, or a declared dtype)."""
+    if len(tensor.inputs) == 1 and tensor.inputs[0].op in TRANSPARENT_CASTS:
+        return int(tensor.inputs[0].attrs["to"])
+    if tensor.dtype is None or isinstance(tensor.dtype, int):  # graphsurgeon keeps some types as ONNX enums
+        return tensor.dtype
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
 
-    Only nodes in `scope` (ids; None: any) qualify: graphsurgeon lists a node inside a control-flow
-    body among the consumers of an outer tensor it reads, and that node is no part of the norm.
+
+def _casts_to(tensor: gs.Tensor, elem_type: int | None) -> list[gs.Node]:
+    """The chain of sole-consumer Casts after `tensor`, if each casts to `elem_type` (a known type)."""
+    chain: list[gs.Node] = []
+    while (node := _sole_consumer(tensor)) is not None and node.op in TRANSPARENT_CASTS:
+        if elem_type is None or int(node.attrs["to"]) != elem_type:
+            return []
+        chain.append(node)
+        tensor = node.outputs[0]
+    return chain
+
+
+def _match_affine(x: gs.Tensor, y: gs.Tensor, nodes: list[gs.Node],
+                  scope: set[int] | None) -> tuple[gs.Tensor, gs.Tensor | None, gs.Tensor | None]:
+    """Optional `⊙ γ` then `+ β` with constant operands after the normalized tensor `y` of input `x`.
+
+    Casts before γ belong to the norm only if they cast to x's own (stated) type, so that the norm
+    as a whole maps x to a tensor of x's type, as the RMS op that replaces it does (Llama's
+    `weight * hidden.to(input_dtype)`). Only nodes in `scope` (ids; None: any) qualify as γ or β:
+    graphsurgeon lists a node inside a control-flow body among the consumers of an outer tensor
+    it reads, and that node is no part of the norm.
     """
     gamma = beta = None
 
@@ -246,12 +280,14 @@ def _match_affine(y: gs.Tensor, nodes: list[gs.Node], scope: set[int] | None) ->
         node = _sole_consumer(tensor)
         return node if node is None or scope is None or id(node) in scope else None
 
-    consumer = next_consumer(y)
+    casts = _casts_to(y, _elem_type(x))
+    cast = casts[-1].outputs[0] if casts else y
+    consumer = next_consumer(cast)
     if consumer is not None and consumer.op == "Mul":
-        other = _other_input(consumer, y)
+        other = _other_input(consumer, cast)
         if other is not None and constant_values(other) is not None:
             gamma, y = other, consumer.outputs[0]
-            nodes.append(consumer)
+            nodes.extend([*casts, consumer])
             consumer = next_consumer(y)
     if consumer is not None and consumer.op == "Add":
         other = _other_input(consumer, y)
@@ -302,7 +338,7 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str], scope: set[int] | N
         norm_type = NormType.RMS
     else:
         return None
-    y, gamma, beta = _match_affine(core[1], nodes, scope)
+    y, gamma, beta = _match_affine(x, core[1], nodes, scope)
     if not _internal_tensors_private(nodes, y, graph_outputs):
         return None
     runtime = (["ε"] * math.isnan(core[2]) + ["axes"] * (core[3] == RUNTIME_AXIS)
