@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 
@@ -113,6 +114,46 @@ def test_a_model_missing_its_budget_on_held_out_data_is_refused(gen, tmp_path):
     assert code == 1 and not out.exists()
     data = json.loads(report.read_text())
     assert data["output"] is None and data["passed"] is False
+
+
+# The TorchScript exporter reads hidden states with `Shape` (for view/reshape sizes). A `Shape`
+# reader of the norm's input sees no change of its values, so the calibrated shift still goes
+# into the bias b1 and the inputs are still centred: the rms surrogate costs one
+# SimplifiedLayerNormalization, cheaper than the norm, instead of an extra `Sub`.
+POST_LN_SHAPE_READER = """
+<ir_version: 10, opset_import: ["" : 18]>
+post (float[N, 8] a) => (float[N, 8] out) {
+    m1 = MatMul(a, W1)
+    l1 = Add(m1, b1)
+    x = Add(l1, a)
+    s = Shape(x)
+    y = LayerNormalization<axis = -1, epsilon = 0.00001>(x, g, bb)
+    r = Reshape(y, s)
+    m2 = MatMul(r, W2)
+    out = Add(m2, b2)
+}
+"""
+
+
+def test_a_shape_reader_of_the_norm_input_does_not_block_shift_and_centring(gen):
+    model = build(POST_LN_SHAPE_READER, W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), g=(1 + randn(gen, 8, scale=0.2)),
+                  bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8), b2=randn(gen, 8))
+    def zero_mean_rows(count):  # the residual carries no per-token mean: after centring, rms is exact
+        rows = randn(gen, count, 8)
+        return {"a": rows - rows.mean(-1, keepdims=True)}
+
+    options = ReplaceOptions(kind="rms", only_cheaper=True, budget="cos=0.99", **FAST)
+    result = replace_onnx(model, zero_mean_rows(96), options)
+    (row,) = result.report()["norms"]
+    assert row["decision"] == "replaced", (row["reason"], row["candidates"])
+    assert row["input_centring"] == ["m1", "l1"] and row["emission"]["shift"] == "migrated into l1", row["emission"]
+    check_structure(result.model)
+    counts = collections.Counter(n.op_type for n in result.model.graph.node)
+    assert counts["SimplifiedLayerNormalization"] == 1 and counts["Sub"] == 0 and counts["Shape"] == 1
+    feeds = zero_mean_rows(32)
+    reference, replaced = run_ort(model, feeds)["out"], run_ort(result.model, feeds)["out"]
+    cos = np.sum(reference * replaced, -1) / np.linalg.norm(reference, axis=-1) / np.linalg.norm(replaced, axis=-1)
+    assert cos.min() > 0.99
 
 
 def test_cli_writes_model_and_report_and_leaves_the_input_alone(bert, tmp_path, capsys):

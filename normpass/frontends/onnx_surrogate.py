@@ -43,7 +43,9 @@ from ..surrogates import NormSpec, Surrogate
 from .onnx import OnnxGraph, body_holders
 from .onnx_export import export_model as write_model
 from .onnx_patterns import constant_values, match_decomposed, match_single_op, norm_info
-from .onnx_targets import Namer, affine_plan, is_feature_vector, is_private, move_affine, private_bias, producer
+from .onnx_targets import (
+    Namer, affine_plan, is_feature_vector, is_private, move_affine, private_bias, producer, value_readers,
+)
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 DOC_PREFIX = "normpass: "
@@ -150,8 +152,9 @@ def dtype_of(norm: NormInfo) -> np.dtype:
 
 
 def _only_read_by(tensor: gs.Tensor, nodes: list[gs.Node], graph_outputs: set[str]) -> bool:
+    """Whether only `nodes` read the values of `tensor` (its `Shape` readers see no change of them)."""
     members = {id(n) for n in nodes}
-    return tensor.name not in graph_outputs and all(id(c) in members for c in tensor.outputs)
+    return tensor.name not in graph_outputs and all(id(c) in members for c in value_readers(tensor))
 
 
 def shift_target(norm: NormInfo, width: int, graph_outputs: set[str]) -> tuple[gs.Node, int] | None:

@@ -41,7 +41,13 @@ def is_feature_vector(values: np.ndarray | None, width: int) -> bool:
 
 
 def is_private(tensor: gs.Tensor, graph_outputs: set[str]) -> bool:
-    return len(tensor.outputs) == 1 and tensor.name not in graph_outputs
+    """Whether one node reads the values of `tensor` (readers of its shape alone do not count)."""
+    return len(value_readers(tensor)) == 1 and tensor.name not in graph_outputs
+
+
+def value_readers(tensor: gs.Tensor) -> list[gs.Node]:
+    """The nodes reading `tensor`'s values: a `Shape` or `Size` reader sees no change of them."""
+    return [node for node in tensor.outputs if node.op not in SHAPE_READERS]
 
 
 def private_bias(tensor: gs.Tensor, width: int, graph_outputs: set[str]) -> tuple[gs.Node, int] | None:
