@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 
 import normpass_models
-from normpass import fold_onnx, inspect_onnx
+from normpass import FoldOptions, fold_onnx, inspect_onnx
 from normpass.cli.main import main as normpass_main
 from normpass_models import thirdparty
 from normpass_models.reference import entry_feeds, rewrite_error
@@ -46,8 +46,8 @@ COLUMNS = ("model", "form", "norms", "proven", "rewritten", "target", "max_rel_e
 CALIBRATION_SENTENCES = 60
 
 
-def measure(model: onnx.ModelProto, make_feeds: Callable[[], dict[str, np.ndarray]]) -> dict:
-    """inspect + fold ``model``, then check the fold independently on ``make_feeds()``.
+def measure(model: onnx.ModelProto, make_feeds: Callable[[], dict[str, np.ndarray]], input_shapes: dict | None = None) -> dict:
+    """inspect + fold ``model`` (verified at ``input_shapes``), then check the fold independently on ``make_feeds()``.
 
     What raises (normpass, or ONNX Runtime on the original) is reported in ``error`` with the
     file and line it came from, instead of stopping the table.
@@ -55,7 +55,7 @@ def measure(model: onnx.ModelProto, make_feeds: Callable[[], dict[str, np.ndarra
     try:
         start = time.perf_counter()
         plan = inspect_onnx(model)
-        result = fold_onnx(model)
+        result = fold_onnx(model, FoldOptions(input_shapes=input_shapes or {}))
         seconds = time.perf_counter() - start
         error, _ = rewrite_error(model, result.model, make_feeds())
     except Exception as e:
@@ -102,7 +102,7 @@ def thirdparty_rows() -> list[dict]:
         (input_name,) = [i.name for i in model.graph.input if i.name not in initializers]
         feeds = {input_name: np.random.default_rng(5).standard_normal(published.input_shape).astype(np.float32)}
         row = {"model": name, "form": "published", "target": ""}
-        row.update(measure(model, lambda: feeds))
+        row.update(measure(model, lambda: feeds, {input_name: published.input_shape}))
         rows.append(row)
         print(f"  {name}: {row}", file=sys.stderr)
     return rows
