@@ -55,7 +55,7 @@ from .calibrate import (
 )
 from .errors import InputError, VerificationError
 from .frontends.onnx import load_graph
-from .frontends.onnx_patterns import constant_values
+from .frontends.onnx_constants import constant_values
 from .frontends.onnx_surrogate import (
     Emission,
     Emitter,

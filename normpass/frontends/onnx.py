@@ -46,7 +46,8 @@ from ..graph import (
     ZeroMeanGraph,
     ZNode,
 )
-from .onnx_patterns import constant_values, is_constant, match_decomposed, match_single_op, norm_info
+from .onnx_constants import constant_values, is_constant
+from .onnx_patterns import match_decomposed, match_single_op, norm_info
 
 LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are declared, not copied, for inference
 SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values

@@ -44,7 +44,7 @@ import onnx_graphsurgeon as gs
 
 from ..algebra import has_zero_mean, is_uniform
 from ..graph import NormInfo, NormType
-from .onnx_constants import constant_values, is_constant  # noqa: F401  (re-exported for the front end)
+from .onnx_constants import constant_values
 
 TRANSPARENT_CASTS = {"Cast"}
 SKIP_BIAS_INPUT = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}  # com.microsoft: x + skip + bias

@@ -32,7 +32,8 @@ from ..analysis import layer_scale
 from ..graph import NormInfo, ZeroMeanGraph
 from ..plan import Centring, FoldPlan, Insertion
 from .onnx import OnnxGraph, einsum_weight_axis
-from .onnx_patterns import SKIP_BIAS_INPUT, constant_values, is_constant
+from .onnx_constants import constant_values, is_constant
+from .onnx_patterns import SKIP_BIAS_INPUT
 from .onnx_targets import AffinePlan, Namer, affine_plan, move_affine
 
 RMS_OPS = ("simplified", "onnx", "decomposed")

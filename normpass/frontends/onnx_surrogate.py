@@ -42,7 +42,8 @@ from ..graph import NormInfo, NormType
 from ..surrogates import NormSpec, Surrogate
 from .onnx import OnnxGraph, body_holders
 from .onnx_export import export_model as write_model
-from .onnx_patterns import constant_values, match_decomposed, match_single_op, norm_info
+from .onnx_constants import constant_values
+from .onnx_patterns import match_decomposed, match_single_op, norm_info
 from .onnx_targets import (
     Namer, affine_plan, is_feature_vector, is_private, move_affine, private_bias, producer, value_readers,
 )
