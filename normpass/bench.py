@@ -43,7 +43,8 @@ import onnxruntime as ort
 
 from . import __version__
 from .errors import InputError, VerificationError
-from .verify import compare_outputs, fixed_dim, make_inputs
+from .verify import compare_outputs, fixed_dim, make_inputs, ort_session
+
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 SWEEP_AXES = ("batch", "seq")
@@ -102,7 +103,7 @@ def open_session(model: str | bytes, provider: str = "cpu", threads: int = 0,
     options.log_severity_level = 3
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
-    return ort.InferenceSession(model, options, providers=[PROVIDERS[provider]])
+    return ort_session(model, options, [PROVIDERS[provider]])
 
 
 class Runner:

@@ -127,14 +127,15 @@ def session(model: onnx.ModelProto, optimize: bool = False, providers=("CPUExecu
     options.log_severity_level = 3
     model = _uniquely_named(model)
     if not may_exceed_proto_limit(model):
-        return _open(model.SerializeToString(), options, providers)
+        return ort_session(model.SerializeToString(), options, providers)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.onnx"
         save_external(model, path)
-        return _open(str(path), options, providers)
+        return ort_session(str(path), options, providers)
 
 
-def _open(source: bytes | str, options: ort.SessionOptions, providers) -> ort.InferenceSession:
+def ort_session(source: bytes | str, options: ort.SessionOptions, providers) -> ort.InferenceSession:
+    """`ort.InferenceSession`, with what ORT refuses as a one-line `UnsupportedModelError`."""
     try:
         return ort.InferenceSession(source, options, providers=list(providers))
     except Exception as e:  # ORT's Fail, InvalidGraph, NotImplemented ... derive from Exception only
