@@ -130,8 +130,9 @@ class Rewriter:
         graph = self.ctx.graph
         tensor = graph.tensors()[insertion.tensor]
         consumers = list(tensor.outputs)
-        mean = gs.Variable(self._unique(f"{tensor.name}.mean"), dtype=tensor.dtype)
-        centred = gs.Variable(self._unique(f"{tensor.name}.centred"), dtype=tensor.dtype, shape=tensor.shape)
+        dtype = self._dtype(tensor)
+        mean = gs.Variable(self._unique(f"{tensor.name}.mean"), dtype=dtype)
+        centred = gs.Variable(self._unique(f"{tensor.name}.centred"), dtype=dtype, shape=tensor.shape)
         graph.nodes.append(self._reduce_mean(tensor, insertion.axis, mean, f"{tensor.name}.centring_mean"))
         sub = gs.Node("Sub", self._unique(f"{tensor.name}.centring"), inputs=[tensor, mean], outputs=[centred])
         self._note(sub.name, "inserted centring x − mean(x)")
@@ -213,7 +214,7 @@ class Rewriter:
             note = "γ kept in the RMS op" + (", β migrated into " + ", ".join(moved_to) if moved_to else "")
             note += ", β kept as an Add" if beta is not None else ""
         original_gamma = self._feature_vector(norm, match.gamma)
-        dtype = original_gamma.dtype if original_gamma is not None else self._dtype(x)
+        dtype = original_gamma.dtype if original_gamma is not None else self._dtype(match.x)  # x may be an inserted centring
         scale = gamma if gamma is not None else np.ones(self._width(norm), dtype=dtype)
         rms_out = y if beta is None else gs.Variable(self._unique(f"{y.name}.rms"), dtype=y.dtype)
         doc = f"LayerNorm {norm.name} folded into an RMSNorm (input proven zero-mean); {note}"
@@ -260,7 +261,7 @@ class Rewriter:
                             inputs=[x, scale], outputs=[out])]
         name = norm.name
         square, mean, inner, root, normed = (gs.Variable(self._unique(f"{name}.{s}"), dtype=x.dtype) for s in ("sq", "ms", "inner", "rms", "xhat"))
-        eps = gs.Constant(self._unique(f"{name}.eps"), np.array(norm.epsilon, dtype=self._dtype(x)))
+        eps = gs.Constant(self._unique(f"{name}.eps"), np.array(norm.epsilon, dtype=self._dtype(norm.ref.x)))
         if outside:  # √mean + ε
             root_nodes = [gs.Node("Sqrt", self._unique(f"{name}.sqrt"), inputs=[mean], outputs=[inner]),
                           gs.Node("Add", self._unique(f"{name}.add_eps"), inputs=[inner, eps], outputs=[root])]
