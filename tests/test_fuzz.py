@@ -258,8 +258,9 @@ def test_fuzz_generated_graphs_fold_exactly_or_refuse(first):
 # Campaign seeds (docs/FUZZING.md) of failure classes seeds 0–239 miss: a verified fold wrong on
 # cond=False (2419), a Loop body's outer-scope read (1323), a residual sum an If reads dropped by
 # the skip fusion (381), a norm output read by an If branch's Mul, taken for the norm's γ (2645),
-# a float RMS scale for a double γ-less norm behind an inserted centring (5971).
-CAMPAIGN_SEEDS = (381, 1323, 2419, 2645, 5971)
+# a float RMS scale for a double γ-less norm behind an inserted centring (5971), a norm whose x̂
+# is a graph output and feeds a constant Add (9360).
+CAMPAIGN_SEEDS = (381, 1323, 2419, 2645, 5971, 9360)
 
 
 @pytest.mark.parametrize("seed", CAMPAIGN_SEEDS)

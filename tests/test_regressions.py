@@ -125,3 +125,17 @@ def test_a_body_reading_the_norm_output_is_no_part_of_the_norm():
     onnx.checker.check_model(model, full_check=True)
     plan = fold_onnx(model).plan
     assert [d.op for d in plan.decisions] == ["decomposed LayerNorm"], plan.to_json()
+
+
+def test_a_norm_whose_normalized_output_is_also_a_graph_output_ends_there():
+    """x̂ is a graph output and feeds `+ k`: the norm is x ↦ x̂, the Add stays an ordinary op."""
+    gen = rng(4)
+    model = build(f"""{HEADER}
+agraph (float[B, {D}] x) => (float[B, {D}] y, float[B, {D}] z) {{
+  m0 = MatMul(x, W0)
+  h = Add(m0, b0){decomposed_ln("h", "y")}
+  z = Add(y, k)
+}}""", W0=randn(gen, D, D), b0=randn(gen, D), k=randn(gen, D), eps=np.array(1e-5, np.float32))
+    result = fold_onnx(model)
+    assert [d.op for d in result.plan.decisions] == ["decomposed LayerNorm"] and result.folded == 1
+    assert_equivalent(model, result.model)

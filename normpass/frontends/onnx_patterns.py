@@ -338,9 +338,12 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str], scope: set[int] | N
         norm_type = NormType.RMS
     else:
         return None
+    core_nodes = list(nodes)
     y, gamma, beta = _match_affine(x, core[1], nodes, scope)
-    if not _internal_tensors_private(nodes, y, graph_outputs):
-        return None
+    if not _internal_tensors_private(nodes, y, graph_outputs):  # e.g. x̂ is also a graph output: the norm ends at x̂
+        nodes, y, gamma, beta = core_nodes, core[1], None, None
+        if not _internal_tensors_private(nodes, y, graph_outputs):
+            return None
     runtime = (["ε"] * math.isnan(core[2]) + ["axes"] * (core[3] == RUNTIME_AXIS)
                + [f"exponent {n.inputs[1].name}" for n in nodes if n.op == "Pow" and _scalar(n.inputs[1]) is None])
     unsupported = None if not runtime else (
