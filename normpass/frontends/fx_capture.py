@@ -40,6 +40,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from ..errors import UnsupportedModelError
 
 TORCH_DIR = os.path.dirname(torch.__file__)
+NORMPASS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the normpass package
 EXPORT, SYMBOLIC_TRACE = "torch.export", "torch.fx.symbolic_trace"
 
 
@@ -143,8 +144,8 @@ def _describe_failure(error: BaseException) -> str:
     message = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
     if len(message) > 240:
         message = message[:237] + "..."
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(TORCH_DIR)]
-    frames = [f for f in frames if os.sep + "normpass" + os.sep not in f.filename]
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith((TORCH_DIR + os.sep, NORMPASS_DIR + os.sep))]
     where = ""
     if frames:
         frame = frames[-1]
