@@ -334,6 +334,25 @@ def test_untraceable_model_names_the_construct():
         fold(_seeded(Branch), IDS)
 
 
+def test_untraceable_model_in_a_directory_named_normpass_is_still_named(tmp_path, monkeypatch):
+    """Only frames of the normpass package itself are skipped, not a user's project called normpass."""
+    project = tmp_path / "normpass" / "src"
+    project.mkdir(parents=True)
+    (project / "user_branch.py").write_text(
+        "import test_torch_frontend as t\n\n\n"
+        "class UserBranch(t.Stack):\n"
+        "    def forward(self, ids):\n"
+        "        h = self.emb(ids)\n"
+        "        if h.sum() > 0:\n"
+        "            h = -h\n"
+        "        return self.head(self.ln2(h))\n")
+    monkeypatch.syspath_prepend(str(project))
+    import user_branch
+
+    with pytest.raises(UnsupportedModelError, match=r"user_branch.py:7 in forward: `if h.sum\(\) > 0:`"):
+        fold(_seeded(user_branch.UserBranch), IDS)
+
+
 def test_refuses_a_rewrite_that_does_not_verify(monkeypatch):
     import normpass.frontends.fx_rewrite as rewrite
 
