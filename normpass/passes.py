@@ -167,9 +167,10 @@ def fold_onnx(model: onnx.ModelProto | str, options: FoldOptions | None = None, 
     rewritten = _export(ctx, source, fold_plan, rewriter.docs)
     fused = fuse_skip_rms(rewritten, ctx.shapes) if fuse_skip else 0
     seconds["rewrite"] = time.perf_counter() - start
-    check_signature(model, rewritten, name)
     comparison = None
-    if options.verify:
+    if not options.verify:
+        check_signature(model, rewritten, name)  # verify() checks it first
+    else:
         start = time.perf_counter()
         try:
             comparison = verify(model, rewritten, options.input_shapes, options.seed, name)

@@ -523,7 +523,7 @@ def classify(ctx: OnnxGraph, node: gs.Node):
         return NodeKind.OTHER, Opaque(f"cannot be analysed ({type(e).__name__}: {e})")
 
 
-def _norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[gs.Node, str, object]]:
+def norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[gs.Node, str, object]]:
     """(anchor node, op shown to users, (norm type, match)) of every norm among `nodes`."""
     in_norm: set[int] = set()
     scope = {id(node) for node in nodes}
@@ -542,7 +542,7 @@ def _nested_norms(node: gs.Node) -> list[NormInfo]:
     nested = list(nested_nodes(node))
     where = {id(inner): place for inner, place in nested}
     norms = []
-    for anchor, op, (norm_type, match) in _norm_matches([inner for inner, _ in nested], set()):
+    for anchor, op, (norm_type, match) in norm_matches([inner for inner, _ in nested], set()):
         norm = norm_info(anchor.name, op, norm_type, match, None)
         norm.unsupported = f"inside {where[id(anchor)]}: norms in control-flow bodies are not rewritten"
         norms.append(norm)
@@ -567,7 +567,7 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
         if is_constant(tensor):
             zmg.constants[tensor.name] = lambda t=tensor: constant_values(t)
     in_norm: set[int] = set()
-    for node, op, (norm_type, match) in _norm_matches(graph.nodes, outputs):
+    for node, op, (norm_type, match) in norm_matches(graph.nodes, outputs):
         zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
         in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}

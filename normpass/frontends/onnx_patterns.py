@@ -106,7 +106,7 @@ RUNTIME_AXIS = -(1 << 62)  # ReduceMean axes given at run time: the pattern matc
 def _reduce_axes(node: gs.Node) -> list[int] | None:
     if "axes" in node.attrs:
         return list(node.attrs["axes"])
-    if len(node.inputs) > 1 and _runtime_input(node.inputs[1]):
+    if len(node.inputs) > 1 and _given_at_run_time(node.inputs[1]):
         return [RUNTIME_AXIS]
     if len(node.inputs) > 1:
         axes = constant_values(node.inputs[1])
@@ -126,7 +126,7 @@ def _scalar(tensor: gs.Tensor | None) -> float | None:
     return float(values.reshape(-1)[0]) if values is not None and values.size == 1 else None
 
 
-def _runtime_input(tensor: gs.Tensor | None) -> bool:
+def _given_at_run_time(tensor: gs.Tensor | None) -> bool:
     """A graph input (e.g. an initializer also listed in `graph.input`) where a pattern needs a constant."""
     return tensor is not None and not tensor.inputs and constant_values(tensor) is None
 
@@ -145,7 +145,7 @@ def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
 def _is_square_of(node: gs.Node, t: gs.Tensor) -> bool:
     """`Pow(t, 2)` or `Mul(t, t)`."""
     if node.op == "Pow":
-        return node.inputs[0] is t and (_scalar(node.inputs[1]) == 2.0 or _runtime_input(node.inputs[1]))
+        return node.inputs[0] is t and (_scalar(node.inputs[1]) == 2.0 or _given_at_run_time(node.inputs[1]))
     return node.op == "Mul" and len(node.inputs) == 2 and node.inputs[0] is t and node.inputs[1] is t
 
 
@@ -166,7 +166,7 @@ def _scalar_add(t: gs.Tensor) -> tuple[gs.Node, float] | None:
     if add is None or add.op != "Add":
         return None
     other = _other_input(add, t)
-    eps = math.nan if _runtime_input(other) else _scalar(other)
+    eps = math.nan if _given_at_run_time(other) else _scalar(other)
     return None if eps is None else (add, eps)
 
 

@@ -40,10 +40,10 @@ import onnx_graphsurgeon as gs
 from ..algebra import centre
 from ..graph import NormInfo, NormType
 from ..surrogates import NormSpec, Surrogate
-from .onnx import OnnxGraph, body_holders
+from .onnx import OnnxGraph, body_holders, norm_matches
 from .onnx_export import export_model as write_model
 from .onnx_constants import constant_values
-from .onnx_patterns import match_decomposed, match_single_op, norm_info
+from .onnx_patterns import norm_info
 from .onnx_targets import (
     Namer, affine_plan, is_feature_vector, is_private, move_affine, private_bias, producer, value_readers,
 )
@@ -108,18 +108,9 @@ def find_norms(ctx: OnnxGraph) -> dict[str, NormInfo]:
     """The norms of `ctx`, by name (the name of their first node), as the front end matches them."""
     outputs = {t.name for t in ctx.graph.outputs}
     norms: dict[str, NormInfo] = {}
-    taken: set[int] = set()
-    for node in ctx.graph.nodes:
-        if id(node) in taken:
-            continue
-        found = match_single_op(node, outputs) or match_decomposed(node, outputs)
-        if found is None:
-            continue
-        norm_type, match = found
-        op = node.op if len(match.nodes) == 1 else f"decomposed {norm_type.value}"
+    for node, op, (norm_type, match) in norm_matches(ctx.graph.nodes, outputs):
         shape = ctx.shapes.get(match.x.name)
         norms[node.name] = norm_info(node.name, op, norm_type, match, None if shape is None else len(shape))
-        taken.update(id(n) for n in match.nodes)
     return norms
 
 
