@@ -11,14 +11,14 @@ Public API:
 __version__ = "0.1.0"
 
 from .errors import InputError, NormpassError, UnsupportedModelError, VerificationError  # noqa: E402
-from .passes import FoldOptions, FoldResult, fold_onnx, inspect_onnx  # noqa: E402
+from .onnx.passes import FoldOptions, FoldResult, fold_onnx, inspect_onnx  # noqa: E402
 
 TORCH_API = ("fold", "inspect", "TorchFoldReport")
 
 
 def __getattr__(name):  # PEP 562: the PyTorch API is imported when first used
     if name in TORCH_API:
-        from . import torch_api
+        from .torch import api as torch_api
 
         return getattr(torch_api, name)
     raise AttributeError(f"module 'normpass' has no attribute {name!r}")

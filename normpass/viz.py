@@ -29,8 +29,8 @@ from statistics import fmean
 import networkx as nx
 
 from .errors import InputError
-from .graph import Concat, NodeKind, NormRule, ZeroMeanGraph
-from .plan import FoldPlan, NormDecision
+from .core.graph import Concat, NodeKind, NormRule, ZeroMeanGraph
+from .core.plan import FoldPlan, NormDecision
 
 TRANSPARENT = {NodeKind.RESIDUAL.value, NodeKind.SCALAR.value, NodeKind.LAYOUT.value}
 

@@ -17,7 +17,7 @@ import onnx.parser
 import pytest
 from onnx import numpy_helper
 
-from normpass.verify import make_inputs, run
+from normpass.onnx.verify import make_inputs, run
 
 IR_VERSION = 10  # ONNX Runtime 1.31 accepts IR ≤ 13; onnx 1.23 defaults to a newer one
 CONTRIB_TEST_DOMAIN = "normpass.test.contrib"

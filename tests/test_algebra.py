@@ -1,11 +1,11 @@
-"""normpass.algebra: the NumPy weight maths behind centring and γ/β migration."""
+"""normpass.core.algebra: the NumPy weight maths behind centring and γ/β migration."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from normpass.algebra import centre, has_zero_mean, is_uniform, migrate_affine
+from normpass.core.algebra import centre, has_zero_mean, is_uniform, migrate_affine
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])

@@ -1,4 +1,4 @@
-"""`normpass.bench` and `normpass bench` on the small registry GPT-2: inputs per point, interleaved
+"""`normpass.onnx.bench` and `normpass bench` on the small registry GPT-2: inputs per point, interleaved
 timing, the JSON/CSV schema, the plot, and refusing models that are not equivalent."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from normpass import bench
+from normpass.onnx import bench
 from normpass.cli.main import main
 from normpass.errors import InputError, VerificationError
-from normpass.passes import fold_onnx
+from normpass.onnx.passes import fold_onnx
 
 REPEATS = 2
 

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import (build, check_plain, check_structure, initializers, op_counts, randn, rms_nodes, rms_scale, rng,
                       run_ort)
-from normpass.verify import make_inputs
+from normpass.onnx.verify import make_inputs
 
 from test_patterns import post_ln, pre_ln_block, pre_ln_from_input
 

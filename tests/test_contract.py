@@ -20,10 +20,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import build, randn, rng
 from normpass import FoldOptions, fold_onnx, inspect_onnx, io
-from normpass.frontends import onnx as onnx_frontend
+from normpass.onnx import frontend as onnx_frontend
 from normpass.cli.main import main
 from normpass.errors import InputError, NormpassError
-from normpass.replace import ReplaceOptions, replace_onnx
+from normpass.surrogate.replace import ReplaceOptions, replace_onnx
 
 D = 8
 

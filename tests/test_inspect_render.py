@@ -109,8 +109,8 @@ def test_rich_table_is_coloured_and_grouped():
     pytest.importorskip("rich", reason="the coloured table needs rich (pip install 'normpass[pretty]')")
     from rich.console import Console
 
-    from normpass.analysis import plan
-    from normpass.frontends.onnx import build_zero_mean_graph, load_graph
+    from normpass.core.analysis import plan
+    from normpass.onnx.frontend import build_zero_mean_graph, load_graph
 
     zmg = build_zero_mean_graph(load_graph(blocks_model(), "blocks"))
     sink = io.StringIO()

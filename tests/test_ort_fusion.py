@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from normpass.passes import fold_onnx
+from normpass.onnx.passes import fold_onnx
 
 NORM_OPS = ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization",
             "SkipLayerNormalization", "SkipSimplifiedLayerNormalization")

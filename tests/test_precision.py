@@ -1,6 +1,6 @@
 """fp16: folding an fp16-converted model, and converting a folded one, on the registry gpt2.
 
-Both must agree with the fp16-converted original within the fp16 tolerance of `normpass.verify`,
+Both must agree with the fp16-converted original within the fp16 tolerance of `normpass.onnx.verify`,
 and every norm must keep fp32 statistics (`stash_type=1`).
 """
 
@@ -13,14 +13,14 @@ import pytest
 from onnx import numpy_helper
 
 import normpass_models
-from normpass.passes import fold_onnx
-from normpass.verify import REL_TOLERANCE, verify
+from normpass.onnx.passes import fold_onnx
+from normpass.onnx.verify import REL_TOLERANCE, verify
 
 from conftest import build
 
 pytestmark = pytest.mark.filterwarnings("ignore:the float32 number")
 pytest.importorskip("onnxconverter_common")
-from normpass.precision import STASH_TYPE_OPS, to_fp16
+from normpass.onnx.precision import STASH_TYPE_OPS, to_fp16
 
 FP16_TOLERANCE = REL_TOLERANCE[np.dtype(np.float16)]
 

@@ -13,7 +13,7 @@ import pytest
 
 import normpass_models
 from normpass import FoldOptions, fold_onnx, inspect_onnx
-from normpass.verify import make_inputs
+from normpass.onnx.verify import make_inputs
 
 from conftest import assert_equivalent, check_plain, check_structure, initializers, op_counts, rms_nodes, run_ort
 

@@ -1,4 +1,4 @@
-"""The surrogate pass (normpass/replace.py) and `normpass replace`, end to end.
+"""The surrogate pass (normpass/surrogate/replace.py) and `normpass replace`, end to end.
 
 * the registry's post-LN BERT with seeded synthetic calibration: exact fold first, every norm
   reported, the budget held on the held-out split, a valid model out, sequential and parallel;
@@ -21,10 +21,10 @@ import onnx
 import pytest
 from conftest import build, check_structure, randn, run_ort
 
-from normpass.calibrate import load_batches, split_batches
+from normpass.surrogate.calibrate import load_batches, split_batches
 from normpass.cli.main import main
 from normpass.errors import InputError
-from normpass.replace import BudgetMissed, ReplaceOptions, replace_onnx
+from normpass.surrogate.replace import BudgetMissed, ReplaceOptions, replace_onnx
 
 FAST = dict(orders=("input",), samples=48, batch_size=8)
 

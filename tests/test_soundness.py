@@ -19,7 +19,7 @@ import pytest
 from onnx import numpy_helper
 
 from normpass import FoldOptions, VerificationError, fold_onnx, inspect_onnx
-from normpass.verify import check_signature, compare_outputs, make_inputs, verify
+from normpass.onnx.verify import check_signature, compare_outputs, make_inputs, verify
 
 from conftest import build, check_structure, randn, rng
 

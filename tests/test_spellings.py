@@ -15,7 +15,7 @@ import pytest
 from onnx import numpy_helper
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
-from normpass.frontends.onnx_patterns import match_decomposed
+from normpass.onnx.patterns import match_decomposed
 
 from conftest import (
     assert_equivalent,

@@ -1,4 +1,4 @@
-"""Surrogate maths (normpass/surrogates.py) and their ONNX emission (frontends/onnx_surrogate.py).
+"""Surrogate maths (normpass/surrogate/fit.py) and their ONNX emission (normpass/surrogate/emit.py).
 
 The emission tests build small post-LN-shaped graphs with `onnx.parser`, emit a surrogate with
 hand-set parameters, and check exactly (in float64 arithmetic, to float32 rounding) the new
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from conftest import build, check_structure, initializers, op_counts, randn, run_ort
 
-from normpass.calibrate import Budget, Metrics, compare, token_rows
-from normpass.frontends.onnx import load_graph
-from normpass.frontends.onnx_surrogate import Emitter, export_model, find_norms, light_model, open_graph
-from normpass.surrogates import (
+from normpass.surrogate.calibrate import Budget, Metrics, compare, token_rows
+from normpass.onnx.frontend import load_graph
+from normpass.surrogate.emit import Emitter, export_model, find_norms, light_model, open_graph
+from normpass.surrogate.fit import (
     NormSpec,
     Reservoir,
     Surrogate,
@@ -344,7 +344,7 @@ def test_input_centring_is_exact_and_removes_the_linear_mean(gen):
 
 
 def test_light_model_runs_like_the_full_one(gen):
-    from normpass.calibrate import Runner
+    from normpass.surrogate.calibrate import Runner
 
     w = _weights(gen, "W1", "b1", "g", "bb", "Wq", "bq", "W3", "b3")
     w["W1"] = randn(gen, D, D)  # 64 elements: make it "large" with a small limit

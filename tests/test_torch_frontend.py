@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import normpass_models
-from normpass.analysis import plan as make_plan
+from normpass.core.analysis import plan as make_plan
 from normpass.errors import InputError, UnsupportedModelError, VerificationError
-from normpass.frontends.fx_rewrite import RMSNormWithBias
-from normpass.frontends.onnx import build_zero_mean_graph, load_graph
-from normpass.passes import inspect_onnx
-from normpass.torch_api import export_onnx, fold, inspect, load_factory
-from normpass.verify import run
+from normpass.torch.rewrite import RMSNormWithBias
+from normpass.onnx.frontend import build_zero_mean_graph, load_graph
+from normpass.onnx.passes import inspect_onnx
+from normpass.torch.api import export_onnx, fold, inspect, load_factory
+from normpass.onnx.verify import run
 
 SMALL = normpass_models.names(include_large=False)
 REL_TOL = 1e-5
@@ -354,7 +354,7 @@ def test_untraceable_model_in_a_directory_named_normpass_is_still_named(tmp_path
 
 
 def test_refuses_a_rewrite_that_does_not_verify(monkeypatch):
-    import normpass.frontends.fx_rewrite as rewrite
+    import normpass.torch.rewrite as rewrite
 
     monkeypatch.setattr(rewrite, "centre", lambda values, axis: values + 1.0)
     with pytest.raises(VerificationError, match="does not match the original"):

@@ -25,10 +25,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import IR_VERSION, randn, rng
 from normpass import fold_onnx
-from normpass.analysis import plan as make_plan
+from normpass.core.analysis import plan as make_plan
 from normpass.cli.main import main
 from normpass.errors import InputError
-from normpass.frontends.onnx import build_zero_mean_graph, load_graph
+from normpass.onnx.frontend import build_zero_mean_graph, load_graph
 from normpass.viz import build_view, render, to_dot, to_html, to_svg
 
 D, V = 8, 16

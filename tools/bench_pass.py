@@ -76,7 +76,7 @@ def measure(path: str, repeats: int) -> dict:
     """Time, memory and fold counts of the pass on the model at `path` (run in a fresh process)."""
     import onnx
 
-    from normpass.passes import FoldOptions, fold_onnx
+    from normpass.onnx.passes import FoldOptions, fold_onnx
 
     model = onnx.load(path)
     nodes = len(model.graph.node)

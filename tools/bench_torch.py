@@ -1,11 +1,11 @@
 """PyTorch (CPU) speed of folded models: eager and torch.compile, original vs folded vs norms deleted.
 
 The same model shapes as tools/bench_e2e.py (GPT-2-small, BERT-base, ViT-B/16; seeded weights),
-fp32. Variants, timed in the same interleaved rounds (`normpass.bench.interleave`, medians and
+fp32. Variants, timed in the same interleaved rounds (`normpass.onnx.bench.interleave`, medians and
 per-round ratio quartiles), under `torch.inference_mode()`:
 
 * `original`: the `transformers` module;
-* `folded`: `normpass.torch_api.fold(model, example_inputs)` (LayerNorm modules replaced by
+* `folded`: `normpass.torch.api.fold(model, example_inputs)` (LayerNorm modules replaced by
   RMSNorm modules on centred weights, γ/β migrated into the next Linear layers where possible);
   its outputs are checked against the original's at every point (fp32 tolerance);
 * `identity`: every `nn.LayerNorm` replaced by `nn.Identity`: the bound (outputs differ).
@@ -31,9 +31,9 @@ import torch
 from normpass_models import registry
 from torch import nn
 
-from normpass import bench
-from normpass.torch_api import fold
-from normpass.verify import compare_outputs
+from normpass.onnx import bench
+from normpass.torch.api import fold
+from normpass.onnx.verify import compare_outputs
 
 # name → (registry entry factory, sweep axis, eager points, compile points)
 MODELS = {

@@ -41,8 +41,8 @@ import onnx
 import onnxruntime as ort
 
 from normpass import __version__
-from normpass.calibrate import Runner, compare
-from normpass.replace import BudgetMissed, ReplaceOptions, prepare, replace_onnx
+from normpass.surrogate.calibrate import Runner, compare
+from normpass.surrogate.replace import BudgetMissed, ReplaceOptions, prepare, replace_onnx
 
 
 def _embeddings(outputs: list[dict]) -> np.ndarray:

@@ -1,7 +1,7 @@
 """`normpass bench ORIGINAL OPTIMIZED`: is the optimized model faster in ONNX Runtime, and by how much?
 
 Interleaved runs after warm-up at one point (`--batch`, `--seq`) or along a sweep
-(`--sweep seq=64,256,1024`); medians and the ratio per point (see `normpass.bench`). Refuses
+(`--sweep seq=64,256,1024`); medians and the ratio per point (see `normpass.onnx.bench`). Refuses
 (exit 1) when the two models' outputs differ beyond the dtype's tolerance.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..bench import Candidate, parse_sweep, plot, run_benchmark, to_csv
+from ..onnx.bench import Candidate, parse_sweep, plot, run_benchmark, to_csv
 from ..errors import InputError
 from ..io import check_paths, load_onnx, write_text_atomic
 

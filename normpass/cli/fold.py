@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 from ..errors import InputError
-from ..frontends.onnx_rewrite import RMS_OPS
+from ..onnx.rewrite import RMS_OPS
 from ..io import check_paths, data_path, save_onnx_atomic, write_text_atomic
-from ..passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
-from ..verify import parse_input_shapes
+from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
+from ..onnx.verify import parse_input_shapes
 from .common import add_model_arguments, load_model
 
 
@@ -91,7 +91,7 @@ def _run_torch(args: argparse.Namespace) -> int:
     """Fold a PyTorch model from a factory and export the folded module to ONNX."""
     if args.model is not None or args.builtin is not None:
         raise InputError("--torch replaces MODEL and --builtin; give only one")
-    from ..torch_api import export_onnx, fold, load_factory
+    from ..torch.api import export_onnx, fold, load_factory
 
     out = _check_outputs(args)
     label = f"torch:{args.torch}"

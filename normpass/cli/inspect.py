@@ -19,10 +19,10 @@ import json
 import re
 import sys
 
-from ..analysis import plan as make_plan
-from ..frontends.onnx import build_zero_mean_graph, load_graph
-from ..graph import ZeroMeanGraph
-from ..plan import FoldPlan, NormDecision
+from ..core.analysis import plan as make_plan
+from ..onnx.frontend import build_zero_mean_graph, load_graph
+from ..core.graph import ZeroMeanGraph
+from ..core.plan import FoldPlan, NormDecision
 from .common import add_model_arguments, load_model
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}

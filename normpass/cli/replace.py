@@ -11,12 +11,12 @@ import argparse
 import json
 import sys
 
-from ..calibrate import Budget
+from ..surrogate.calibrate import Budget
 from ..errors import InputError
-from ..frontends.onnx_rewrite import RMS_OPS
+from ..onnx.rewrite import RMS_OPS
 from ..io import check_paths, data_path, save_onnx_atomic, write_text_atomic
-from ..replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions, replace_onnx
-from ..surrogates import KINDS
+from ..surrogate.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions, replace_onnx
+from ..surrogate.fit import KINDS
 from .common import add_model_arguments, load_model
 
 

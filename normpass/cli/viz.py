@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..analysis import plan as make_plan
+from ..core.analysis import plan as make_plan
 from ..errors import InputError
-from ..frontends.onnx import build_zero_mean_graph, load_graph
+from ..onnx.frontend import build_zero_mean_graph, load_graph
 from ..io import check_paths, write_text_atomic
 from ..viz import FORMATS, render
 from .common import add_model_arguments, load_model

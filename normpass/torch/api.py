@@ -3,10 +3,10 @@
     folded, report = normpass.fold(model, example_inputs)   # nn.Module in, nn.Module out
     plan = normpass.inspect(model, example_inputs)         # the verdicts `fold` acts on
 
-The analysis and planner are the ones the ONNX front end uses; only capture (`fx_capture`), the op
-table (`fx`) and the rewrite (`fx_rewrite`) are PyTorch-specific. Two differences follow from
+The analysis and planner are the ones the ONNX front end uses; only capture (`torch/capture.py`), the op
+table (`torch/fx.py`) and the rewrite (`torch/rewrite.py`) are PyTorch-specific. Two differences follow from
 rewriting modules rather than graphs: no `x − mean(x)` is ever inserted (a module's forward code
-is not edited), and `fx_rewrite.restrict` declines, with a reason, folds that a module edit
+is not edited), and `rewrite.restrict` declines, with a reason, folds that a module edit
 cannot express (an `F.layer_norm` call, a layer called where centring is unsafe).
 
 The user's module is never modified: the rewrite works on a deep copy. The copy is verified
@@ -27,14 +27,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .passes import fold_report
-from .analysis import plan as make_plan
-from .errors import InputError, UnsupportedModelError, VerificationError
-from .frontends.fx import TorchGraph, build_zero_mean_graph, to_numpy
-from .frontends.fx_capture import capture
-from .frontends.fx_rewrite import apply, restrict
-from .plan import FoldPlan
-from .verify import BFLOAT16_TOLERANCE, Comparison, compare_outputs
+from ..onnx.passes import fold_report
+from ..core.analysis import plan as make_plan
+from ..errors import InputError, UnsupportedModelError, VerificationError
+from .fx import TorchGraph, build_zero_mean_graph, to_numpy
+from .capture import capture
+from .rewrite import apply, restrict
+from ..core.plan import FoldPlan
+from ..onnx.verify import BFLOAT16_TOLERANCE, Comparison, compare_outputs
 
 FLOAT64_PARAMETER_LIMIT = 50_000_000  # above this, the float64 reference is skipped (memory)
 
@@ -219,7 +219,7 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple]:
 
 def export_onnx(module: nn.Module, example_inputs: tuple, path, dynamic_shapes=None) -> None:
     """Export `module` with `torch.onnx.export(dynamo=True)` and write it atomically to `path`."""
-    from .io import save_onnx_atomic
+    from ..io import save_onnx_atomic
 
     try:
         program = torch.onnx.export(module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes,

@@ -27,8 +27,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .errors import InputError, UnsupportedModelError, VerificationError
-from .io import may_exceed_proto_limit, save_external
+from ..errors import InputError, UnsupportedModelError, VerificationError
+from ..io import may_exceed_proto_limit, save_external
 from .precision import bf16_as_fp32
 
 # Relative tolerance per output dtype: a fold may only change rounding.

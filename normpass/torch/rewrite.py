@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..algebra import centre, migrate_affine
-from ..analysis import ShiftChecker
-from ..plan import Blocker, Centring, FoldPlan, NormDecision
+from ..core.algebra import centre, migrate_affine
+from ..core.analysis import ShiftChecker
+from ..core.plan import Blocker, Centring, FoldPlan, NormDecision
 from .fx import NodeRef, NormSite, TorchGraph, to_numpy
-from .fx_capture import Attr
+from .capture import Attr
 
 
 class RMSNormWithBias(nn.RMSNorm):

@@ -1,6 +1,6 @@
 """PyTorch front end: the zero-mean graph of a captured module (ATen op → rule table).
 
-The capture (`fx_capture`) gives calls in ATen vocabulary; this module classifies each with the
+The capture (`torch/capture.py`) gives calls in ATen vocabulary; this module classifies each with the
 same rules the ONNX front end uses (see `graph.py`), so the shared analysis and planner decide
 both front ends alike:
 
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..algebra import has_zero_mean, is_uniform
-from ..graph import (
+from ..core.algebra import has_zero_mean, is_uniform
+from ..core.graph import (
     Broadcast,
     Centered,
     Concat,
@@ -50,7 +50,7 @@ from ..graph import (
     ZeroMeanGraph,
     ZNode,
 )
-from .fx_capture import Attr, Call, Capture, Ref
+from .capture import Attr, Call, Capture, Ref
 
 
 @dataclass(frozen=True)

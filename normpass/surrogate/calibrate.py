@@ -10,7 +10,7 @@
 * **Tensors** (`Runner`): a copy of the model whose wanted intermediate tensors are extra graph
   outputs, run batch by batch in ONNX Runtime on the CPU with graph optimizations off. Large
   weights are fed as inputs instead of being serialised into the session (see
-  `frontends/onnx_surrogate.light_model`), so building a session per trial model is cheap.
+  `surrogate/emit.py` `light_model`), so building a session per trial model is cheap.
 * **Masks**: tokens whose attention mask is 0 are excluded from every statistic and from the
   budget (`token_rows`, `Metrics`). The mask input is found by name (`*mask*`, rank 2) unless
   given.
@@ -32,9 +32,9 @@ from typing import Callable, Iterable
 import numpy as np
 import onnx
 
-from .errors import InputError, UnsupportedModelError
-from .surrogates import Reservoir, Welford
-from .verify import fixed_dim, make_inputs, session
+from ..errors import InputError, UnsupportedModelError
+from .fit import Reservoir, Welford
+from ..onnx.verify import fixed_dim, make_inputs, session
 
 Batch = dict  # graph input name -> np.ndarray, axis 0 = samples
 

@@ -8,7 +8,7 @@
   W⊙s and b⊙s, and its factor becomes ones.
 * Copy-on-write: a rewritten constant is a new initializer read only by the rewritten input;
   whatever else read the old one (a tied LM head, a deduplicated bias) still reads the original.
-* Affine migration (`onnx_targets`): when every consumer of a folded norm is a linear layer with
+* Affine migration (`onnx/targets.py`): when every consumer of a folded norm is a linear layer with
   constant weights that can take a bias, γ and β move into them and the RMS op keeps only ones as
   its scale; otherwise the RMS op keeps γ, and β moves into the consumers' biases and across
   residual Adds where it can, else stays an Add. `stranded_beta` names the folds that would
@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..algebra import centre
-from ..analysis import layer_scale
-from ..graph import NormInfo, ZeroMeanGraph
-from ..plan import Centring, FoldPlan, Insertion
-from .onnx import OnnxGraph, einsum_weight_axis
-from .onnx_constants import constant_values, is_constant
-from .onnx_patterns import SKIP_BIAS_INPUT
-from .onnx_targets import AffinePlan, Namer, affine_plan, move_affine
+from ..core.algebra import centre
+from ..core.analysis import layer_scale
+from ..core.graph import NormInfo, ZeroMeanGraph
+from ..core.plan import Centring, FoldPlan, Insertion
+from .frontend import OnnxGraph, einsum_weight_axis
+from .constants import constant_values, is_constant
+from .patterns import SKIP_BIAS_INPUT
+from .targets import AffinePlan, Namer, affine_plan, move_affine
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
 DOC_PREFIX = "normpass: "

@@ -41,8 +41,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from . import __version__
-from .errors import InputError, VerificationError
+from .. import __version__
+from ..errors import InputError, VerificationError
 from .verify import compare_outputs, fixed_dim, make_inputs, ort_session
 
 

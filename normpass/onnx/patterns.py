@@ -42,9 +42,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..algebra import has_zero_mean, is_uniform
-from ..graph import NormInfo, NormType
-from .onnx_constants import constant_values
+from ..core.algebra import has_zero_mean, is_uniform
+from ..core.graph import NormInfo, NormType
+from .constants import constant_values
 
 TRANSPARENT_CASTS = {"Cast"}
 SKIP_BIAS_INPUT = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}  # com.microsoft: x + skip + bias

@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from . import __version__
-from .analysis import plan as make_plan
-from .errors import InputError, UnsupportedModelError, VerificationError
-from .frontends.onnx import build_zero_mean_graph, load_graph
-from .frontends.onnx_export import export_model
-from .frontends.onnx_fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
-from .frontends.onnx_rewrite import RMS_OPS, Rewriter
-from .io import checked_model
-from .plan import FoldPlan
+from .. import __version__
+from ..core.analysis import plan as make_plan
+from ..errors import InputError, UnsupportedModelError, VerificationError
+from .frontend import build_zero_mean_graph, load_graph
+from .export import export_model
+from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
+from .rewrite import RMS_OPS, Rewriter
+from ..io import checked_model
+from ..core.plan import FoldPlan
 from .verify import Comparison, check_input_shapes, check_signature, verify
 
 RMS_OPSET = 23  # RMSNormalization

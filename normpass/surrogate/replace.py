@@ -4,12 +4,12 @@
 
 1. **Exact first.** `fold_onnx` folds every provable LayerNorm (verified); only the others are
    candidates. LayerNorms among them get *input centring* (exact, see
-   `frontends/onnx_surrogate`), checked numerically against the folded model.
+   `surrogate/emit.py`), checked numerically against the folded model.
 2. **Data.** Calibration batches are split into fit (statistics), validation (every decision)
    and test (the final figures; never used to decide) — or test comes from `holdout`.
    `check > 0` holds back part of validation to check each selection (see 5).
 3. **Candidates.** Per norm and allowed kind (`rms`, `affine`, `dyt`, `derf`) a surrogate is
-   fitted (`surrogates.py`); its emission (`Emitter.emit`) says which ops remain and what they
+   fitted (`surrogate/fit.py`); its emission (`Emitter.emit`) says which ops remain and what they
    cost (`OP_COST`, in units of one LayerNorm). With `kind="auto"` only candidates cheaper than
    the norm they replace are fitted and considered.
 4. **Sequential calibration** (DaMN, seed 000 App. C): a replaced norm is fitted on statistics
@@ -40,7 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 import onnx
 
-from . import __version__
+from .. import __version__
 from .calibrate import (
     Budget,
     Metrics,
@@ -53,10 +53,10 @@ from .calibrate import (
     progress,
     split_batches,
 )
-from .errors import InputError, VerificationError
-from .frontends.onnx import load_graph
-from .frontends.onnx_constants import constant_values
-from .frontends.onnx_surrogate import (
+from ..errors import InputError, VerificationError
+from ..onnx.frontend import load_graph
+from ..onnx.constants import constant_values
+from .emit import (
     Emission,
     Emitter,
     export_model,
@@ -67,11 +67,11 @@ from .frontends.onnx_surrogate import (
     open_graph,
     width_of,
 )
-from .graph import NormInfo, NormType
-from .io import checked_model
-from .passes import FoldOptions, fold_onnx
-from .surrogates import KINDS, Surrogate, fit_affine, fit_pointwise, fit_rms, with_fit_error
-from .verify import check_input_shapes
+from ..core.graph import NormInfo, NormType
+from ..io import checked_model
+from ..onnx.passes import FoldOptions, fold_onnx
+from .fit import KINDS, Surrogate, fit_affine, fit_pointwise, fit_rms, with_fit_error
+from ..onnx.verify import check_input_shapes
 
 ORDERS = ("input", "damage", "output")
 POLICIES = ("count", "cheapest")
@@ -490,7 +490,7 @@ def replace_onnx(model: onnx.ModelProto | str, calibration, options: ReplaceOpti
     properties = {
         "normpass.version": __version__,
         "normpass.replaced": f"{len(best.state)} of {len(p.original_norms)} norms replaced by surrogates, {len(p.exact)} folded exactly",
-        "normpass.surrogates": ", ".join(f"{n}={k}" for n, k in best.state),
+        "normpass.surrogate.fit": ", ".join(f"{n}={k}" for n, k in best.state),
         "normpass.budget": str(budget),
     }
     final = export_model(final_ctx, p.folded.model, {**p.docs, **final_emitter.docs}, properties)

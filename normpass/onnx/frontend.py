@@ -24,7 +24,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..errors import UnsupportedModelError
-from ..graph import (
+from ..core.graph import (
     Broadcast,
     Centered,
     Choose,
@@ -46,8 +46,8 @@ from ..graph import (
     ZeroMeanGraph,
     ZNode,
 )
-from .onnx_constants import constant_values, is_constant
-from .onnx_patterns import match_decomposed, match_single_op, norm_info
+from .constants import constant_values, is_constant
+from .patterns import match_decomposed, match_single_op, norm_info
 
 LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are declared, not copied, for inference
 SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values

@@ -11,7 +11,7 @@ removed and the cheapest exact form of that formula is emitted:
   decomposed chain, as for the exact fold; affine: nothing; dyt: `Mul(α)` → `Tanh`; derf:
   `Mul(α)` → `Erf` (Derf's s is part of the shift: erf(α u + s) = erf(α (u + s/α))).
 * **γ and β** — when every path from y reaches a linear layer that contracts over the features
-  (through feature-preserving reshapes; `onnx_rewrite.migration_targets`), both migrate into it:
+  (through feature-preserving reshapes; `onnx/targets.py` `migration_targets`), both migrate into it:
   W' = diag(γ)·W, b' = b + β·W. Otherwise γ stays (the RMS op's scale, else a `Mul`), and β
   still migrates if every consumer is such a linear layer or a residual `Add` whose other
   summand carries a private bias: Add(y, s) = Add(y − β, s + β). Else an `Add(β)`.
@@ -37,14 +37,14 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..algebra import centre
-from ..graph import NormInfo, NormType
-from ..surrogates import NormSpec, Surrogate
-from .onnx import OnnxGraph, body_holders, norm_matches
-from .onnx_export import export_model as write_model
-from .onnx_constants import constant_values
-from .onnx_patterns import norm_info
-from .onnx_targets import (
+from ..core.algebra import centre
+from ..core.graph import NormInfo, NormType
+from .fit import NormSpec, Surrogate
+from ..onnx.frontend import OnnxGraph, body_holders, norm_matches
+from ..onnx.export import export_model as write_model
+from ..onnx.constants import constant_values
+from ..onnx.patterns import norm_info
+from ..onnx.targets import (
     Namer, affine_plan, is_feature_vector, is_private, move_affine, private_bias, producer, value_readers,
 )
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..algebra import migrate_affine
-from ..analysis import regroup_axis
-from .onnx import SHAPE_READERS, OnnxGraph
-from .onnx_constants import constant_values, is_constant
-from .onnx_patterns import SKIP_BIAS_INPUT
+from ..core.algebra import migrate_affine
+from ..core.analysis import regroup_axis
+from .frontend import SHAPE_READERS, OnnxGraph
+from .constants import constant_values, is_constant
+from .patterns import SKIP_BIAS_INPUT
 
 REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 BIASED_ACTIVATIONS = ("BiasGelu", "FastGelu")  # com.microsoft f(x + bias): the bias input takes β·W like an Add
