@@ -193,7 +193,7 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
         decisions = [d for d in decisions if d.name == norm]
         if not decisions:
             names = ", ".join(d.name for d in plan.decisions) or "none"
-            raise InputError(f"--norm {norm!r}: no such norm in {zmg.model_name}; its norms are: {names}")
+            raise InputError(f"norm {norm!r}: no such norm in {zmg.model_name}; its norms are: {names}")
     focus = {d.name for d in decisions}
     roles: dict[str, list[str]] = {n: [] for n in g}
     notes: dict[str, dict[str, list[str]]] = {n: {} for n in g}
@@ -261,7 +261,7 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
     edges += _collapsed_edges(g, nodes, edges)
     folded = len(plan.folded)
     shown = (f"all {len(nodes)} nodes" if full
-             else f"{len(nodes)} of {len(g)} nodes; the rest is collapsed (--full shows all)")
+             else f"{len(nodes)} of {len(g)} nodes; the rest is collapsed (a full view shows all)")
     around = f"norm {norm}" if norm else f"{plan.total} norm(s)"
     view = View(
         title=f"{zmg.model_name}: {folded} of {plan.total} norms fold exactly into RMSNorm",

@@ -192,27 +192,27 @@ def _verify(model: nn.Module, folded: nn.Module, args: tuple, kwargs: dict, repo
     }
 
 
-# --- command line helpers ----------------------------------------------------------------------
+# --- building a module from a `package.module:factory` spec ------------------------------------
 
 
 def load_factory(spec: str) -> tuple[nn.Module, tuple]:
     """`package.module:factory` → `factory()`, which must return `(module, example_inputs)`."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise InputError(f"--torch {spec!r}: expected package.module:factory")
+        raise InputError(f"factory {spec!r}: expected package.module:factory")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise InputError(f"--torch {spec!r}: cannot import it ({e})") from e
+        raise InputError(f"factory {spec!r}: cannot import it ({e})") from e
     if not callable(factory):
-        raise InputError(f"--torch {spec!r}: {attr} is not callable")
+        raise InputError(f"factory {spec!r}: {attr} is not callable")
     try:
         built = factory()
     except Exception as e:
-        raise InputError(f"--torch {spec!r}: the factory raised {type(e).__name__}: {e}") from e
+        raise InputError(f"factory {spec!r}: the factory raised {type(e).__name__}: {e}") from e
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise InputError(
-            f"--torch {spec!r}: the factory must return (module, example_inputs), got {type(built).__name__}")
+            f"factory {spec!r}: the factory must return (module, example_inputs), got {type(built).__name__}")
     module, inputs = built
     return module, (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 
