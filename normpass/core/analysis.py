@@ -74,13 +74,12 @@ class Prover:
     """Proofs that norms' inputs are zero-mean, memoised per (tensor, axis) across norms.
 
     The walk from a state visits the state's needs last input first (depth-first, as a stack
-    would), each state once; `evaluations` counts rule evaluations.
+    would), each state once.
     """
 
     def __init__(self, zmg: ZeroMeanGraph):
         self.zmg = zmg
         self.memo: dict[State, _Found] = {}
-        self.evaluations = 0
 
     def prove(self, norm: NormInfo) -> Proof:
         """The centrings that make the norm's input zero-mean, or the blockers that prevent it."""
@@ -110,7 +109,6 @@ class Prover:
         return self.memo[start]
 
     def _step(self, tensor: str, axis: int) -> _Step:
-        self.evaluations += 1
         node = self.zmg.producer_of(tensor)
         if node is None:
             return _Step(blocker=Blocker(tensor, f"graph input {tensor} carries arbitrary data", (tensor,), tensor, axis))
@@ -149,17 +147,30 @@ class ShiftChecker:
     """Decides whether a per-sample shift constant along an axis is removed downstream.
 
     `removed(tensor, axis)` is memoised over (tensor, axis), so checking every centring of a deep
-    residual stream is linear in graph size; `evaluations` counts rule evaluations.
+    residual stream is linear in graph size; so is `unsafe`, over centrings.
     """
 
     def __init__(self, zmg: ZeroMeanGraph):
         self.zmg = zmg
         self.memo: dict[State, Blocker | None] = {}
-        self.evaluations = 0
+        self.verdicts: dict[Centring, Blocker | None] = {}
+
+    def unsafe(self, centring: Centring) -> Blocker | None:
+        """None if `centring` leaves the model unchanged, else where its shift survives (memoised).
+
+        The blocker's path is (the centred layer or constant, the node the shift reaches).
+        """
+        if centring not in self.verdicts:
+            node = self.zmg.nodes[centring.node]
+            if centring.input_index is None:
+                blocker = self.removed(node.outputs[0], centring.axis)
+            else:
+                blocker = self.entering(node, centring.input_index, centring.axis, centring.stream_axis)
+            self.verdicts[centring] = None if blocker is None else Blocker(blocker.node, blocker.reason, (centring.label, blocker.node))
+        return self.verdicts[centring]
 
     def _through(self, node: ZNode, index: int, axis: int | None, out_axis: int | None = None):
         """Successor states of a shift entering `node` at input `index` (see `rules.Shift`), or a Blocker."""
-        self.evaluations += 1
         result = node.rule.forward(Shift(self.zmg, node, index, axis, out_axis))
         if isinstance(result, str):
             return Blocker(node.name, f"{node.op} {node.name} {result}")
@@ -226,7 +237,7 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
             continue
         proof = prover.prove(norm)
         decision.centrings = proof.centrings
-        unsafe = _first_unsafe(zmg, checker, proof.centrings)
+        unsafe = _first_unsafe(checker, proof.centrings)
         if unsafe is not None:
             decision.blocker = unsafe
             decision.reason = f"centring {unsafe.path[0]} is unsafe: {unsafe.reason}"
@@ -245,16 +256,8 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
     return FoldPlan(decisions)
 
 
-def _first_unsafe(zmg: ZeroMeanGraph, checker: ShiftChecker, centrings: list[Centring]) -> Blocker | None:
-    for centring in centrings:
-        node = zmg.nodes[centring.node]
-        if centring.input_index is None:
-            blocker = checker.removed(node.outputs[0], centring.axis)
-        else:
-            blocker = checker.entering(node, centring.input_index, centring.axis, centring.stream_axis)
-        if blocker is not None:
-            return Blocker(blocker.node, blocker.reason, (centring.label, blocker.node))
-    return None
+def _first_unsafe(checker: ShiftChecker, centrings: list[Centring]) -> Blocker | None:
+    return next((blocker for centring in centrings if (blocker := checker.unsafe(centring)) is not None), None)
 
 
 def _plan_insertions(checker: ShiftChecker, decisions: list[NormDecision], pending) -> None:

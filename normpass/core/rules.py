@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from functools import cached_property
 from typing import TYPE_CHECKING, Protocol, Union
 
 from .plan import Centring
@@ -73,15 +72,15 @@ class Shift:
     axis: int | None
     out_axis: int | None = None
 
-    @cached_property
+    @property
     def out(self) -> str:
         return self.node.outputs[0]
 
-    @cached_property
+    @property
     def in_shape(self):
         return self.zmg.shape(self.node.inputs[self.index])
 
-    @cached_property
+    @property
     def out_shape(self):
         return self.zmg.shape(self.out)
 
