@@ -161,6 +161,17 @@ def test_graph_edges_are_tensors_and_sources_are_nodes_whatever_the_order_nodes_
     assert nx.descendants(g, source("x")) == {"mm", "add"}
 
 
+def test_exported_graph_carries_refusals_and_renames_a_source_that_shares_a_node_name():
+    zmg = stream(2, post_ln=True)
+    zmg.add_node(ZNode("ids", "Identity", NodeKind.OTHER, Opaque("not modelled"), ["x2"], ["copy"]))
+    g = zmg.to_networkx(plan(zmg))
+    assert g.nodes["ln1"] == {"kind": "norm", "op": "LayerNormalization", "rule": "NormRule(norm=ln1)", "decision": "keep",
+                              "reason": plan(zmg).decisions[2].reason, "blocked_by": "ln0", "centred_layers": ""}
+    assert g.nodes["ids (input)"]["kind"] == "input" and g.nodes["ids"]["rule"] == "Opaque(reason='not modelled')"
+    assert g.nodes["proj0.w"] == {"kind": "constant", "op": "constant", "rule": ""}
+    assert g.number_of_nodes() == zmg.graph.number_of_nodes() and g.number_of_edges() == zmg.graph.number_of_edges()
+
+
 def exported_model():
     gen = rng(7)
     return build("""<ir_version: 10, opset_import: ["" : 18]>
