@@ -166,7 +166,9 @@ class ShiftChecker:
                 blocker = self.removed(node.outputs[0], centring.axis)
             else:
                 blocker = self.entering(node, centring.input_index, centring.axis, centring.stream_axis)
-            self.verdicts[centring] = None if blocker is None else Blocker(blocker.node, blocker.reason, (centring.label, blocker.node))
+            if blocker is not None:
+                blocker = Blocker(blocker.node, blocker.reason, (centring.label, blocker.node))
+            self.verdicts[centring] = blocker
         return self.verdicts[centring]
 
     def _through(self, node: ZNode, index: int, axis: int | None, out_axis: int | None = None):
