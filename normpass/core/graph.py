@@ -1,13 +1,14 @@
 """The zero-mean graph: the front-end-neutral model of a network that the analysis reasons about.
 
-It is a `networkx.MultiDiGraph` (`ZeroMeanGraph.graph`). Each operation is a node, keyed by its
+It is a `networkx.MultiDiGraph` (`ZeroMeanGraph.graph`, built from the nodes on first use, so
+that the analysis, which needs none of it, does not pay for it). Each operation is a node, keyed by its
 name, with attributes `kind` (`NodeKind`, the coarse class shown to users), `rule` (its algebra:
 how zero mean and shifts flow through it, see `rules.py`), `op` and `ref` (the front end's own
 node object, opaque here). Each tensor read by a node is an edge producer → reader, keyed by the
 reader's input index, with attributes `tensor` and `index`; a tensor that no node produces (a
 graph input, a constant, a value from an outer scope) is a *source* node `("tensor", name)`, so
-that what such a tensor reaches is ordinary graph reachability. `producer`, `consumers` and
-`nodes` index the same graph by name for the analysis' inner loops.
+that what such a tensor reaches is ordinary graph reachability. `nodes`, `producer` and
+`consumers` index the same graph by name, for the analysis' inner loops.
 
 Tensor shapes are tuples of `int` (static), `str` (symbolic) or `None` (unknown), or `None` when
 even the rank is unknown.
@@ -125,35 +126,41 @@ class ZeroMeanGraph:
     producer: dict[str, str] = field(default_factory=dict)
     consumers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     model_name: str = "model"
-    graph: nx.MultiDiGraph = field(default_factory=nx.MultiDiGraph)
+    _graph: nx.MultiDiGraph | None = field(default=None, init=False, repr=False, compare=False)
 
     def add_node(self, node: ZNode) -> None:
-        """Add `node` and its edges; nodes may come in any order (a reader before its producer)."""
+        """Add `node`; nodes may come in any order (a reader before its producer)."""
         if node.name in self.nodes:
             raise ValueError(f"duplicate node name {node.name!r}")
         self.nodes[node.name] = node
-        self.graph.add_node(node.name, kind=node.kind, rule=node.rule, op=node.op, ref=node.ref)
+        self._graph = None
         for tensor in filter(None, node.outputs):
             self.producer[tensor] = node.name
-            self._adopt_readers(tensor, node.name)
         for index, tensor in enumerate(node.inputs):
             if tensor:
                 self.consumers.setdefault(tensor, []).append((node.name, index))
-                self.graph.add_edge(self._source_of(tensor), node.name, key=index, tensor=tensor, index=index)
 
-    def _source_of(self, tensor: str):
-        if tensor in self.producer:
-            return self.producer[tensor]
-        self.graph.add_node(source(tensor), tensor=tensor)
-        return source(tensor)
+    @property
+    def graph(self) -> nx.MultiDiGraph:
+        """The graph as networkx (see the module docstring), built on first use after a change."""
+        if self._graph is None:
+            self._graph = self._build_graph()
+        return self._graph
 
-    def _adopt_readers(self, tensor: str, producer: str) -> None:
-        """Move the edges of `tensor`, read before its producer was added, onto the producer."""
-        if source(tensor) not in self.graph:
-            return
-        for _, reader, index in list(self.graph.out_edges(source(tensor), keys=True)):
-            self.graph.add_edge(producer, reader, key=index, tensor=tensor, index=index)
-        self.graph.remove_node(source(tensor))
+    def _build_graph(self) -> nx.MultiDiGraph:
+        g = nx.MultiDiGraph()
+        for node in self.nodes.values():
+            g.add_node(node.name, kind=node.kind, rule=node.rule, op=node.op, ref=node.ref)
+        for node in self.nodes.values():
+            for index, tensor in enumerate(node.inputs):
+                if not tensor:
+                    continue
+                producer = self.producer.get(tensor)
+                if producer is None:
+                    producer = source(tensor)
+                    g.add_node(producer, tensor=tensor)
+                g.add_edge(producer, node.name, key=index, tensor=tensor, index=index)
+        return g
 
     # tensors
     def shape(self, tensor: str) -> Shape | None:
