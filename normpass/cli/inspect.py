@@ -9,6 +9,10 @@ Output: a coloured table when stdout is a terminal and `rich` is installed (`nor
 rich honours NO_COLOR), else plain aligned text that is easy to grep. `--json` prints a stable
 object: {"model", "norms": [{"name", "op", "foldable", "reason", "centred_layers",
 "inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"}.
+
+`--graph OUT.graphml` (or `OUT.json`, networkx node-link JSON) also writes the zero-mean graph for
+other tools (`ZeroMeanGraph.to_networkx`: nodes with kind, op, rule and, for norms, the decision;
+edges labelled with their tensor and input index), atomically.
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ import json
 import re
 import sys
 
+import networkx as nx
+
 from ..core.analysis import plan as make_plan
 from ..onnx.frontend import build_zero_mean_graph, load_graph
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan, NormDecision
+from ..errors import InputError
+from ..io import check_paths, write_text_atomic
 from .common import add_model_arguments, load_model
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
@@ -33,6 +41,7 @@ def add_parser(sub) -> None:
     parser = sub.add_parser("inspect", help="explain which norms fold and why")
     add_model_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+    parser.add_argument("--graph", metavar="OUT", help="also write the zero-mean graph: OUT.graphml or OUT.json (node-link)")
 
 
 def block_of(name: str) -> str:
@@ -117,12 +126,27 @@ def to_json(plan: FoldPlan, label: str, block: dict[str, str]) -> dict:
     return data
 
 
+GRAPH_FORMATS = {".graphml": lambda g: "\n".join(nx.generate_graphml(g)) + "\n",
+                 ".json": lambda g: json.dumps(nx.node_link_data(g, edges="edges"), indent=1) + "\n"}
+
+
+def graph_text(zmg: ZeroMeanGraph, plan: FoldPlan, suffix: str) -> str:
+    """The zero-mean graph with the plan's decisions as GraphML (`.graphml`) or node-link JSON (`.json`)."""
+    return GRAPH_FORMATS[suffix](zmg.to_networkx(plan))
+
+
 def run(args: argparse.Namespace) -> int:
+    graph_out = check_paths({"the input model": args.model}, {"--graph": args.graph}).get("--graph")
+    if graph_out is not None and graph_out.suffix.lower() not in GRAPH_FORMATS:
+        raise InputError(f"{graph_out}: --graph writes .graphml or .json; choose a path with one of those suffixes")
     with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings (graphsurgeon prints them) stay off stdout
         model, label = load_model(args)
         zmg = build_zero_mean_graph(load_graph(model, label))
         fold_plan = make_plan(zmg, not args.no_insert_centering)
         block = blocks(zmg)
+        if graph_out is not None:
+            write_text_atomic(graph_text(zmg, fold_plan, graph_out.suffix.lower()), graph_out)
+            print(f"{label}: wrote the zero-mean graph to {graph_out}")
     if args.json:
         print(json.dumps(to_json(fold_plan, label, block), indent=2))
         return 0

@@ -1,33 +1,15 @@
 """The zero-mean graph: the front-end-neutral model of a network that the analysis reasons about.
 
-Nodes are operations, edges are tensors. Each node carries a *rule* describing how zero mean along
-one axis of a tensor flows through it (seed 003 §4.2):
+It is a `networkx.MultiDiGraph` (`ZeroMeanGraph.graph`, built from the nodes on first use, so
+that the analysis, which needs none of it, does not pay for it). Each operation is a node, keyed by its
+name, with attributes `kind` (`NodeKind`, the coarse class shown to users), `rule` (its algebra:
+how zero mean and shifts flow through it, see `rules.py`), `op` and `ref` (the front end's own
+node object, opaque here). Each tensor read by a node is an edge producer → reader, keyed by the
+reader's input index, with attributes `tensor` and `index`; a tensor that no node produces (a
+graph input, a constant, a value from an outer scope) is a *source* node `("tensor", name)`, so
+that what such a tensor reaches is ordinary graph reachability. `nodes`, `producer` and
+`consumers` index the same graph by name, for the analysis' inner loops.
 
-* `Linear(axis)`      y = x·W + b. Centring W and b along the output features makes y zero-mean
-                      along `axis` of y for every input (column-centred constraint).
-* `Scale(factor)`     y = x ⊙ s. If s is constant along the axis, mean(y) = s·mean(x): zero stays zero.
-* `Sum()`             y = Σ ±xᵢ (residual add/sub). Zero-mean iff every branch is.
-* `Permute(perm)`     y = transpose(x): the axis moves, its elements do not.
-* `Regroup()`         y = reshape(x): the axis is intact iff the same size and the same suffix
-                      product (number of elements after it) exist on both sides.
-* `Select(axes)`      slice/split along `axes`: each slice along other axes is kept whole.
-* `Take(axis, index_rank)`  gather along `axis` of data from an index tensor.
-* `Broadcast()`       expand over other axes.
-* `Concat(axis)`      zero-mean parts concatenated (along any axis) are zero-mean.
-* `Mix(kept)`         y = a linear map over the other axes, the same for every slice along an axis
-                      in `kept` (Resize, average pooling, Pad with zeros, Tile with repeat 1 on
-                      the axis): zero-mean slices stay zero-mean, a shift constant along it stays so.
-* `Choose()`          Where(c, a, b) with c constant along the axis: whole rows come from a or b.
-* `Centered(axis)`    the output is already zero-mean along `axis` (x − mean(x)).
-* `NormRule(norm)`    a normalization node. It removes a per-sample shift that is constant along
-                      its single normalized axis if it subtracts the mean (LayerNorm).
-* `ShiftInvariant(axis)`  e.g. Softmax: f(x + c·1) = f(x) along `axis`.
-* `ShapeOnly()`       reads only its input's shape or dtype (Shape, Size, EyeLike): a shift never
-                      reaches its output, and its output carries no zero-mean stream.
-* `Opaque(reason)`    anything else: zero mean does not flow through it, and a shift reaching it
-                      changes the model.
-
-Kinds (`NodeKind`) are the coarse classification shown to users; rules carry the algebra.
 Tensor shapes are tuples of `int` (static), `str` (symbolic) or `None` (unknown), or `None` when
 even the rank is unknown.
 """
@@ -36,10 +18,34 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import networkx as nx
 import numpy as np
+
+from .rules import (  # noqa: F401  (the rules are part of the graph's API: front ends build nodes with them)
+    Broadcast,
+    Centered,
+    Choose,
+    Concat,
+    Linear,
+    Mix,
+    NormRule,
+    Opaque,
+    Permute,
+    Regroup,
+    Rule,
+    Scale,
+    Select,
+    ShapeOnly,
+    ShiftInvariant,
+    Sum,
+    Take,
+    describe,
+)
+
+if TYPE_CHECKING:
+    from .plan import FoldPlan
 
 Shape = tuple  # tuple[int | str | None, ...]
 
@@ -60,104 +66,6 @@ class NormType(enum.Enum):
     LAYER = "LayerNorm"
     RMS = "RMSNorm"
     GROUP = "GroupNorm"
-
-
-# --- rules -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Linear:
-    """Output zero-mean along `axis` once the layer's weights are centred (the stream input is free)."""
-
-    axis: int
-
-
-@dataclass(frozen=True)
-class Scale:
-    """Output = input[stream] times input[factor]; `factor=None` for unary ops (Neg, Cast, Dropout)."""
-
-    stream: int = 0
-    factor: int | None = None
-
-
-@dataclass(frozen=True)
-class Sum:
-    """Output = ± every input (Add, Sub)."""
-
-
-@dataclass(frozen=True)
-class Permute:
-    perm: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Regroup:
-    """Reshape-like: Reshape, Flatten, Squeeze, Unsqueeze."""
-
-
-@dataclass(frozen=True)
-class Select:
-    """Slice or split along `axes` of input 0 (None: the axes are not known statically)."""
-
-    axes: tuple[int, ...] | None
-
-
-@dataclass(frozen=True)
-class Take:
-    """Gather along `axis` of input 0 with an index tensor of rank `index_rank`."""
-
-    axis: int
-    index_rank: int | None
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    """Expand input 0 to a larger shape."""
-
-
-@dataclass(frozen=True)
-class Concat:
-    axis: int
-
-
-@dataclass(frozen=True)
-class Mix:
-    """Input 0 mapped over other axes by one linear map; `kept`: the axes it leaves alone."""
-
-    kept: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Choose:
-    """Where(condition, a, b): each element from a or b, per the condition (input 0)."""
-
-
-@dataclass(frozen=True)
-class Centered:
-    axis: int
-
-
-@dataclass(frozen=True)
-class ShiftInvariant:
-    axis: int
-
-
-@dataclass(frozen=True)
-class ShapeOnly:
-    """Output independent of the input's values (Shape, Size, EyeLike, Random*Like)."""
-
-
-@dataclass(frozen=True)
-class Opaque:
-    reason: str
-
-
-@dataclass(frozen=True)
-class NormRule:
-    norm: "NormInfo"
-
-
-Rule = Any  # one of the dataclasses above
 
 
 # --- records -----------------------------------------------------------------------------------
@@ -200,9 +108,14 @@ class ZNode:
     ref: Any = None
 
 
+def source(tensor: str) -> tuple[str, str]:
+    """The graph node of a tensor that no node produces."""
+    return ("tensor", tensor)
+
+
 @dataclass
 class ZeroMeanGraph:
-    """Nodes, tensors and norms of one model, over a `networkx.MultiDiGraph` (edges = tensors)."""
+    """Nodes, tensors and norms of one model, over a `networkx.MultiDiGraph` (see the module docstring)."""
 
     nodes: dict[str, ZNode] = field(default_factory=dict)
     norms: list[NormInfo] = field(default_factory=list)
@@ -213,17 +126,41 @@ class ZeroMeanGraph:
     producer: dict[str, str] = field(default_factory=dict)
     consumers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     model_name: str = "model"
+    _graph: nx.MultiDiGraph | None = field(default=None, init=False, repr=False, compare=False)
 
     def add_node(self, node: ZNode) -> None:
+        """Add `node`; nodes may come in any order (a reader before its producer)."""
         if node.name in self.nodes:
             raise ValueError(f"duplicate node name {node.name!r}")
         self.nodes[node.name] = node
-        for tensor in node.outputs:
-            if tensor:
-                self.producer[tensor] = node.name
+        self._graph = None
+        for tensor in filter(None, node.outputs):
+            self.producer[tensor] = node.name
         for index, tensor in enumerate(node.inputs):
             if tensor:
                 self.consumers.setdefault(tensor, []).append((node.name, index))
+
+    @property
+    def graph(self) -> nx.MultiDiGraph:
+        """The graph as networkx (see the module docstring), built on first use after a change."""
+        if self._graph is None:
+            self._graph = self._build_graph()
+        return self._graph
+
+    def _build_graph(self) -> nx.MultiDiGraph:
+        g = nx.MultiDiGraph()
+        for node in self.nodes.values():
+            g.add_node(node.name, kind=node.kind, rule=node.rule, op=node.op, ref=node.ref)
+        for node in self.nodes.values():
+            for index, tensor in enumerate(node.inputs):
+                if not tensor:
+                    continue
+                producer = self.producer.get(tensor)
+                if producer is None:
+                    producer = source(tensor)
+                    g.add_node(producer, tensor=tensor)
+                g.add_edge(producer, node.name, key=index, tensor=tensor, index=index)
+        return g
 
     # tensors
     def shape(self, tensor: str) -> Shape | None:
@@ -256,14 +193,35 @@ class ZeroMeanGraph:
                 return norm
         raise KeyError(name)
 
-    def to_networkx(self) -> nx.MultiDiGraph:
-        """The graph as networkx: node attributes `op`, `kind`; edge attribute `tensor`."""
-        g = nx.MultiDiGraph()
-        for node in self.nodes.values():
-            g.add_node(node.name, op=node.op, kind=node.kind.value)
-        for node in self.nodes.values():
-            for tensor in node.inputs:
-                source = self.producer.get(tensor)
-                if source is not None:
-                    g.add_edge(source, node.name, tensor=tensor)
-        return g
+    def to_networkx(self, plan: FoldPlan | None = None) -> nx.MultiDiGraph:
+        """A copy for other tools: string ids and string, number or bool attributes only.
+
+        Nodes: `kind`, `op`, `rule` (`describe`); source tensors are named after the tensor
+        (suffixed with their kind if a node has the same name) and have kind `input` or
+        `constant`. With a plan, each norm also has `decision` (fold or keep), `reason`,
+        `blocked_by` and `centred_layers` (names joined by spaces); empty strings where none.
+        Edges keep their key (the reader's input index) and attributes `tensor`, `index`.
+        """
+        out = nx.MultiDiGraph(name=self.model_name)
+        ids = {}
+        for ident, data in self.graph.nodes(data=True):
+            if ident in self.nodes:
+                ids[ident] = ident
+                out.add_node(ident, kind=data["kind"].value, op=data["op"], rule=describe(data["rule"]))
+                continue
+            tensor = data["tensor"]
+            kind = (NodeKind.CONSTANT if self.is_constant(tensor) else NodeKind.INPUT).value
+            ids[ident] = tensor if tensor not in self.nodes else f"{tensor} ({kind})"
+            out.add_node(ids[ident], kind=kind, op=kind, rule="")
+        for u, v, key, data in self.graph.edges(keys=True, data=True):
+            out.add_edge(ids[u], ids[v], key=key, tensor=data["tensor"], index=data["index"])
+        for decision in plan.decisions if plan is not None else []:
+            if decision.name not in out:
+                continue
+            out.nodes[decision.name].update(
+                decision="fold" if decision.foldable else "keep",
+                reason=decision.reason or "",
+                blocked_by=decision.blocker.node if decision.blocker else "",
+                centred_layers=" ".join(decision.centred_layers if decision.foldable else []),
+            )
+        return out

@@ -1,0 +1,568 @@
+"""Rules: how zero mean along one axis, and a shift constant along it, flow through one operation.
+
+Every node of the zero-mean graph carries a rule, and each rule owns both directions of its algebra:
+
+* `backward` (the proof, seed 003 §4.2): for the node's output to be zero-mean along axis k, which
+  inputs must be zero-mean, and along which of their axes; or a `Centring` of the node itself; or
+  the reason it cannot be.
+* `forward` (the safety check, seed 003 App. D.2): a per-sample shift c·1 constant along axis k of
+  one input; the outputs (and axes) that carry it on, none when the node removes it, or why it
+  would change the model.
+
+The rules (the inputs of an op that the front end classifies; `x` is the stream input):
+
+* `Linear(axis)`      y = x·W + b. Centring W and b along the output features makes y zero-mean
+                      along `axis` of y for every input (column-centred constraint); a shift of x
+                      changes y.
+* `Scale(stream, factor)`  y = x ⊙ s. If s is constant along the axis, mean(y) = s·mean(x): zero
+                      stays zero and a shift stays constant along the axis.
+* `Sum()`             y = Σ ±xᵢ (residual add/sub). Zero-mean iff every branch is; shifts add up.
+* `Permute(perm)`     y = transpose(x): the axis moves, its elements do not.
+* `Regroup()`         y = reshape(x): the axis is intact iff the same size and the same suffix
+                      product (number of elements after it) exist on both sides.
+* `Select(axes)`      slice/split along `axes`: each slice along other axes is kept whole.
+* `Take(axis, index_rank)`  gather along `axis` of data from an index tensor.
+* `Broadcast()`       expand over other axes.
+* `Concat(axis)`      zero-mean parts concatenated (along any axis) are zero-mean.
+* `Mix(kept)`         y = a linear map over the other axes, the same for every slice along an axis
+                      in `kept` (Resize, average pooling, Pad with zeros, Tile with repeat 1 on
+                      the axis): zero-mean slices stay zero-mean, a shift constant along it stays so.
+* `Choose()`          Where(c, a, b) with c constant along the axis: whole rows come from a or b.
+* `Centered(axis)`    the output is already zero-mean along `axis` (x − mean(x)); removes a shift.
+* `NormRule(norm)`    a normalization node. Its output γ⊙x̂+β is zero-mean only when the front end
+                      found γ uniform and mean(β) = 0; it removes a shift constant along its single
+                      normalized axis if it subtracts the mean (LayerNorm: LN(x + c·1) = LN(x)).
+* `ShiftInvariant(axis)`  e.g. Softmax: f(x + c·1) = f(x) along `axis`; not linear.
+* `ShapeOnly()`       reads only its input's shape or dtype (Shape, Size, EyeLike): a shift never
+                      reaches its output, and its output carries no zero-mean stream.
+* `Opaque(reason)`    anything else: zero mean does not flow through it, and a shift reaching it
+                      changes the model.
+
+Axes map through broadcasting right-aligned (`broadcast_axis`) and through reshapes by their
+suffix products (`regroup_axis`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Protocol, Union
+
+from .plan import Centring
+
+if TYPE_CHECKING:
+    from .graph import NormInfo, ZeroMeanGraph, ZNode
+
+Required = list[tuple[int, str, Union[int, None]]]  # (input index, input tensor, its axis or None)
+Backward = Union[Required, Centring, str]  # inputs that must be zero-mean, a centring, or why not
+Forward = Union[list[tuple[str, int]], str]  # (output, axis) states that carry the shift on, or why not
+
+
+@dataclass(frozen=True, eq=False)
+class Shift:
+    """A per-sample shift entering input `index` of `node`.
+
+    `axis` is the shifted axis of that input; None when the input is broadcast along the
+    normalized axis, which is then `out_axis` of the output.
+    """
+
+    zmg: "ZeroMeanGraph"
+    node: "ZNode"
+    index: int
+    axis: int | None
+    out_axis: int | None = None
+
+    @property
+    def out(self) -> str:
+        return self.node.outputs[0]
+
+    @property
+    def in_shape(self):
+        return self.zmg.shape(self.node.inputs[self.index])
+
+    @property
+    def out_shape(self):
+        return self.zmg.shape(self.out)
+
+    @property
+    def lift(self) -> int:
+        """How many axes broadcasting prepends to the input."""
+        return len(self.out_shape) - len(self.in_shape)
+
+
+class Rule(Protocol):
+    """The algebra of one node: see the module docstring."""
+
+    def backward(self, zmg: "ZeroMeanGraph", node: "ZNode", tensor: str, axis: int) -> Backward:
+        """What makes output `tensor` of `node` zero-mean along `axis`."""
+        ...
+
+    def forward(self, shift: Shift) -> Forward:
+        """Where a shift entering `node` goes; a reason completes "{op} {name} …"."""
+        ...
+
+
+def describe(rule: Rule) -> str:
+    """A rule's name and parameters as one string, e.g. `Linear(axis=2)`, `NormRule(norm=ln_f)`."""
+    params = ", ".join(f"{f.name}={_short(getattr(rule, f.name))}" for f in fields(rule))
+    return f"{type(rule).__name__}({params})"
+
+
+def _short(value) -> str:
+    return value.name if hasattr(value, "name") else repr(value)
+
+
+# --- axis algebra ------------------------------------------------------------------------------
+
+
+def broadcast_axis(out_shape, in_shape, axis: int) -> tuple[int | None, str | None]:
+    """Map output axis to the same axis of a broadcast input.
+
+    Returns (input axis, None) when the input spans the axis, (None, None) when the input is
+    constant along it (missing or size 1), and (None, reason) when that cannot be decided.
+    """
+    if in_shape is None or out_shape is None:
+        return None, "its rank is unknown"
+    in_axis = axis - (len(out_shape) - len(in_shape))
+    if in_axis < 0:
+        return None, None
+    in_dim, out_dim = in_shape[in_axis], out_shape[axis]
+    if in_dim == 1 and out_dim != 1:
+        return None, None
+    if in_dim == out_dim or (in_dim is not None and in_dim != 1):
+        return in_axis, None
+    return None, f"its size along axis {in_axis} is unknown"
+
+
+def regroup_axis(from_shape, to_shape, axis: int) -> int | None:
+    """Where axis `axis` of `from_shape` lives in `to_shape` after a row-major reshape, if intact.
+
+    The axis survives iff `to_shape` has an axis of the same size with the same number of
+    elements after it: then every slice along it holds the same elements in the same order.
+    One unknown dimension in either shape is first solved from the element count a reshape keeps
+    (`_solve_unknown_dim`).
+    """
+    if from_shape is None or to_shape is None:
+        return None
+    from_shape, to_shape = _solve_unknown_dim(tuple(from_shape), tuple(to_shape))
+    tail = from_shape[axis:]
+    if not all(isinstance(d, int) for d in tail):
+        return None
+    size, suffix = tail[0], math.prod(tail[1:])
+    product = 1
+    for j in range(len(to_shape) - 1, -1, -1):
+        dim = to_shape[j]
+        if product == suffix and dim == size:
+            return j
+        if not isinstance(dim, int) or product > suffix:
+            return None
+        product *= dim
+    return None
+
+
+def _solve_unknown_dim(from_shape: tuple, to_shape: tuple) -> tuple[tuple, tuple]:
+    """The two shapes of a reshape with their one unknown dimension solved, where that is possible.
+
+    A reshape keeps the element count: prod(from_shape) = prod(to_shape). A symbolic dimension
+    named alike in both shapes is one value (ONNX's `dim_param` meaning, which shape inference
+    propagates through `Shape` arithmetic, e.g. a batch dimension), so it cancels. If what remains
+    is all static but one dimension u, named nowhere else, then u = (static product of the other
+    side) / (static product of its own side), exactly (an empty tensor, where a cancelled
+    dimension is 0, has no elements whose grouping could matter). Otherwise the shapes are
+    returned unchanged.
+    """
+    sides = [dict(enumerate(from_shape)), dict(enumerate(to_shape))]
+    for j, dim in enumerate(to_shape):
+        match = next((i for i, d in sides[0].items() if isinstance(dim, str) and d == dim), None)
+        if match is not None:
+            del sides[0][match], sides[1][j]
+    unknown = [(side, i) for side in (0, 1) for i, d in sides[side].items() if not isinstance(d, int)]
+    if len(unknown) != 1 or [*from_shape, *to_shape].count(sides[unknown[0][0]][unknown[0][1]]) != 1:
+        return from_shape, to_shape
+    side, index = unknown[0]
+    known = math.prod(d for i, d in sides[side].items() if i != index)
+    total = math.prod(sides[1 - side].values())
+    if known == 0 or total % known:
+        return from_shape, to_shape
+    shapes = [list(from_shape), list(to_shape)]
+    shapes[side][index] = total // known
+    return tuple(shapes[0]), tuple(shapes[1])
+
+
+def _broadcast_inputs(zmg: "ZeroMeanGraph", node: "ZNode", tensor: str, axis: int, indices) -> Required | str:
+    """Inputs `indices` of an elementwise node, each with the axis that `axis` of its output maps to.
+
+    An input broadcast along the axis is allowed only if it is a constant (it is then centred,
+    to zero).
+    """
+    out_shape = zmg.shape(tensor)
+    required = []
+    for index in indices:
+        source = node.inputs[index]
+        in_axis, why = broadcast_axis(out_shape, zmg.shape(source), axis)
+        if why:
+            return f"{node.op} {node.name}: cannot map the normalized axis onto {source}: {why}"
+        if in_axis is None and not zmg.is_constant(source):
+            return f"{node.op} {node.name} broadcasts {source} along the normalized axis"
+        required.append((index, source, in_axis))
+    return required
+
+
+def _along_rows(zmg: "ZeroMeanGraph", node: "ZNode", axis: int) -> bool:
+    """Whether a Where's condition is constant along output axis `axis` (it picks whole rows)."""
+    cond_axis, why = broadcast_axis(zmg.shape(node.outputs[0]), zmg.shape(node.inputs[0]), axis)
+    return cond_axis is None and why is None
+
+
+# --- the rules ---------------------------------------------------------------------------------
+
+
+class _Flow:
+    """Shared checks: a proof needs the output's shape; a shift needs both shapes.
+
+    Subclasses implement `pull` (backward, shape known), `push` (forward along a known input
+    axis) and, if they pass on a broadcast shift, `push_broadcast`.
+    """
+
+    def backward(self, zmg, node, tensor, axis) -> Backward:
+        if zmg.shape(tensor) is None:
+            return f"{node.op} {node.name}: the shape of {tensor} is unknown"
+        return self.pull(zmg, node, tensor, axis)
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        raise NotImplementedError
+
+    def forward(self, shift: Shift) -> Forward:
+        if shift.out_shape is None or shift.in_shape is None:
+            return "has an unknown shape"
+        if shift.axis is None:
+            return self.push_broadcast(shift)
+        return self.push(shift)
+
+    def push_broadcast(self, shift: Shift) -> Forward:
+        return "receives a shift it may not pass on"
+
+    def push(self, shift: Shift) -> Forward:
+        return "would change its output (it is not shift-invariant)"
+
+
+@dataclass(frozen=True)
+class Linear(_Flow):
+    """Output zero-mean along `axis` once the layer's weights are centred (the stream input is free)."""
+
+    axis: int
+
+    def backward(self, zmg, node, tensor, axis) -> Backward:
+        if axis != self.axis:
+            return f"{node.op} {node.name} centres axis {self.axis}, the norm needs {axis}"
+        return Centring(node.name, axis)
+
+
+@dataclass(frozen=True)
+class Scale(_Flow):
+    """Output = input[stream] times input[factor]; `factor=None` for unary ops (Neg, Cast, Dropout)."""
+
+    stream: int | None = 0
+    factor: int | None = None
+
+    def backward(self, zmg, node, tensor, axis) -> Backward:
+        result = super().backward(zmg, node, tensor, axis)
+        if isinstance(result, str) and layer_scale(zmg, node, axis) is not None:
+            return Centring(node.name, axis)  # absorbed into its layer, which is centred
+        return result
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        roles = self.roles(zmg, node, axis)
+        if isinstance(roles, str):
+            return roles
+        return _broadcast_inputs(zmg, node, tensor, axis, [roles[0]])
+
+    def roles(self, zmg, node, axis: int) -> tuple[int, int | None] | str:
+        """(stream input, factor input) for output axis `axis`, or why there is none.
+
+        The factor must be constant along the axis; for Mul either operand may be the factor.
+        """
+        if self.factor is None and self.stream is not None:
+            return self.stream, None
+        out_shape = zmg.shape(node.outputs[0])
+        for stream in [self.stream] if self.stream is not None else [0, 1]:
+            factor = self.factor if self.factor is not None else 1 - stream
+            factor_axis, why = broadcast_axis(out_shape, zmg.shape(node.inputs[factor]), axis)
+            if why is None and factor_axis is None:
+                return stream, factor
+        return f"{node.op} {node.name} multiplies by a factor that is not constant along the normalized axis"
+
+    def _is_stream(self, shift: Shift, out_axis: int) -> bool:
+        roles = self.roles(shift.zmg, shift.node, out_axis)
+        return not isinstance(roles, str) and roles[0] == shift.index
+
+    def push_broadcast(self, shift: Shift) -> Forward:
+        if self._is_stream(shift, shift.out_axis):
+            return [(shift.out, shift.out_axis)]
+        return super().push_broadcast(shift)
+
+    def push(self, shift: Shift) -> Forward:
+        out_axis = shift.axis + shift.lift
+        if not self._is_stream(shift, out_axis):
+            return "scales the shifted tensor by a factor that varies along its axis, or scales by it"
+        return [(shift.out, out_axis)]
+
+
+class _Elementwise(_Flow):
+    """Broadcasting ops whose output carries a shift of any data input on (Sum, Broadcast, Choose)."""
+
+    def push_broadcast(self, shift: Shift) -> Forward:
+        return [(shift.out, shift.out_axis)]
+
+    def push(self, shift: Shift) -> Forward:
+        return [(shift.out, shift.axis + shift.lift)]
+
+
+@dataclass(frozen=True)
+class Sum(_Elementwise):
+    """Output = ± every input (Add, Sub)."""
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        return _broadcast_inputs(zmg, node, tensor, axis, range(len(node.inputs)))
+
+
+@dataclass(frozen=True)
+class Broadcast(_Elementwise):
+    """Expand input 0 to a larger shape."""
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        return _broadcast_inputs(zmg, node, tensor, axis, [0])
+
+    def push(self, shift: Shift) -> Forward:
+        if shift.index != 0:
+            return "takes the shifted tensor as its shape"
+        return super().push(shift)
+
+
+@dataclass(frozen=True)
+class Choose(_Elementwise):
+    """Where(condition, a, b): each element from a or b, per the condition (input 0)."""
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        if not _along_rows(zmg, node, axis):
+            return f"{node.op} {node.name} selects elements within a row, not whole rows (its condition varies along the axis)"
+        return _broadcast_inputs(zmg, node, tensor, axis, [1, 2])
+
+    def forward(self, shift: Shift) -> Forward:
+        if shift.out_shape is None or shift.in_shape is None:
+            return "has an unknown shape"
+        out_axis = shift.out_axis if shift.axis is None else shift.axis + shift.lift
+        if shift.index == 0 or not _along_rows(shift.zmg, shift.node, out_axis):
+            return "selects elements within a row, or takes the shifted tensor as its condition"
+        return super().forward(shift)
+
+
+@dataclass(frozen=True)
+class Concat(_Flow):
+    axis: int
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        return _broadcast_inputs(zmg, node, tensor, axis, range(len(node.inputs)))
+
+    def push(self, shift: Shift) -> Forward:
+        if shift.axis == self.axis:
+            return "concatenates along the shifted axis"
+        return [(shift.out, shift.axis)]
+
+
+@dataclass(frozen=True)
+class Mix(_Flow):
+    """Input 0 mapped over other axes by one linear map; `kept`: the axes it leaves alone."""
+
+    kept: tuple[int, ...]
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        if axis not in self.kept:
+            return f"{node.op} {node.name} mixes or pads along the normalized axis (or its parameters are not constant)"
+        return [(0, node.inputs[0], axis)]
+
+    def push(self, shift: Shift) -> Forward:
+        if shift.index != 0 or shift.axis not in self.kept:
+            return "mixes or pads along the shifted axis"
+        return [(shift.out, shift.axis)]
+
+
+@dataclass(frozen=True)
+class Permute(_Flow):
+    perm: tuple[int, ...]
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        if axis >= len(self.perm):
+            return f"{node.op} {node.name}: its perm does not match the rank of {tensor}"
+        return [(0, node.inputs[0], self.perm[axis])]
+
+    def push(self, shift: Shift) -> Forward:
+        if shift.axis not in self.perm:
+            return "has a perm that does not match its input"
+        return [(shift.out, self.perm.index(shift.axis))]
+
+
+@dataclass(frozen=True)
+class Regroup(_Flow):
+    """Reshape-like: Reshape, Flatten, Squeeze, Unsqueeze."""
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        in_axis = regroup_axis(zmg.shape(tensor), zmg.shape(node.inputs[0]), axis)
+        if in_axis is None:
+            return f"{node.op} {node.name} does not keep the normalized axis intact (or its shapes are unknown)"
+        return [(0, node.inputs[0], in_axis)]
+
+    def push(self, shift: Shift) -> Forward:
+        out_axis = regroup_axis(shift.in_shape, shift.out_shape, shift.axis)
+        if out_axis is None:
+            return "does not keep the shifted axis intact"
+        return [(shift.out, out_axis)]
+
+
+@dataclass(frozen=True)
+class Select(_Flow):
+    """Slice or split along `axes` of input 0 (None: the axes are not known statically)."""
+
+    axes: tuple[int, ...] | None
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        if self.axes is None:
+            return f"{node.op} {node.name}: its slicing axes are not constant"
+        if axis in self.axes:
+            return f"{node.op} {node.name} slices the normalized axis"
+        return [(0, node.inputs[0], axis)]
+
+    def push(self, shift: Shift) -> Forward:
+        return [(output, shift.axis) for output in shift.node.outputs if output]
+
+
+@dataclass(frozen=True)
+class Take(_Flow):
+    """Gather along `axis` of input 0 with an index tensor of rank `index_rank`."""
+
+    axis: int
+    index_rank: int | None
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        if self.index_rank is None:
+            return f"{node.op} {node.name}: the rank of its indices is unknown"
+        if axis < self.axis:
+            return [(0, node.inputs[0], axis)]
+        if axis >= self.axis + self.index_rank:
+            return [(0, node.inputs[0], axis - self.index_rank + 1)]
+        return f"{node.op} {node.name} gathers along the normalized axis"
+
+    def push(self, shift: Shift) -> Forward:
+        if shift.index != 0 or self.index_rank is None or shift.axis == self.axis:
+            return "gathers along the shifted axis"
+        return [(shift.out, shift.axis if shift.axis < self.axis else shift.axis + self.index_rank - 1)]
+
+
+@dataclass(frozen=True)
+class Centered(_Flow):
+    axis: int
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        return [] if self.axis == axis else f"{node.op} {node.name} is centred along axis {self.axis}, not {axis}"
+
+    def forward(self, shift: Shift) -> Forward:
+        return [] if shift.index == 0 and self.axis == shift.axis else "does not remove a shift along this axis"
+
+
+@dataclass(frozen=True)
+class ShiftInvariant(_Flow):
+    axis: int
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        return f"{node.op} {node.name} is not linear in its input"
+
+    def forward(self, shift: Shift) -> Forward:
+        return [] if shift.index == 0 and self.axis == shift.axis else "does not remove a shift along this axis"
+
+
+@dataclass(frozen=True)
+class ShapeOnly(_Flow):
+    """Output independent of the input's values (Shape, Size, EyeLike, Random*Like)."""
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        return f"{node.op} {node.name} computes a value from a shape, which is not zero-mean"
+
+    def forward(self, shift: Shift) -> Forward:
+        return []
+
+
+@dataclass(frozen=True)
+class Opaque(_Flow):
+    reason: str
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        return f"{node.op} {node.name}: {self.reason}"
+
+    def push(self, shift: Shift) -> Forward:
+        return f"{super().push(shift)}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class NormRule(_Flow):
+    norm: "NormInfo"
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        if self.norm.output_centred and self.norm.axis == axis:
+            return []
+        return (
+            f"the output of {self.norm.op} {self.norm.name} is γ⊙x̂+β, which is not zero-mean "
+            "(γ not uniform or mean(β) ≠ 0): a post-LN stream"
+        )
+
+    def forward(self, shift: Shift) -> Forward:
+        if shift.index == 0 and self.norm.removes_mean and self.norm.axis == shift.axis:
+            return []
+        return "does not remove a shift along the normalized axis"
+
+
+# --- LayerScale ----------------------------------------------------------------------------------
+
+
+ABSORBING_OPS = ("MatMul", "Gemm", "Conv")  # linear layers a LayerScale can be absorbed into
+
+
+def layer_scale(zmg: "ZeroMeanGraph", node: "ZNode", axis: int) -> tuple[int, "ZNode", "ZNode | None"] | None:
+    """(factor index, linear layer, bias Add or None) if `node` is a LayerScale, else None.
+
+    A LayerScale multiplies the output of a linear layer (with or without a bias Add) by a
+    per-channel constant s: (x·W + b)⊙s = x·(W⊙s) + b⊙s, so s is absorbed into the layer, which
+    is then centred. The layer's output and the bias sum must be read by nothing else.
+    """
+    if not isinstance(node.rule, Scale) or node.op != "Mul" or len(node.inputs) != 2:
+        return None
+    factors = [i for i, t in enumerate(node.inputs) if zmg.is_constant(t)]
+    out_shape = zmg.shape(node.outputs[0])
+    if len(factors) != 1 or out_shape is None or not _per_channel(zmg.shape(node.inputs[factors[0]]), len(out_shape), axis):
+        return None
+    stream = node.inputs[1 - factors[0]]
+    add = None
+    producer = _private_producer(zmg, stream)
+    if producer is not None and producer.op == "Add" and isinstance(producer.rule, Sum) and len(producer.inputs) == 2:
+        biases = [t for t in producer.inputs if zmg.is_constant(t)]
+        linear = [t for t in producer.inputs if not zmg.is_constant(t)]
+        if len(biases) != 1 or len(linear) != 1:
+            return None
+        add, producer = producer, _private_producer(zmg, linear[0])
+    if producer is None or not isinstance(producer.rule, Linear) or producer.rule.axis != axis or producer.op not in ABSORBING_OPS:
+        return None
+    return factors[0], producer, add
+
+
+def _per_channel(shape, rank: int, axis: int) -> bool:
+    """Whether a factor of `shape` broadcast to rank `rank` varies along `axis` alone."""
+    if shape is None or len(shape) > rank:
+        return False
+    padded = (1,) * (rank - len(shape)) + tuple(shape)
+    return all(d == 1 for j, d in enumerate(padded) if j != axis)
+
+
+def _private_producer(zmg: "ZeroMeanGraph", tensor: str) -> "ZNode | None":
+    """The producer of `tensor` if `tensor` has one reader and is not a graph output."""
+    if tensor in zmg.graph_outputs or len(zmg.consumers_of(tensor)) != 1:
+        return None
+    return zmg.producer_of(tensor)
