@@ -5,11 +5,15 @@
 * `check_structure(model)` runs the full `onnx.checker` on a copy in which ORT's contrib op
   `SimplifiedLayerNormalization` is moved to a custom domain, so everything else is still checked.
 * `run_ort`, `assert_equivalent`: run in ONNX Runtime (optimizations off) and compare outputs.
+* Session fixtures `registry_export`, `registry_model`, `registry_fold`: each registry model is
+  exported once per form, loaded once and folded once per `FoldOptions` for the whole run; no test
+  exports a registry model itself.
 """
 
 from __future__ import annotations
 
 import collections
+import pathlib
 
 import numpy as np
 import onnx
@@ -17,6 +21,7 @@ import onnx.parser
 import pytest
 from onnx import numpy_helper
 
+from normpass import FoldOptions, FoldResult, fold_onnx
 from normpass.onnx.verify import make_inputs, run
 
 IR_VERSION = 10  # ONNX Runtime 1.31 accepts IR ≤ 13; onnx 1.23 defaults to a newer one
@@ -142,15 +147,58 @@ def gen() -> np.random.Generator:
 
 @pytest.fixture(scope="session")
 def registry_export(tmp_path_factory):
-    """`registry_export(name)` → path of the registry model `name` exported to ONNX, once per session."""
+    """`registry_export(name, form="dynamo")` → path of registry model `name` exported in `form`, once per session.
+
+    Every test that needs a registry model's ONNX file takes it from here, so each (model, form) is
+    exported once per run; a derived form (`normpass_models.BASE_FORM`) is converted from the cached
+    export of its base form.
+    """
     import normpass_models
 
     root = tmp_path_factory.mktemp("registry")
-    cache: dict[str, object] = {}
+    cache: dict[tuple[str, str], pathlib.Path] = {}
 
-    def export(name: str):
-        if name not in cache:
-            cache[name] = normpass_models.export_onnx(name, root / f"{name}.onnx")
-        return cache[name]
+    def export(name: str, form: str = "dynamo") -> pathlib.Path:
+        key = (name, form)
+        if key not in cache:
+            path = root / f"{name}.{form}.onnx"
+            base = normpass_models.BASE_FORM.get(form)
+            if base is None:
+                cache[key] = normpass_models.export_onnx(name, path, form)
+            else:
+                cache[key] = normpass_models.convert(normpass_models.get(name), export(name, base), path, form)
+        return cache[key]
 
     return export
+
+
+@pytest.fixture(scope="session")
+def registry_model(registry_export):
+    """`registry_model(name, form="dynamo")` → the loaded ModelProto of that export, shared: never modify it."""
+    cache: dict[tuple[str, str], onnx.ModelProto] = {}
+
+    def load(name: str, form: str = "dynamo") -> onnx.ModelProto:
+        if (name, form) not in cache:
+            cache[name, form] = onnx.load(str(registry_export(name, form)))
+        return cache[name, form]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def registry_fold(registry_model):
+    """`registry_fold(name, form="dynamo", **options)` → `fold_onnx(registry_model(name, form), FoldOptions(**options))`.
+
+    Each fold (verified by `fold_onnx` unless `verify=False`) runs once per session; tests read the
+    result and never modify it.
+    """
+    cache: dict[tuple[str, str, str], FoldResult] = {}
+
+    def fold(name: str, form: str = "dynamo", **options) -> FoldResult:
+        fold_options = FoldOptions(**options)
+        key = (name, form, repr(fold_options))  # equal FoldOptions share one fold
+        if key not in cache:
+            cache[key] = fold_onnx(registry_model(name, form), fold_options, name=f"{name} ({form})")
+        return cache[key]
+
+    return fold

@@ -13,10 +13,10 @@ import pathlib
 from normpass.cli.main import main
 
 
-def cli_exit_code(command: str, path: pathlib.Path, workdir: pathlib.Path) -> tuple[int, str]:
-    """(exit code, captured output) of `normpass COMMAND PATH` (fold and viz write into `workdir`)."""
+def cli_exit_code(command: str, path: pathlib.Path, workdir: pathlib.Path, *options: str) -> tuple[int, str]:
+    """(exit code, captured output) of `normpass COMMAND PATH [OPTIONS]` (fold and viz write into `workdir`)."""
     outputs = {"inspect": [], "fold": ["-o", str(workdir / "folded.onnx")], "viz": ["-o", str(workdir / "graph.html")]}
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        code = main([command, str(path), *outputs[command]])
+        code = main([command, str(path), *outputs[command], *options])
     return code, sink.getvalue()

@@ -16,18 +16,16 @@ from onnx import numpy_helper
 from normpass.onnx import bench
 from normpass.cli.main import main
 from normpass.errors import InputError, VerificationError
-from normpass.onnx.passes import fold_onnx
 
 REPEATS = 2
 
 
 @pytest.fixture(scope="module")
-def gpt2_pair(registry_export, tmp_path_factory):
+def gpt2_pair(registry_export, registry_fold, tmp_path_factory):
     """(original path, folded path) of the registry gpt2."""
-    original = registry_export("gpt2")
     folded = tmp_path_factory.mktemp("bench") / "gpt2.rms.onnx"
-    onnx.save(fold_onnx(onnx.load(str(original))).model, str(folded))
-    return str(original), str(folded)
+    onnx.save(registry_fold("gpt2").model, str(folded))
+    return str(registry_export("gpt2")), str(folded)
 
 
 def _perturbed(path: str, out) -> str:

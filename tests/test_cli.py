@@ -1,4 +1,5 @@
-"""The `normpass` command line, run as a real subprocess through its console script.
+"""The `normpass` command line, run in-process through `normpass.cli.main.main` (and once as a real
+subprocess through its console script).
 
 Exit codes: 0 success, 1 verification failed, 2 bad input with exactly one line on stderr; on any
 error nothing is written, and the input model is never modified.
@@ -6,12 +7,14 @@ error nothing is written, and the input model is never modified.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,8 @@ import pytest
 
 from conftest import (build, check_plain, check_structure, initializers, op_counts, randn, rms_nodes, rms_scale, rng,
                       run_ort)
+from normpass import __version__
+from normpass.cli.main import main
 from normpass.onnx.verify import make_inputs
 
 from test_patterns import post_ln, pre_ln_block, pre_ln_from_input
@@ -34,10 +39,40 @@ def _command() -> list[str]:
 
 
 NORMPASS = _command()
+# What a fresh interpreter shows of the warnings a command raises (Python's default filters).
+HIDDEN_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
 
-def normpass(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(NORMPASS + [str(a) for a in args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+@dataclasses.dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def normpass(capsys):
+    """`normpass(*args)` → Result of `normpass ARGS` run in-process, its output captured.
+
+    Argument-parser errors (and --version) leave `main` through SystemExit, as from the console
+    script; the warnings a fresh interpreter would print are added to stderr.
+    """
+
+    def run(*args) -> Result:
+        capsys.readouterr()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            for category in HIDDEN_WARNINGS:
+                warnings.simplefilter("ignore", category)
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:
+                code = e.code
+        out, err = capsys.readouterr()
+        shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in caught)
+        return Result(code, out, err + shown)
+
+    return run
 
 
 def sha256(path: Path) -> str:
@@ -100,7 +135,7 @@ agraph (float[B, 4, 6] x) => (float[B, 4, 8] y) {
         eps=np.array(1e-6, np.float32), g1=1 + randn(gen, 8, scale=0.3))
 
 
-def assert_input_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+def assert_input_error(result: Result, *fragments: str) -> None:
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -112,7 +147,7 @@ def assert_input_error(result: subprocess.CompletedProcess, *fragments: str) -> 
 # --- inspect -------------------------------------------------------------------------------------------
 
 
-def test_inspect_table(workdir):
+def test_inspect_table(normpass, workdir):
     result = normpass("inspect", workdir / "pre.onnx")
     assert result.returncode == 0, result.stderr
     assert "2 of 2 norms" in result.stdout
@@ -140,7 +175,7 @@ def _check_schema(report: dict) -> None:
             assert isinstance(norm["reason"], str) and norm["reason"].strip()
 
 
-def test_inspect_json_schema(workdir):
+def test_inspect_json_schema(normpass, workdir):
     result = normpass("inspect", workdir / "post.onnx", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -152,7 +187,7 @@ def test_inspect_json_schema(workdir):
     assert by_name["y"]["centred_layers"] == []
 
 
-def test_inspect_no_insert_centering(workdir):
+def test_inspect_no_insert_centering(normpass, workdir):
     with_insertion = json.loads(normpass("inspect", workdir / "from_input.onnx", "--json").stdout)
     without = normpass("inspect", workdir / "from_input.onnx", "--json", "--no-insert-centering")
     assert without.returncode == 0
@@ -166,7 +201,7 @@ def test_inspect_no_insert_centering(workdir):
 # --- fold ------------------------------------------------------------------------------------------------
 
 
-def test_fold_writes_model_and_report(workdir):
+def test_fold_writes_model_and_report(normpass, workdir):
     model_path, out, report_path = workdir / "pre.onnx", workdir / "out.onnx", workdir / "report.json"
     before = sha256(model_path)
     result = normpass("fold", model_path, "-o", out, "--report", report_path)
@@ -193,7 +228,7 @@ def test_fold_writes_model_and_report(workdir):
     assert sorted(p.name for p in workdir.iterdir() if p.name.startswith(".")) == []
 
 
-def test_fold_partial_reports_refusals(workdir):
+def test_fold_partial_reports_refusals(normpass, workdir):
     out, report_path = workdir / "post_out.onnx", workdir / "r.json"
     result = normpass("fold", workdir / "post.onnx", "-o", out, "--report", report_path)
     assert result.returncode == 0, result.stderr
@@ -207,7 +242,7 @@ def test_fold_partial_reports_refusals(workdir):
 
 
 @pytest.mark.parametrize("rms_op,op", [("onnx", "RMSNormalization"), ("decomposed", None)])
-def test_fold_rms_op_choices(workdir, rms_op, op):
+def test_fold_rms_op_choices(normpass, workdir, rms_op, op):
     out = workdir / f"{rms_op}.onnx"
     result = normpass("fold", workdir / "pre.onnx", "-o", out, "--target", "onnx", "--rms-op", rms_op, "--fold-with-beta-add")
     assert result.returncode == 0, result.stderr
@@ -221,7 +256,7 @@ def test_fold_rms_op_choices(workdir, rms_op, op):
         assert counts["RMSNormalization"] == 0 and counts["Sqrt"] == 2
 
 
-def test_fold_no_verify_and_no_migrate(workdir):
+def test_fold_no_verify_and_no_migrate(normpass, workdir):
     out, report_path = workdir / "nv.onnx", workdir / "nv.json"
     result = normpass("fold", workdir / "pre.onnx", "-o", out, "--report", report_path, "--no-verify",
                       "--no-migrate-affine")
@@ -237,7 +272,7 @@ def test_fold_no_verify_and_no_migrate(workdir):
         assert not np.all(values[rms_scale(node)] == 1)
 
 
-def test_fold_no_fuse_skip(workdir):
+def test_fold_no_fuse_skip(normpass, workdir):
     fused, unfused = workdir / "fused.onnx", workdir / "unfused.onnx"
     assert normpass("fold", workdir / "pre.onnx", "-o", fused, "--fold-with-beta-add").returncode == 0
     result = normpass("fold", workdir / "pre.onnx", "-o", unfused, "--no-fuse-skip", "--fold-with-beta-add")
@@ -247,7 +282,7 @@ def test_fold_no_fuse_skip(workdir):
     assert counts["SkipSimplifiedLayerNormalization"] == 0 and counts["SimplifiedLayerNormalization"] == 2
 
 
-def test_fold_input_shape(workdir):
+def test_fold_input_shape(normpass, workdir):
     report_path = workdir / "shape.json"
     result = normpass("fold", workdir / "pre.onnx", "-o", workdir / "s.onnx", "--report", report_path,
                       "--input-shape", "ids:3x4")
@@ -261,7 +296,7 @@ def test_fold_input_shape(workdir):
 
 @pytest.mark.parametrize("spec,fragment", [("ids:3xq", "ids:3xq"), ("nope:3x4", "nope"), (":3x4", "name"),
                                            ("ids", "ids")])
-def test_fold_bad_input_shape(workdir, spec, fragment):
+def test_fold_bad_input_shape(normpass, workdir, spec, fragment):
     before = listing(workdir)
     result = normpass("fold", workdir / "pre.onnx", "-o", workdir / "bad.onnx", "--input-shape", spec)
     assert_input_error(result, fragment)
@@ -271,7 +306,7 @@ def test_fold_bad_input_shape(workdir, spec, fragment):
 # --- errors: exit 2, one line, nothing written -------------------------------------------------------------
 
 
-def test_missing_model_file(workdir):
+def test_missing_model_file(normpass, workdir):
     before = listing(workdir)
     result = normpass("fold", workdir / "missing.onnx", "-o", workdir / "out.onnx")
     assert_input_error(result, "missing.onnx")
@@ -280,7 +315,7 @@ def test_missing_model_file(workdir):
 
 
 @pytest.mark.parametrize("content", [b"hello, I am not a model\n", b"", bytes(range(256)) * 4])
-def test_not_an_onnx_file(workdir, content):
+def test_not_an_onnx_file(normpass, workdir, content):
     bogus = workdir / "bogus.onnx"
     bogus.write_bytes(content)
     before = listing(workdir)
@@ -290,13 +325,13 @@ def test_not_an_onnx_file(workdir, content):
     assert_input_error(normpass("inspect", bogus), "bogus.onnx")
 
 
-def test_model_is_a_directory(workdir):
+def test_model_is_a_directory(normpass, workdir):
     (workdir / "adir.onnx").mkdir()
     assert_input_error(normpass("inspect", workdir / "adir.onnx"), "adir.onnx")
 
 
 @pytest.mark.parametrize("spelling", ["same", "dotted", "symlink"])
-def test_output_must_not_overwrite_input(workdir, spelling):
+def test_output_must_not_overwrite_input(normpass, workdir, spelling):
     model_path = workdir / "pre.onnx"
     if spelling == "same":
         out = model_path
@@ -312,35 +347,35 @@ def test_output_must_not_overwrite_input(workdir, spelling):
     assert listing(workdir) == before
 
 
-def test_report_must_not_overwrite_input(workdir):
+def test_report_must_not_overwrite_input(normpass, workdir):
     before = listing(workdir)
     result = normpass("fold", workdir / "pre.onnx", "-o", workdir / "o.onnx", "--report", workdir / "pre.onnx")
     assert_input_error(result)
     assert listing(workdir) == before
 
 
-def test_report_must_not_overwrite_output(workdir):
+def test_report_must_not_overwrite_output(normpass, workdir):
     before = listing(workdir)
     result = normpass("fold", workdir / "pre.onnx", "-o", workdir / "o.onnx", "--report", workdir / "o.onnx")
     assert_input_error(result)
     assert listing(workdir) == before
 
 
-def test_output_directory_missing(workdir):
+def test_output_directory_missing(normpass, workdir):
     before = listing(workdir)
     assert_input_error(normpass("fold", workdir / "pre.onnx", "-o", workdir / "nowhere" / "o.onnx"), "nowhere")
     assert_input_error(normpass("fold", workdir / "pre.onnx", "-o", workdir / "pre.onnx" / "o.onnx"))
     assert listing(workdir) == before
 
 
-def test_output_is_a_directory(workdir):
+def test_output_is_a_directory(normpass, workdir):
     (workdir / "outdir").mkdir()
     before = listing(workdir)
     assert_input_error(normpass("fold", workdir / "pre.onnx", "-o", workdir / "outdir"), "outdir")
     assert listing(workdir) == before
 
 
-def test_report_directory_missing_writes_nothing(workdir):
+def test_report_directory_missing_writes_nothing(normpass, workdir):
     before = listing(workdir)
     result = normpass("fold", workdir / "pre.onnx", "-o", workdir / "o.onnx", "--report", workdir / "no" / "r.json")
     assert_input_error(result)
@@ -350,7 +385,7 @@ def test_report_directory_missing_writes_nothing(workdir):
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def test_unwritable_output_directory(workdir, tmp_path_factory):
+def test_unwritable_output_directory(normpass, workdir, tmp_path_factory):
     if ROOT:  # root may write anywhere os.access can see; /proc takes no new files, even from root
         out_dir = Path("/proc")
         before_dir = None
@@ -371,7 +406,7 @@ def test_unwritable_output_directory(workdir, tmp_path_factory):
             out_dir.chmod(0o755)
 
 
-def test_model_and_builtin_are_exclusive(workdir):
+def test_model_and_builtin_are_exclusive(normpass, workdir):
     assert_input_error(normpass("inspect", workdir / "pre.onnx", "--builtin", "gpt2"), "exactly one")
     assert_input_error(normpass("inspect"), "exactly one")
 
@@ -379,7 +414,7 @@ def test_model_and_builtin_are_exclusive(workdir):
 # --- exit 1: verification failed ------------------------------------------------------------------------------
 
 
-def test_verification_failure_exits_1_and_writes_nothing(workdir):
+def test_verification_failure_exits_1_and_writes_nothing(normpass, workdir):
     out, report_path = workdir / "noisy_out.onnx", workdir / "noisy.json"
     out.write_bytes(b"previous content")  # an existing output must survive a failed run
     before = listing(workdir)
@@ -397,7 +432,7 @@ def test_verification_failure_exits_1_and_writes_nothing(workdir):
 # --- nothing to fold --------------------------------------------------------------------------------------------
 
 
-def test_rms_only_model_folds_nothing(workdir):
+def test_rms_only_model_folds_nothing(normpass, workdir):
     out = workdir / "rms_out.onnx"
     result = normpass("fold", workdir / "rms_only.onnx", "-o", out)
     assert result.returncode == 0, result.stderr
@@ -412,7 +447,7 @@ def test_rms_only_model_folds_nothing(workdir):
         np.testing.assert_array_equal(got[name], expected[name])
 
 
-def test_llama_folds_nothing(tmp_path, registry_export):
+def test_llama_folds_nothing(normpass, tmp_path, registry_export):
     llama = registry_export("llama")
     before = sha256(llama)
     out, report_path = tmp_path / "llama_out.onnx", tmp_path / "llama.json"
@@ -428,7 +463,16 @@ def test_llama_folds_nothing(tmp_path, registry_export):
 # --- built-in models --------------------------------------------------------------------------------------------
 
 
-def test_builtin_gpt2(tmp_path):
+def test_builtin_gpt2(normpass, tmp_path, registry_export, monkeypatch):
+    import normpass_models
+
+    exported = registry_export("gpt2")  # before the patch below: the cache exports through normpass_models
+
+    def export_onnx(name, path, form="dynamo"):  # the registry's own export, taken from the session's cache
+        assert (name, form) == ("gpt2", "dynamo")
+        return Path(shutil.copy(exported, path))
+
+    monkeypatch.setattr(normpass_models, "export_onnx", export_onnx)
     out, report_path = tmp_path / "gpt2.onnx", tmp_path / "gpt2.json"
     result = normpass("fold", "--builtin", "gpt2", "-o", out, "--report", report_path)
     assert result.returncode == 0, result.stderr
@@ -440,3 +484,20 @@ def test_builtin_gpt2(tmp_path):
     check_structure(folded)
     assert len(rms_nodes(folded)) == 4
     assert op_counts(folded)["LayerNormalization"] == 1
+
+
+# --- the console script ---------------------------------------------------------------------------------------
+
+
+def test_console_script_runs(workdir):
+    """The installed `normpass` script itself, in a subprocess: --version and one fold."""
+    version = subprocess.run(NORMPASS + ["--version"], capture_output=True, text=True, timeout=120)
+    assert version.returncode == 0 and version.stdout.strip() == f"normpass {__version__}", version
+    out = workdir / "script.onnx"
+    result = subprocess.run(NORMPASS + ["fold", str(workdir / "pre.onnx"), "-o", str(out)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert "1 of 2" in result.stdout and f"wrote {out}" in result.stdout
+    folded = onnx.load(str(out))
+    check_structure(folded)
+    assert len(rms_nodes(folded)) == 1

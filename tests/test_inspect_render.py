@@ -129,9 +129,7 @@ def test_terminal_console_only_on_a_tty(monkeypatch):
     assert inspect_cli._terminal_console() is None
 
 
-def test_registry_model_rows_are_grouped_by_transformer_block(tmp_path, capsys):
-    normpass_models = pytest.importorskip("normpass_models")
-    path = normpass_models.export_onnx("bert", tmp_path / "bert.onnx")
-    assert main(["inspect", str(path), "--json"]) == 0
+def test_registry_model_rows_are_grouped_by_transformer_block(registry_export, capsys):
+    assert main(["inspect", str(registry_export("bert")), "--json"]) == 0
     blocks = [n["block"] for n in json.loads(capsys.readouterr().out)["norms"]]
     assert blocks == ["embeddings"] + ["encoder.layer.0"] * 2 + ["encoder.layer.1"] * 2

@@ -1,8 +1,9 @@
 """The fold on real exported architectures from the model registry (`normpass_models`).
 
-Each non-large entry is exported once per session (shared with the CLI tests) and must fold exactly
-as many norms as the registry records, verify with every RMS op form, and never change an
-original initializer in place.
+Each non-large entry is exported and folded once per session (`registry_fold` in conftest.py, shared
+with the corpus, CLI, viz and bench tests) and must fold exactly as many norms as the registry
+records, verify with every RMS op form (`fold_onnx`'s own check; test_corpus.py checks the default
+fold independently), and never change an original initializer in place.
 """
 
 from __future__ import annotations
@@ -12,19 +13,19 @@ import onnx
 import pytest
 
 import normpass_models
-from normpass import FoldOptions, fold_onnx, inspect_onnx
+from normpass import inspect_onnx
 from normpass.onnx.verify import make_inputs
 
-from conftest import assert_equivalent, check_plain, check_structure, initializers, op_counts, rms_nodes, run_ort
+from conftest import check_plain, check_structure, initializers, op_counts, rms_nodes, run_ort
 
 SMALL = normpass_models.names(include_large=False)
 RMS_OPS = ("simplified", "onnx", "decomposed")
 
 
 @pytest.fixture(scope="module", params=SMALL)
-def exported(request, registry_export):
+def exported(request, registry_model):
     name = request.param
-    return normpass_models.get(name), onnx.load(str(registry_export(name)))
+    return normpass_models.get(name), registry_model(name)
 
 
 def test_registry_is_not_empty():
@@ -44,11 +45,10 @@ def test_inspect_counts(exported):
 
 
 @pytest.mark.parametrize("rms_op", RMS_OPS)
-def test_fold_verifies(exported, rms_op):
+def test_fold_verifies(exported, rms_op, registry_export, registry_fold):
     entry, model = exported
-    before = model.SerializeToString()
-    result = fold_onnx(model, FoldOptions(rms_op=rms_op))
-    assert model.SerializeToString() == before
+    result = registry_fold(entry.name, rms_op=None if rms_op == "simplified" else rms_op)  # None: the default fold
+    assert model.SerializeToString() == onnx.load(str(registry_export(entry.name))).SerializeToString()
     assert result.folded == entry.expected_rewritten and result.plan.total == entry.expected_norms
     assert sum(d.kept for d in result.plan.decisions) == entry.expected_kept
     assert result.comparison is not None and result.comparison.passed
@@ -74,22 +74,21 @@ def test_fold_verifies(exported, rms_op):
     for name, values in initializers(folded).items():
         if name in original:
             np.testing.assert_array_equal(values, original[name], err_msg=name)
-    assert_equivalent(model, folded, seeds=(21,), rel_tol=1e-5)
 
 
-def test_fold_with_beta_add_rewrites_every_proven_norm(exported):
-    entry, model = exported
-    result = fold_onnx(model, FoldOptions(fold_with_beta_add=True))
+def test_fold_with_beta_add_rewrites_every_proven_norm(exported, registry_fold):
+    entry, _ = exported
+    result = registry_fold(entry.name, fold_with_beta_add=True)
     assert result.folded == entry.expected_folded and not any(d.kept for d in result.plan.decisions)
     assert result.comparison.passed and result.comparison.max_rel_error <= 1e-5
     # each kept-by-default norm now costs an RMS op plus a separate β Add
-    kept_names = {d.name for d in fold_onnx(model, FoldOptions(verify=False)).plan.decisions if d.kept}
+    kept_names = {d.name for d in registry_fold(entry.name).plan.decisions if d.kept}
     beta_adds = [n.name for n in result.model.graph.node if n.op_type == "Add" and n.name.removesuffix(".beta") in kept_names]
     assert len(beta_adds) == entry.expected_kept, beta_adds
 
 
-def test_bert_refusals_are_blocked_by_layernorms(registry_export):
-    model = onnx.load(str(registry_export("bert")))
+def test_bert_refusals_are_blocked_by_layernorms(registry_model):
+    model = registry_model("bert")
     ops = {node.name: node.op_type for node in model.graph.node}
     plan = inspect_onnx(model)
     refused = [d for d in plan.decisions if not d.foldable]
@@ -102,11 +101,9 @@ def test_bert_refusals_are_blocked_by_layernorms(registry_export):
     assert len(folded) == 1 and ops[folded[0].name] == "LayerNormalization"
 
 
-def test_gpt2_tied_head_keeps_the_original_table(registry_export):
+def test_gpt2_tied_head_keeps_the_original_table(registry_fold):
     """The LM head reads the token table (or a transposed copy of it); it must not be centred."""
-    model = onnx.load(str(registry_export("gpt2")))
-    result = fold_onnx(model)
-    folded = result.model
+    folded = registry_fold("gpt2").model
     gathers = [n for n in folded.graph.node if n.op_type == "Gather" and n.input[0] in initializers(folded)]
     tables = initializers(folded)
     centred = [n for n in gathers if tables[n.input[0]].ndim == 2
@@ -114,13 +111,13 @@ def test_gpt2_tied_head_keeps_the_original_table(registry_export):
     assert len(centred) == 2, [n.name for n in gathers]  # token and position embeddings
 
 
-def test_llama_passes_through_bit_for_bit(registry_export):
-    model = onnx.load(str(registry_export("llama")))
+def test_llama_passes_through_bit_for_bit(registry_model, registry_fold):
+    model = registry_model("llama")
     plan = inspect_onnx(model)
     assert plan.total == 5 and not plan.folded
     assert all("RMSNorm" in d.op for d in plan.decisions)
-    for rms_op in RMS_OPS:
-        result = fold_onnx(model, FoldOptions(rms_op=rms_op))
+    for rms_op in (None, "onnx", "decomposed"):  # None: the default, "simplified"
+        result = registry_fold("llama", rms_op=rms_op)
         assert result.folded == 0
         assert op_counts(result.model) == op_counts(model)  # (rms_op "onnx" may still raise the opset)
         for seed in (0, 1):

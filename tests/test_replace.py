@@ -30,10 +30,8 @@ FAST = dict(orders=("input",), samples=48, batch_size=8)
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    import normpass_models
-
-    path = normpass_models.export_onnx("bert", tmp_path_factory.mktemp("bert") / "bert.onnx")
+def bert(registry_export):
+    path = registry_export("bert")
     return path, onnx.load(str(path))
 
 

@@ -44,13 +44,26 @@ def _last_words(reason: str) -> str:
     return " ".join(reason.split()[-4:])
 
 
+@pytest.fixture(scope="module")
+def fold_registry():
+    """`fold_registry(name)` → (entry, module, inputs, folded module, report, the module's state before), once per module."""
+    cache = {}
+
+    def folded(name):
+        if name not in cache:
+            entry = normpass_models.get(name)
+            module, inputs = entry.build_torch()
+            before = {k: v.clone() for k, v in module.state_dict(keep_vars=False).items()}
+            result, report = fold(module, inputs)
+            cache[name] = entry, module, inputs, result, report, before
+        return cache[name]
+
+    return folded
+
+
 @pytest.fixture(scope="module", params=SMALL)
-def folded(request):
-    entry = normpass_models.get(request.param)
-    module, inputs = entry.build_torch()
-    before = {k: v.clone() for k, v in module.state_dict(keep_vars=False).items()}
-    result, report = fold(module, inputs)
-    return entry, module, inputs, result, report, before
+def folded(request, fold_registry):
+    return fold_registry(request.param)
 
 
 # --- registry models ---------------------------------------------------------------------------
@@ -101,9 +114,8 @@ def test_inspect_gives_the_folds_plan(folded):
     assert inspect(module, inputs).to_json() == report.plan.to_json()
 
 
-def test_gpt2_tied_head_is_untied_copy_on_write():
-    module, inputs = normpass_models.get("gpt2").build_torch()
-    result, report = fold(module, inputs)
+def test_gpt2_tied_head_is_untied_copy_on_write(fold_registry):
+    _, module, inputs, result, report, _ = fold_registry("gpt2")
     original, new = module.model, result.model
     assert original.lm_head.weight is original.transformer.wte.weight
     assert new.lm_head.weight is not new.transformer.wte.weight
@@ -127,10 +139,8 @@ def test_folded_module_compiles(folded):
         assert _rel_error(result(*inputs), compiled(*inputs)) <= REL_TOL
 
 
-def test_folded_gpt2_exports_to_onnx_and_stays_folded(tmp_path):
-    entry = normpass_models.get("gpt2")
-    module, inputs = entry.build_torch()
-    result, report = fold(module, inputs)
+def test_folded_gpt2_exports_to_onnx_and_stays_folded(fold_registry, tmp_path):
+    entry, module, inputs, result, _, _ = fold_registry("gpt2")
     path = tmp_path / "folded.onnx"
     export_onnx(result, inputs, path, dynamic_shapes=entry.dynamic_shapes)
     model = onnx.load(str(path))
@@ -377,21 +387,19 @@ def test_load_factory():
             load_factory(spec)
 
 
-def test_cli_fold_torch_factory(tmp_path):
+def test_cli_fold_torch_factory(tmp_path, capsys):
     """`normpass fold --torch module:factory` folds, verifies, and exports ONNX that ORT runs."""
     import json
-    import os
-    import subprocess
-    import sys
 
     import onnxruntime as ort
 
+    from normpass.cli.main import main
+
     out, report_path = tmp_path / "toy.onnx", tmp_path / "toy.json"
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
-    result = subprocess.run([sys.executable, "-m", "normpass", "fold", "--torch", "test_torch_frontend:toy_factory",
-                             "-o", str(out), "--report", str(report_path)], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    assert "2 of 2 norms folded" in result.stdout
+    code = main(["fold", "--torch", "test_torch_frontend:toy_factory", "-o", str(out), "--report", str(report_path)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "2 of 2 norms folded" in printed.out
     report = json.loads(report_path.read_text())
     assert report["folded"] == 2 and report["max_rel_error"] <= REL_TOL
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -399,6 +407,5 @@ def test_cli_fold_torch_factory(tmp_path):
     with torch.no_grad():
         expected = _seeded(Stack)(*IDS).numpy()
     assert abs(ort_out - expected).max() <= 1e-5 * abs(expected).max()
-    bad = subprocess.run([sys.executable, "-m", "normpass", "fold", "--torch", "no_colon", "-o", str(tmp_path / "x.onnx")],
-                         capture_output=True, text=True, env=env)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert main(["fold", "--torch", "no_colon", "-o", str(tmp_path / "x.onnx")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -24,7 +24,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import IR_VERSION, randn, rng
-from normpass import fold_onnx
 from normpass.core.analysis import plan as make_plan
 from normpass.cli.main import main
 from normpass.errors import InputError
@@ -86,15 +85,13 @@ def story():
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    """Export registry models once per module: name → (path, zmg, plan)."""
-    normpass_models = pytest.importorskip("normpass_models")
+def registry(registry_model):
+    """Registry models (exported once per session) analysed once per module: name → (zmg, plan)."""
     cache = {}
 
     def get(name):
         if name not in cache:
-            path = normpass_models.export_onnx(name, tmp_path_factory.mktemp(name) / f"{name}.onnx")
-            cache[name] = (path, *analyse(onnx.load(str(path)), name))
+            cache[name] = analyse(registry_model(name), name)
         return cache[name]
 
     return get
@@ -140,7 +137,7 @@ def test_nodes_are_laid_out_in_layers_without_overlap(story):
 
 
 def test_default_view_collapses_what_no_decision_needs(registry):
-    _, zmg, fold_plan = registry("gpt2")
+    zmg, fold_plan = registry("gpt2")
     full, default = build_view(zmg, fold_plan, full=True), build_view(zmg, fold_plan)
     assert set(zmg.nodes) <= set(full.nodes)
     assert len(default.nodes) < len(zmg.nodes) / 2, "most of GPT-2's graph is irrelevant to its norms"
@@ -154,7 +151,7 @@ def test_default_view_collapses_what_no_decision_needs(registry):
 
 
 def test_focus_on_one_norm(registry):
-    _, zmg, fold_plan = registry("gpt2")
+    zmg, fold_plan = registry("gpt2")
     first = fold_plan.decisions[0]
     view = build_view(zmg, fold_plan, norm=first.name)
     assert first.name in view.nodes and set(first.centred_layers) <= set(view.nodes)
@@ -238,9 +235,9 @@ def test_output_does_not_depend_on_hash_seeds(tmp_path):
 # --- the folded model's own story (Netron shows doc_string and metadata_props) --------------------
 
 
-def test_folded_model_carries_its_story(registry, tmp_path):
-    path, zmg, fold_plan = registry("gpt2")
-    result = fold_onnx(onnx.load(str(path)), name="gpt2")
+def test_folded_model_carries_its_story(registry, registry_fold, tmp_path):
+    _, fold_plan = registry("gpt2")
+    result = registry_fold("gpt2")
     out = tmp_path / "folded.onnx"
     onnx.save(result.model, str(out))
     folded = onnx.load(str(out))
@@ -279,7 +276,7 @@ def _browser_or_skip():
 
 def test_html_page_in_headless_chromium(registry, tmp_path):
     sync_playwright, chromium = _browser_or_skip()
-    _, zmg, fold_plan = registry("bert")
+    zmg, fold_plan = registry("bert")
     page_path = tmp_path / "bert.html"
     page_path.write_text(render(zmg, fold_plan, "html"))
     artifacts = Path(os.environ.get("NORMPASS_ARTIFACTS") or tmp_path)
