@@ -234,8 +234,9 @@ class Rewriter:
         scale_const = new_initializer(self.ctx.graph, self._unique(f"{norm.name}.rms_scale"), np.asarray(scale, dtype=dtype))
         nodes = self._rms_nodes(norm, x, scale_const, rms_out, skip)
         if beta is not None:
+            add_name = self._unique(f"{norm.name}.beta")  # the Add is named X.beta, its constant after it
             beta_const = new_initializer(self.ctx.graph, self._unique(f"{norm.name}.beta"), beta)
-            nodes.append(ir.node("Add", [rms_out, beta_const], outputs=[out], name=self._unique(f"{norm.name}.beta")))
+            nodes.append(ir.node("Add", [rms_out, beta_const], outputs=[out], name=add_name))
         for node in nodes:
             self._note(node.name, doc)
         self.ctx.graph.extend(nodes)
