@@ -26,12 +26,13 @@ import sys
 import networkx as nx
 
 from ..core.analysis import plan as make_plan
-from ..onnx.frontend import build_zero_mean_graph, load_graph
+from ..onnx.frontend import build_zero_mean_graph
+from ..onnx.passes import open_graph
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan, NormDecision
 from ..errors import InputError
 from ..io import check_paths, write_text_atomic
-from .common import add_model_arguments, load_model
+from .common import add_model_arguments, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
 HEADER = ("block", "norm", "op", "decision", "why")
@@ -140,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
     if graph_out is not None and graph_out.suffix.lower() not in GRAPH_FORMATS:
         raise InputError(f"{graph_out}: --graph writes .graphml or .json; choose a path with one of those suffixes")
     with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings (graphsurgeon prints them) stay off stdout
-        model, label = load_model(args)
-        zmg = build_zero_mean_graph(load_graph(model, label))
+        model, label = model_source(args)
+        zmg = build_zero_mean_graph(open_graph(model, label))
         fold_plan = make_plan(zmg, not args.no_insert_centering)
         block = blocks(zmg)
         if graph_out is not None:
