@@ -46,6 +46,45 @@ def _bias_centred(values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarra
     return centre(values, axis if axis >= 0 and values.shape[axis] != 1 else None)
 
 
+def reduce_mean(unique: Namer, opset: int, tensor: gs.Tensor, axis: int, out: gs.Tensor, name: str) -> gs.Node:
+    """ReduceMean of `tensor` over `axis`, keeping dims (axes an input from opset 18, an attribute before)."""
+    if opset >= 18:
+        axes = gs.Constant(unique(f"{name}.axes"), np.array([axis], dtype=np.int64))
+        return gs.Node("ReduceMean", unique(name), attrs={"keepdims": 1}, inputs=[tensor, axes], outputs=[out])
+    return gs.Node("ReduceMean", unique(name), attrs={"axes": [axis], "keepdims": 1}, inputs=[tensor], outputs=[out])
+
+
+def rms_nodes(unique: Namer, opset: int, rms_op: str, name: str, x: gs.Tensor, scale: gs.Tensor | None, out: gs.Tensor,
+              axis: int, epsilon: float, eps_dtype: np.dtype, eps_outside_root: bool = False) -> list[gs.Node]:
+    """The nodes computing out = x / √(mean(x²) + ε) ⊙ scale over `axis` (`rms_op`, see the module docstring).
+
+    `eps_outside_root`: x / (√mean(x²) + ε), which only the decomposed chain computes. `scale`
+    None: no scale, allowed for the decomposed chain only (which then ends at the division).
+    """
+    attrs = {"axis": axis, "epsilon": epsilon}
+    if rms_op in ("simplified", "onnx") and not eps_outside_root:
+        op = "SimplifiedLayerNormalization" if rms_op == "simplified" else "RMSNormalization"
+        return [gs.Node(op, unique(name), attrs={**attrs, "stash_type": 1}, inputs=[x, scale], outputs=[out])]
+    square, mean, inner, root = (gs.Variable(unique(f"{name}.{s}"), dtype=x.dtype) for s in ("sq", "ms", "inner", "rms"))
+    normed = out if scale is None else gs.Variable(unique(f"{name}.xhat"), dtype=x.dtype)
+    eps = gs.Constant(unique(f"{name}.eps"), np.array(epsilon, dtype=eps_dtype))
+    if eps_outside_root:  # √mean + ε
+        root_nodes = [gs.Node("Sqrt", unique(f"{name}.sqrt"), inputs=[mean], outputs=[inner]),
+                      gs.Node("Add", unique(f"{name}.add_eps"), inputs=[inner, eps], outputs=[root])]
+    else:  # √(mean + ε)
+        root_nodes = [gs.Node("Add", unique(f"{name}.add_eps"), inputs=[mean, eps], outputs=[inner]),
+                      gs.Node("Sqrt", unique(f"{name}.sqrt"), inputs=[inner], outputs=[root])]
+    nodes = [
+        gs.Node("Mul", unique(f"{name}.square"), inputs=[x, x], outputs=[square]),
+        reduce_mean(unique, opset, square, axis, mean, f"{name}.mean_square"),
+        *root_nodes,
+        gs.Node("Div", unique(f"{name}.normalize"), inputs=[x, root], outputs=[normed]),
+    ]
+    if scale is not None:
+        nodes.append(gs.Node("Mul", unique(f"{name}.scale"), inputs=[normed, scale], outputs=[out]))
+    return nodes
+
+
 @dataclass
 class Rewriter:
     ctx: OnnxGraph
@@ -133,7 +172,7 @@ class Rewriter:
         dtype = self._dtype(tensor)
         mean = gs.Variable(self._unique(f"{tensor.name}.mean"), dtype=dtype)
         centred = gs.Variable(self._unique(f"{tensor.name}.centred"), dtype=dtype, shape=tensor.shape)
-        graph.nodes.append(self._reduce_mean(tensor, insertion.axis, mean, f"{tensor.name}.centring_mean"))
+        graph.nodes.append(reduce_mean(self._unique, self.ctx.opset, tensor, insertion.axis, mean, f"{tensor.name}.centring_mean"))
         sub = gs.Node("Sub", self._unique(f"{tensor.name}.centring"), inputs=[tensor, mean], outputs=[centred])
         self._note(sub.name, "inserted centring x − mean(x)")
         graph.nodes.append(sub)
@@ -141,12 +180,6 @@ class Rewriter:
             for index, source in enumerate(consumer.inputs):
                 if source is tensor:
                     consumer.inputs[index] = centred
-
-    def _reduce_mean(self, tensor, axis, out, name) -> gs.Node:
-        if self.ctx.opset >= 18:
-            axes = gs.Constant(self._unique(f"{name}.axes"), np.array([axis], dtype=np.int64))
-            return gs.Node("ReduceMean", self._unique(name), attrs={"keepdims": 1}, inputs=[tensor, axes], outputs=[out])
-        return gs.Node("ReduceMean", self._unique(name), attrs={"axes": [axis], "keepdims": 1}, inputs=[tensor], outputs=[out])
 
     # --- norms ----------------------------------------------------------------------------------
 
@@ -252,29 +285,9 @@ class Rewriter:
                 adds.append(gs.Node("Add", self._unique(f"{norm.name}.add"), inputs=[x, operand], outputs=[summed]))
                 x = summed
             return adds + self._rms_nodes(norm, x, scale, out)
-        outside = norm.ref.eps_outside_root  # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
-        if self.rms_op == "simplified" and not outside:
-            return [gs.Node("SimplifiedLayerNormalization", self._unique(norm.name), attrs={**attrs, "stash_type": 1},
-                            inputs=[x, scale], outputs=[out])]
-        if self.rms_op == "onnx" and not outside:
-            return [gs.Node("RMSNormalization", self._unique(norm.name), attrs={**attrs, "stash_type": 1},
-                            inputs=[x, scale], outputs=[out])]
-        name = norm.name
-        square, mean, inner, root, normed = (gs.Variable(self._unique(f"{name}.{s}"), dtype=x.dtype) for s in ("sq", "ms", "inner", "rms", "xhat"))
-        eps = gs.Constant(self._unique(f"{name}.eps"), np.array(norm.epsilon, dtype=self._dtype(norm.ref.x)))
-        if outside:  # √mean + ε
-            root_nodes = [gs.Node("Sqrt", self._unique(f"{name}.sqrt"), inputs=[mean], outputs=[inner]),
-                          gs.Node("Add", self._unique(f"{name}.add_eps"), inputs=[inner, eps], outputs=[root])]
-        else:  # √(mean + ε)
-            root_nodes = [gs.Node("Add", self._unique(f"{name}.add_eps"), inputs=[mean, eps], outputs=[inner]),
-                          gs.Node("Sqrt", self._unique(f"{name}.sqrt"), inputs=[inner], outputs=[root])]
-        return [
-            gs.Node("Mul", self._unique(f"{name}.square"), inputs=[x, x], outputs=[square]),
-            self._reduce_mean(square, norm.axis, mean, f"{name}.mean_square"),
-            *root_nodes,
-            gs.Node("Div", self._unique(f"{name}.normalize"), inputs=[x, root], outputs=[normed]),
-            gs.Node("Mul", self._unique(f"{name}.scale"), inputs=[normed, scale], outputs=[out]),
-        ]
+        # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
+        return rms_nodes(self._unique, self.ctx.opset, self.rms_op, norm.name, x, scale, out, norm.axis, norm.epsilon,
+                         self._dtype(norm.ref.x), norm.ref.eps_outside_root)
 
     def _values(self, tensor: gs.Tensor) -> np.ndarray | None:
         """A constant's values, loaded once per rewrite (read-only)."""
