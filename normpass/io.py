@@ -23,6 +23,7 @@ from typing import Iterator
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import numpy_helper
 
 from .errors import InputError
@@ -30,6 +31,9 @@ from .errors import InputError
 PROTO_LIMIT = 2**31 - 1
 PROTO_HEADROOM = 2**28  # room for everything but the tensors' data (graph, names, shapes)
 EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to OUT.data
+LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are stubs (type and dims, no data) in `skeleton`
+STUB_LOCATION = "<normpass: data not included>"
+WRITE_IN_FLIGHT_BYTES = 2**26  # weights read but not yet written, at most, while saving
 
 
 def _default_mode() -> int:
@@ -50,6 +54,41 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     except Exception as e:  # onnx raises DecodeError, OSError, ValidationError ...
         raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse error'})") from e
     return checked_model(model, str(path))
+
+
+def load_ir(path: str | os.PathLike) -> ir.Model:
+    """The model at `path` as an `ir.Model` whose external tensors stay on disk (memory-mapped when read)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file; pass the path of an .onnx model")
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory; pass the path of an .onnx model")
+    try:
+        model = ir.load(path)
+    except Exception as e:  # onnx raises DecodeError, OSError, ValidationError ...
+        raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse error'})") from e
+    if not len(model.graph) and not model.graph.outputs:
+        raise InputError(f"{path}: not an ONNX model (no graph found); pass an .onnx file")
+    return model
+
+
+def skeleton(model: ir.Model) -> onnx.ModelProto:
+    """`model` as a ModelProto whose main-graph initializers of more than `LIGHT_INITIALIZER_LIMIT`
+    elements are stubs: name, type and dims, marked external, no data (nothing is loaded or copied).
+
+    For what reads a model's structure only: shape inference, signatures, verification inputs.
+    """
+    stubbed = {}
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None and (isinstance(tensor, ir.ExternalTensor) or tensor.size > LIGHT_INITIALIZER_LIMIT):
+            stubbed[value] = tensor
+            value.const_value = ir.ExternalTensor(STUB_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name)
+    try:
+        return ir.to_proto(model)
+    finally:
+        for value, tensor in stubbed.items():
+            value.const_value = tensor
 
 
 def checked_model(model, label: str = "model") -> onnx.ModelProto:
@@ -165,13 +204,38 @@ def save_external(model: onnx.ModelProto, path: Path) -> None:
     onnx.save_model(skeleton, str(path))
 
 
+def ir_weight_bytes(model: ir.Model) -> int:
+    """The bytes of `model`'s main-graph initializers (stored or external)."""
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def keeps_external_data(model: ir.Model) -> bool:
+    """Whether `model`'s weights go to a data file when written: it came with external data, or may exceed 2 GB."""
+    tensors = [v.const_value for v in model.graph.initializers.values()]
+    return any(isinstance(t, ir.ExternalTensor) for t in tensors) or ir_weight_bytes(model) + PROTO_HEADROOM >= PROTO_LIMIT
+
+
+def save_ir(path: Path, model: ir.Model) -> None:
+    """Write `model` to `path`, with its weights of ≥ 1 KiB in `path.name + ".data"` where `keeps_external_data`.
+
+    The weights are written tensor by tensor, unchanged ones straight from their source (a
+    memory-mapped file, say); `model` is left as it was.
+    """
+    if keeps_external_data(model):
+        ir.save(model, path, external_data=data_path(path).name, size_threshold_bytes=EXTERNAL_MIN_BYTES,
+                max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES)
+    else:
+        ir.save(model, path)
+
+
 def data_path(out_path: str | os.PathLike) -> Path:
     """Where the weights of a model written to `out_path` go when it may exceed 2 GB."""
     return Path(f"{out_path}.data")
 
 
-def save_onnx_atomic(model: onnx.ModelProto, out_path: str | os.PathLike) -> None:
-    """Write `model` to `out_path` via a temporary file and rename (`OUT.data` if it may exceed 2 GB).
+def save_onnx_atomic(model: onnx.ModelProto | ir.Model, out_path: str | os.PathLike) -> None:
+    """Write `model` to `out_path` via a temporary directory and rename, with `OUT.data` if it may
+    exceed 2 GB (or, for an `ir.Model`, came with external data: `save_ir`).
 
     A symlink is written through: its target is replaced, the link stays.
     """
@@ -181,13 +245,16 @@ def save_onnx_atomic(model: onnx.ModelProto, out_path: str | os.PathLike) -> Non
     try:
         tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=target.parent)
         tmp_model = Path(tmp_dir) / target.name
-        if may_exceed_proto_limit(model):
+        if isinstance(model, ir.Model):
+            save_ir(tmp_model, model)
+        elif may_exceed_proto_limit(model):
             save_external(model, tmp_model)
-            tmp_data = data_path(tmp_model)
-            os.chmod(tmp_data, _default_mode())
-            os.replace(tmp_data, data_path(target))
         else:
             onnx.save_model(model, str(tmp_model))
+        tmp_data = data_path(tmp_model)
+        if tmp_data.exists():
+            os.chmod(tmp_data, _default_mode())
+            os.replace(tmp_data, data_path(target))
         os.chmod(tmp_model, _default_mode())
         os.replace(tmp_model, target)
     except OSError as e:

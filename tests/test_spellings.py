@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx.parser
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
 import pytest
 from onnx import numpy_helper
 
@@ -294,7 +294,7 @@ def test_cast_to_another_type_before_gamma_stays_outside_the_norm():
     """x̂ cast to fp16 before γ: the RMS op that would replace the norm keeps its input's type, so
     the Cast and γ are not part of the norm; it is matched without γ."""
     model = torchscript_rms(rng(9), onnx.TensorProto.FLOAT16)
-    square = next(n for n in gs.import_onnx(model).nodes if n.op == "Pow")
+    square = next(n for n in ir.from_proto(model).graph if n.op_type == "Pow")
     _, match = match_decomposed(square, {"y"})
     assert match.gamma is None and match.y.name == "xn"
     assert only_decision(model).op == "decomposed RMSNorm"

@@ -20,10 +20,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_model(args: argparse.Namespace) -> tuple[onnx.ModelProto, str]:
     """The model named on the command line and a label for messages."""
+    model, label = model_source(args)
+    return (load_onnx(model) if isinstance(model, str) else model), label
+
+
+def model_source(args: argparse.Namespace) -> tuple[str | onnx.ModelProto, str]:
+    """The model named on the command line, as its path (to be read lazily) or a built-in ModelProto, and a label."""
     if (args.model is None) == (args.builtin is None):
         raise InputError("give exactly one of MODEL (an .onnx path) or --builtin NAME")
     if args.model is not None:
-        return load_onnx(args.model), str(args.model)
+        return str(args.model), str(args.model)
     try:
         import normpass_models
     except ImportError as e:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..onnx.rewrite import RMS_OPS
-from ..io import check_paths, data_path, save_onnx_atomic, write_text_atomic
+from ..io import check_paths, data_path, write_text_atomic
 from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..onnx.verify import parse_input_shapes
-from .common import add_model_arguments, load_model
+from .common import add_model_arguments, model_source
 
 
 def add_parser(sub) -> None:
@@ -77,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
         input_shapes=parse_input_shapes(args.input_shape),
         seed=args.seed,
     )
-    model, label = load_model(args)
+    model, label = model_source(args)
     result = fold_onnx(model, options, name=label)
-    save_onnx_atomic(result.model, out)
+    result.save(out)
     if args.report:
         report = {"model": label, "output": str(out), **result.report()}
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)

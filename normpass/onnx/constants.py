@@ -9,16 +9,18 @@ its reader a new initializer (copy-on-write) and the subgraph stays for any othe
 
 A node is evaluated only when every input is constant and its op is one of `EVALUATORS`, with
 axes read from the attribute or the input, whichever the model's opset uses. A graph input is
-never constant, even with a default initializer (the front end makes those `Variable`s), and
-neither is anything computed from shapes (`Shape`, `Size`): those vary with the inputs.
+never constant, even with a default initializer, and neither is anything computed from shapes
+(`Shape`, `Size`): those vary with the inputs. An initializer's values are read from its
+`ir.Tensor` (memory-mapped where the model keeps its weights in external data), not copied.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
+import onnx_ir as ir
+
+from .values import attr, input_at, is_initializer
 
 MAX_CONSTANT_NODES = 256  # a constant subgraph larger than this is not recognised as one
 CAST_DTYPES = {
@@ -31,23 +33,23 @@ CONSTANT_ATTRS = {  # Constant node attribute → NumPy dtype of its value
 }
 
 
-def _axes(node: gs.Node, inputs: list[np.ndarray], index: int) -> list[int] | None:
+def _axes(node: ir.Node, inputs: list[np.ndarray], index: int) -> list[int] | None:
     """The `axes` of a Squeeze/Unsqueeze/Slice: the attribute (older opsets) or input `index`."""
-    if "axes" in node.attrs:
-        return [int(a) for a in node.attrs["axes"]]
+    if "axes" in node.attributes:
+        return [int(a) for a in attr(node, "axes")]
     return [int(a) for a in np.ravel(inputs[index])] if len(inputs) > index and inputs[index] is not None else None
 
 
 def _reshape(node, inputs):
     data, shape = inputs
-    keep_zero = node.attrs.get("allowzero", 0)
+    keep_zero = attr(node, "allowzero", 0)
     dims = [data.shape[i] if d == 0 and not keep_zero else int(d) for i, d in enumerate(np.ravel(shape))]
     return data.reshape(dims)
 
 
 def _flatten(node, inputs):
     data = inputs[0]
-    axis = node.attrs.get("axis", 1) % (data.ndim + 1) if data.ndim else 0
+    axis = attr(node, "axis", 1) % (data.ndim + 1) if data.ndim else 0
     return data.reshape(int(np.prod(data.shape[:axis])), -1)
 
 
@@ -58,8 +60,8 @@ def _squeeze(node, inputs):
 
 def _slice(node, inputs):
     data = inputs[0]
-    if "starts" in node.attrs:  # opset < 10
-        starts, ends, axes, steps = node.attrs["starts"], node.attrs["ends"], node.attrs.get("axes"), None
+    if "starts" in node.attributes:  # opset < 10
+        starts, ends, axes, steps = attr(node, "starts"), attr(node, "ends"), attr(node, "axes"), None
     else:
         starts, ends = np.ravel(inputs[1]), np.ravel(inputs[2])
         axes = _axes(node, inputs, 3)
@@ -71,17 +73,22 @@ def _slice(node, inputs):
     return data[tuple(index)]
 
 
+def _tensor_attr(node: ir.Node) -> ir.TensorProtocol | None:
+    value = attr(node, "value")
+    return value if isinstance(value, ir.TensorProtocol) else None
+
+
 def _constant(node, inputs):
-    value = node.attrs.get("value")
-    if isinstance(value, gs.Constant):
-        return value.values
-    name = next(a for a in CONSTANT_ATTRS if a in node.attrs)
-    return np.array(node.attrs[name], dtype=CONSTANT_ATTRS[name])
+    value = _tensor_attr(node)
+    if value is not None:
+        return value.numpy()
+    name = next(a for a in CONSTANT_ATTRS if a in node.attributes)
+    return np.array(attr(node, name), dtype=CONSTANT_ATTRS[name])
 
 
 def _constant_of_shape(node, inputs):
-    value = node.attrs.get("value")
-    fill = value.values.reshape(-1)[0] if isinstance(value, gs.Constant) else np.float32(0)
+    value = _tensor_attr(node)
+    fill = value.numpy().reshape(-1)[0] if value is not None else np.float32(0)
     return np.full(tuple(int(d) for d in np.ravel(inputs[0])), fill, dtype=np.asarray(fill).dtype)
 
 
@@ -90,14 +97,14 @@ EVALUATORS = {  # op → NumPy evaluation of the node's first output from its in
     "ConstantOfShape": _constant_of_shape,
     "Range": lambda node, inputs: np.arange(inputs[0], inputs[1], inputs[2]).astype(np.asarray(inputs[0]).dtype),
     "Identity": lambda node, inputs: inputs[0],
-    "Cast": lambda node, inputs: inputs[0].astype(onnx.helper.tensor_dtype_to_np_dtype(node.attrs["to"])),
+    "Cast": lambda node, inputs: inputs[0].astype(onnx.helper.tensor_dtype_to_np_dtype(attr(node, "to"))),
     "Reshape": _reshape,
     "Flatten": _flatten,
     "Squeeze": _squeeze,
     "Unsqueeze": lambda node, inputs: np.expand_dims(inputs[0], tuple(_axes(node, inputs, 1))),
-    "Transpose": lambda node, inputs: np.transpose(inputs[0], node.attrs.get("perm")),
-    "Concat": lambda node, inputs: np.concatenate(inputs, axis=node.attrs["axis"]),
-    "Gather": lambda node, inputs: np.take(inputs[0], inputs[1], axis=node.attrs.get("axis", 0)),
+    "Transpose": lambda node, inputs: np.transpose(inputs[0], attr(node, "perm")),
+    "Concat": lambda node, inputs: np.concatenate(inputs, axis=attr(node, "axis")),
+    "Gather": lambda node, inputs: np.take(inputs[0], inputs[1], axis=attr(node, "axis", 0)),
     "Slice": _slice,
     "Expand": lambda node, inputs: np.broadcast_to(inputs[0], np.broadcast_shapes(inputs[0].shape, tuple(inputs[1]))),
     "Neg": lambda node, inputs: np.negative(inputs[0]),
@@ -107,65 +114,52 @@ EVALUATORS = {  # op → NumPy evaluation of the node's first output from its in
 }
 
 
-def _evaluable(node: gs.Node) -> bool:
+def _evaluable(node: ir.Node) -> bool:
     """Whether `node`'s op and attributes are ones `EVALUATORS` computes exactly."""
-    if node.op not in EVALUATORS or node.domain not in (None, "", "ai.onnx"):
+    if node.op_type not in EVALUATORS or node.domain not in ("", "ai.onnx"):
         return False
-    if node.op == "Constant":
-        return isinstance(node.attrs.get("value"), gs.Constant) or any(a in node.attrs for a in CONSTANT_ATTRS)
-    if node.op == "Cast":
-        return node.attrs.get("to") in CAST_DTYPES
-    if node.op == "Unsqueeze":
-        return "axes" in node.attrs or len(node.inputs) > 1
+    if node.op_type == "Constant":
+        return _tensor_attr(node) is not None or any(a in node.attributes for a in CONSTANT_ATTRS)
+    if node.op_type == "Cast":
+        return attr(node, "to") in CAST_DTYPES
+    if node.op_type == "Unsqueeze":
+        return "axes" in node.attributes or input_at(node, 1) is not None
     return True
 
 
-def _producer(tensor: gs.Tensor) -> gs.Node | None:
-    return tensor.inputs[0] if len(tensor.inputs) == 1 else None
-
-
-def is_constant(tensor: gs.Tensor) -> bool:
+def is_constant(tensor: ir.Value | None) -> bool:
     """Whether `tensor` is an initializer or computed from constants alone, without loading it.
 
     Iterative and bounded: a subgraph of more than `MAX_CONSTANT_NODES` evaluable nodes is taken
     as not constant (a safe answer: a weight that is not constant only declines a fold), so a
     run-time residual stream of Adds is not walked to its start for every tensor on it.
     """
+    if tensor is None:
+        return False
     stack, seen = [tensor], set()
     while stack:
         current = stack.pop()
-        if isinstance(current, gs.Constant) or id(current) in seen:
+        if is_initializer(current) or id(current) in seen:
             continue
         seen.add(id(current))
-        node = _producer(current)
+        node = current.producer()
         if node is None or not _evaluable(node) or node.outputs[0] is not current or len(seen) > MAX_CONSTANT_NODES:
             return False
-        stack.extend(t for t in node.inputs if t.name)
+        stack.extend(t for t in node.inputs if t is not None)
     return True
 
 
-def constant_values(tensor: gs.Tensor) -> np.ndarray | None:
+def constant_values(tensor: ir.Value | None) -> np.ndarray | None:
     """Values of a constant-like tensor (read-only; see `is_constant`), else None."""
-    if isinstance(tensor, gs.Constant):
-        return _initializer_values(tensor)
+    if is_initializer(tensor):
+        return tensor.const_value.numpy()
     if not is_constant(tensor):
         return None
-    node = _producer(tensor)
-    inputs = [constant_values(t) if t.name else None for t in node.inputs]
-    if any(value is None for value, t in zip(inputs, node.inputs) if t.name):
+    node = tensor.producer()
+    inputs = [None if t is None else constant_values(t) for t in node.inputs]
+    if any(value is None for value, t in zip(inputs, node.inputs) if t is not None):
         return None
     try:
-        return np.asarray(EVALUATORS[node.op](node, inputs))
+        return np.asarray(EVALUATORS[node.op_type](node, inputs))
     except (ValueError, IndexError, TypeError, KeyError):  # a malformed node: not a usable constant
         return None
-
-
-def _initializer_values(tensor: gs.Constant) -> np.ndarray:
-    lazy = tensor._values
-    if isinstance(lazy, LazyValues) and lazy.tensor.HasField("raw_data") and lazy.tensor.data_location != onnx.TensorProto.EXTERNAL:
-        # One copy (protobuf → bytes) instead of graphsurgeon's to_array + np.array.
-        proto = lazy.tensor
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(proto.data_type)
-        if dtype.kind in "fiub" and dtype.itemsize in (1, 2, 4, 8):
-            return np.frombuffer(proto.raw_data, dtype=dtype).reshape(tuple(proto.dims))
-    return tensor.values

@@ -1,27 +1,28 @@
 """ONNX front end: load a model, infer shapes, and build its zero-mean graph.
 
-The model is held as an onnx-graphsurgeon graph (initializers stay lazy `TensorProto`s, so a
-124M-parameter model is not copied into NumPy). Shapes come from ONNX shape inference run on a
-light copy of the model whose large initializers are declared as inputs instead.
+The model is held as an `ir.Model` (onnx-ir): initializers stay the tensors they were loaded as
+(memory-mapped `ir.ExternalTensor`s for a model with external data, the caller's `TensorProto`s
+for an in-memory one), so a large model is never copied into NumPy. Shapes come from ONNX shape
+inference run on a light proto of the model whose large initializers are declared as inputs.
 The op → rule table below is the whole of what this front end knows about ONNX op semantics.
 
-Control flow (`If`, `Loop`, `Scan`): graphsurgeon imports a body as a `gs.Graph` whose nodes read
-outer-scope tensors as the very same `gs.Tensor` objects, so such a tensor lists the nested reader
-among its `outputs`. For the analysis, a tensor read anywhere inside a body (at any depth) is read
-by the top-level control-flow node: that node's zero-mean-graph inputs include every outer-scope
-tensor its bodies read, and its rule is `Opaque` (a shift reaching a body changes the model).
-Norms inside bodies are listed, with the reason they are not rewritten.
+Control flow (`If`, `Loop`, `Scan`): a body's nodes read outer-scope tensors as the very same
+`ir.Value`s, so such a value lists the nested reader among its uses. For the analysis, a tensor
+read anywhere inside a body (at any depth) is read by the top-level control-flow node: that
+node's zero-mean-graph inputs include every outer-scope tensor its bodies read, and its rule is
+`Opaque` (a shift reaching a body changes the model). Norms inside bodies are listed, with the
+reason they are not rewritten.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
+import onnx_ir as ir
 
 from ..errors import UnsupportedModelError
 from ..core.graph import (
@@ -46,40 +47,53 @@ from ..core.graph import (
     ZeroMeanGraph,
     ZNode,
 )
+from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
 from .constants import constant_values, is_constant
 from .patterns import match_decomposed, match_single_op, norm_info
+from .values import attr, bodies, input_at, is_initializer
 
-LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are declared, not copied, for inference
 SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values
 FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 
 @dataclass
 class OnnxGraph:
-    """A model being analysed or rewritten: the graphsurgeon graph plus inferred shapes."""
+    """A model being analysed or rewritten: the `ir.Model` plus inferred shapes and dtypes (by tensor name).
 
-    model: onnx.ModelProto
-    graph: gs.Graph
+    `source` is the file the model was loaded from (None for an in-memory model); `holders` maps
+    id(node inside a body) to its top-level control-flow node.
+    """
+
+    model: ir.Model
     shapes: dict[str, tuple | None] = field(default_factory=dict)
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
     name: str = "model"
-    holders: dict[int, gs.Node] = field(default_factory=dict)  # id(node in a body) → its top-level control-flow node
+    holders: dict[int, ir.Node] = field(default_factory=dict)
+    source: Path | None = None
 
-    def readers(self, tensor: gs.Tensor) -> list[gs.Node]:
+    @property
+    def graph(self) -> ir.Graph:
+        return self.model.graph
+
+    def readers(self, tensor: ir.Value) -> list[ir.Node]:
         """Top-level nodes that read `tensor`, each once; a reader inside a body counts as its control-flow node."""
-        found: dict[int, gs.Node] = {}
-        for node in tensor.outputs:
-            holder = self.holders.get(id(node), node)
+        found: dict[int, ir.Node] = {}
+        for use in tensor.uses():
+            holder = self.holders.get(id(use.node), use.node)
             found.setdefault(id(holder), holder)
         return list(found.values())
 
     @property
     def opset(self) -> int:
-        return next((o.version for o in self.model.opset_import if o.domain in ("", "ai.onnx")), 1)
+        imports = self.model.opset_imports
+        return imports.get("", imports.get("ai.onnx", 1))
 
 
 def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[str, np.dtype]]:
-    """Shapes (int, symbolic str or None dims) and dtypes of every tensor inference can reach."""
+    """Shapes (int, symbolic str or None dims) and dtypes of every tensor inference can reach.
+
+    `model` may hold initializers without their data (`io.skeleton`): only their types are read.
+    """
     light = onnx.ModelProto()
     light.ir_version = model.ir_version
     light.opset_import.extend(model.opset_import)
@@ -140,98 +154,72 @@ def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
         return light
 
 
-def load_graph(model: onnx.ModelProto, name: str = "model") -> OnnxGraph:
-    """Wrap `model` (not modified) for analysis; unnamed or duplicate node names (in bodies too) get unique ones.
+def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: Path | None = None) -> OnnxGraph:
+    """Wrap `model` for analysis and rewriting; unnamed or duplicate node names (in bodies too) get unique ones.
 
-    An initializer that is also listed in `graph.input` (IR < 4 models, `keep_initializers_as_inputs`
-    exports) is a run-time input whose initializer is only a default: it becomes a graph input
-    here (never a constant to centre or migrate into), in the model's input order, and the
-    export writes its default back unchanged.
+    A `ModelProto` is not modified (its tensors are shared, never written); an `ir.Model` (from
+    `io.load_ir`, say) is taken over: the rewrite changes it in place. An initializer that is also
+    listed in `graph.input` (IR < 4 models, `keep_initializers_as_inputs` exports) is a run-time
+    input whose initializer is only a default: never a constant to centre or migrate into, and
+    written back unchanged.
     """
-    try:
-        graph = gs.import_onnx(model)
-    except Exception as e:  # graphsurgeon rejects graphs it cannot represent
-        raise UnsupportedModelError(f"{name}: cannot be analysed: {type(e).__name__}: {e}") from e
-    tensors = graph.tensors()
-    graph.inputs = [_runtime_input(tensors.get(i.name), i) for i in model.graph.input]
+    if isinstance(model, onnx.ModelProto):
+        try:
+            model = ir.from_proto(model)
+        except Exception as e:  # onnx-ir rejects graphs it cannot represent
+            raise UnsupportedModelError(f"{name}: cannot be analysed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    graph = model.graph
     seen: set[str] = set()
-    nested = [inner for node in graph.nodes for inner, _ in nested_nodes(node)]
-    for index, node in enumerate(list(graph.nodes) + nested):
+    nested = [inner for node in graph for inner, _ in nested_nodes(node)]
+    for index, node in enumerate(list(graph) + nested):
         if not node.name or node.name in seen:
-            node.name = f"{node.op}_{index}" if not node.name else f"{node.name}_{index}"
+            node.name = f"{node.op_type}_{index}" if not node.name else f"{node.name}_{index}"
         seen.add(node.name)
-        _own_attribute_tensors(node)
-    shapes, dtypes = infer_shapes(model)
-    for node in graph.nodes:
-        if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
-            shapes.setdefault(node.outputs[0].name, tuple(node.attrs["value"].shape))
-    return OnnxGraph(model, graph, shapes, dtypes, name, body_holders(graph))
-
-
-def _own_attribute_tensors(node: gs.Node) -> None:
-    """Give a tensor attribute (`Constant`'s `value`, `ConstantOfShape`'s) its own unnamed-proto copy.
-
-    graphsurgeon's exporter writes the tensor's name into the very `TensorProto` it imported,
-    which for an attribute tensor without a name would change the caller's model. These
-    tensors are usually small (weights are usually initializers), so copying them costs little.
-    """
-    for value in node.attrs.values():
-        if isinstance(value, gs.Constant) and isinstance(value._values, LazyValues) and not value._values.tensor.HasField("name"):
-            value._values = LazyValues(onnx.TensorProto.FromString(value._values.tensor.SerializeToString()))
+    shapes, dtypes = infer_shapes(skeleton(model))
+    for node in graph:
+        value = attr(node, "value") if node.op_type == "Constant" else None
+        if isinstance(value, ir.TensorProtocol):
+            shapes.setdefault(node.outputs[0].name, tuple(value.shape.numpy()))
+    return OnnxGraph(model, shapes, dtypes, name, body_holders(graph), source)
 
 
 # --- control flow ------------------------------------------------------------------------------
 
 
-def bodies(node: gs.Node) -> list[tuple[str, gs.Graph]]:
-    """The subgraphs of a control-flow node, with the attribute that holds each."""
-    return [(attr, value) for attr, value in node.attrs.items() if isinstance(value, gs.Graph)]
-
-
-def body_holders(graph: gs.Graph) -> dict[int, gs.Node]:
+def body_holders(graph: ir.Graph) -> dict[int, ir.Node]:
     """id(node inside a body, at any depth) → the top-level control-flow node holding it."""
-    return {id(inner): node for node in graph.nodes for inner, _ in nested_nodes(node)}
+    return {id(inner): node for node in graph for inner, _ in nested_nodes(node)}
 
 
-def nested_nodes(node: gs.Node, outer: str = "") -> Iterator[tuple[gs.Node, str]]:
+def nested_nodes(node: ir.Node, outer: str = "") -> Iterator[tuple[ir.Node, str]]:
     """Every node inside the bodies of `node` at any depth, with where it is ("the else-branch of If z")."""
-    for attr, body in bodies(node):
-        where = f"the {attr.replace('_', '-')} of {node.op} {node.name}" + (f", inside {outer}" if outer else "")
-        for inner in body.nodes:
+    for name, body in bodies(node):
+        where = f"the {name.replace('_', '-')} of {node.op_type} {node.name}" + (f", inside {outer}" if outer else "")
+        for inner in body:
             yield inner, where
             yield from nested_nodes(inner, where)
 
 
-def outer_reads(node: gs.Node) -> list[gs.Tensor]:
+def outer_reads(node: ir.Node) -> list[ir.Value]:
     """Run-time tensors that the bodies of `node` (at any depth) read from outside them.
 
     Constants are left out: a rewrite never changes a constant in place, so a body reading one
     is not affected by it.
     """
-    found: dict[str, gs.Tensor] = {}
+    found: dict[str, ir.Value] = {}
     for _, body in bodies(node):
-        local = {t.name for t in body.inputs} | {t.name for inner in body.nodes for t in inner.outputs}
-        for inner in body.nodes:
+        local = {t.name for t in body.inputs} | {t.name for inner in body for t in inner.outputs}
+        for inner in body:
             for tensor in list(inner.inputs) + outer_reads(inner):
-                if tensor.name and tensor.name not in local and not isinstance(tensor, gs.Constant):
+                if tensor is not None and tensor.name and tensor.name not in local and not is_initializer(tensor):
                     found.setdefault(tensor.name, tensor)
     return list(found.values())
-
-
-def _runtime_input(tensor: gs.Tensor | None, info: onnx.ValueInfoProto) -> gs.Tensor:
-    """The graph input `info`: an overridable initializer becomes a Variable (in place, for every reader)."""
-    if tensor is None:  # an input no node reads
-        return gs.Variable(info.name, dtype=info.type.tensor_type.elem_type or None)
-    if isinstance(tensor, gs.Constant):
-        tensor.to_variable(shape=list(tensor.shape))
-        tensor.type = "tensor_type"  # what Variable.__init__ would have set
-    return tensor
 
 
 # --- op table ----------------------------------------------------------------------------------
 
 
-def _rank(ctx: OnnxGraph, tensor: gs.Tensor) -> int | None:
+def _rank(ctx: OnnxGraph, tensor: ir.Value) -> int | None:
     shape = ctx.shapes.get(tensor.name)
     return None if shape is None else len(shape)
 
@@ -248,7 +236,7 @@ def _linear_or(reason: str, ok: bool, axis: int | None):
     return NodeKind.OTHER, Opaque(reason)
 
 
-def _runtime(tensor: gs.Tensor) -> str:
+def _runtime(tensor: ir.Value) -> str:
     return f"{tensor.name} is not a constant (computed at run time, or an overridable graph input)"
 
 
@@ -262,20 +250,20 @@ def _matmul(ctx, node):
 
 
 def _gemm(ctx, node):
-    ok = is_constant(node.inputs[1]) and (len(node.inputs) < 3 or is_constant(node.inputs[2]))
+    ok = is_constant(node.inputs[1]) and (input_at(node, 2) is None or is_constant(node.inputs[2]))
     return _linear_or("its weight or bias is computed at run time", ok, 1)
 
 
 def _conv(ctx, node):
-    if node.attrs.get("group", 1) != 1:
+    if attr(node, "group", 1) != 1:
         return NodeKind.OTHER, Opaque("a grouped or depthwise convolution cannot be centred (seed 003 §3)")
-    ok = all(is_constant(t) for t in node.inputs[1:])
+    ok = all(is_constant(t) for t in node.inputs[1:] if t is not None)
     return _linear_or("its weight is computed at run time", ok, 1)
 
 
 def _gather(ctx, node):
     data, indices = node.inputs[0], node.inputs[1]
-    axis = node.attrs.get("axis", 0)
+    axis = attr(node, "axis", 0)
     if is_constant(data):
         rank = _rank(ctx, node.outputs[0])
         ok = len(ctx.shapes.get(data.name) or ()) == 2 and _axis(axis, 2) == 0
@@ -289,14 +277,14 @@ def _gather(ctx, node):
 def _slice(ctx, node):
     rank = _rank(ctx, node.inputs[0])
     starts = node.inputs[1]
-    if len(node.inputs) > 3 and node.inputs[3].name:
+    if input_at(node, 3) is not None:
         axes = constant_values(node.inputs[3])
         if axes is None:
             return NodeKind.LAYOUT, Select(None)
         axes = [int(a) for a in np.ravel(axes)]
     else:
         values = constant_values(starts)
-        count = (starts.shape or [None])[0] if values is None else values.size
+        count = (ctx.shapes.get(starts.name) or [None])[0] if values is None else values.size
         axes = list(range(count)) if isinstance(count, int) else None
     if axes is None or rank is None and any(a < 0 for a in axes):
         return NodeKind.LAYOUT, Select(None)
@@ -304,11 +292,11 @@ def _slice(ctx, node):
 
 
 def _split(ctx, node):
-    return NodeKind.LAYOUT, Select((_axis(node.attrs.get("axis", 0), _rank(ctx, node.inputs[0])),))
+    return NodeKind.LAYOUT, Select((_axis(attr(node, "axis", 0), _rank(ctx, node.inputs[0])),))
 
 
 def _transpose(ctx, node):
-    perm = node.attrs.get("perm")
+    perm = attr(node, "perm")
     if perm is None:
         rank = _rank(ctx, node.inputs[0])
         if rank is None:
@@ -320,7 +308,7 @@ def _transpose(ctx, node):
 
 
 def _concat(ctx, node):
-    axis = _axis(node.attrs.get("axis", 0), _rank(ctx, node.outputs[0]))
+    axis = _axis(attr(node, "axis", 0), _rank(ctx, node.outputs[0]))
     if axis is None:
         return NodeKind.OTHER, Opaque("a Concat of unknown rank")
     return NodeKind.LAYOUT, Concat(axis)
@@ -328,7 +316,7 @@ def _concat(ctx, node):
 
 def _softmax(ctx, node):
     rank = _rank(ctx, node.inputs[0])
-    axis = _axis(node.attrs.get("axis", -1 if ctx.opset >= 13 else 1), rank)
+    axis = _axis(attr(node, "axis", -1 if ctx.opset >= 13 else 1), rank)
     if axis is None or rank is None:
         return NodeKind.OTHER, Opaque("a Softmax of unknown rank")
     if ctx.opset < 13 and axis != rank - 1:  # before opset 13 Softmax normalizes over axes [axis, rank)
@@ -337,7 +325,7 @@ def _softmax(ctx, node):
 
 
 def _cast(ctx, node):
-    if node.attrs.get("to") in FLOAT_CASTS:
+    if attr(node, "to") in FLOAT_CASTS:
         return NodeKind.SCALAR, Scale(0, None)
     return NodeKind.OTHER, Opaque("casts to a non-float type")
 
@@ -347,10 +335,10 @@ def _sub(ctx, node):
     if len(node.inputs) != 2:
         return NodeKind.OTHER, Opaque("a Sub without two inputs")
     x, mean = node.inputs
-    producer = mean.inputs[0] if len(mean.inputs) == 1 else None
-    if producer is not None and producer.op == "ReduceMean" and producer.inputs[0] is x and producer.attrs.get("keepdims", 1):
-        axes = producer.attrs.get("axes")
-        if axes is None and len(producer.inputs) > 1:
+    producer = None if mean is None else mean.producer()
+    if producer is not None and producer.op_type == "ReduceMean" and producer.inputs[0] is x and attr(producer, "keepdims", 1):
+        axes = attr(producer, "axes")
+        if axes is None and input_at(producer, 1) is not None:
             axes = constant_values(producer.inputs[1])
         if axes is not None and np.size(axes) == 1:
             axis = _axis(int(np.ravel(axes)[0]), _rank(ctx, x))
@@ -359,9 +347,9 @@ def _sub(ctx, node):
     return NodeKind.RESIDUAL, Sum()
 
 
-def _input_values(node: gs.Node, index: int) -> np.ndarray | None:
+def _input_values(node: ir.Node, index: int) -> np.ndarray | None:
     """Values of optional input `index` if it is present and constant."""
-    return constant_values(node.inputs[index]) if len(node.inputs) > index and node.inputs[index].name else None
+    return constant_values(input_at(node, index))
 
 
 def _unchanged_axes(rank: int, axes, factors, unchanged: int) -> list[int]:
@@ -375,17 +363,16 @@ def _unchanged_axes(rank: int, axes, factors, unchanged: int) -> list[int]:
 def _resize(ctx, node):
     """Nearest/linear/cubic interpolation is one linear map per axis, the identity on an axis of scale 1."""
     rank = _rank(ctx, node.inputs[0])
-    attrs = node.attrs
     if rank is None:
         return NodeKind.OTHER, Opaque("a Resize of unknown rank")
-    if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+    if attr(node, "coordinate_transformation_mode") == "tf_crop_and_resize":
         return NodeKind.OTHER, Opaque("crop-and-resize shifts even the axes it does not scale")
-    axes = attrs.get("axes")
-    scales = attrs.get("scales") if "scales" in attrs else _input_values(node, 1 if node.op == "Upsample" or ctx.opset < 11 else 2)
+    axes = attr(node, "axes")
+    scales = attr(node, "scales") if "scales" in node.attributes else _input_values(node, 1 if node.op_type == "Upsample" or ctx.opset < 11 else 2)
     if scales is not None and np.size(scales):
         return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, scales, 1)))
     sizes, in_shape = _input_values(node, 3), ctx.shapes.get(node.inputs[0].name)
-    if sizes is None or attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+    if sizes is None or attr(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
         return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, None, 1)))
     in_dims = [in_shape[a] for a in (range(rank) if axes is None else [_axis(int(a), rank) for a in axes])]
     resized = [int(size != dim) for size, dim in zip(np.ravel(sizes), in_dims)]
@@ -402,12 +389,12 @@ def _pad(ctx, node):
     rank = _rank(ctx, node.inputs[0])
     if rank is None:
         return NodeKind.OTHER, Opaque("a Pad of unknown rank")
-    mode = node.attrs.get("mode", "constant")
-    given = "pads" not in node.attrs and len(node.inputs) > 2 and node.inputs[2].name
-    value = _input_values(node, 2) if given else node.attrs.get("value", 0.0)
+    mode = attr(node, "mode", "constant")
+    given = "pads" not in node.attributes and input_at(node, 2) is not None
+    value = _input_values(node, 2) if given else attr(node, "value", 0.0)
     if mode == "constant" and (value is None or np.any(np.asarray(value) != 0)):
         return NodeKind.OTHER, Opaque("pads with a value that is not a constant zero, so padded rows are not zero-mean")
-    pads = node.attrs.get("pads") if "pads" in node.attrs else _input_values(node, 1)
+    pads = attr(node, "pads") if "pads" in node.attributes else _input_values(node, 1)
     axes = _input_values(node, 3)
     if pads is None:
         return NodeKind.LAYOUT, Mix(())
@@ -447,7 +434,7 @@ def _einsum(ctx, node):
     constant = [is_constant(t) for t in node.inputs]
     if len(node.inputs) != 2 or constant.count(True) != 1 or rank is None:
         return NodeKind.OTHER, Opaque("an Einsum that is not one run-time tensor times one constant")
-    equation = node.attrs.get("equation", "")
+    equation = attr(node, "equation", "")
     if einsum_weight_axis(equation, constant.index(True), rank - 1) is None:
         return NodeKind.OTHER, Opaque(f"Einsum {equation!r} does not produce its last axis from the constant alone")
     return NodeKind.LINEAR, Linear(rank - 1)
@@ -510,12 +497,12 @@ CONTRIB_TABLE = {  # com.microsoft ops that ONNX Runtime's transformers optimize
 DOMAINS = {"": OP_TABLE, "ai.onnx": OP_TABLE, "com.microsoft": CONTRIB_TABLE}
 
 
-def classify(ctx: OnnxGraph, node: gs.Node):
+def classify(ctx: OnnxGraph, node: ir.Node):
     """(kind, rule) of `node`; never raises: what cannot be analysed is `Opaque`, with the reason."""
     domain = node.domain or ""
-    handler = DOMAINS.get(domain, {}).get(node.op)
+    handler = DOMAINS.get(domain, {}).get(node.op_type)
     if handler is None:
-        named = node.op if domain in ("", "ai.onnx") else f"{domain}.{node.op}"
+        named = node.op_type if domain in ("", "ai.onnx") else f"{domain}.{node.op_type}"
         return NodeKind.OTHER, Opaque(f"{named} is not linear in its input")
     try:
         return handler(ctx, node)
@@ -523,7 +510,7 @@ def classify(ctx: OnnxGraph, node: gs.Node):
         return NodeKind.OTHER, Opaque(f"cannot be analysed ({type(e).__name__}: {e})")
 
 
-def norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[gs.Node, str, object]]:
+def norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[ir.Node, str, object]]:
     """(anchor node, op shown to users, (norm type, match)) of every norm among `nodes`."""
     in_norm: set[int] = set()
     scope = {id(node) for node in nodes}
@@ -534,10 +521,10 @@ def norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[gs.Node, str, objec
         if found is not None:
             norm_type, match = found
             in_norm.update(id(n) for n in match.nodes)
-            yield node, node.op if len(match.nodes) == 1 else f"decomposed {norm_type.value}", found
+            yield node, node.op_type if len(match.nodes) == 1 else f"decomposed {norm_type.value}", found
 
 
-def _nested_norms(node: gs.Node) -> list[NormInfo]:
+def _nested_norms(node: ir.Node) -> list[NormInfo]:
     """The norms inside the bodies of `node`, each declined with where it is."""
     nested = list(nested_nodes(node))
     where = {id(inner): place for inner, place in nested}
@@ -549,7 +536,7 @@ def _nested_norms(node: gs.Node) -> list[NormInfo]:
     return norms
 
 
-def _control_flow(node: gs.Node) -> tuple[NodeKind, Opaque, list[str]]:
+def _control_flow(node: ir.Node) -> tuple[NodeKind, Opaque, list[str]]:
     """A control-flow node reads its inputs and every outer-scope tensor of its bodies."""
     reads = [t.name for t in outer_reads(node)]
     reason = "control flow: a shift reaching its inputs" + (f" or what its bodies read ({', '.join(reads)})" if reads else "")
@@ -563,15 +550,15 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
     zmg = ZeroMeanGraph(model_name=ctx.name, shapes=ctx.shapes)
     zmg.graph_inputs = {t.name for t in graph.inputs}
     zmg.graph_outputs = outputs
-    for tensor in graph.tensors().values():
+    for tensor in graph_values(graph):
         if is_constant(tensor):
             zmg.constants[tensor.name] = lambda t=tensor: constant_values(t)
     in_norm: set[int] = set()
-    for node, op, (norm_type, match) in norm_matches(graph.nodes, outputs):
+    for node, op, (norm_type, match) in norm_matches(list(graph), outputs):
         zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
         in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}
-    for node in graph.nodes:
+    for node in graph:
         if node.name in norms_by_anchor:
             norm = norms_by_anchor[node.name]
             inputs = [norm.input] + [t for t in (norm.scale, norm.bias) if t]
@@ -581,21 +568,30 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
             continue
         if id(node) in in_norm:
             continue
-        inputs = [t.name for t in node.inputs]
+        inputs = ["" if t is None else t.name for t in node.inputs]
         if bodies(node):
             kind, rule, reads = _control_flow(node)
             inputs += [name for name in reads if name not in inputs]
         else:
             kind, rule = classify(ctx, node)
-        zmg.add_node(ZNode(node.name, node.op, kind, rule, inputs, [t.name for t in node.outputs], node))
-    for node in graph.nodes:
+        zmg.add_node(ZNode(node.name, node.op_type, kind, rule, inputs, [t.name for t in node.outputs], node))
+    for node in graph:
         for norm in _nested_norms(node):
             zmg.norms.append(norm)
             zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
     return zmg
 
 
-def _add_skip_sum(ctx: OnnxGraph, zmg: ZeroMeanGraph, node: gs.Node, norm) -> None:
+def graph_values(graph: ir.Graph) -> Iterator[ir.Value]:
+    """Every named tensor of the top-level graph, once: inputs, initializers, node inputs and outputs."""
+    seen: set[int] = set()
+    for value in [*graph.inputs, *graph.initializers.values(), *(t for node in graph for t in (*node.inputs, *node.outputs))]:
+        if value is not None and value.name and id(value) not in seen:
+            seen.add(id(value))
+            yield value
+
+
+def _add_skip_sum(ctx: OnnxGraph, zmg: ZeroMeanGraph, node: ir.Node, norm) -> None:
     """A Skip*LayerNormalization normalizes x + skip (+ bias): model that sum as its own `Sum` node.
 
     Its output is the op's output 3 where something reads it, else a name of its own; it has x's shape.
@@ -603,4 +599,4 @@ def _add_skip_sum(ctx: OnnxGraph, zmg: ZeroMeanGraph, node: gs.Node, norm) -> No
     match = norm.ref
     operands = [t.name for t in (match.x, match.skip, match.skip_bias) if t is not None]
     ctx.shapes.setdefault(norm.input, ctx.shapes.get(match.x.name))
-    zmg.add_node(ZNode(f"{node.name}.sum", f"{node.op} (sum)", NodeKind.RESIDUAL, Sum(), operands, [norm.input], node))
+    zmg.add_node(ZNode(f"{node.name}.sum", f"{node.op_type} (sum)", NodeKind.RESIDUAL, Sum(), operands, [norm.input], node))

@@ -13,102 +13,98 @@ op's bias input too: s = a + t + c = Skip(a, t, γ, c), as ORT's own BiasSkipLay
 
 from __future__ import annotations
 
-import onnx
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
+
+from .values import attr, input_at, is_initializer
 
 MS_DOMAIN = "com.microsoft"
-SKIP_DTYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)  # ORT's kernels for SkipSimplifiedLayerNormalization
+SKIP_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)  # ORT's kernels for SkipSimplifiedLayerNormalization
 
 
-def ort_fuses_into_skip_layer_norm(x: gs.Tensor, shapes: dict[str, tuple | None], graph_outputs: set[str]) -> bool:
+def ort_fuses_into_skip_layer_norm(x: ir.Value, shapes: dict[str, tuple | None], graph_outputs: set[str]) -> bool:
     """Whether ORT's session optimizer will fuse the `Add` writing a LayerNorm's input `x` with it.
 
     Its SkipLayerNormFusion takes `Add(a, b) → LayerNormalization` when a and b are same-shape
     run-time tensors and nothing else reads the sum (as at the last norm of a pre-LN stack).
     """
-    add = x.inputs[0] if len(x.inputs) == 1 else None
-    if add is None or add.op != "Add" or len(add.inputs) != 2 or len(x.outputs) != 1 or x.name in graph_outputs:
+    add = x.producer()
+    if add is None or add.op_type != "Add" or len(add.inputs) != 2 or len(x.uses()) != 1 or x.name in graph_outputs:
         return False
     first, second = add.inputs
     shape = shapes.get(first.name)
-    return (not isinstance(first, gs.Constant) and not isinstance(second, gs.Constant) and shape is not None
+    return (not is_initializer(first) and not is_initializer(second) and shape is not None
             and shapes.get(second.name) == shape and len(shape) in (2, 3))
 
 
-def fuse_skip_rms(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> int:
+def _is_constant(value: ir.Value) -> bool:
+    """An initializer (overridable ones too) or a `Constant` node's output."""
+    producer = value.producer()
+    return value.is_initializer() or producer is not None and producer.op_type == "Constant"
+
+
+def _vector_dims(value: ir.Value) -> tuple | None:
+    """The dims of a 1-D initializer, else None."""
+    if not value.is_initializer() or value.const_value is None or len(value.const_value.shape) != 1:
+        return None
+    return tuple(value.const_value.shape.numpy())
+
+
+def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
     """Rewrite `model` in place; returns the number of fused pairs."""
     graph = model.graph
-    producers = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, int] = {}
-    for node in graph.node:
-        for name in list(node.input) + _body_reads(node):
-            consumers[name] = consumers.get(name, 0) + 1
-    constants = {i.name for i in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
-    outputs = {o.name for o in graph.output}
-    vectors = {i.name: tuple(i.dims) for i in graph.initializer if len(i.dims) == 1}
-    dtypes = {i.name: i.data_type for i in graph.initializer}
-    fused: dict[int, onnx.NodeProto] = {}  # id(Add) → the fused node, which takes the Add's place
-    removed: set[int] = set()  # ids of the fused norms and bias Adds
-    for norm in graph.node:
-        add = producers.get(norm.input[0]) if norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx") else None
-        if add is None or add.op_type != "Add" or id(add) in fused or len(add.input) != 2:
+    outputs = {o.name for o in graph.outputs}
+    fused: set[int] = set()  # ids of the Adds fused (each fused once)
+    count = 0
+    for norm in list(graph):
+        add = norm.inputs[0].producer() if norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx") else None
+        if add is None or add.op_type != "Add" or id(add) in fused or len(add.inputs) != 2 or add.graph is not graph:
             continue
-        if len(norm.input) < 2 or dtypes.get(norm.input[1]) not in SKIP_DTYPES:
+        gamma = input_at(norm, 1)
+        if gamma is None or not gamma.is_initializer() or gamma.dtype not in SKIP_DTYPES:
             continue
-        first, second = add.input
-        shape = shapes.get(first)
-        if first in constants or second in constants or shape is None or shapes.get(second) != shape or len(shape) not in (2, 3):
+        first, second = add.inputs
+        shape = shapes.get(first.name)
+        if _is_constant(first) or _is_constant(second) or shape is None or shapes.get(second.name) != shape or len(shape) not in (2, 3):
             continue
-        axis = next((a.i for a in norm.attribute if a.name == "axis"), -1)
-        if axis not in (-1, len(shape) - 1):
+        if attr(norm, "axis", -1) not in (-1, len(shape) - 1):
             continue
-        total = add.output[0]
-        keep_sum = consumers.get(total, 0) > 1 or total in outputs
-        inputs, note = [first, second, norm.input[1]], f"normpass: fused with residual Add {add.name}"
+        total = add.outputs[0]
+        keep_sum = len(total.uses()) > 1 or total.name in outputs
+        inputs, note = [first, second, gamma], f"normpass: fused with residual Add {add.name}"
+        removed = [norm, add]
         for index in (1, 0):
-            bias_add = producers.get(inputs[index])
-            split = None if bias_add is None or id(bias_add) in fused else _bias_split(bias_add, shape, vectors, shapes)
-            if split is not None and consumers.get(inputs[index]) == 1 and inputs[index] not in outputs:
+            bias_add = inputs[index].producer()
+            split = None if bias_add is None or id(bias_add) in fused else _bias_split(bias_add, shape, shapes)
+            if split is not None and len(inputs[index].uses()) == 1 and inputs[index].name not in outputs:
                 inputs[index] = split[0]
                 inputs.append(split[1])
-                removed.add(id(bias_add))
+                removed.append(bias_add)
                 note += f" and bias Add {bias_add.name}"
                 break
-        skip = onnx.helper.make_node(
-            "SkipSimplifiedLayerNormalization",
-            inputs,
-            [norm.output[0], "", "", total] if keep_sum else [norm.output[0]],
-            name=norm.name,
-            domain=MS_DOMAIN,
-            epsilon=next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5),
-        )
-        skip.doc_string = (norm.doc_string + "\n" if norm.doc_string else "") + note
-        fused[id(add)] = skip
-        removed.add(id(norm))
-    if not fused:
-        return 0
-    nodes = [fused.get(id(node), node) for node in graph.node if id(node) not in removed]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    if all(o.domain != MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
-    return len(fused)
+        y = norm.outputs[0]
+        new_y, new_total = ir.Value(name=y.name, shape=y.shape, type=y.type), ir.Value(name=total.name, shape=total.shape, type=total.type)
+        skip = ir.node("SkipSimplifiedLayerNormalization", inputs, {"epsilon": attr(norm, "epsilon", 1e-5)},
+                       outputs=[new_y, ir.Value(name=""), ir.Value(name=""), new_total] if keep_sum else [new_y],
+                       domain=MS_DOMAIN, name=norm.name,
+                       doc_string=(norm.doc_string + "\n" if norm.doc_string else "") + note)
+        graph.insert_before(add, skip)  # the Add's place: everything that read the sum comes after it
+        for old, new in ((y, new_y), (total, new_total)):
+            name = old.name
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            old.name, new.name = None, name
+        graph.remove(removed, safe=True)
+        fused.add(id(add))
+        count += 1
+    if count:
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    return count
 
 
-def _body_reads(node: onnx.NodeProto) -> list[str]:
-    """Tensor names read inside the bodies of a control-flow node, at any depth.
-
-    Names local to a body are counted too: an extra reader only prevents a fusion.
-    """
-    bodies = [body for attr in node.attribute for body in ([attr.g] if attr.HasField("g") else attr.graphs)]
-    return [name for body in bodies for inner in body.node for name in list(inner.input) + _body_reads(inner)]
-
-
-def _bias_split(node: onnx.NodeProto, shape: tuple, vectors: dict[str, tuple], shapes: dict) -> tuple[str, str] | None:
-    """(t, c) if `node` is t + c with c a 1-D constant over the last axis and t shaped like the sum."""
-    if node.op_type != "Add" or len(node.input) != 2:
+def _bias_split(node: ir.Node, shape: tuple, shapes: dict) -> tuple[ir.Value, ir.Value] | None:
+    """(t, c) if `node` is t + c with c a 1-D initializer over the last axis and t shaped like the sum."""
+    if node.op_type != "Add" or len(node.inputs) != 2:
         return None
-    for t, c in (node.input, node.input[::-1]):
-        if c in vectors and vectors[c] == (shape[-1],) and t not in vectors and shapes.get(t) == shape:
+    for t, c in (node.inputs, node.inputs[::-1]):
+        if _vector_dims(c) == (shape[-1],) and _vector_dims(t) is None and shapes.get(t.name) == shape:
             return t, c
     return None

@@ -23,20 +23,23 @@ so there it is folded.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from .. import __version__
 from ..core.analysis import plan as make_plan
 from ..errors import InputError, UnsupportedModelError, VerificationError
-from .frontend import build_zero_mean_graph, load_graph
-from .export import export_model
+from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
+from .export import annotate
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .rewrite import RMS_OPS, Rewriter
-from ..io import checked_model
+from ..io import checked_model, load_ir, save_onnx_atomic, skeleton
 from ..core.plan import FoldPlan
 from .verify import Comparison, check_input_shapes, check_signature, verify
 
@@ -79,12 +82,28 @@ class FoldOptions:
 
 @dataclass
 class FoldResult:
-    model: onnx.ModelProto
+    """A fold's outcome. `ir_model` is the folded model (its unchanged weights still the tensors they
+    were loaded as: memory-mapped external data for a model loaded from a file); `save(path)` writes
+    it atomically, streaming the weights, and `model` is it as a `ModelProto` with every weight in
+    memory, made on first use (for in-memory callers and small models)."""
+
+    ir_model: ir.Model
     plan: FoldPlan
     comparison: Comparison | None
     affine_notes: dict[str, str]
     seconds: dict[str, float]
     emitted: dict = field(default_factory=dict)  # target, provider, RMS op, number of skip fusions
+    _proto: onnx.ModelProto | None = field(default=None, repr=False)
+
+    @property
+    def model(self) -> onnx.ModelProto:
+        if self._proto is None:
+            self._proto = in_memory_proto(self.ir_model)
+        return self._proto
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the folded model to `path` atomically (its weights in `path.data` where `io.save_ir` puts them)."""
+        save_onnx_atomic(self.ir_model, path)
 
     @property
     def folded(self) -> int:
@@ -115,40 +134,60 @@ def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], second
     }
 
 
-def _to_rms_opset(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model at opset 23 (for RMSNormalization), at an IR version ONNX Runtime accepts."""
+def in_memory_proto(model: ir.Model) -> onnx.ModelProto:
+    """`model` as a ModelProto with every weight inside it (external data read in)."""
+    proto = ir.to_proto(model)
+    base_dirs = {v.const_value.base_dir for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
+    for base_dir in base_dirs:
+        onnx.external_data_helper.load_external_data_for_model(proto, str(base_dir))
+    return proto
+
+
+def _to_rms_opset(ctx: OnnxGraph) -> OnnxGraph:
+    """The graph at opset 23 (for RMSNormalization), at an IR version ONNX Runtime accepts.
+
+    ONNX's version converter works on a whole ModelProto: the weights are read into memory here.
+    """
     from onnx import version_converter
 
-    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    if current >= RMS_OPSET:
-        return model
+    if ctx.opset >= RMS_OPSET:
+        return ctx
     try:
-        converted = version_converter.convert_version(model, RMS_OPSET)
+        converted = version_converter.convert_version(in_memory_proto(ctx.model), RMS_OPSET)
     except Exception as e:
         raise UnsupportedModelError(
-            f"cannot convert the model from opset {current} to {RMS_OPSET} for RMSNormalization ({e}); "
+            f"cannot convert the model from opset {ctx.opset} to {RMS_OPSET} for RMSNormalization ({e}); "
             "use --rms-op simplified or decomposed"
         ) from e
-    converted.ir_version = max(model.ir_version, RMS_IR_VERSION)
-    return converted
+    converted.ir_version = max(ctx.model.ir_version, RMS_IR_VERSION)
+    return load_graph(converted, ctx.name, ctx.source)
+
+
+def open_graph(model: onnx.ModelProto | str | os.PathLike, name: str = "model") -> OnnxGraph:
+    """The graph of `model`: a path is loaded lazily (external weights stay on disk), a ModelProto is wrapped, not copied."""
+    if isinstance(model, (str, os.PathLike)):
+        return load_graph(load_ir(model), name, Path(model))
+    return load_graph(checked_model(model, name), name)
 
 
 def inspect_onnx(model: onnx.ModelProto | str, insert_centering: bool = True, name: str = "model") -> FoldPlan:
     """Which norms of `model` (a ModelProto or the path of an .onnx file) fold exactly, and why the others do not."""
-    model = checked_model(model, name)
-    return make_plan(build_zero_mean_graph(load_graph(model, name)), insert_centering)
+    return make_plan(build_zero_mean_graph(open_graph(model, name)), insert_centering)
 
 
-def fold_onnx(model: onnx.ModelProto | str, options: FoldOptions | None = None, name: str = "model") -> FoldResult:
-    """Fold every provable LayerNorm of `model` (a ModelProto or an .onnx path) into an RMSNorm; verify unless told not to."""
-    model = checked_model(model, name)
+def fold_onnx(model: onnx.ModelProto | str | os.PathLike, options: FoldOptions | None = None, name: str = "model") -> FoldResult:
+    """Fold every provable LayerNorm of `model` (a ModelProto, not modified, or an .onnx path, read
+    lazily) into an RMSNorm; verify unless told not to."""
     options = options or FoldOptions()
     rms_op, fuse_skip = options.emission()
-    check_input_shapes(model, options.input_shapes)
     seconds = {}
     start = time.perf_counter()
-    source = _to_rms_opset(model) if rms_op == "onnx" else model
-    ctx = load_graph(source, name)
+    ctx = open_graph(model, name)
+    before = skeleton(ctx.model)
+    check_input_shapes(before, options.input_shapes)
+    original = ctx.source or model
+    if rms_op == "onnx":
+        ctx = _to_rms_opset(ctx)
     zmg = build_zero_mean_graph(ctx)
     fold_plan = make_plan(zmg, options.insert_centering)
     rewriter = Rewriter(ctx, zmg, rms_op)
@@ -164,16 +203,16 @@ def fold_onnx(model: onnx.ModelProto | str, options: FoldOptions | None = None, 
     seconds["analysis"] = time.perf_counter() - start
     start = time.perf_counter()
     notes = rewriter.apply(fold_plan, options.migrate_affine) if fold_plan.folded else {}
-    rewritten = _export(ctx, source, fold_plan, rewriter.docs)
+    rewritten = _annotate(ctx, fold_plan, rewriter.docs)
     fused = fuse_skip_rms(rewritten, ctx.shapes) if fuse_skip else 0
     seconds["rewrite"] = time.perf_counter() - start
     comparison = None
     if not options.verify:
-        check_signature(model, rewritten, name)  # verify() checks it first
+        check_signature(before, skeleton(rewritten), name)  # verify() checks it first
     else:
         start = time.perf_counter()
         try:
-            comparison = verify(model, rewritten, options.input_shapes, options.seed, name)
+            comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
         except UnsupportedModelError as e:
             raise UnsupportedModelError(f"{name}: {len(fold_plan.folded)} of {fold_plan.total} norms folded, but the result "
                                         f"could not be verified ({e}); nothing written; fold without verification "
@@ -190,10 +229,10 @@ def _is_half(ctx, zmg, fold_plan: FoldPlan) -> bool:
     return any(np.dtype(ctx.dtypes.get(zmg.norm_by_name(d.name).input) or np.float32) == np.float16 for d in fold_plan.folded)
 
 
-def _export(ctx, source: onnx.ModelProto, fold_plan: FoldPlan, docs: dict[str, str]) -> onnx.ModelProto:
+def _annotate(ctx: OnnxGraph, fold_plan: FoldPlan, docs: dict[str, str]) -> ir.Model:
     metadata = {
         "normpass.version": __version__,
         "normpass.folded": f"{len(fold_plan.folded)} of {fold_plan.total} norms folded into RMSNorm",
         "normpass.folded_norms": ", ".join(d.name for d in fold_plan.folded),
     }
-    return export_model(ctx.graph, source, docs, metadata)
+    return annotate(ctx.model, docs, metadata)

@@ -1,4 +1,4 @@
-"""Recognise normalizations in an ONNX graph (onnx-graphsurgeon IR), in one op or decomposed.
+"""Recognise normalizations in an ONNX graph (onnx-ir), in one op or decomposed.
 
 Recognised spellings (every one is listed in `inspect`; those that cannot fold say why):
 
@@ -39,12 +39,12 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
 
 from ..core.algebra import has_zero_mean, is_uniform
 from ..core.graph import NormInfo, NormType
 from .constants import constant_values
+from .values import attr, input_at, readers
 
 TRANSPARENT_CASTS = {"Cast"}
 ALREADY_RMS = "already an RMSNorm: there is no mean subtraction to remove"  # why an RMSNorm never folds
@@ -55,19 +55,19 @@ SKIP_BIAS_INPUT = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalizatio
 class NormMatch:
     """The graph nodes one normalization occupies, and its operands."""
 
-    nodes: list[gs.Node]
-    x: gs.Tensor
-    y: gs.Tensor
+    nodes: list[ir.Node]
+    x: ir.Value
+    y: ir.Value
     axis: int  # possibly negative, as written in the graph
     epsilon: float
-    gamma: gs.Tensor | None = None
-    beta: gs.Tensor | None = None
+    gamma: ir.Value | None = None
+    beta: ir.Value | None = None
     extra_outputs_used: bool = False
-    internal: list[gs.Tensor] = field(default_factory=list)
+    internal: list[ir.Value] = field(default_factory=list)
     eps_outside_root: bool = False  # decomposed x̂ = d / (√var + ε) instead of d / √(var + ε)
-    skip: gs.Tensor | None = None  # Skip*LayerNormalization: normalizes x + skip (+ bias)
-    skip_bias: gs.Tensor | None = None
-    skip_sum: gs.Tensor | None = None  # its output 3, the sum, where something reads it
+    skip: ir.Value | None = None  # Skip*LayerNormalization: normalizes x + skip (+ bias)
+    skip_bias: ir.Value | None = None
+    skip_sum: ir.Value | None = None  # its output 3, the sum, where something reads it
     unsupported: str | None = None  # why this spelling can never be folded
 
     @property
@@ -78,61 +78,67 @@ class NormMatch:
         return self.skip_sum.name if self.skip_sum is not None else f"{self.nodes[0].name}.sum"
 
 
-def _unique_nodes(nodes) -> list[gs.Node]:
-    """Consumers once each (graphsurgeon lists a node once per input it reads the tensor on)."""
+def _unique_nodes(nodes) -> list[ir.Node]:
+    """Consumers once each (`readers` lists a node once per input it reads the tensor on)."""
     return list({id(n): n for n in nodes}.values())
 
 
-def _sole_consumer(tensor: gs.Tensor) -> gs.Node | None:
-    return tensor.outputs[0] if len(tensor.outputs) == 1 else None
+def _sole_consumer(tensor: ir.Value) -> ir.Node | None:
+    uses = tensor.uses()
+    return next(iter(uses)).node if len(uses) == 1 else None
 
 
-def _skip_casts_forward(tensor: gs.Tensor, chain: list[gs.Node]) -> gs.Tensor:
-    while (node := _sole_consumer(tensor)) is not None and node.op in TRANSPARENT_CASTS:
+def _producer_op(tensor: ir.Value | None) -> str | None:
+    node = None if tensor is None else tensor.producer()
+    return None if node is None else node.op_type
+
+
+def _skip_casts_forward(tensor: ir.Value, chain: list[ir.Node]) -> ir.Value:
+    while (node := _sole_consumer(tensor)) is not None and node.op_type in TRANSPARENT_CASTS:
         chain.append(node)
         tensor = node.outputs[0]
     return tensor
 
 
-def _cast_of(tensor: gs.Tensor, source: gs.Tensor) -> bool:
+def _cast_of(tensor: ir.Value, source: ir.Value) -> bool:
     """Whether `tensor` is `source`, or `source` through Casts (`source` may itself be a Cast's output)."""
-    while tensor is not source and len(tensor.inputs) == 1 and tensor.inputs[0].op in TRANSPARENT_CASTS:
-        tensor = tensor.inputs[0].inputs[0]
+    while tensor is not None and tensor is not source and _producer_op(tensor) in TRANSPARENT_CASTS:
+        tensor = tensor.producer().inputs[0]
     return tensor is source
 
 
 RUNTIME_AXIS = -(1 << 62)  # ReduceMean axes given at run time: the pattern matches, the norm is declined
 
 
-def _reduce_axes(node: gs.Node) -> list[int] | None:
-    if "axes" in node.attrs:
-        return list(node.attrs["axes"])
-    if len(node.inputs) > 1 and _given_at_run_time(node.inputs[1]):
+def _reduce_axes(node: ir.Node) -> list[int] | None:
+    if "axes" in node.attributes:
+        return list(attr(node, "axes"))
+    if input_at(node, 1) is not None and _given_at_run_time(node.inputs[1]):
         return [RUNTIME_AXIS]
-    if len(node.inputs) > 1:
+    if input_at(node, 1) is not None:
         axes = constant_values(node.inputs[1])
         return None if axes is None else [int(a) for a in np.ravel(axes)]
     return None
 
 
-def _single_reduce_axis(node: gs.Node) -> int | None:
-    if node.op != "ReduceMean" or node.attrs.get("keepdims", 1) != 1:
+def _single_reduce_axis(node: ir.Node) -> int | None:
+    if node.op_type != "ReduceMean" or attr(node, "keepdims", 1) != 1:
         return None
     axes = _reduce_axes(node)
     return axes[0] if axes is not None and len(axes) == 1 else None
 
 
-def _scalar(tensor: gs.Tensor | None) -> float | None:
+def _scalar(tensor: ir.Value | None) -> float | None:
     values = None if tensor is None else constant_values(tensor)
     return float(values.reshape(-1)[0]) if values is not None and values.size == 1 else None
 
 
-def _given_at_run_time(tensor: gs.Tensor | None) -> bool:
+def _given_at_run_time(tensor: ir.Value | None) -> bool:
     """A graph input (e.g. an initializer also listed in `graph.input`) where a pattern needs a constant."""
-    return tensor is not None and not tensor.inputs and constant_values(tensor) is None
+    return tensor is not None and tensor.producer() is None and constant_values(tensor) is None
 
 
-def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
+def _other_input(node: ir.Node, tensor: ir.Value) -> ir.Value | None:
     if len(node.inputs) != 2:
         return None
     first, second = node.inputs
@@ -143,14 +149,14 @@ def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
     return None
 
 
-def _is_square_of(node: gs.Node, t: gs.Tensor) -> bool:
+def _is_square_of(node: ir.Node, t: ir.Value) -> bool:
     """`Pow(t, 2)` or `Mul(t, t)`."""
-    if node.op == "Pow":
+    if node.op_type == "Pow":
         return node.inputs[0] is t and (_scalar(node.inputs[1]) == 2.0 or _given_at_run_time(node.inputs[1]))
-    return node.op == "Mul" and len(node.inputs) == 2 and node.inputs[0] is t and node.inputs[1] is t
+    return node.op_type == "Mul" and len(node.inputs) == 2 and node.inputs[0] is t and node.inputs[1] is t
 
 
-def _mean_of_square(t: gs.Tensor, square: gs.Node, nodes: list[gs.Node]) -> tuple[gs.Tensor, int] | None:
+def _mean_of_square(t: ir.Value, square: ir.Node, nodes: list[ir.Node]) -> tuple[ir.Value, int] | None:
     """From `square` = t²: `ReduceMean(t²)` over one axis (Casts between). Returns (its output, axis)."""
     nodes.append(square)
     mean_in = _skip_casts_forward(square.outputs[0], nodes)
@@ -161,22 +167,22 @@ def _mean_of_square(t: gs.Tensor, square: gs.Node, nodes: list[gs.Node]) -> tupl
     return _skip_casts_forward(mean.outputs[0], nodes), axis
 
 
-def _scalar_add(t: gs.Tensor) -> tuple[gs.Node, float] | None:
+def _scalar_add(t: ir.Value) -> tuple[ir.Node, float] | None:
     """The sole consumer of `t` if it is `t + ε` with a scalar ε, and ε (NaN where ε is a run-time input)."""
     add = _sole_consumer(t)
-    if add is None or add.op != "Add":
+    if add is None or add.op_type != "Add":
         return None
     other = _other_input(add, t)
     eps = math.nan if _given_at_run_time(other) else _scalar(other)
     return None if eps is None else (add, eps)
 
 
-def _is_reciprocal_div(node: gs.Node, t: gs.Tensor) -> bool:
+def _is_reciprocal_div(node: ir.Node, t: ir.Value) -> bool:
     """`Div(1, t)`: the reciprocal as the TorchScript exporter spells `torch.rsqrt`."""
-    return node.op == "Div" and len(node.inputs) == 2 and node.inputs[1] is t and _scalar(node.inputs[0]) == 1.0
+    return node.op_type == "Div" and len(node.inputs) == 2 and node.inputs[1] is t and _scalar(node.inputs[0]) == 1.0
 
 
-def _match_root_divide(var: gs.Tensor, d: gs.Tensor, nodes: list[gs.Node]) -> tuple[gs.Tensor, float, bool] | None:
+def _match_root_divide(var: ir.Value, d: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float, bool] | None:
     """From the variance: `d / Sqrt(var + ε)`, or `d / (Sqrt(var) + ε)`, with `Div` or `Mul(·, Reciprocal(·))`
     (`Div(1, ·)` as the reciprocal too).
 
@@ -188,7 +194,7 @@ def _match_root_divide(var: gs.Tensor, d: gs.Tensor, nodes: list[gs.Node]) -> tu
         nodes.append(inside[0])
         eps, var = inside[1], inside[0].outputs[0]
     sqrt = _sole_consumer(var)
-    if sqrt is None or sqrt.op != "Sqrt":
+    if sqrt is None or sqrt.op_type != "Sqrt":
         return None
     nodes.append(sqrt)
     root = _skip_casts_forward(sqrt.outputs[0], nodes)
@@ -199,37 +205,37 @@ def _match_root_divide(var: gs.Tensor, d: gs.Tensor, nodes: list[gs.Node]) -> tu
     divider = _sole_consumer(root)
     if divider is None:
         return None
-    if divider.op == "Reciprocal" or _is_reciprocal_div(divider, root):
+    if divider.op_type == "Reciprocal" or _is_reciprocal_div(divider, root):
         nodes.append(divider)
         inverse = _skip_casts_forward(divider.outputs[0], nodes)
         divider = _sole_consumer(inverse)
-        if divider is None or divider.op != "Mul" or not _cast_of(_other_input(divider, inverse) or inverse, d):
+        if divider is None or divider.op_type != "Mul" or not _cast_of(_other_input(divider, inverse) or inverse, d):
             return None
-    elif divider.op != "Div" or divider.inputs[1] is not root or not _cast_of(divider.inputs[0], d):
+    elif divider.op_type != "Div" or divider.inputs[1] is not root or not _cast_of(divider.inputs[0], d):
         return None
     nodes.append(divider)
     return divider.outputs[0], eps, outside
 
 
-def _match_rms_core(d: gs.Tensor, square_users: list[gs.Node]) -> tuple[list[gs.Node], gs.Tensor, float, int, bool] | None:
+def _match_rms_core(d: ir.Value, square_users: list[ir.Node]) -> tuple[list[ir.Node], ir.Value, float, int, bool] | None:
     """From d: `d / Sqrt(ReduceMean(d²) + ε)`. Returns (nodes, normalized tensor, ε, axis, ε outside the root)."""
     squares = [n for n in square_users if _is_square_of(n, d)]
     if len(squares) != 1:
         return None
-    nodes: list[gs.Node] = []
+    nodes: list[ir.Node] = []
     head = _mean_of_square(d, squares[0], nodes)
     tail = None if head is None else _match_root_divide(head[0], d, nodes)
     return None if tail is None else (nodes, tail[0], tail[1], head[1], tail[2])
 
 
-def _match_variance_core(mean: gs.Node, x: gs.Tensor, d: gs.Tensor, axis: int):
+def _match_variance_core(mean: ir.Node, x: ir.Value, d: ir.Value, axis: int):
     """The variance form: `(x − E[x]) / Sqrt(E[x²] − E[x]² + ε)`, anchored at `mean` = ReduceMean(x).
 
     Returns what `_match_rms_core` returns, or None.
     """
-    mean_users = _unique_nodes(mean.outputs[0].outputs)
+    mean_users = _unique_nodes(readers(mean.outputs[0]))
     mean_squares = [n for n in mean_users if _is_square_of(n, mean.outputs[0])]
-    x_squares = [n for n in _unique_nodes(x.outputs) if _is_square_of(n, x)]
+    x_squares = [n for n in _unique_nodes(readers(x)) if _is_square_of(n, x)]
     if len(mean_users) != 2 or len(mean_squares) != 1 or len(x_squares) != 1:
         return None
     nodes = [mean_squares[0]]
@@ -238,42 +244,40 @@ def _match_variance_core(mean: gs.Node, x: gs.Tensor, d: gs.Tensor, axis: int):
     if head is None or head[1] != axis:
         return None
     var = _sole_consumer(head[0])
-    if var is None or var.op != "Sub" or var.inputs[0] is not head[0] or var.inputs[1] is not mean_sq:
+    if var is None or var.op_type != "Sub" or var.inputs[0] is not head[0] or var.inputs[1] is not mean_sq:
         return None
     nodes.append(var)
     tail = _match_root_divide(var.outputs[0], d, nodes)
     return None if tail is None else (nodes, tail[0], tail[1], axis, tail[2])
 
 
-def _elem_type(tensor: gs.Tensor) -> int | None:
+def _elem_type(tensor: ir.Value) -> int | None:
     """The ONNX element type of `tensor` where the graph states it (a Cast's `to`, or a declared dtype)."""
-    if len(tensor.inputs) == 1 and tensor.inputs[0].op in TRANSPARENT_CASTS:
-        return int(tensor.inputs[0].attrs["to"])
-    if tensor.dtype is None or isinstance(tensor.dtype, int):  # graphsurgeon keeps some types as ONNX enums
-        return tensor.dtype
-    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
+    if _producer_op(tensor) in TRANSPARENT_CASTS:
+        return int(attr(tensor.producer(), "to"))
+    return None if tensor.dtype is None else int(tensor.dtype)
 
 
-def _casts_to(tensor: gs.Tensor, elem_type: int | None) -> list[gs.Node]:
+def _casts_to(tensor: ir.Value, elem_type: int | None) -> list[ir.Node]:
     """The chain of sole-consumer Casts after `tensor`, if each casts to `elem_type` (a known type)."""
-    chain: list[gs.Node] = []
-    while (node := _sole_consumer(tensor)) is not None and node.op in TRANSPARENT_CASTS:
-        if elem_type is None or int(node.attrs["to"]) != elem_type:
+    chain: list[ir.Node] = []
+    while (node := _sole_consumer(tensor)) is not None and node.op_type in TRANSPARENT_CASTS:
+        if elem_type is None or int(attr(node, "to")) != elem_type:
             return []
         chain.append(node)
         tensor = node.outputs[0]
     return chain
 
 
-def _match_affine(x: gs.Tensor, y: gs.Tensor, nodes: list[gs.Node],
-                  scope: set[int] | None) -> tuple[gs.Tensor, gs.Tensor | None, gs.Tensor | None]:
+def _match_affine(x: ir.Value, y: ir.Value, nodes: list[ir.Node],
+                  scope: set[int] | None) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
     """Optional `⊙ γ` then `+ β` with constant operands after the normalized tensor `y` of input `x`.
 
     Casts before γ belong to the norm only if they cast to x's own (stated) type, so that the norm
     as a whole maps x to a tensor of x's type, as the RMS op that replaces it does (Llama's
     `weight * hidden.to(input_dtype)`). Only nodes in `scope` (ids; None: any) qualify as γ or β:
-    graphsurgeon lists a node inside a control-flow body among the consumers of an outer tensor
-    it reads, and that node is no part of the norm.
+    a node inside a control-flow body is among the readers of an outer tensor it reads, and that
+    node is no part of the norm.
     """
     gamma = beta = None
 
@@ -284,13 +288,13 @@ def _match_affine(x: gs.Tensor, y: gs.Tensor, nodes: list[gs.Node],
     casts = _casts_to(y, _elem_type(x))
     cast = casts[-1].outputs[0] if casts else y
     consumer = next_consumer(cast)
-    if consumer is not None and consumer.op == "Mul":
+    if consumer is not None and consumer.op_type == "Mul":
         other = _other_input(consumer, cast)
         if other is not None and constant_values(other) is not None:
             gamma, y = other, consumer.outputs[0]
             nodes.extend([*casts, consumer])
             consumer = next_consumer(y)
-    if consumer is not None and consumer.op == "Add":
+    if consumer is not None and consumer.op_type == "Add":
         other = _other_input(consumer, y)
         if other is not None and constant_values(other) is not None:
             beta, y = other, consumer.outputs[0]
@@ -298,39 +302,39 @@ def _match_affine(x: gs.Tensor, y: gs.Tensor, nodes: list[gs.Node],
     return y, gamma, beta
 
 
-def _internal_tensors_private(nodes: list[gs.Node], y: gs.Tensor, graph_outputs: set[str]) -> bool:
+def _internal_tensors_private(nodes: list[ir.Node], y: ir.Value, graph_outputs: set[str]) -> bool:
     members = {id(n) for n in nodes}
     for node in nodes:
         for out in node.outputs:
             if out is y:
                 continue
-            if out.name in graph_outputs or any(id(c) not in members for c in out.outputs):
+            if out.name in graph_outputs or any(id(c) not in members for c in readers(out)):
                 return False
     return True
 
 
-def match_decomposed(node: gs.Node, graph_outputs: set[str], scope: set[int] | None = None) -> tuple[NormType, NormMatch] | None:
+def match_decomposed(node: ir.Node, graph_outputs: set[str], scope: set[int] | None = None) -> tuple[NormType, NormMatch] | None:
     """Match a decomposed LayerNorm anchored at its first ReduceMean, or an RMSNorm at its square.
 
     `scope`: ids of the nodes of the graph being matched (see `_match_affine`).
     """
-    if node.op == "ReduceMean":
+    if node.op_type == "ReduceMean":
         axis = _single_reduce_axis(node)
         x = node.inputs[0]
-        subs = [n for n in _unique_nodes(node.outputs[0].outputs) if n.op == "Sub"]
+        subs = [n for n in _unique_nodes(readers(node.outputs[0])) if n.op_type == "Sub"]
         sub = subs[0] if len(subs) == 1 else None
         if axis is None or sub is None or sub.inputs[0] is not x or sub.inputs[1] is not node.outputs[0]:
             return None
         d = sub.outputs[0]
-        core = _match_rms_core(d, _unique_nodes(d.outputs)) if len(_unique_nodes(d.outputs)) == 2 else None
+        core = _match_rms_core(d, _unique_nodes(readers(d))) if len(_unique_nodes(readers(d))) == 2 else None
         core = core or _match_variance_core(node, x, d, axis)
         if core is None or core[3] != axis:
             return None
         nodes = [node, sub] + core[0]
         norm_type = NormType.LAYER
-    elif node.op in ("Pow", "Mul"):
+    elif node.op_type in ("Pow", "Mul"):
         x = node.inputs[0]
-        if any(c.op == "Sub" and c.inputs[0] is x and c.inputs[1].inputs and c.inputs[1].inputs[0].op == "ReduceMean" for c in x.outputs):
+        if any(c.op_type == "Sub" and c.inputs[0] is x and _producer_op(input_at(c, 1)) == "ReduceMean" for c in readers(x)):
             return None
         core = _match_rms_core(x, [node])
         if core is None:
@@ -346,52 +350,47 @@ def match_decomposed(node: gs.Node, graph_outputs: set[str], scope: set[int] | N
         if not _internal_tensors_private(nodes, y, graph_outputs):
             return None
     runtime = (["ε"] * math.isnan(core[2]) + ["axes"] * (core[3] == RUNTIME_AXIS)
-               + [f"exponent {n.inputs[1].name}" for n in nodes if n.op == "Pow" and _scalar(n.inputs[1]) is None])
+               + [f"exponent {n.inputs[1].name}" for n in nodes if n.op_type == "Pow" and _scalar(n.inputs[1]) is None])
     unsupported = None if not runtime else (
         f"its {' and '.join(runtime)} {'are' if len(runtime) > 1 else 'is'} given at run time (an initializer listed as a graph input), so its algebra is not fixed")
     axis = -1 if core[3] == RUNTIME_AXIS else core[3]
     return norm_type, NormMatch(nodes, x, y, axis, core[2], gamma, beta, eps_outside_root=core[4], unsupported=unsupported)
 
 
-def _input(node: gs.Node, index: int) -> gs.Tensor | None:
-    """Input `index` of `node`, or None where it is absent or empty (an omitted optional input)."""
-    return node.inputs[index] if len(node.inputs) > index and node.inputs[index].name else None
+def _used(tensor: ir.Value, graph_outputs: set[str]) -> bool:
+    return bool(tensor.name) and (bool(tensor.uses()) or tensor.name in graph_outputs)
 
 
-def _used(tensor: gs.Tensor, graph_outputs: set[str]) -> bool:
-    return bool(tensor.name) and (bool(tensor.outputs) or tensor.name in graph_outputs)
+def _single(node: ir.Node, gamma: int | None, beta: int | None, eps: float, axis: int = -1, **extra) -> NormMatch:
+    return NormMatch([node], node.inputs[0], node.outputs[0], int(attr(node, "axis", axis)),
+                     float(attr(node, "epsilon", eps)), None if gamma is None else input_at(node, gamma),
+                     None if beta is None else input_at(node, beta), **extra)
 
 
-def _single(node: gs.Node, gamma: int | None, beta: int | None, eps: float, axis: int = -1, **extra) -> NormMatch:
-    return NormMatch([node], node.inputs[0], node.outputs[0], int(node.attrs.get("axis", axis)),
-                     float(node.attrs.get("epsilon", eps)), None if gamma is None else _input(node, gamma),
-                     None if beta is None else _input(node, beta), **extra)
-
-
-def _skip_parts(node: gs.Node, graph_outputs: set[str]) -> dict:
+def _skip_parts(node: ir.Node, graph_outputs: set[str]) -> dict:
     """The residual operands of a Skip*LayerNormalization: (x, skip, γ, [β], [bias]) → (y, -, -, [sum])."""
     total = node.outputs[3] if len(node.outputs) > 3 and _used(node.outputs[3], graph_outputs) else None
-    return dict(skip=node.inputs[1], skip_bias=_input(node, SKIP_BIAS_INPUT[node.op]), skip_sum=total)
+    return dict(skip=node.inputs[1], skip_bias=input_at(node, SKIP_BIAS_INPUT[node.op_type]), skip_sum=total)
 
 
-def match_single_op(node: gs.Node, graph_outputs: set[str]) -> tuple[NormType, NormMatch] | None:
+def match_single_op(node: ir.Node, graph_outputs: set[str]) -> tuple[NormType, NormMatch] | None:
     """Norms that are one op (see the module docstring for the list)."""
     stats_used = any(_used(o, graph_outputs) for o in node.outputs[1:3])
-    if node.op == "LayerNormalization":  # ONNX (opset ≥ 17) and com.microsoft: same inputs and outputs
+    if node.op_type == "LayerNormalization":  # ONNX (opset ≥ 17) and com.microsoft: same inputs and outputs
         return NormType.LAYER, _single(node, 1, 2, 1e-5, extra_outputs_used=stats_used)
-    if node.op == "SkipLayerNormalization":
+    if node.op_type == "SkipLayerNormalization":
         return NormType.LAYER, _single(node, 2, 3, 1e-12, extra_outputs_used=stats_used, **_skip_parts(node, graph_outputs))
-    if node.op == "SkipSimplifiedLayerNormalization":
+    if node.op_type == "SkipSimplifiedLayerNormalization":
         return NormType.RMS, _single(node, 2, None, 1e-12, **_skip_parts(node, graph_outputs))
-    if node.op in ("SimplifiedLayerNormalization", "RMSNormalization"):
+    if node.op_type in ("SimplifiedLayerNormalization", "RMSNormalization"):
         return NormType.RMS, _single(node, 1, None, 1e-5)
-    if node.op == "EmbedLayerNormalization":
+    if node.op_type == "EmbedLayerNormalization":
         return NormType.LAYER, _single(node, 5, 6, 1e-12, unsupported=(
             "EmbedLayerNormalization normalizes a sum of embedding lookups made inside the op, and "
             "ONNX Runtime has no RMS variant of it; not rewritten"))
-    if node.op == "GroupNormalization":
+    if node.op_type == "GroupNormalization":
         return NormType.GROUP, _single(node, 1, 2, 1e-5, axis=1)
-    if node.op in ("SkipGroupNorm", "GroupNorm"):  # com.microsoft, channels-last
+    if node.op_type in ("SkipGroupNorm", "GroupNorm"):  # com.microsoft, channels-last
         return NormType.GROUP, _single(node, 1, 2, 1e-5)
     return None
 

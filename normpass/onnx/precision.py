@@ -61,13 +61,18 @@ def _retype_float_casts(graph: onnx.GraphProto) -> None:
                 attribute.i = declared.get(node.output[0]) or attribute.i
 
 
+def uses_bf16(model: onnx.ModelProto) -> bool:
+    """Whether `model` computes in bfloat16 anywhere (its initializers' data is not read)."""
+    return _bf16_to_fp32(model.graph, apply=False)
+
+
 def bf16_as_fp32(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """An fp32 copy of a model that computes in bfloat16 (None if nothing is bfloat16).
 
     Every bfloat16 tensor, type, `Cast(to=)` and `dtype=` becomes float32: the same computation
     without bfloat16 rounding, for runtimes without bfloat16 kernels (ONNX Runtime's CPU MatMul).
     """
-    if not _bf16_to_fp32(model.graph, apply=False):
+    if not uses_bf16(model):
         return None
     copy = onnx.ModelProto()
     copy.CopyFrom(model)

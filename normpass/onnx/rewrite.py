@@ -25,19 +25,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ..core.algebra import centre
 from ..core.analysis import layer_scale
 from ..core.graph import NormInfo, ZeroMeanGraph
 from ..core.plan import Centring, FoldPlan, Insertion
-from .frontend import OnnxGraph, einsum_weight_axis
+from .frontend import OnnxGraph, einsum_weight_axis, graph_values
 from .constants import constant_values, is_constant
 from .patterns import SKIP_BIAS_INPUT
-from .targets import AffinePlan, Namer, affine_plan, move_affine
+from .targets import AffinePlan, Namer, affine_plan, move_affine, new_initializer, set_input
+from .values import attr, input_at
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
+MS_DOMAIN = "com.microsoft"
 DOC_PREFIX = "normpass: "
+
+
+def take_over(old: ir.Value, new: ir.Value) -> None:
+    """`new` replaces `old` for every reader and as a graph output, under `old`'s name and shape."""
+    name, shape = old.name, old.shape
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name = None
+    new.name, new.shape = name, shape
 
 
 def _bias_centred(values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarray:
@@ -46,42 +57,49 @@ def _bias_centred(values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarra
     return centre(values, axis if axis >= 0 and values.shape[axis] != 1 else None)
 
 
-def reduce_mean(unique: Namer, opset: int, tensor: gs.Tensor, axis: int, out: gs.Tensor, name: str) -> gs.Node:
+def new_value(unique: Namer, name: str, dtype: np.dtype | None) -> ir.Value:
+    """A new run-time tensor named uniquely after `name`, of `dtype` where known."""
+    kind = None if dtype is None else ir.TensorType(ir.DataType.from_numpy(np.dtype(dtype)))
+    return ir.Value(name=unique(name), type=kind)
+
+
+def reduce_mean(graph: ir.Graph, unique: Namer, opset: int, tensor: ir.Value, axis: int, out: ir.Value, name: str) -> ir.Node:
     """ReduceMean of `tensor` over `axis`, keeping dims (axes an input from opset 18, an attribute before)."""
     if opset >= 18:
-        axes = gs.Constant(unique(f"{name}.axes"), np.array([axis], dtype=np.int64))
-        return gs.Node("ReduceMean", unique(name), attrs={"keepdims": 1}, inputs=[tensor, axes], outputs=[out])
-    return gs.Node("ReduceMean", unique(name), attrs={"axes": [axis], "keepdims": 1}, inputs=[tensor], outputs=[out])
+        axes = new_initializer(graph, unique(f"{name}.axes"), np.array([axis], dtype=np.int64))
+        return ir.node("ReduceMean", [tensor, axes], {"keepdims": 1}, outputs=[out], name=unique(name))
+    return ir.node("ReduceMean", [tensor], {"axes": [axis], "keepdims": 1}, outputs=[out], name=unique(name))
 
 
-def rms_nodes(unique: Namer, opset: int, rms_op: str, name: str, x: gs.Tensor, scale: gs.Tensor | None, out: gs.Tensor,
-              axis: int, epsilon: float, eps_dtype: np.dtype, eps_outside_root: bool = False) -> list[gs.Node]:
+def rms_nodes(graph: ir.Graph, unique: Namer, opset: int, rms_op: str, name: str, x: ir.Value, scale: ir.Value | None,
+              out: ir.Value, axis: int, epsilon: float, dtype: np.dtype, eps_outside_root: bool = False) -> list[ir.Node]:
     """The nodes computing out = x / √(mean(x²) + ε) ⊙ scale over `axis` (`rms_op`, see the module docstring).
 
     `eps_outside_root`: x / (√mean(x²) + ε), which only the decomposed chain computes. `scale`
-    None: no scale, allowed for the decomposed chain only (which then ends at the division).
+    None: no scale, for the decomposed chain only (which then ends at the division). New
+    constants go into `graph`; `dtype` is x's.
     """
     attrs = {"axis": axis, "epsilon": epsilon}
     if rms_op in ("simplified", "onnx") and not eps_outside_root:
         op = "SimplifiedLayerNormalization" if rms_op == "simplified" else "RMSNormalization"
-        return [gs.Node(op, unique(name), attrs={**attrs, "stash_type": 1}, inputs=[x, scale], outputs=[out])]
-    square, mean, inner, root = (gs.Variable(unique(f"{name}.{s}"), dtype=x.dtype) for s in ("sq", "ms", "inner", "rms"))
-    normed = out if scale is None else gs.Variable(unique(f"{name}.xhat"), dtype=x.dtype)
-    eps = gs.Constant(unique(f"{name}.eps"), np.array(epsilon, dtype=eps_dtype))
+        return [ir.node(op, [x, scale], {**attrs, "stash_type": 1}, outputs=[out], name=unique(name))]
+    square, mean, inner, root = (new_value(unique, f"{name}.{s}", dtype) for s in ("sq", "ms", "inner", "rms"))
+    normed = out if scale is None else new_value(unique, f"{name}.xhat", dtype)
+    eps = new_initializer(graph, unique(f"{name}.eps"), np.array(epsilon, dtype=dtype))
     if eps_outside_root:  # √mean + ε
-        root_nodes = [gs.Node("Sqrt", unique(f"{name}.sqrt"), inputs=[mean], outputs=[inner]),
-                      gs.Node("Add", unique(f"{name}.add_eps"), inputs=[inner, eps], outputs=[root])]
+        root_nodes = [ir.node("Sqrt", [mean], outputs=[inner], name=unique(f"{name}.sqrt")),
+                      ir.node("Add", [inner, eps], outputs=[root], name=unique(f"{name}.add_eps"))]
     else:  # √(mean + ε)
-        root_nodes = [gs.Node("Add", unique(f"{name}.add_eps"), inputs=[mean, eps], outputs=[inner]),
-                      gs.Node("Sqrt", unique(f"{name}.sqrt"), inputs=[inner], outputs=[root])]
+        root_nodes = [ir.node("Add", [mean, eps], outputs=[inner], name=unique(f"{name}.add_eps")),
+                      ir.node("Sqrt", [inner], outputs=[root], name=unique(f"{name}.sqrt"))]
     nodes = [
-        gs.Node("Mul", unique(f"{name}.square"), inputs=[x, x], outputs=[square]),
-        reduce_mean(unique, opset, square, axis, mean, f"{name}.mean_square"),
+        ir.node("Mul", [x, x], outputs=[square], name=unique(f"{name}.square")),
+        reduce_mean(graph, unique, opset, square, axis, mean, f"{name}.mean_square"),
         *root_nodes,
-        gs.Node("Div", unique(f"{name}.normalize"), inputs=[x, root], outputs=[normed]),
+        ir.node("Div", [x, root], outputs=[normed], name=unique(f"{name}.normalize")),
     ]
     if scale is not None:
-        nodes.append(gs.Node("Mul", unique(f"{name}.scale"), inputs=[normed, scale], outputs=[out]))
+        nodes.append(ir.node("Mul", [normed, scale], outputs=[out], name=unique(f"{name}.scale")))
     return nodes
 
 
@@ -93,49 +111,49 @@ class Rewriter:
 
     def __post_init__(self):
         self.docs: dict[str, str] = {}  # node name → what normpass did to it (→ NodeProto.doc_string)
-        self._copies: dict[tuple[str, str], gs.Constant] = {}
+        self._copies: dict[tuple[str, str], ir.Value] = {}
         self._loaded: dict[str, np.ndarray | None] = {}
         self._affines: dict[str, AffinePlan] = {}
         self._unique = Namer(self.ctx.graph)
 
     # --- constants, copy-on-write ---------------------------------------------------------------
 
-    def _replace_input(self, node: gs.Node, index: int, transform: str, make) -> None:
+    def _replace_input(self, node: ir.Node, index: int, transform: str, make) -> None:
         """Point `node.inputs[index]` at a new constant `make(old values)`, shared per transform."""
         old = node.inputs[index]
         key = (old.name, transform)
         if key not in self._copies:
             values = make(self._values(old))
-            self._copies[key] = gs.Constant(self._unique(f"{old.name}.{transform.split(':')[0]}"), np.ascontiguousarray(values))
-        node.inputs[index] = self._copies[key]
+            self._copies[key] = new_initializer(self.ctx.graph, self._unique(f"{old.name}.{transform.split(':')[0]}"), values)
+        set_input(node, index, self._copies[key])
 
     def centre_layer(self, centring: Centring, norms: list[str]) -> None:
-        node: gs.Node = self.zmg.nodes[centring.node].ref
+        node: ir.Node = self.zmg.nodes[centring.node].ref
         doc = f"weights centred for {', '.join(norms)}"
         if centring.input_index is not None:  # found by name: a node's model may list a subset of its inputs
-            index = next(i for i, t in enumerate(node.inputs) if t.name == centring.tensor)
+            index = next(i for i, t in enumerate(node.inputs) if t is not None and t.name == centring.tensor)
             self._replace_input(node, index, f"centred:{centring.axis}", lambda v: centre(v, centring.axis))
-        elif node.op == "Gemm":
-            self._replace_input(node, 1, f"centred:{1 - node.attrs.get('transB', 0)}",
-                                lambda v: centre(v, 1 - node.attrs.get("transB", 0)))
-            if len(node.inputs) > 2 and node.inputs[2].name:
+        elif node.op_type == "Gemm":
+            self._replace_input(node, 1, f"centred:{1 - attr(node, 'transB', 0)}",
+                                lambda v: centre(v, 1 - attr(node, "transB", 0)))
+            if input_at(node, 2) is not None:
                 self._replace_input(node, 2, "centred:bias", lambda v: _bias_centred(v, 2, 1))
-        elif node.op == "MatMul":
+        elif node.op_type == "MatMul":
             self._replace_input(node, 1, "centred:-1", lambda v: centre(v, v.ndim - 1))
-        elif node.op == "Conv":
+        elif node.op_type == "Conv":
             self._replace_input(node, 1, "centred:0", lambda v: centre(v, 0))
-            if len(node.inputs) > 2 and node.inputs[2].name:
+            if input_at(node, 2) is not None:
                 self._replace_input(node, 2, "centred:0", lambda v: centre(v, 0))
-        elif node.op == "Gather":
+        elif node.op_type == "Gather":
             self._replace_input(node, 0, "centred:1", lambda v: centre(v, 1))
-        elif node.op == "Mul":
+        elif node.op_type == "Mul":
             self._absorb_layer_scale(centring, norms)
-        elif node.op == "Einsum":
+        elif node.op_type == "Einsum":
             index = 0 if is_constant(node.inputs[0]) else 1
-            axis = einsum_weight_axis(node.attrs["equation"], index, centring.axis)
+            axis = einsum_weight_axis(attr(node, "equation"), index, centring.axis)
             self._replace_input(node, index, f"centred:{axis}", lambda v: centre(v, axis))
         else:
-            raise TypeError(f"no centring rule for {node.op} {node.name}")
+            raise TypeError(f"no centring rule for {node.op_type} {node.name}")
         self._note(node.name, doc)
 
     def _absorb_layer_scale(self, centring: Centring, norms: list[str]) -> None:
@@ -143,7 +161,7 @@ class Rewriter:
         mul = self.zmg.nodes[centring.node]
         factor_index, linear, add = layer_scale(self.zmg, mul, centring.axis)
         node, scale = linear.ref, np.ravel(self._values(mul.ref.inputs[factor_index]))
-        out_axis = {"MatMul": -1, "Gemm": 1 - node.attrs.get("transB", 0), "Conv": 0}[node.op]
+        out_axis = {"MatMul": -1, "Gemm": 1 - attr(node, "transB", 0), "Conv": 0}[node.op_type]
 
         def scaled(values, axis):
             shape = [1] * values.ndim
@@ -152,7 +170,7 @@ class Rewriter:
 
         tag = f"scaled:{mul.name}"
         self._replace_input(node, 1, tag, lambda v: scaled(v, out_axis))
-        if node.op != "MatMul" and len(node.inputs) > 2 and node.inputs[2].name:
+        if node.op_type != "MatMul" and input_at(node, 2) is not None:
             self._replace_input(node, 2, tag, lambda v: (v * scale).astype(v.dtype))  # [..., out] or scalar
         if add is not None:
             index = next(i for i, t in enumerate(add.inputs) if self.zmg.is_constant(t))
@@ -167,19 +185,21 @@ class Rewriter:
 
     def insert_centering(self, insertion: Insertion) -> None:
         graph = self.ctx.graph
-        tensor = graph.tensors()[insertion.tensor]
-        consumers = list(tensor.outputs)
+        tensor = next(t for t in graph_values(graph) if t.name == insertion.tensor)
+        uses = list(tensor.uses())  # a reader inside a body too
         dtype = self._dtype(tensor)
-        mean = gs.Variable(self._unique(f"{tensor.name}.mean"), dtype=dtype)
-        centred = gs.Variable(self._unique(f"{tensor.name}.centred"), dtype=dtype, shape=tensor.shape)
-        graph.nodes.append(reduce_mean(self._unique, self.ctx.opset, tensor, insertion.axis, mean, f"{tensor.name}.centring_mean"))
-        sub = gs.Node("Sub", self._unique(f"{tensor.name}.centring"), inputs=[tensor, mean], outputs=[centred])
+        mean = self._new_value(f"{tensor.name}.mean", dtype)
+        centred = self._new_value(f"{tensor.name}.centred", dtype)
+        centred.shape = tensor.shape
+        graph.append(reduce_mean(graph, self._unique, self.ctx.opset, tensor, insertion.axis, mean, f"{tensor.name}.centring_mean"))
+        sub = ir.node("Sub", [tensor, mean], outputs=[centred], name=self._unique(f"{tensor.name}.centring"))
         self._note(sub.name, "inserted centring x − mean(x)")
-        graph.nodes.append(sub)
-        for consumer in consumers:
-            for index, source in enumerate(consumer.inputs):
-                if source is tensor:
-                    consumer.inputs[index] = centred
+        graph.append(sub)
+        for use in uses:
+            use.node.replace_input_with(use.idx, centred)
+
+    def _new_value(self, name: str, dtype: np.dtype | None) -> ir.Value:
+        return new_value(self._unique, name, dtype)
 
     # --- norms ----------------------------------------------------------------------------------
 
@@ -191,7 +211,7 @@ class Rewriter:
         vectors = [self._values(t) for t in (norm.ref.gamma, norm.ref.beta) if t is not None]
         return next((v.shape[-1] for v in vectors if v.ndim and v.shape[-1] > 1), None)
 
-    def _feature_vector(self, norm: NormInfo, tensor: gs.Tensor | None) -> np.ndarray | None:
+    def _feature_vector(self, norm: NormInfo, tensor: ir.Value | None) -> np.ndarray | None:
         """γ or β as one value per feature (a decomposed norm may scale by a scalar or a [1, 1, d] tensor)."""
         if tensor is None:
             return None
@@ -227,17 +247,14 @@ class Rewriter:
         match = norm.ref
         x, y = match.nodes[0].inputs[0], match.y  # x may have been rewired to an inserted centring
         skip = None if match.skip is None else self._skip_operands(match)
-        for node in match.nodes:
-            node.inputs.clear()
-            node.outputs.clear()
         gamma = self._feature_vector(norm, match.gamma)
         beta = self._beta(norm)
         moved_to, moved = [], ""
         if affine is not None and affine.full is not None:
-            moved_to, moved = move_affine(affine.full, gamma, beta, self._unique), "γ/β"
+            moved_to, moved = move_affine(self.ctx.graph, affine.full, gamma, beta, self._unique), "γ/β"
             gamma = beta = None
         elif affine is not None and affine.beta is not None and beta is not None:
-            moved_to, moved = move_affine(affine.beta, None, beta, self._unique), "β"
+            moved_to, moved = move_affine(self.ctx.graph, affine.beta, None, beta, self._unique), "β"
             beta = None
         for name in moved_to:
             self._note(name, f"absorbed {moved} of {norm.name}")
@@ -249,54 +266,60 @@ class Rewriter:
         original_gamma = self._feature_vector(norm, match.gamma)
         dtype = original_gamma.dtype if original_gamma is not None else self._dtype(match.x)  # x may be an inserted centring
         scale = gamma if gamma is not None else np.ones(self._width(norm), dtype=dtype)
-        rms_out = y if beta is None else gs.Variable(self._unique(f"{y.name}.rms"), dtype=y.dtype)
+        out = self._new_value(y.name, self._dtype(y))
+        rms_out = out if beta is None else self._new_value(f"{y.name}.rms", self._dtype(y))
         doc = f"LayerNorm {norm.name} folded into an RMSNorm (input proven zero-mean); {note}"
-        scale_const = gs.Constant(self._unique(f"{norm.name}.rms_scale"), np.asarray(scale, dtype=dtype))
+        scale_const = new_initializer(self.ctx.graph, self._unique(f"{norm.name}.rms_scale"), np.asarray(scale, dtype=dtype))
         nodes = self._rms_nodes(norm, x, scale_const, rms_out, skip)
         if beta is not None:
-            nodes.append(gs.Node("Add", self._unique(f"{norm.name}.beta"), inputs=[rms_out, gs.Constant(self._unique(f"{norm.name}.beta"), beta)],
-                                 outputs=[y]))
+            beta_const = new_initializer(self.ctx.graph, self._unique(f"{norm.name}.beta"), beta)
+            nodes.append(ir.node("Add", [rms_out, beta_const], outputs=[out], name=self._unique(f"{norm.name}.beta")))
         for node in nodes:
             self._note(node.name, doc)
-        self.ctx.graph.nodes.extend(nodes)
+        self.ctx.graph.extend(nodes)
+        take_over(y, out)
+        if skip is not None and skip[1] is not None:
+            take_over(match.skip_sum, skip[2])
+        self.ctx.graph.remove(match.nodes, safe=True)
         return note
 
-    @staticmethod
-    def _skip_operands(match) -> tuple[list[gs.Tensor], gs.Tensor | None]:
-        """A SkipLayerNormalization's (skip, [bias]) as they are now (the bias may be a centred copy), and its sum output."""
+    def _skip_operands(self, match) -> tuple[list[ir.Value], ir.Value | None, ir.Value | None]:
+        """A SkipLayerNormalization's (skip, [bias]) as they are now (the bias may be a centred copy), its sum
+        output, and a new tensor to take the sum's place."""
         node = match.nodes[0]
-        index = SKIP_BIAS_INPUT[node.op]
-        bias = node.inputs[index] if len(node.inputs) > index and node.inputs[index].name else None
-        return [node.inputs[1]] + ([bias] if bias is not None else []), match.skip_sum
+        bias = input_at(node, SKIP_BIAS_INPUT[node.op_type])
+        total = None if match.skip_sum is None else self._new_value(match.skip_sum.name, self._dtype(match.skip_sum))
+        return [node.inputs[1]] + ([bias] if bias is not None else []), match.skip_sum, total
 
-    def _rms_nodes(self, norm: NormInfo, x, scale, out, skip=None) -> list[gs.Node]:
-        """RMS op(s) normalizing x (or, for a Skip op, x + skip + bias, written to its sum output)."""
-        attrs = {"axis": norm.axis, "epsilon": norm.epsilon}
+    def _rms_nodes(self, norm: NormInfo, x, scale, out, skip=None) -> list[ir.Node]:
+        """RMS op(s) normalizing x (or, for a Skip op, x + skip + bias, written to its new sum tensor)."""
+        dtype = self._dtype(x)
         if skip is not None:
-            operands, total = skip
+            operands, _, total = skip
             if self.rms_op == "simplified":
-                outputs = [out] + ([gs.Variable.empty(), gs.Variable.empty(), total] if total is not None else [])
-                return [gs.Node("SkipSimplifiedLayerNormalization", self._unique(norm.name), attrs={"epsilon": norm.epsilon},
-                                inputs=[x, operands[0], scale] + operands[1:], outputs=outputs, domain="com.microsoft")]
+                outputs = [out] + ([ir.Value(name=""), ir.Value(name=""), total] if total is not None else [])
+                return [ir.node("SkipSimplifiedLayerNormalization", [x, operands[0], scale] + operands[1:], {"epsilon": norm.epsilon},
+                                outputs=outputs, domain=MS_DOMAIN, name=self._unique(norm.name))]
             adds = []
             for index, operand in enumerate(operands):
                 last = index == len(operands) - 1
-                summed = total if last and total is not None else gs.Variable(self._unique(f"{norm.name}.sum"), dtype=x.dtype)
-                adds.append(gs.Node("Add", self._unique(f"{norm.name}.add"), inputs=[x, operand], outputs=[summed]))
+                summed = total if last and total is not None else self._new_value(f"{norm.name}.sum", dtype)
+                adds.append(ir.node("Add", [x, operand], outputs=[summed], name=self._unique(f"{norm.name}.add")))
                 x = summed
             return adds + self._rms_nodes(norm, x, scale, out)
         # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
-        return rms_nodes(self._unique, self.ctx.opset, self.rms_op, norm.name, x, scale, out, norm.axis, norm.epsilon,
-                         self._dtype(norm.ref.x), norm.ref.eps_outside_root)
+        return rms_nodes(self.ctx.graph, self._unique, self.ctx.opset, self.rms_op, norm.name, x, scale, out, norm.axis,
+                         norm.epsilon, self._dtype(norm.ref.x), norm.ref.eps_outside_root)
 
-    def _values(self, tensor: gs.Tensor) -> np.ndarray | None:
+    def _values(self, tensor: ir.Value) -> np.ndarray | None:
         """A constant's values, loaded once per rewrite (read-only)."""
         if tensor.name not in self._loaded:
             self._loaded[tensor.name] = constant_values(tensor)
         return self._loaded[tensor.name]
 
-    def _dtype(self, tensor: gs.Tensor) -> np.dtype:
-        return np.dtype(self.ctx.dtypes.get(tensor.name) or tensor.dtype or np.float32)
+    def _dtype(self, tensor: ir.Value) -> np.dtype:
+        known = self.ctx.dtypes.get(tensor.name)
+        return np.dtype(known if known is not None else tensor.dtype.numpy() if tensor.dtype is not None else np.float32)
 
     def _note(self, name: str, text: str) -> None:
         previous = self.docs.get(name)
@@ -318,5 +341,6 @@ class Rewriter:
         for insertion in plan.insertions:
             self.insert_centering(insertion)
         notes = {norm.name: self.replace_norm(norm, affines[norm.name]) for norm in folded}
-        self.ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        RemoveUnusedNodesPass()(self.ctx.model)
+        self.ctx.graph.sort()
         return notes

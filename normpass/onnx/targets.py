@@ -21,44 +21,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
 
 from ..core.algebra import migrate_affine
 from ..core.analysis import regroup_axis
 from .frontend import SHAPE_READERS, OnnxGraph
 from .constants import constant_values, is_constant
 from .patterns import SKIP_BIAS_INPUT
+from .values import attr, input_at, readers
 
 REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 BIASED_ACTIVATIONS = ("BiasGelu", "FastGelu")  # com.microsoft f(x + bias): the bias input takes β·W like an Add
-
-
-def producer(tensor: gs.Tensor) -> gs.Node | None:
-    return tensor.inputs[0] if len(tensor.inputs) == 1 else None
 
 
 def is_feature_vector(values: np.ndarray | None, width: int) -> bool:
     return values is not None and values.size == width and values.shape[-1:] == (width,)
 
 
-def is_private(tensor: gs.Tensor, graph_outputs: set[str]) -> bool:
+def is_private(tensor: ir.Value, graph_outputs: set[str]) -> bool:
     """Whether one node reads the values of `tensor` (readers of its shape alone do not count)."""
     return len(value_readers(tensor)) == 1 and tensor.name not in graph_outputs
 
 
-def value_readers(tensor: gs.Tensor) -> list[gs.Node]:
+def value_readers(tensor: ir.Value) -> list[ir.Node]:
     """The nodes reading `tensor`'s values: a `Shape` or `Size` reader sees no change of them."""
-    return [node for node in tensor.outputs if node.op not in SHAPE_READERS]
+    return [node for node in readers(tensor) if node.op_type not in SHAPE_READERS]
 
 
-def private_bias(tensor: gs.Tensor, width: int, graph_outputs: set[str]) -> tuple[gs.Node, int] | None:
+def private_bias(tensor: ir.Value, width: int, graph_outputs: set[str]) -> tuple[ir.Node, int] | None:
     """(Add node, input index) of a bias summed into `tensor` through private Adds, else None.
 
     The bias broadcasts along the feature axis only, so adding a d-vector (or a scalar) to it adds
     the same to `tensor` and to nothing else.
     """
-    node = producer(tensor)
-    if node is None or node.op != "Add" or len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
+    node = tensor.producer()
+    if node is None or node.op_type != "Add" or len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
         return None
     for index, operand in enumerate(node.inputs):
         if is_feature_vector(constant_values(operand), width):
@@ -75,9 +72,9 @@ def private_bias(tensor: gs.Tensor, width: int, graph_outputs: set[str]) -> tupl
 class LinearTarget:
     """A linear layer contracting over the features: its weight's input axis and where its bias is."""
 
-    node: gs.Node
+    node: ir.Node
     in_axis: int
-    bias_node: gs.Node | None  # the node whose input `bias_index` is (or would be) the bias
+    bias_node: ir.Node | None  # the node whose input `bias_index` is (or would be) the bias
     bias_index: int | None
 
 
@@ -85,8 +82,8 @@ class LinearTarget:
 class SumTarget:
     """β moves from y into the bias of the other summand of a residual Add: (y − β) + (s + β)."""
 
-    add: gs.Node
-    holder: gs.Node
+    add: ir.Node
+    holder: ir.Node
     index: int
 
 
@@ -98,7 +95,7 @@ class AffinePlan:
     beta: list[LinearTarget | SumTarget] | None  # targets taking β alone (γ stays in the norm)
 
 
-def affine_plan(ctx: OnnxGraph, graph_outputs: set[str], y: gs.Tensor, width: int | None, needs_bias: bool) -> AffinePlan:
+def affine_plan(ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int | None, needs_bias: bool) -> AffinePlan:
     """Where the affine of a norm writing `y` (`width` features) can go; β-only only if `needs_bias`."""
     full = migration_targets(ctx, graph_outputs, y, needs_bias)
     if full is not None or not needs_bias or width is None:
@@ -106,7 +103,7 @@ def affine_plan(ctx: OnnxGraph, graph_outputs: set[str], y: gs.Tensor, width: in
     return AffinePlan(None, migration_targets(ctx, graph_outputs, y, True, _sum_claim(ctx, width, graph_outputs)))
 
 
-def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: gs.Tensor, needs_bias: bool, other=None) -> list | None:
+def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: ir.Value, needs_bias: bool, other=None) -> list | None:
     """Where a per-feature affine on `tensor` (its last axis) can go, or None.
 
     Every path from `tensor` must reach, through reshapes that keep the feature axis, the input of
@@ -119,17 +116,17 @@ def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: gs.Tensor
     frontier = [(tensor, shape and len(shape) - 1)]
     while frontier:
         current, axis = frontier.pop()
-        if current.name in graph_outputs or not current.outputs or axis is None:
+        if current.name in graph_outputs or not current.uses() or axis is None:
             return None
         for consumer in ctx.readers(current):  # a reader inside a control-flow body is its control-flow node
-            if consumer.op in SHAPE_READERS:  # reads no values: the affine does not matter to it
+            if consumer.op_type in SHAPE_READERS:  # reads no values: the affine does not matter to it
                 continue
             if other is not None and (claimed := other(consumer, current, axis)) is not None:
                 targets.append(claimed)
                 continue
             if consumer.inputs[0] is not current or current in consumer.inputs[1:]:
                 return None
-            if consumer.op in REGROUP_OPS:
+            if consumer.op_type in REGROUP_OPS:
                 out = consumer.outputs[0]
                 frontier.append((out, regroup_axis(ctx.shapes.get(current.name), ctx.shapes.get(out.name), axis)))
                 continue
@@ -140,27 +137,27 @@ def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: gs.Tensor
     return targets
 
 
-def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, axis: int, needs_bias: bool) -> LinearTarget | None:
+def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: ir.Node, axis: int, needs_bias: bool) -> LinearTarget | None:
     """The target if `consumer` is a linear layer contracting over `axis` (and can take a bias if needed)."""
     rank = len(ctx.shapes.get(consumer.inputs[0].name) or ())
     weight = consumer.inputs[1] if len(consumer.inputs) > 1 else None
     weight_shape = None if weight is None else ctx.shapes.get(weight.name)
     if weight is None or not is_constant(weight) or weight_shape is None or len(weight_shape) != 2 or axis != rank - 1:
         return None
-    if consumer.op == "Gemm" and not consumer.attrs.get("transA", 0):
-        if len(consumer.inputs) > 2 and not is_constant(consumer.inputs[2]) or needs_bias and consumer.attrs.get("beta", 1.0) == 0:
+    if consumer.op_type == "Gemm" and not attr(consumer, "transA", 0):
+        if input_at(consumer, 2) is not None and not is_constant(consumer.inputs[2]) or needs_bias and attr(consumer, "beta", 1.0) == 0:
             return None
-        return LinearTarget(consumer, consumer.attrs.get("transB", 0), consumer, 2)
-    if consumer.op == "Attention" and consumer.domain == "com.microsoft":  # QKV = x·W + b, W packed [d, 3d]
-        if len(consumer.inputs) > 2 and consumer.inputs[2].name and is_constant(consumer.inputs[2]):
+        return LinearTarget(consumer, attr(consumer, "transB", 0), consumer, 2)
+    if consumer.op_type == "Attention" and consumer.domain == "com.microsoft":  # QKV = x·W + b, W packed [d, 3d]
+        if is_constant(input_at(consumer, 2)):
             return LinearTarget(consumer, 0, consumer, 2)
         return None if needs_bias else LinearTarget(consumer, 0, None, None)
-    if consumer.op != "MatMul":
+    if consumer.op_type != "MatMul":
         return None
     product = consumer.outputs[0]
     readers = ctx.readers(product)
     add = readers[0] if len(readers) == 1 and product.name not in graph_outputs else None
-    if add is not None and (add.op == "Add" or add.op in BIASED_ACTIVATIONS and len(add.inputs) > 1 and add.inputs[0] is product):
+    if add is not None and (add.op_type == "Add" or add.op_type in BIASED_ACTIVATIONS and len(add.inputs) > 1 and add.inputs[0] is product):
         other = 1 if add.inputs[0] is product else 0
         bias = constant_values(add.inputs[other])
         if bias is not None and bias.shape[-1:] == (weight_shape[1],) and bias.size == weight_shape[1]:
@@ -171,10 +168,10 @@ def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: gs.Node, ax
 def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
     """Claims a residual `Add(tensor, s)` whose other summand s carries a private bias."""
 
-    def claim(consumer: gs.Node, tensor: gs.Tensor, axis: int) -> SumTarget | None:
-        if consumer.op in SKIP_BIAS_INPUT:
+    def claim(consumer: ir.Node, tensor: ir.Value, axis: int) -> SumTarget | None:
+        if consumer.op_type in SKIP_BIAS_INPUT:
             return _skip_claim(consumer, tensor, width)
-        if consumer.op != "Add" or len(consumer.inputs) != 2 or consumer.inputs[0] is consumer.inputs[1]:
+        if consumer.op_type != "Add" or len(consumer.inputs) != 2 or consumer.inputs[0] is consumer.inputs[1]:
             return None
         if tensor not in consumer.inputs:
             return None
@@ -195,9 +192,9 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
     return claim
 
 
-def _skip_claim(node: gs.Node, tensor: gs.Tensor, width: int) -> SumTarget | None:
+def _skip_claim(node: ir.Node, tensor: ir.Value, width: int) -> SumTarget | None:
     """A Skip op summing `tensor` with another run-time operand and a bias: β moves into that bias."""
-    index = SKIP_BIAS_INPUT[node.op]
+    index = SKIP_BIAS_INPUT[node.op_type]
     reads = [i for i, t in enumerate(node.inputs) if t is tensor]
     if reads not in ([0], [1]) or len(node.inputs) <= index:
         return None
@@ -207,8 +204,10 @@ def _skip_claim(node: gs.Node, tensor: gs.Tensor, width: int) -> SumTarget | Non
 class Namer:
     """Unique node and tensor names within one graph."""
 
-    def __init__(self, graph: gs.Graph):
-        self.names = set(graph.tensors()) | {node.name for node in graph.nodes}
+    def __init__(self, graph: ir.Graph):
+        nodes = list(graph.all_nodes())
+        values = [*graph.inputs, *graph.initializers.values(), *(t for node in nodes for t in (*node.inputs, *node.outputs))]
+        self.names = {t.name for t in values if t is not None} | {node.name for node in nodes}
 
     def __call__(self, base: str) -> str:
         name, index = base, 1
@@ -219,24 +218,33 @@ class Namer:
         return name
 
 
-def set_constant(node: gs.Node, index: int, values: np.ndarray, name: str) -> None:
-    """Point input `index` of `node` at a new constant (appended when `index` is one past the end)."""
-    constant = gs.Constant(name, np.ascontiguousarray(values))
-    if index < len(node.inputs):
-        node.inputs[index] = constant
-    else:
-        node.inputs.append(constant)
+def new_initializer(graph: ir.Graph, name: str, values: np.ndarray) -> ir.Value:
+    """A new initializer of `graph` holding `values` (an in-memory `ir.Tensor`)."""
+    values = np.ascontiguousarray(values)
+    tensor = ir.Tensor(values, name=name)
+    value = ir.Value(name=name, shape=ir.Shape(values.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
 
 
-def move_affine(targets: list, gamma: np.ndarray | None, beta: np.ndarray | None, unique: Namer) -> list[str]:
-    """Move γ/β into linear targets and β into sum targets; returns the names of the nodes changed.
+def set_input(node: ir.Node, index: int, value: ir.Value) -> None:
+    """Point input `index` of `node` at `value` (the inputs grow when `index` is past the end)."""
+    if index >= len(node.inputs):
+        node.resize_inputs(index + 1)
+    node.replace_input_with(index, value)
+
+
+def move_affine(graph: ir.Graph, targets: list, gamma: np.ndarray | None, beta: np.ndarray | None, unique: Namer) -> list[str]:
+    """Move γ/β into linear targets and β into sum targets (new initializers of `graph`); returns the
+    names of the nodes changed.
 
     Pass None for a γ of ones or a β of zeros: nothing is computed for it.
     """
 
-    def renew(node: gs.Node, index: int, values: np.ndarray, tag: str) -> None:
-        old = node.inputs[index].name if index < len(node.inputs) and node.inputs[index].name else f"{node.name}.bias"
-        set_constant(node, index, values, unique(f"{old}.{tag}"))
+    def renew(node: ir.Node, index: int, values: np.ndarray, tag: str) -> None:
+        old = input_at(node, index)
+        name = unique(f"{old.name if old is not None else f'{node.name}.bias'}.{tag}")
+        set_input(node, index, new_initializer(graph, name, values))
 
     changed = []
     for target in targets:
@@ -248,10 +256,10 @@ def move_affine(targets: list, gamma: np.ndarray | None, beta: np.ndarray | None
             continue
         linear = target.node
         bias = None
-        if target.bias_node is not None and target.bias_index < len(target.bias_node.inputs) and target.bias_node.inputs[target.bias_index].name:
+        if target.bias_node is not None and input_at(target.bias_node, target.bias_index) is not None:
             bias = constant_values(target.bias_node.inputs[target.bias_index])
         # Gemm: y = α·A·B + β_g·C, so β·W enters C scaled by α/β_g.
-        shift_scale = linear.attrs.get("alpha", 1.0) / linear.attrs.get("beta", 1.0) if linear.op == "Gemm" else 1.0
+        shift_scale = attr(linear, "alpha", 1.0) / attr(linear, "beta", 1.0) if linear.op_type == "Gemm" else 1.0
         weight = constant_values(linear.inputs[1])
         new_weight, new_bias = migrate_affine(weight, bias, gamma, beta, target.in_axis, shift_scale)
         if gamma is not None:

@@ -15,6 +15,13 @@ Per output we report the worst over the runs of max |a − b| and of the relativ
 max |a − b| / max |ref| (normalised by the output's scale, so near-zero elements do not blow it
 up), and the tolerance of its dtype. Integer and boolean outputs must match exactly; non-finite
 values must agree in place and value.
+
+A model to verify is a `ModelProto`, the path of a file, or an `ir.Model`; only one ONNX Runtime
+session and one copy of the weights exist at a time: the original's session runs every input set
+and is released (its outputs kept) before the rewritten model's session opens. A file is run
+from its path (its external data read by ONNX Runtime), an `ir.Model` from bytes when small, else
+from a temporary directory holding it with external data; signatures and inputs are read from
+`io.skeleton`s, which hold no weights.
 """
 
 from __future__ import annotations
@@ -25,11 +32,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 
 from ..errors import InputError, UnsupportedModelError, VerificationError
-from ..io import may_exceed_proto_limit, save_external
-from .precision import bf16_as_fp32
+from ..io import keeps_external_data, may_exceed_proto_limit, save_external, save_ir, skeleton
+from .precision import bf16_as_fp32, uses_bf16
 
 # Relative tolerance per output dtype: a fold may only change rounding.
 REL_TOLERANCE = {
@@ -121,10 +129,7 @@ def session(model: onnx.ModelProto, optimize: bool = False, providers=("CPUExecu
     Duplicate node names, which ORT rejects, are renamed in a copy; a model ORT cannot load
     raises `UnsupportedModelError` with ORT's reason.
     """
-    options = ort.SessionOptions()
-    if not optimize:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
+    options = _options(optimize)
     model = _uniquely_named(model)
     if not may_exceed_proto_limit(model):
         return ort_session(model.SerializeToString(), options, providers)
@@ -132,6 +137,14 @@ def session(model: onnx.ModelProto, optimize: bool = False, providers=("CPUExecu
         path = Path(tmp) / "model.onnx"
         save_external(model, path)
         return ort_session(str(path), options, providers)
+
+
+def _options(optimize: bool = False) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    return options
 
 
 def ort_session(source: bytes | str, options: ort.SessionOptions, providers) -> ort.InferenceSession:
@@ -339,27 +352,88 @@ def verification_runs(model: onnx.ModelProto) -> list[tuple[str | None, tuple[in
     return [("true", None), ("false", None), ("random", (OTHER_BATCH, OTHER_DIM))]
 
 
-def verify(original: onnx.ModelProto, rewritten: onnx.ModelProto, shapes=None, seed: int = 0, name: str = "model") -> Comparison:
-    """Check the signature, then run both models on the same seeded inputs (see the module docstring) and compare."""
-    check_signature(original, rewritten, name)
-    comparisons, runs = [], []
-    for index, (bools, dims) in enumerate(verification_runs(original)):
-        feeds = make_inputs(original, None if dims else shapes, seed + index, bools or "true", dims or (DEFAULT_BATCH, DEFAULT_DIM))
-        run_shapes = {k: list(v.shape) for k, v in feeds.items()}
-        if dims and bools is None and run_shapes == runs[0].shapes:
-            runs.append(Run(run_shapes, bools, "the model has no dynamic dims"))
-            continue
-        try:
-            reference = run(original, feeds)
-        except Exception as e:  # the original need not accept other sizes than the given ones; say so instead
-            if not dims:
-                sizes = ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in run_shapes.items())
-                raise UnsupportedModelError(
-                    f"{name}: the original model does not run on the verification inputs ({sizes}): "
-                    f"{str(e).splitlines()[0][:200]}; give the input shapes the model expects") from e
-            runs.append(Run(run_shapes, bools, f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}"))
-            continue
-        comparisons.append(compare_outputs(reference, run(rewritten, feeds), run_shapes))
-        runs.append(Run(run_shapes, bools))
+Model = onnx.ModelProto | ir.Model | Path
+
+
+def structure(model: Model) -> onnx.ModelProto:
+    """What verification reads of `model` besides running it: a proto of its graph, without large weights."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, ir.Model):
+        return skeleton(model)
+    return onnx.load(str(model), load_external_data=False)
+
+
+def _in_memory(model: Model, shape: onnx.ModelProto) -> onnx.ModelProto | None:
+    """`model` as a whole ModelProto where it must run as one (bfloat16 copies, duplicate node names), else None."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    names = [node.name for node in shape.graph.node if node.name]
+    if not uses_bf16(shape) and len(names) == len(set(names)):
+        return None
+    return ir.to_proto(model) if isinstance(model, ir.Model) else onnx.load(str(model))
+
+
+class Runner:
+    """One ORT session on `model` (graph optimizations off), opened on entry and released on exit."""
+
+    def __init__(self, model: Model, shape: onnx.ModelProto):
+        self.model, self.shape = model, shape
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self):
+        whole = _in_memory(self.model, self.shape)
+        if whole is not None:
+            self.run = lambda feeds: run(whole, feeds)
+            return self
+        source = self.model
+        if isinstance(source, ir.Model):
+            if not keeps_external_data(source):
+                source = ir.to_proto(source).SerializeToString()
+            else:
+                self._tmp = tempfile.TemporaryDirectory()
+                source = Path(self._tmp.name) / "model.onnx"
+                save_ir(source, self.model)
+        sess = ort_session(source if isinstance(source, bytes) else str(source), _options(), ("CPUExecutionProvider",))
+        names = [o.name for o in sess.get_outputs()]
+        self.run = lambda feeds: dict(zip(names, sess.run(names, feeds)))
+        return self
+
+    def __exit__(self, *exc):
+        self.run = None  # the session goes with its closure
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def verify(original: Model, rewritten: Model, shapes=None, seed: int = 0, name: str = "model",
+           original_structure: onnx.ModelProto | None = None) -> Comparison:
+    """Check the signature, then run both models on the same seeded inputs (see the module docstring) and compare.
+
+    `original_structure`: `structure(original)` where the caller has it.
+    """
+    before, after = original_structure or structure(original), structure(rewritten)
+    check_signature(before, after, name)
+    done, runs = [], []
+    with Runner(original, before) as reference_runner:
+        for index, (bools, dims) in enumerate(verification_runs(before)):
+            feeds = make_inputs(before, None if dims else shapes, seed + index, bools or "true", dims or (DEFAULT_BATCH, DEFAULT_DIM))
+            run_shapes = {k: list(v.shape) for k, v in feeds.items()}
+            if dims and bools is None and run_shapes == runs[0].shapes:
+                runs.append(Run(run_shapes, bools, "the model has no dynamic dims"))
+                continue
+            try:
+                reference = reference_runner.run(feeds)
+            except Exception as e:  # the original need not accept other sizes than the given ones; say so instead
+                if not dims:
+                    sizes = ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in run_shapes.items())
+                    raise UnsupportedModelError(
+                        f"{name}: the original model does not run on the verification inputs ({sizes}): "
+                        f"{str(e).splitlines()[0][:200]}; give the input shapes the model expects") from e
+                runs.append(Run(run_shapes, bools, f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}"))
+                continue
+            done.append((feeds, reference, run_shapes))
+            runs.append(Run(run_shapes, bools))
+    with Runner(rewritten, after) as candidate_runner:
+        comparisons = [compare_outputs(reference, candidate_runner.run(feeds), run_shapes) for feeds, reference, run_shapes in done]
     worst = [max(results, key=lambda o: (o.max_rel_error, o.max_abs_error)) for results in zip(*(c.outputs for c in comparisons))]
     return Comparison(tuple(worst), comparisons[0].input_shapes, tuple(runs))

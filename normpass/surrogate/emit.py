@@ -1,4 +1,4 @@
-"""Emit surrogate norms into an ONNX graph (onnx-graphsurgeon IR), moving constants where exact.
+"""Emit surrogate norms into an ONNX graph (an onnx-ir `ir.Model`), moving constants where exact.
 
 A surrogate (`surrogates.Surrogate`) computes y = γ ⊙ core(x − c) + β. The norm's nodes are
 removed and the cheapest exact form of that formula is emitted:
@@ -41,16 +41,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.graph import NormInfo, NormType
 from .fit import NormSpec, Surrogate
-from ..onnx.frontend import OnnxGraph, body_holders, build_zero_mean_graph
-from ..onnx.export import export_model as write_model
+from ..onnx.frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
+from ..onnx.export import annotate
 from ..onnx.constants import constant_values
-from ..onnx.rewrite import Rewriter, rms_nodes
-from ..onnx.targets import affine_plan, move_affine, private_bias, value_readers
+from ..onnx.passes import in_memory_proto
+from ..onnx.rewrite import Rewriter, new_value, rms_nodes, take_over
+from ..onnx.targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 DOC_PREFIX = "normpass: "
@@ -87,25 +89,26 @@ def norm_cost(norm: NormInfo) -> float:
     """
     nodes = norm.ref.nodes
     if len(nodes) == 1:
-        return OP_COST.get(nodes[0].op, 1.0)
+        return OP_COST.get(nodes[0].op_type, 1.0)
     total, reduced = 0.0, False
     for node in nodes:
-        if node.op == "ReduceMean":
+        if node.op_type == "ReduceMean":
             total, reduced = total + OP_COST["ReduceMean"], True
-        elif reduced and node.op in ("Add", "Sqrt", "Reciprocal", "Cast"):
+        elif reduced and node.op_type in ("Add", "Sqrt", "Reciprocal", "Cast"):
             total += OP_COST["Sqrt"]
-        elif node.op != "Cast":
-            total, reduced = total + OP_COST.get(node.op, 0.5), False
+        elif node.op_type != "Cast":
+            total, reduced = total + OP_COST.get(node.op_type, 0.5), False
     return total
 
 
 # --- working graphs -----------------------------------------------------------------------------
 
 
-def open_graph(model: onnx.ModelProto, shapes: dict, name: str = "model") -> OnnxGraph:
-    """A disposable working graph of `model` (node names must already be unique), with known shapes."""
-    graph = gs.import_onnx(model)
-    return OnnxGraph(model, graph, shapes, name=name, holders=body_holders(graph))
+def open_graph(model: onnx.ModelProto, shapes: dict, name: str = "model", dtypes: dict | None = None) -> OnnxGraph:
+    """A disposable working graph of `model` (node names must already be unique), with known shapes
+    and dtypes (`model`'s tensors are shared, never written)."""
+    working = ir.from_proto(model)
+    return OnnxGraph(working, shapes, dtypes or {}, name, body_holders(working.graph))
 
 
 def norm_spec(norm: NormInfo) -> NormSpec:
@@ -126,24 +129,16 @@ def width_of(ctx: OnnxGraph, norm: NormInfo) -> int | None:
     return shape[-1] if shape and isinstance(shape[-1], int) else None
 
 
-def dtype_of(norm: NormInfo) -> np.dtype:
-    x = norm.ref.x
-    if isinstance(x, gs.Variable) and x.dtype is not None:
-        return np.dtype(x.dtype)
-    gamma = None if norm.ref.gamma is None else constant_values(norm.ref.gamma)
-    return np.dtype(gamma.dtype) if gamma is not None else np.dtype(np.float32)
-
-
 # --- where constants can go --------------------------------------------------------------------
 
 
-def _only_read_by(tensor: gs.Tensor, nodes: list[gs.Node], graph_outputs: set[str]) -> bool:
+def _only_read_by(tensor: ir.Value, nodes: list[ir.Node], graph_outputs: set[str]) -> bool:
     """Whether only `nodes` read the values of `tensor` (its `Shape` readers see no change of them)."""
     members = {id(n) for n in nodes}
     return tensor.name not in graph_outputs and all(id(c) in members for c in value_readers(tensor))
 
 
-def shift_target(norm: NormInfo, width: int, graph_outputs: set[str]) -> tuple[gs.Node, int] | None:
+def shift_target(norm: NormInfo, width: int, graph_outputs: set[str]) -> tuple[ir.Node, int] | None:
     """Where the shift c of a surrogate can go exactly: a private bias of x, if x feeds only the norm."""
     match = norm.ref
     if not _only_read_by(match.x, match.nodes, graph_outputs):
@@ -183,8 +178,8 @@ class Emitter(Rewriter):
         self.norms = {norm.name: norm for norm in self.zmg.norms}
         self._checker = ShiftChecker(self.zmg)
 
-    def _const(self, base: str, values) -> gs.Constant:
-        return gs.Constant(self._unique(base), np.ascontiguousarray(values))
+    def _const(self, base: str, values) -> ir.Value:
+        return new_initializer(self.graph, self._unique(base), values)
 
     # exact preconditioning
 
@@ -197,7 +192,7 @@ class Emitter(Rewriter):
         for centring in safe_centrings(self.zmg, norm, self._checker):
             self.centre_layer(centring, [norm.name])
             done.add(centring.node)
-        return [node.name for node in self.graph.nodes if node.name in done]
+        return [node.name for node in self.graph if node.name in done]
 
     # surrogates
 
@@ -205,32 +200,29 @@ class Emitter(Rewriter):
         """Replace `norm` by `surrogate` in the graph (see the module docstring)."""
         match = norm.ref
         width = width_of(self.ctx, norm)
-        dtype = dtype_of(norm)
+        dtype = self._dtype(match.x)
         emission = Emission()
         x, y = match.x, match.y
         # decide on the original wiring, before the norm's nodes go
         target = shift_target(norm, width, self.graph_outputs) if surrogate.has_shift else None
         output = affine_plan(self.ctx, self.graph_outputs, y, width, needs_bias=True)
-        for node in match.nodes:
-            node.inputs.clear()
-            node.outputs.clear()
         doc = f"{surrogate.kind} surrogate for {norm.name} ({norm.op})"
-        nodes: list[gs.Node] = []
+        nodes: list[ir.Node] = []
         current = x
 
-        def emitted(new: list[gs.Node]) -> gs.Tensor:
+        def emitted(new: list[ir.Node]) -> ir.Value:
             """Append `new`; ops after a ReduceMean up to the division work on reduced tensors and
             are counted apart (they cost ~0)."""
             reduced = False
             for node in new:
-                reduced = node.op == "ReduceMean" or reduced and node.op in ("Add", "Sqrt")
-                emission.ops["Add(ε)" if reduced and node.op == "Add" else node.op] += 1
+                reduced = node.op_type == "ReduceMean" or reduced and node.op_type in ("Add", "Sqrt")
+                emission.ops["Add(ε)" if reduced and node.op_type == "Add" else node.op_type] += 1
             nodes.extend(new)
             return new[-1].outputs[0]
 
-        def add(op: str, inputs: list, label: str) -> gs.Tensor:
-            out = gs.Variable(self._unique(f"{norm.name}.{label}"), dtype=dtype)
-            return emitted([gs.Node(op, self._unique(f"{norm.name}.{label}"), inputs=inputs, outputs=[out])])
+        def add(op: str, inputs: list, label: str) -> ir.Value:
+            out = new_value(self._unique, f"{norm.name}.{label}", dtype)
+            return emitted([ir.node(op, inputs, outputs=[out], name=self._unique(f"{norm.name}.{label}"))])
 
         shift = np.asarray(surrogate.shift, dtype=np.float64)
         if surrogate.has_shift:
@@ -253,8 +245,8 @@ class Emitter(Rewriter):
             scale = gamma if keep_gamma else np.ones(width)
             unit = self.rms_op == "decomposed" and np.all(scale == 1)  # the chain needs no Mul by ones
             scale_const = None if unit else self._const(f"{norm.name}.rms_scale", scale.astype(dtype))
-            out = gs.Variable(self._unique(f"{norm.name}.rms"), dtype=dtype)
-            current = emitted(rms_nodes(self._unique, self.ctx.opset, self.rms_op, f"{norm.name}.rms", current, scale_const,
+            out = new_value(self._unique, f"{norm.name}.rms", dtype)
+            current = emitted(rms_nodes(self.graph, self._unique, self.ctx.opset, self.rms_op, f"{norm.name}.rms", current, scale_const,
                                         out, norm.axis, float(surrogate.epsilon), dtype))
             keep_gamma = False  # γ is the RMS op's scale
         elif surrogate.kind in ("dyt", "derf"):
@@ -268,13 +260,13 @@ class Emitter(Rewriter):
 
         moved_to = []
         if output.full is not None:
-            moved_to = move_affine(output.full, None if np.all(gamma == 1) else gamma, beta if np.any(beta != 0) else None, self._unique)
+            moved_to = move_affine(self.graph, output.full, None if np.all(gamma == 1) else gamma, beta if np.any(beta != 0) else None, self._unique)
             emission.gamma = emission.beta = "migrated into " + ", ".join(moved_to)
             emission.changed += moved_to
         else:
             emission.gamma = ("in the RMS op's scale" if surrogate.kind == "rms" else "Mul") if not np.all(gamma == 1) else "none"
             if output.beta is not None and np.any(beta != 0):
-                moved_to = move_affine(output.beta, None, beta, self._unique)
+                moved_to = move_affine(self.graph, output.beta, None, beta, self._unique)
                 emission.beta = "migrated into " + ", ".join(moved_to)
                 emission.changed += moved_to
             else:
@@ -282,27 +274,21 @@ class Emitter(Rewriter):
         for name in moved_to:
             self._note(name, f"absorbed {'γ/β' if output.full is not None else 'β'} of the {norm.name} surrogate")
 
-        # the last emitted op writes y; with nothing emitted, y's readers read x (or the Sub) instead
+        # the last emitted op's output takes y's place; with nothing emitted, y's readers read x (or the Sub)
         if not nodes and y.name in self.graph_outputs:
-            add("Identity", [current], "identity")  # an identity surrogate on a graph output
-        if nodes:
-            nodes[-1].outputs[0] = y
-        else:
-            for consumer in list(y.outputs):
-                _rewire(consumer, y, current)
+            current = add("Identity", [current], "identity")  # an identity surrogate on a graph output
         for node in nodes:
             self._note(node.name, doc)
-        self.graph.nodes.extend(nodes)
+        self.graph.extend(nodes)
+        if nodes:
+            take_over(y, current)
+        else:
+            y.replace_all_uses_with(current)
+        self.graph.remove(match.nodes, safe=True)
         return emission
 
 
 # --- models -------------------------------------------------------------------------------------
-
-
-def _rewire(node: gs.Node, old: gs.Tensor, new: gs.Tensor) -> None:
-    for index, tensor in enumerate(list(node.inputs)):
-        if tensor is old:
-            node.inputs[index] = new
 
 
 def light_model(ctx: OnnxGraph, source: onnx.ModelProto, extra_outputs: dict[str, np.dtype] | None = None,
@@ -310,37 +296,36 @@ def light_model(ctx: OnnxGraph, source: onnx.ModelProto, extra_outputs: dict[str
     """The working graph as a model whose large constants are inputs; returns (model, their values).
 
     Consumes the working graph. `extra_outputs` (tensor name → dtype) become graph outputs;
-    `cache` holds the values of untouched source initializers so they are converted once.
+    `cache` holds the values of untouched source initializers (those not in memory as NumPy
+    arrays) so they are converted once.
     """
+    _finish(ctx)
     graph = ctx.graph
-    graph.cleanup(remove_unused_graph_inputs=False)
     feeds: dict[str, np.ndarray] = {}
-    tensors = graph.tensors()
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, gs.Constant):
+    for name, value in list(graph.initializers.items()):
+        tensor = value.const_value
+        if tensor is None or tensor.size <= limit or value.is_graph_input():
             continue
-        raw = tensor._values
-        shape = tuple(raw.shape)
-        if int(np.prod(shape)) <= limit:
-            continue
-        if cache is not None and not isinstance(raw, np.ndarray) and name in cache:
+        untouched = not isinstance(tensor, ir.Tensor)  # a new constant is an in-memory ir.Tensor
+        if cache is not None and untouched and name in cache:
             values = cache[name]
         else:
-            values = np.ascontiguousarray(tensor.values)
-            if cache is not None and not isinstance(raw, np.ndarray):
+            values = np.ascontiguousarray(tensor.numpy())
+            if cache is not None and untouched:
                 cache[name] = values
         feeds[name] = values
-        variable = gs.Variable(name, dtype=values.dtype, shape=list(shape))
-        for consumer in list(tensor.outputs):
-            _rewire(consumer, tensor, variable)
-        graph.inputs.append(variable)
-    for name, dtype in (extra_outputs or {}).items():
-        tensor = tensors[name]
-        if tensor.dtype is None:
-            tensor.dtype = dtype
-        if tensor not in graph.outputs:
-            graph.outputs.append(tensor)
-    model = gs.export_onnx(graph, do_type_check=False)
+        graph.initializers.pop(name)
+        value.const_value = None
+        graph.inputs.append(value)
+    if extra_outputs:
+        values = {v.name: v for v in graph_values(graph)}
+        for name, dtype in extra_outputs.items():
+            value = values[name]
+            if value.type is None:
+                value.type = ir.TensorType(ir.DataType.from_numpy(np.dtype(dtype)))
+            if value not in graph.outputs:
+                graph.outputs.append(value)
+    model = ir.to_proto(ctx.model)
     model.ir_version = source.ir_version
     del model.opset_import[:]
     model.opset_import.extend(source.opset_import)
@@ -348,7 +333,12 @@ def light_model(ctx: OnnxGraph, source: onnx.ModelProto, extra_outputs: dict[str
 
 
 def export_model(ctx: OnnxGraph, source: onnx.ModelProto, docs: dict[str, str], properties: dict[str, str]) -> onnx.ModelProto:
-    """The final model: every weight inside (untouched ones copied once), `source`'s opsets and
-    metadata plus `properties`."""
-    ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    return write_model(ctx.graph, source, docs, properties)
+    """The final model: every weight inside, `source`'s opsets and metadata plus `properties`."""
+    _finish(ctx)
+    return in_memory_proto(annotate(ctx.model, docs, properties))
+
+
+def _finish(ctx: OnnxGraph) -> None:
+    """Drop what no output needs and sort the nodes topologically."""
+    RemoveUnusedNodesPass()(ctx.model)
+    ctx.graph.sort()

@@ -163,9 +163,9 @@ class ReplaceResult:
 class Search:
     """States of replaced norms, their sequentially calibrated models, and their validation metrics."""
 
-    def __init__(self, base: onnx.ModelProto, shapes: dict, name: str, candidates: list[NormInfo], fit,
+    def __init__(self, base: onnx.ModelProto, shapes: dict, dtypes: dict, name: str, candidates: list[NormInfo], fit,
                  splits: dict[str, tuple[list, list]], mask_input: str | None, budget: Budget, options: ReplaceOptions):
-        self.base, self.shapes, self.name = base, shapes, name
+        self.base, self.shapes, self.dtypes, self.name = base, shapes, dtypes, name
         self.order = [n.name for n in candidates]
         self.index = {name: i for i, name in enumerate(self.order)}
         self.norms = {n.name: n for n in candidates}
@@ -236,7 +236,7 @@ class Search:
     # --- models ----------------------------------------------------------------------------------
 
     def build(self, surrogates: list[tuple[str, Surrogate]]):
-        ctx = open_graph(self.base, self.shapes, self.name)
+        ctx = open_graph(self.base, self.shapes, self.name, self.dtypes)
         emitter = Emitter(ctx, self.options.rms_op)
         emissions = {norm: emitter.emit(emitter.norms[norm], surrogate) for norm, surrogate in surrogates}
         return ctx, emitter, emissions
@@ -454,7 +454,7 @@ def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions |
                                     "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model")
     seconds["references"] = time.perf_counter() - start
 
-    search = Search(base, shapes, name, candidates, fit, splits, mask_input, budget, options)
+    search = Search(base, shapes, ctx.dtypes, name, candidates, fit, splits, mask_input, budget, options)
     return Prepared(options, budget, kinds, only_cheaper, model, name, fit, select, check, test, mask_input, folded,
                     exact, original_norms, declined, candidates, centred, ctx, emitter.docs, output_names, search,
                     seconds, started)

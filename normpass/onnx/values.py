@@ -1,0 +1,43 @@
+"""Reading an onnx-ir graph: producers, readers, attributes, constant initializers, bodies.
+
+The analysis and the rewrite see the model as an `ir.Model`: a value (`ir.Value`) has one
+producer (`value.producer()`, None for graph inputs and initializers) and is read through
+`value.uses()`, one use per input slot, bodies of control-flow nodes included (a body reads an
+outer-scope value as that very value). An absent optional input is `None` in `node.inputs`.
+An initializer that is also a graph input is a run-time input whose initializer is only a
+default: it is never a constant.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+
+def attr(node: ir.Node, name: str, default=None):
+    """The Python value of attribute `name` (lists for repeated ones), or `default` where it is absent."""
+    attribute = node.attributes.get(name)
+    if attribute is None or not isinstance(attribute, ir.Attr):
+        return default
+    value = attribute.value
+    return list(value) if isinstance(value, tuple) else value
+
+
+def readers(value: ir.Value) -> list[ir.Node]:
+    """The nodes reading `value`, once per input slot it fills (bodies included)."""
+    return [use.node for use in value.uses()]
+
+
+def input_at(node: ir.Node, index: int) -> ir.Value | None:
+    """Input `index` of `node`, or None where it is absent (omitted, or past the end)."""
+    return node.inputs[index] if index < len(node.inputs) else None
+
+
+def is_initializer(value: ir.Value | None) -> bool:
+    """A constant initializer: stored, and not overridable as a graph input."""
+    return value is not None and value.is_initializer() and not value.is_graph_input() and value.const_value is not None
+
+
+def bodies(node: ir.Node) -> list[tuple[str, ir.Graph]]:
+    """The subgraphs of a control-flow node, with the attribute that holds each."""
+    return [(name, a.value) for name, a in node.attributes.items()
+            if isinstance(a, ir.Attr) and a.type == ir.AttributeType.GRAPH]
