@@ -55,7 +55,6 @@ from ..onnx.rewrite import Rewriter, new_value, rms_nodes, take_over
 from ..onnx.targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
-DOC_PREFIX = "normpass: "
 # Estimated cost of each op a surrogate may emit, relative to one LayerNormalization over the
 # same tensor (ONNX Runtime 1.31, CPU, 8192×384 fp32, one thread, 10th percentile of 300 runs
 # each, interleaved: LN 5.5 ms, SimplifiedLayerNormalization 3.0, Add/Sub/Mul 2.4–2.7,
