@@ -14,7 +14,7 @@ import onnx_ir as ir
 STANDARD_DOMAINS = ("", "ai.onnx")
 
 
-def annotate(model: ir.Model, docs: dict[str, str], metadata: dict[str, str]) -> ir.Model:
+def export_model(model: ir.Model, docs: dict[str, str], metadata: dict[str, str]) -> ir.Model:
     """Add `docs` (node name → note) to the nodes' doc_strings and `metadata` to the model's props, in place."""
     for node in model.graph:
         if node.name in docs:

@@ -60,11 +60,13 @@ FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 class OnnxGraph:
     """A model being analysed or rewritten: the `ir.Model` plus inferred shapes and dtypes (by tensor name).
 
-    `source` is the file the model was loaded from (None for an in-memory model); `holders` maps
-    id(node inside a body) to its top-level control-flow node.
+    `structure` is the model as loaded, without its large weights (`io.skeleton`), for signatures
+    and verification inputs; `source` is the file it was loaded from (None for an in-memory model);
+    `holders` maps id(node inside a body) to its top-level control-flow node.
     """
 
     model: ir.Model
+    structure: onnx.ModelProto
     shapes: dict[str, tuple | None] = field(default_factory=dict)
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
     name: str = "model"
@@ -168,6 +170,7 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
             model = ir.from_proto(model)
         except Exception as e:  # onnx-ir rejects graphs it cannot represent
             raise UnsupportedModelError(f"{name}: cannot be analysed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    structure = skeleton(model)
     graph = model.graph
     seen: set[str] = set()
     nested = [inner for node in graph for inner, _ in nested_nodes(node)]
@@ -175,12 +178,12 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
         if not node.name or node.name in seen:
             node.name = f"{node.op_type}_{index}" if not node.name else f"{node.name}_{index}"
         seen.add(node.name)
-    shapes, dtypes = infer_shapes(skeleton(model))
+    shapes, dtypes = infer_shapes(structure)
     for node in graph:
         value = attr(node, "value") if node.op_type == "Constant" else None
         if isinstance(value, ir.TensorProtocol):
             shapes.setdefault(node.outputs[0].name, tuple(value.shape.numpy()))
-    return OnnxGraph(model, shapes, dtypes, name, body_holders(graph), source)
+    return OnnxGraph(model, structure, shapes, dtypes, name, body_holders(graph), source)
 
 
 # --- control flow ------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from .. import __version__
 from ..core.analysis import plan as make_plan
 from ..errors import InputError, UnsupportedModelError, VerificationError
 from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
-from .export import annotate
+from .export import export_model
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .rewrite import RMS_OPS, Rewriter
 from ..io import checked_model, load_ir, save_onnx_atomic, skeleton
@@ -183,7 +183,7 @@ def fold_onnx(model: onnx.ModelProto | str | os.PathLike, options: FoldOptions |
     seconds = {}
     start = time.perf_counter()
     ctx = open_graph(model, name)
-    before = skeleton(ctx.model)
+    before = ctx.structure
     check_input_shapes(before, options.input_shapes)
     original = ctx.source or model
     if rms_op == "onnx":
@@ -235,4 +235,4 @@ def _annotate(ctx: OnnxGraph, fold_plan: FoldPlan, docs: dict[str, str]) -> ir.M
         "normpass.folded": f"{len(fold_plan.folded)} of {fold_plan.total} norms folded into RMSNorm",
         "normpass.folded_norms": ", ".join(d.name for d in fold_plan.folded),
     }
-    return annotate(ctx.model, docs, metadata)
+    return export_model(ctx.model, docs, metadata)
