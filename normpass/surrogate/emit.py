@@ -48,7 +48,7 @@ from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.graph import NormInfo, NormType
 from .fit import NormSpec, Surrogate
 from ..onnx.frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
-from ..onnx.export import annotate
+from ..onnx.export import export_model as annotate
 from ..onnx.constants import constant_values
 from ..onnx.passes import in_memory_proto
 from ..onnx.rewrite import Rewriter, new_value, rms_nodes, take_over
@@ -105,9 +105,9 @@ def norm_cost(norm: NormInfo) -> float:
 
 def open_graph(model: onnx.ModelProto, shapes: dict, name: str = "model", dtypes: dict | None = None) -> OnnxGraph:
     """A disposable working graph of `model` (node names must already be unique), with known shapes
-    and dtypes (`model`'s tensors are shared, never written)."""
+    and dtypes (`model`'s tensors are shared, never written; it is the graph's structure as loaded)."""
     working = ir.from_proto(model)
-    return OnnxGraph(working, shapes, dtypes or {}, name, body_holders(working.graph))
+    return OnnxGraph(working, model, shapes, dtypes or {}, name, body_holders(working.graph))
 
 
 def norm_spec(norm: NormInfo) -> NormSpec:
