@@ -278,8 +278,8 @@ class Emitter(Rewriter):
             current = add("Identity", [current], "identity")  # an identity surrogate on a graph output
         for node in nodes:
             self._note(node.name, doc)
-        self.graph.extend(nodes)
-        if nodes:
+        if nodes:  # where the norm was: the graph stays topologically sorted
+            self.graph.insert_before(match.nodes[0], nodes)
             take_over(y, current)
         else:
             y.replace_all_uses_with(current)
@@ -298,7 +298,7 @@ def light_model(ctx: OnnxGraph, source: onnx.ModelProto, extra_outputs: dict[str
     `cache` holds the values of untouched source initializers (those not in memory as NumPy
     arrays) so they are converted once.
     """
-    _finish(ctx)
+    RemoveUnusedNodesPass()(ctx.model)  # emitted nodes stand where their norms stood: still sorted
     graph = ctx.graph
     feeds: dict[str, np.ndarray] = {}
     for name, value in list(graph.initializers.items()):
@@ -333,11 +333,8 @@ def light_model(ctx: OnnxGraph, source: onnx.ModelProto, extra_outputs: dict[str
 
 def export_model(ctx: OnnxGraph, source: onnx.ModelProto, docs: dict[str, str], properties: dict[str, str]) -> onnx.ModelProto:
     """The final model: every weight inside, `source`'s opsets and metadata plus `properties`."""
-    _finish(ctx)
+    RemoveUnusedNodesPass()(ctx.model)
+    ctx.graph.sort()
     return in_memory_proto(annotate(ctx.model, docs, properties))
 
 
-def _finish(ctx: OnnxGraph) -> None:
-    """Drop what no output needs and sort the nodes topologically."""
-    RemoveUnusedNodesPass()(ctx.model)
-    ctx.graph.sort()
