@@ -14,6 +14,7 @@ path, symlinks and hard links included).
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import stat
@@ -34,6 +35,7 @@ EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to OUT.data
 LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are stubs (type and dims, no data) in `skeleton`
 STUB_LOCATION = "<normpass: data not included>"
 WRITE_IN_FLIGHT_BYTES = 2**26  # weights read but not yet written, at most, while saving
+DATA_ALIGNMENT = 4096  # tensors of ≥ 1 MiB start at a page boundary of OUT.data, so ONNX Runtime can map them
 
 
 def _default_mode() -> int:
@@ -89,6 +91,15 @@ def skeleton(model: ir.Model) -> onnx.ModelProto:
     finally:
         for value, tensor in stubbed.items():
             value.const_value = tensor
+
+
+def interface(model: ir.Model) -> onnx.ModelProto:
+    """A ModelProto holding only `model`'s graph inputs and outputs (for signature checks)."""
+    proto = onnx.ModelProto()
+    for values, infos in ((model.graph.inputs, proto.graph.input), (model.graph.outputs, proto.graph.output)):
+        for value in values:
+            ir.serde.serialize_value_into(infos.add(), value)
+    return proto
 
 
 def checked_model(model, label: str = "model") -> onnx.ModelProto:
@@ -223,9 +234,18 @@ def save_ir(path: Path, model: ir.Model) -> None:
     """
     if keeps_external_data(model):
         ir.save(model, path, external_data=data_path(path).name, size_threshold_bytes=EXTERNAL_MIN_BYTES,
-                max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES)
+                max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES, alignment=DATA_ALIGNMENT)
     else:
         ir.save(model, path)
+
+
+def release_weights(model: ir.Model) -> None:
+    """Drop the pages of `model`'s memory-mapped external tensors from memory (read-only mappings: what
+    is read again comes from the file), so that what was read of them is not held."""
+    for value in model.graph.initializers.values():
+        raw = getattr(value.const_value, "raw", None) if isinstance(value.const_value, ir.ExternalTensor) else None
+        if isinstance(raw, mmap.mmap):
+            raw.madvise(mmap.MADV_DONTNEED)
 
 
 def data_path(out_path: str | os.PathLike) -> Path:

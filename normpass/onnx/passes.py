@@ -39,7 +39,7 @@ from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from .export import export_model
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .rewrite import RMS_OPS, Rewriter
-from ..io import checked_model, load_ir, save_onnx_atomic, skeleton
+from ..io import checked_model, interface, load_ir, save_onnx_atomic
 from ..core.plan import FoldPlan
 from .verify import Comparison, check_input_shapes, check_signature, verify
 
@@ -208,7 +208,7 @@ def fold_onnx(model: onnx.ModelProto | str | os.PathLike, options: FoldOptions |
     seconds["rewrite"] = time.perf_counter() - start
     comparison = None
     if not options.verify:
-        check_signature(before, skeleton(rewritten), name)  # verify() checks it first
+        check_signature(before, interface(rewritten), name)  # verify() checks it first
     else:
         start = time.perf_counter()
         try:

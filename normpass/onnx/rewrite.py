@@ -35,7 +35,7 @@ from ..core.plan import Centring, FoldPlan, Insertion
 from .frontend import OnnxGraph, einsum_weight_axis, graph_values
 from .constants import constant_values, is_constant
 from .patterns import SKIP_BIAS_INPUT
-from .targets import AffinePlan, Namer, affine_plan, move_affine, new_initializer, set_input
+from .targets import AffinePlan, Namer, affine_plan, derived_initializer, move_affine, new_initializer, set_input
 from .values import attr, input_at
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
@@ -119,12 +119,13 @@ class Rewriter:
     # --- constants, copy-on-write ---------------------------------------------------------------
 
     def _replace_input(self, node: ir.Node, index: int, transform: str, make) -> None:
-        """Point `node.inputs[index]` at a new constant `make(old values)`, shared per transform."""
+        """Point `node.inputs[index]` at a new constant `make(old values)`, shared per transform (a large one,
+        which must keep its shape and dtype, is computed when written: `targets.derived_initializer`)."""
         old = node.inputs[index]
         key = (old.name, transform)
         if key not in self._copies:
-            values = make(self._values(old))
-            self._copies[key] = new_initializer(self.ctx.graph, self._unique(f"{old.name}.{transform.split(':')[0]}"), values)
+            name = self._unique(f"{old.name}.{transform.split(':')[0]}")
+            self._copies[key] = derived_initializer(self.ctx.graph, name, old, make)
         set_input(node, index, self._copies[key])
 
     def centre_layer(self, centring: Centring, norms: list[str]) -> None:
@@ -272,8 +273,9 @@ class Rewriter:
         scale_const = new_initializer(self.ctx.graph, self._unique(f"{norm.name}.rms_scale"), np.asarray(scale, dtype=dtype))
         nodes = self._rms_nodes(norm, x, scale_const, rms_out, skip)
         if beta is not None:
+            add_name = self._unique(f"{norm.name}.beta")  # the Add is named X.beta, its constant after it
             beta_const = new_initializer(self.ctx.graph, self._unique(f"{norm.name}.beta"), beta)
-            nodes.append(ir.node("Add", [rms_out, beta_const], outputs=[out], name=self._unique(f"{norm.name}.beta")))
+            nodes.append(ir.node("Add", [rms_out, beta_const], outputs=[out], name=add_name))
         for node in nodes:
             self._note(node.name, doc)
         self.ctx.graph.extend(nodes)

@@ -28,7 +28,9 @@ from ..core.analysis import regroup_axis
 from .frontend import SHAPE_READERS, OnnxGraph
 from .constants import constant_values, is_constant
 from .patterns import SKIP_BIAS_INPUT
-from .values import attr, input_at, readers
+from .values import attr, input_at, is_initializer, readers
+
+LAZY_MIN_BYTES = 2**20  # derived weights at least this large are computed when written
 
 REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 BIASED_ACTIVATIONS = ("BiasGelu", "FastGelu")  # com.microsoft f(x + bias): the bias input takes β·W like an Add
@@ -231,6 +233,29 @@ def new_initializer(graph: ir.Graph, name: str, values: np.ndarray) -> ir.Value:
     return value
 
 
+def derived_initializer(graph: ir.Graph, name: str, source: ir.Value, make) -> ir.Value:
+    """A new initializer of `graph` holding `make(values of source)`, of the source's dtype and shape.
+
+    A source initializer of at least `LAZY_MIN_BYTES` gives an `ir.LazyTensor`: computed from the
+    source (memory-mapped, or itself derived) each time it is written, and not held in between, so
+    a large model's changed weights are never all in memory. Others are computed now.
+    """
+    tensor = source.const_value if is_initializer(source) else None
+    if tensor is None or tensor.nbytes < LAZY_MIN_BYTES:
+        return new_initializer(graph, name, make(constant_values(source)))
+
+    def compute() -> ir.Tensor:
+        values = np.ascontiguousarray(make(tensor.numpy()))
+        if values.shape != tuple(tensor.shape.numpy()) or ir.DataType.from_numpy(values.dtype) != tensor.dtype:
+            raise AssertionError(f"{name}: a derived weight changed its shape or dtype")
+        return ir.Tensor(values, name=name)
+
+    lazy = ir.LazyTensor(compute, dtype=tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name)
+    value = ir.Value(name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=lazy)
+    graph.register_initializer(value)
+    return value
+
+
 def set_input(node: ir.Node, index: int, value: ir.Value) -> None:
     """Point input `index` of `node` at `value` (the inputs grow when `index` is past the end)."""
     if index >= len(node.inputs):
@@ -245,10 +270,12 @@ def move_affine(graph: ir.Graph, targets: list, gamma: np.ndarray | None, beta: 
     Pass None for a γ of ones or a β of zeros: nothing is computed for it.
     """
 
-    def renew(node: ir.Node, index: int, values: np.ndarray, tag: str) -> None:
+    def name_for(node: ir.Node, index: int, tag: str) -> str:
         old = input_at(node, index)
-        name = unique(f"{old.name if old is not None else f'{node.name}.bias'}.{tag}")
-        set_input(node, index, new_initializer(graph, name, values))
+        return unique(f"{old.name if old is not None else f'{node.name}.bias'}.{tag}")
+
+    def renew(node: ir.Node, index: int, values: np.ndarray, tag: str) -> None:
+        set_input(node, index, new_initializer(graph, name_for(node, index, tag), values))
 
     changed = []
     for target in targets:
@@ -264,10 +291,12 @@ def move_affine(graph: ir.Graph, targets: list, gamma: np.ndarray | None, beta: 
             bias = constant_values(target.bias_node.inputs[target.bias_index])
         # Gemm: y = α·A·B + β_g·C, so β·W enters C scaled by α/β_g.
         shift_scale = attr(linear, "alpha", 1.0) / attr(linear, "beta", 1.0) if linear.op_type == "Gemm" else 1.0
-        weight = constant_values(linear.inputs[1])
-        new_weight, new_bias = migrate_affine(weight, bias, gamma, beta, target.in_axis, shift_scale)
-        if gamma is not None:
-            renew(linear, 1, new_weight, "affine")
+        weight = linear.inputs[1]
+        if gamma is not None:  # diag(γ)·W, computed when written where W is large
+            scaled = derived_initializer(graph, name_for(linear, 1, "affine"), weight,
+                                         lambda w: migrate_affine(w, None, gamma, None, target.in_axis)[0])
+            set_input(linear, 1, scaled)
+        new_bias = bias if beta is None else migrate_affine(constant_values(weight), bias, None, beta, target.in_axis, shift_scale)[1]
         if new_bias is not None and target.bias_node is not None:
             renew(target.bias_node, target.bias_index, new_bias, "affine")
         changed.append(linear.name)

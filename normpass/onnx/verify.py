@@ -36,7 +36,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from ..errors import InputError, UnsupportedModelError, VerificationError
-from ..io import keeps_external_data, may_exceed_proto_limit, save_external, save_ir, skeleton
+from ..io import keeps_external_data, may_exceed_proto_limit, release_weights, save_external, save_ir, skeleton
 from .precision import bf16_as_fp32, uses_bf16
 
 # Relative tolerance per output dtype: a fold may only change rounding.
@@ -143,6 +143,7 @@ def _options(optimize: bool = False) -> ort.SessionOptions:
     options = ort.SessionOptions()
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.add_session_config_entry("session.disable_prepacking", "1")  # no second, packed copy of the weights
     options.log_severity_level = 3
     return options
 
@@ -394,6 +395,7 @@ class Runner:
                 self._tmp = tempfile.TemporaryDirectory()
                 source = Path(self._tmp.name) / "model.onnx"
                 save_ir(source, self.model)
+                release_weights(self.model)  # the session reads the copy
         sess = ort_session(source if isinstance(source, bytes) else str(source), _options(), ("CPUExecutionProvider",))
         names = [o.name for o in sess.get_outputs()]
         self.run = lambda feeds: dict(zip(names, sess.run(names, feeds)))
@@ -412,6 +414,8 @@ def verify(original: Model, rewritten: Model, shapes=None, seed: int = 0, name: 
     `original_structure`: `structure(original)` where the caller has it.
     """
     before, after = original_structure or structure(original), structure(rewritten)
+    if isinstance(rewritten, ir.Model):
+        release_weights(rewritten)  # what the rewrite read of the original's file is not held while the sessions run
     check_signature(before, after, name)
     done, runs = [], []
     with Runner(original, before) as reference_runner:
