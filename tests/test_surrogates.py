@@ -415,3 +415,27 @@ def test_light_model_runs_like_the_full_one(gen):
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name])
     np.testing.assert_allclose(got["x"], inputs["a"] @ w["W1"] + w["b1"] + inputs["r"], rtol=1e-5, atol=1e-5)
+
+
+def test_light_models_sharing_a_cache_take_each_trial_s_own_migrated_weights(gen):
+    """γ migrated into a 1 MiB weight is computed when written (a lazy tensor, named alike in
+    every trial): the cache of source weights must not hand one trial's weight to the next."""
+    from normpass.surrogate.calibrate import Runner
+
+    width = 512  # Wq: 512 × 512 float32 = 1 MiB
+    text = LINEAR_ONLY.replace("2, 5, 8", f"2, 5, {width}")
+    w = {n: randn(gen, width, width, scale=0.05) for n in ("W1", "Wq", "Wk")}
+    w |= {n: randn(gen, width, scale=0.3) for n in ("b1", "bq", "bk", "bb")} | {"g": 1 + randn(gen, width, scale=0.3)}
+    model = build(text, **w)
+    ctx = load_graph(model)
+    cache: dict = {}
+    inputs = {n: randn(gen, 2, 5, width) for n in ("a", "r")}
+    x = inputs["a"].astype(np.float64) @ w["W1"] + w["b1"] + inputs["r"]
+    for scale in (1.5, 0.5):
+        working = open_graph(model, ctx.shapes, dtypes=ctx.dtypes)
+        emitter = Emitter(working)
+        surrogate = Surrogate("affine", np.full(width, scale), np.zeros(width))
+        emitter.emit(emitter.norms["y"], surrogate)
+        light, feeds = light_model(working, model, None, cache)
+        got = Runner(light, feeds).run(inputs)
+        _close(got["q"], surrogate(x) @ w["Wq"] + w["bq"], rtol=1e-4)

@@ -295,8 +295,8 @@ def light_model(ctx: OnnxGraph, source: onnx.ModelProto, extra_outputs: dict[str
     """The working graph as a model whose large constants are inputs; returns (model, their values).
 
     Consumes the working graph. `extra_outputs` (tensor name → dtype) become graph outputs;
-    `cache` holds the values of untouched source initializers (those not in memory as NumPy
-    arrays) so they are converted once.
+    `cache` holds the values of untouched source initializers (by name, which a rewritten constant
+    never keeps) so they are converted once.
     """
     RemoveUnusedNodesPass()(ctx.model)  # emitted nodes stand where their norms stood: still sorted
     graph = ctx.graph
@@ -305,7 +305,7 @@ def light_model(ctx: OnnxGraph, source: onnx.ModelProto, extra_outputs: dict[str
         tensor = value.const_value
         if tensor is None or tensor.size <= limit or value.is_graph_input():
             continue
-        untouched = not isinstance(tensor, ir.Tensor)  # a new constant is an in-memory ir.Tensor
+        untouched = isinstance(tensor, ir.TensorProtoTensor)  # as loaded from `source`, not computed by a rewrite
         if cache is not None and untouched and name in cache:
             values = cache[name]
         else:
