@@ -273,7 +273,7 @@ class Emitter(Rewriter):
         for name in moved_to:
             self._note(name, f"absorbed {'γ/β' if output.full is not None else 'β'} of the {norm.name} surrogate")
 
-        # the last emitted op's output takes y's place; with nothing emitted, y's readers read x (or the Sub)
+        # the last emitted op's output takes y's place; with nothing emitted, y's readers read x
         if not nodes and y.name in self.graph_outputs:
             current = add("Identity", [current], "identity")  # an identity surrogate on a graph output
         for node in nodes:
