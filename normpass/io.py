@@ -230,22 +230,40 @@ def save_ir(path: Path, model: ir.Model) -> None:
     """Write `model` to `path`, with its weights of ≥ 1 KiB in `path.name + ".data"` where `keeps_external_data`.
 
     The weights are written tensor by tensor, unchanged ones straight from their source (a
-    memory-mapped file, say); `model` is left as it was.
+    memory-mapped file, say, whose pages are dropped once written); `model` is left as it was.
     """
     if keeps_external_data(model):
         ir.save(model, path, external_data=data_path(path).name, size_threshold_bytes=EXTERNAL_MIN_BYTES,
-                max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES, alignment=DATA_ALIGNMENT)
+                max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES, alignment=DATA_ALIGNMENT, callback=_dropping_pages())
+        release_weights(model)
     else:
         ir.save(model, path)
 
 
+def drop_pages(tensor) -> None:
+    """Drop what was read of a memory-mapped external tensor from memory (a read-only mapping: what is
+    read again comes from the file); anything else is left alone."""
+    raw = getattr(tensor, "raw", None) if isinstance(tensor, ir.ExternalTensor) else None
+    if isinstance(raw, mmap.mmap):
+        raw.madvise(mmap.MADV_DONTNEED)
+
+
 def release_weights(model: ir.Model) -> None:
-    """Drop the pages of `model`'s memory-mapped external tensors from memory (read-only mappings: what
-    is read again comes from the file), so that what was read of them is not held."""
+    """`drop_pages` of every initializer of `model`."""
     for value in model.graph.initializers.values():
-        raw = getattr(value.const_value, "raw", None) if isinstance(value.const_value, ir.ExternalTensor) else None
-        if isinstance(raw, mmap.mmap):
-            raw.madvise(mmap.MADV_DONTNEED)
+        drop_pages(value.const_value)
+
+
+def _dropping_pages():
+    """An `ir.save` callback that drops the pages of each tensor once the next one is being written."""
+    written = []
+
+    def callback(tensor, info) -> None:
+        if written:
+            drop_pages(written.pop())
+        written.append(tensor)
+
+    return callback
 
 
 def data_path(out_path: str | os.PathLike) -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .values import attr, input_at, is_initializer
+from .values import attr, input_at, is_initializer, take_over
 
 MS_DOMAIN = "com.microsoft"
 SKIP_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)  # ORT's kernels for SkipSimplifiedLayerNormalization
@@ -82,22 +82,26 @@ def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
                 note += f" and bias Add {bias_add.name}"
                 break
         y = norm.outputs[0]
-        new_y, new_total = ir.Value(name=y.name, shape=y.shape, type=y.type), ir.Value(name=total.name, shape=total.shape, type=total.type)
+        taken_over = [(y, _like(y))] + ([(total, _like(total))] if keep_sum else [])
+        outputs = [new for _, new in taken_over]
         skip = ir.node("SkipSimplifiedLayerNormalization", inputs, {"epsilon": attr(norm, "epsilon", 1e-5)},
-                       outputs=[new_y, ir.Value(name=""), ir.Value(name=""), new_total] if keep_sum else [new_y],
+                       outputs=outputs[:1] + [ir.Value(name=""), ir.Value(name="")] + outputs[1:] if keep_sum else outputs,
                        domain=MS_DOMAIN, name=norm.name,
                        doc_string=(norm.doc_string + "\n" if norm.doc_string else "") + note)
         graph.insert_before(add, skip)  # the Add's place: everything that read the sum comes after it
-        for old, new in ((y, new_y), (total, new_total)):
-            name = old.name
-            old.replace_all_uses_with(new, replace_graph_outputs=True)
-            old.name, new.name = None, name
+        for old, new in taken_over:  # the fused node's outputs replace the norm's and the sum
+            take_over(old, new)
         graph.remove(removed, safe=True)
         fused.add(id(add))
         count += 1
     if count:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     return count
+
+
+def _like(value: ir.Value) -> ir.Value:
+    """A new value of `value`'s type (its name and shape come with `take_over`)."""
+    return ir.Value(type=value.type)
 
 
 def _bias_split(node: ir.Node, shape: tuple, shapes: dict) -> tuple[ir.Value, ir.Value] | None:

@@ -1,8 +1,9 @@
 """The exact fold pass for ONNX models: build → plan → apply → verify.
 
 `inspect_onnx` stops after planning (what can be proven); `fold_onnx` returns a new model (the
-input is never modified) and refuses, with `VerificationError`, a rewrite that changes the model's
-inputs or outputs (checked even without verification), or whose outputs differ from the
+input is never modified; a path is read lazily, its external weights memory-mapped) and
+refuses, with `VerificationError`, a rewrite that changes the model's inputs or outputs
+(checked even without verification), or whose outputs differ from the
 original's beyond the dtype's tolerance on any verification run (`verify`: both values of
 boolean inputs, a second size for dynamic dims).
 
@@ -19,6 +20,10 @@ LayerNorms, reported as kept, unless `fold_with_beta_add` is set. One exception,
 provider: a LayerNorm that ORT would fuse with the residual `Add` before it runs in ORT's CPU
 `SkipLayerNormalization` kernel, 2.2–4.6× slower than the pair; the RMS op plus `Add` beats it,
 so there it is folded.
+
+The result (`FoldResult`) holds the folded `ir.Model` (`ir_model`): `save(path)` writes it, the
+weights streamed tensor by tensor; `model` is it as a `ModelProto` with every weight in memory,
+made on first use, for in-memory callers.
 """
 
 from __future__ import annotations

@@ -36,19 +36,11 @@ from .frontend import OnnxGraph, einsum_weight_axis, graph_values
 from .constants import constant_values, is_constant
 from .patterns import SKIP_BIAS_INPUT
 from .targets import AffinePlan, Namer, affine_plan, derived_initializer, move_affine, new_initializer, set_input
-from .values import attr, input_at
+from .values import attr, input_at, take_over
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
 MS_DOMAIN = "com.microsoft"
 DOC_PREFIX = "normpass: "
-
-
-def take_over(old: ir.Value, new: ir.Value) -> None:
-    """`new` replaces `old` for every reader and as a graph output, under `old`'s name and shape."""
-    name, shape = old.name, old.shape
-    old.replace_all_uses_with(new, replace_graph_outputs=True)
-    old.name = None
-    new.name, new.shape = name, shape
 
 
 def _bias_centred(values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarray:

@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from ..core.algebra import migrate_affine
 from ..core.analysis import regroup_axis
+from ..io import drop_pages
 from .frontend import SHAPE_READERS, OnnxGraph
 from .constants import constant_values, is_constant
 from .patterns import SKIP_BIAS_INPUT
@@ -246,6 +247,7 @@ def derived_initializer(graph: ir.Graph, name: str, source: ir.Value, make) -> i
 
     def compute() -> ir.Tensor:
         values = np.ascontiguousarray(make(tensor.numpy()))
+        drop_pages(tensor)
         if values.shape != tuple(tensor.shape.numpy()) or ir.DataType.from_numpy(values.dtype) != tensor.dtype:
             raise AssertionError(f"{name}: a derived weight changed its shape or dtype")
         return ir.Tensor(values, name=name)
@@ -297,6 +299,7 @@ def move_affine(graph: ir.Graph, targets: list, gamma: np.ndarray | None, beta: 
                                          lambda w: migrate_affine(w, None, gamma, None, target.in_axis)[0])
             set_input(linear, 1, scaled)
         new_bias = bias if beta is None else migrate_affine(constant_values(weight), bias, None, beta, target.in_axis, shift_scale)[1]
+        drop_pages(weight.const_value)
         if new_bias is not None and target.bias_node is not None:
             renew(target.bias_node, target.bias_index, new_bias, "affine")
         changed.append(linear.name)

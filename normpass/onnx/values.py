@@ -41,3 +41,11 @@ def bodies(node: ir.Node) -> list[tuple[str, ir.Graph]]:
     """The subgraphs of a control-flow node, with the attribute that holds each."""
     return [(name, a.value) for name, a in node.attributes.items()
             if isinstance(a, ir.Attr) and a.type == ir.AttributeType.GRAPH]
+
+
+def take_over(old: ir.Value, new: ir.Value) -> None:
+    """`new` replaces `old` for every reader and as a graph output, under `old`'s name (and shape, where `new` has none)."""
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    if new.shape is None:
+        new.shape = old.shape
+    old.name, new.name = None, old.name

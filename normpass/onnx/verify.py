@@ -395,7 +395,6 @@ class Runner:
                 self._tmp = tempfile.TemporaryDirectory()
                 source = Path(self._tmp.name) / "model.onnx"
                 save_ir(source, self.model)
-                release_weights(self.model)  # the session reads the copy
         sess = ort_session(source if isinstance(source, bytes) else str(source), _options(), ("CPUExecutionProvider",))
         names = [o.name for o in sess.get_outputs()]
         self.run = lambda feeds: dict(zip(names, sess.run(names, feeds)))

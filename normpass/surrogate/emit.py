@@ -51,8 +51,9 @@ from ..onnx.frontend import OnnxGraph, body_holders, build_zero_mean_graph, grap
 from ..onnx.export import export_model as annotate
 from ..onnx.constants import constant_values
 from ..onnx.passes import in_memory_proto
-from ..onnx.rewrite import Rewriter, new_value, rms_nodes, take_over
+from ..onnx.rewrite import Rewriter, new_value, rms_nodes
 from ..onnx.targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
+from ..onnx.values import take_over
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 # Estimated cost of each op a surrogate may emit, relative to one LayerNormalization over the
