@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 from conftest import build, check_structure, initializers, op_counts, randn, run_ort
 
+from normpass.core.analysis import prove, safe_centrings
+from normpass.core.plan import Centring
 from normpass.surrogate.calibrate import Budget, Metrics, compare, token_rows
-from normpass.onnx.frontend import load_graph
-from normpass.surrogate.emit import Emitter, export_model, find_norms, light_model, open_graph
+from normpass.onnx.frontend import build_zero_mean_graph, load_graph
+from normpass.surrogate.emit import Emitter, export_model, light_model, open_graph
 from normpass.surrogate.fit import (
     NormSpec,
     Reservoir,
@@ -153,7 +155,7 @@ def test_budget_parse_and_usage():
     assert budget.usage(metrics) == pytest.approx(0.5)
     assert budget.holds(metrics) and not budget.holds(metrics, margin=0.4)
     for bad in ("cos", "cos=2", "acc=0.9", "rel=-1", "cos=x"):
-        with pytest.raises(Exception, match="--budget"):
+        with pytest.raises(Exception, match="^budget "):
             Budget.parse(bad)
 
 
@@ -233,10 +235,10 @@ def _surrogate(kind, gen) -> Surrogate:
     return Surrogate("derf", gamma, beta, shift=-0.25, alpha=0.6, extra={"s": 0.15})
 
 
-def _emit(model, kind, gen, name=None):
+def _emit(model, kind, gen, rms_op="simplified"):
     ctx = load_graph(model)
-    emitter = Emitter(ctx)
-    norm = next(iter(find_norms(ctx).values()))
+    emitter = Emitter(ctx, rms_op)
+    norm = next(iter(emitter.norms.values()))
     surrogate = _surrogate(kind, gen)
     emission = emitter.emit(norm, surrogate)
     return export_model(ctx, model, emitter.docs, {}), surrogate, emission
@@ -329,7 +331,7 @@ def test_input_centring_is_exact_and_removes_the_linear_mean(gen):
     model = build(BLOCK, **w)
     ctx = load_graph(model)
     emitter = Emitter(ctx)
-    norm = next(iter(find_norms(ctx).values()))
+    norm = next(iter(emitter.norms.values()))
     assert sorted(emitter.centre_inputs(norm)) == ["l1", "m1"]
     out = export_model(ctx, model, emitter.docs, {})
     new = initializers(out)
@@ -338,6 +340,61 @@ def test_input_centring_is_exact_and_removes_the_linear_mean(gen):
     np.testing.assert_allclose(w1.astype(np.float64).mean(1), 0, atol=1e-7)
     assert abs(b1.astype(np.float64).mean()) < 1e-7
     feeds = _feeds(gen, "a", "r", "h")
+    before, after = run_ort(model, feeds), run_ort(out, feeds)
+    for name in before:
+        _close(after[name], before[name], rtol=1e-5)
+
+
+@pytest.mark.parametrize("text, ops", [
+    (BLOCK, {"Mul": 2, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1}),  # γ stays: the chain's last Mul
+    (LINEAR_ONLY, {"Mul": 1, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1}),  # γ/β migrate: it ends at the Div
+])
+def test_decomposed_rms_core_is_the_exact_pass_chain(gen, text, ops):
+    w = _weights(gen, "W1", "b1", "g", "bb", "Wq", "bq", "Wk", "bk", "W3", "b3")
+    model = build(text, **{k: v for k, v in w.items() if k in text})
+    out, surrogate, emission = _emit(model, "rms", gen, rms_op="decomposed")
+    check_structure(out)
+    assert dict(emission.ops) == ops and op_counts(out)["ReduceMean"] == 1
+    feeds = _feeds(gen, "a", "r", "h")
+    got = run_ort(out, {k: v for k, v in feeds.items() if k in text.split("=>")[0]})
+    y = surrogate(feeds["a"].astype(np.float64) @ w["W1"] + w["b1"] + feeds["r"])
+    _close(got["q"], y @ w["Wq"] + w["bq"])
+
+
+# l1 is also read by a Relu: centring W1 or b1 would change o. m2 is summed in privately, and the
+# graph input r blocks the proof: the analysis still finds m2 safe to centre.
+PARTIAL = """
+<ir_version: 10, opset_import: ["" : 18]>
+partial (float[2, 5, 8] a, float[2, 5, 8] h, float[2, 5, 8] r) => (float[2, 5, 8] y, float[2, 5, 8] o) {
+    m1 = MatMul(a, W1)
+    l1 = Add(m1, b1)
+    o = Relu(l1)
+    m2 = MatMul(h, W2)
+    s = Add(l1, m2)
+    x = Add(s, r)
+    y = LayerNormalization<axis = -1, epsilon = 0.00001>(x, g, bb)
+}
+"""
+
+
+def test_safe_centrings_of_an_unprovable_norm_leave_out_the_unsafe_ones(gen):
+    w = _weights(gen, "W1", "b1", "W2", "g", "bb")
+    model = build(PARTIAL, **w)
+    ctx = load_graph(model)
+    zmg = build_zero_mean_graph(ctx)
+    (norm,) = zmg.norms
+    proof = prove(zmg, norm)
+    assert proof.blockers and {c.node for c in proof.centrings} == {"m1", "l1", "m2"}
+    assert safe_centrings(zmg, norm) == [Centring("m2", 2)]
+    emitter = Emitter(ctx)
+    assert emitter.centre_inputs(emitter.norms["y"]) == ["m2"]
+    out = export_model(ctx, model, emitter.docs, {})
+    new = initializers(out)
+    assert "W1" in new and "b1" in new and not any(k.startswith(("W1.", "b1.")) for k in new)
+    np.testing.assert_array_equal(new["W1"], w["W1"])
+    w2 = next(v for k, v in new.items() if k.startswith("W2."))
+    np.testing.assert_allclose(w2.astype(np.float64).mean(1), 0, atol=1e-7)
+    feeds = _feeds(gen, "a", "h", "r")
     before, after = run_ort(model, feeds), run_ort(out, feeds)
     for name in before:
         _close(after[name], before[name], rtol=1e-5)
@@ -358,3 +415,27 @@ def test_light_model_runs_like_the_full_one(gen):
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name])
     np.testing.assert_allclose(got["x"], inputs["a"] @ w["W1"] + w["b1"] + inputs["r"], rtol=1e-5, atol=1e-5)
+
+
+def test_light_models_sharing_a_cache_take_each_trial_s_own_migrated_weights(gen):
+    """γ migrated into a 1 MiB weight is computed when written (a lazy tensor, named alike in
+    every trial): the cache of source weights must not hand one trial's weight to the next."""
+    from normpass.surrogate.calibrate import Runner
+
+    width = 512  # Wq: 512 × 512 float32 = 1 MiB
+    text = LINEAR_ONLY.replace("2, 5, 8", f"2, 5, {width}")
+    w = {n: randn(gen, width, width, scale=0.05) for n in ("W1", "Wq", "Wk")}
+    w |= {n: randn(gen, width, scale=0.3) for n in ("b1", "bq", "bk", "bb")} | {"g": 1 + randn(gen, width, scale=0.3)}
+    model = build(text, **w)
+    ctx = load_graph(model)
+    cache: dict = {}
+    inputs = {n: randn(gen, 2, 5, width) for n in ("a", "r")}
+    x = inputs["a"].astype(np.float64) @ w["W1"] + w["b1"] + inputs["r"]
+    for scale in (1.5, 0.5):
+        working = open_graph(model, ctx.shapes, dtypes=ctx.dtypes)
+        emitter = Emitter(working)
+        surrogate = Surrogate("affine", np.full(width, scale), np.zeros(width))
+        emitter.emit(emitter.norms["y"], surrogate)
+        light, feeds = light_model(working, model, None, cache)
+        got = Runner(light, feeds).run(inputs)
+        _close(got["q"], surrogate(x) @ w["Wq"] + w["bq"], rtol=1e-4)

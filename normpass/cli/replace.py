@@ -71,6 +71,13 @@ def _fractions(text: str) -> tuple[float, float, float]:
     return parts  # type: ignore[return-value]
 
 
+def _budget(specs: list[str]) -> Budget:
+    try:
+        return Budget.parse(specs)
+    except InputError as e:
+        raise InputError(f"--{e}") from None  # the library's message names the budget
+
+
 def run(args: argparse.Namespace) -> int:
     inputs = {"the input model": args.model, "--calib": args.calib, "--holdout": args.holdout}
     outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
@@ -79,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--batch-size and --samples must be at least 1")
     options = ReplaceOptions(
         kind=args.kind,
-        budget=Budget.parse(args.budget or ["cos=0.999"]),
+        budget=_budget(args.budget or ["cos=0.999"]),
         sequential=not args.parallel,
         orders=tuple(o.strip() for o in args.orders.split(",") if o.strip()),
         policy=args.policy,

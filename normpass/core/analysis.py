@@ -262,6 +262,18 @@ def _first_unsafe(checker: ShiftChecker, centrings: list[Centring]) -> Blocker |
     return next((blocker for centring in centrings if (blocker := checker.unsafe(centring)) is not None), None)
 
 
+def safe_centrings(zmg: ZeroMeanGraph, norm: NormInfo, checker: ShiftChecker | None = None) -> list[Centring]:
+    """The centrings `prove` finds for `norm` whose shift is removed downstream, proven or not.
+
+    Each centring shifts its own output by a per-sample constant along the axis; where every such
+    shift is removed (the safety condition), centring any subset leaves the model unchanged. For a
+    LayerNorm whose input is not provably zero-mean (a post-LN stream), these centrings still take
+    the per-sample mean of the linear layers they reach out of its input.
+    """
+    checker = checker or ShiftChecker(zmg)
+    return [c for c in prove(zmg, norm).centrings if _first_unsafe(zmg, checker, [c]) is None]
+
+
 def _plan_insertions(checker: ShiftChecker, decisions: list[NormDecision], pending) -> None:
     """Insert x − mean(x) at blocked tensors whose shift is removed downstream, where it pays."""
     candidates: dict[Insertion, set[str]] = {}

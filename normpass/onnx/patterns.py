@@ -47,6 +47,7 @@ from .constants import constant_values
 from .values import attr, input_at, readers
 
 TRANSPARENT_CASTS = {"Cast"}
+ALREADY_RMS = "already an RMSNorm: there is no mean subtraction to remove"  # why an RMSNorm never folds
 SKIP_BIAS_INPUT = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}  # com.microsoft: x + skip + bias
 
 
@@ -406,7 +407,7 @@ def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: i
             "does not remove, and ONNX Runtime has no grouped RMS op; not rewritten"
         )
     elif norm_type is NormType.RMS:
-        unsupported = "already an RMSNorm: there is no mean subtraction to remove"
+        unsupported = ALREADY_RMS
     elif rank is None:
         unsupported = f"the rank of {match.x.name} is unknown, so the normalized axis cannot be tracked"
     elif axis != rank - 1:

@@ -49,6 +49,52 @@ def _bias_centred(values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarra
     return centre(values, axis if axis >= 0 and values.shape[axis] != 1 else None)
 
 
+def new_value(unique: Namer, name: str, dtype: np.dtype | None) -> ir.Value:
+    """A new run-time tensor named uniquely after `name`, of `dtype` where known."""
+    kind = None if dtype is None else ir.TensorType(ir.DataType.from_numpy(np.dtype(dtype)))
+    return ir.Value(name=unique(name), type=kind)
+
+
+def reduce_mean(graph: ir.Graph, unique: Namer, opset: int, tensor: ir.Value, axis: int, out: ir.Value, name: str) -> ir.Node:
+    """ReduceMean of `tensor` over `axis`, keeping dims (axes an input from opset 18, an attribute before)."""
+    if opset >= 18:
+        axes = new_initializer(graph, unique(f"{name}.axes"), np.array([axis], dtype=np.int64))
+        return ir.node("ReduceMean", [tensor, axes], {"keepdims": 1}, outputs=[out], name=unique(name))
+    return ir.node("ReduceMean", [tensor], {"axes": [axis], "keepdims": 1}, outputs=[out], name=unique(name))
+
+
+def rms_nodes(graph: ir.Graph, unique: Namer, opset: int, rms_op: str, name: str, x: ir.Value, scale: ir.Value | None,
+              out: ir.Value, axis: int, epsilon: float, dtype: np.dtype, eps_outside_root: bool = False) -> list[ir.Node]:
+    """The nodes computing out = x / √(mean(x²) + ε) ⊙ scale over `axis` (`rms_op`, see the module docstring).
+
+    `eps_outside_root`: x / (√mean(x²) + ε), which only the decomposed chain computes. `scale`
+    None: no scale, for the decomposed chain only (which then ends at the division). New
+    constants go into `graph`; `dtype` is x's.
+    """
+    attrs = {"axis": axis, "epsilon": epsilon}
+    if rms_op in ("simplified", "onnx") and not eps_outside_root:
+        op = "SimplifiedLayerNormalization" if rms_op == "simplified" else "RMSNormalization"
+        return [ir.node(op, [x, scale], {**attrs, "stash_type": 1}, outputs=[out], name=unique(name))]
+    square, mean, inner, root = (new_value(unique, f"{name}.{s}", dtype) for s in ("sq", "ms", "inner", "rms"))
+    normed = out if scale is None else new_value(unique, f"{name}.xhat", dtype)
+    eps = new_initializer(graph, unique(f"{name}.eps"), np.array(epsilon, dtype=dtype))
+    if eps_outside_root:  # √mean + ε
+        root_nodes = [ir.node("Sqrt", [mean], outputs=[inner], name=unique(f"{name}.sqrt")),
+                      ir.node("Add", [inner, eps], outputs=[root], name=unique(f"{name}.add_eps"))]
+    else:  # √(mean + ε)
+        root_nodes = [ir.node("Add", [mean, eps], outputs=[inner], name=unique(f"{name}.add_eps")),
+                      ir.node("Sqrt", [inner], outputs=[root], name=unique(f"{name}.sqrt"))]
+    nodes = [
+        ir.node("Mul", [x, x], outputs=[square], name=unique(f"{name}.square")),
+        reduce_mean(graph, unique, opset, square, axis, mean, f"{name}.mean_square"),
+        *root_nodes,
+        ir.node("Div", [x, root], outputs=[normed], name=unique(f"{name}.normalize")),
+    ]
+    if scale is not None:
+        nodes.append(ir.node("Mul", [normed, scale], outputs=[out], name=unique(f"{name}.scale")))
+    return nodes
+
+
 @dataclass
 class Rewriter:
     ctx: OnnxGraph
@@ -138,23 +184,15 @@ class Rewriter:
         mean = self._new_value(f"{tensor.name}.mean", dtype)
         centred = self._new_value(f"{tensor.name}.centred", dtype)
         centred.shape = tensor.shape
-        graph.append(self._reduce_mean(tensor, insertion.axis, mean, f"{tensor.name}.centring_mean"))
+        graph.append(reduce_mean(graph, self._unique, self.ctx.opset, tensor, insertion.axis, mean, f"{tensor.name}.centring_mean"))
         sub = ir.node("Sub", [tensor, mean], outputs=[centred], name=self._unique(f"{tensor.name}.centring"))
         self._note(sub.name, "inserted centring x − mean(x)")
         graph.append(sub)
         for use in uses:
             use.node.replace_input_with(use.idx, centred)
 
-    def _reduce_mean(self, tensor, axis, out, name) -> ir.Node:
-        if self.ctx.opset >= 18:
-            axes = new_initializer(self.ctx.graph, self._unique(f"{name}.axes"), np.array([axis], dtype=np.int64))
-            return ir.node("ReduceMean", [tensor, axes], {"keepdims": 1}, outputs=[out], name=self._unique(name))
-        return ir.node("ReduceMean", [tensor], {"axes": [axis], "keepdims": 1}, outputs=[out], name=self._unique(name))
-
     def _new_value(self, name: str, dtype: np.dtype | None) -> ir.Value:
-        """A new run-time tensor named uniquely after `name`, of `dtype` where known."""
-        kind = None if dtype is None else ir.TensorType(ir.DataType.from_numpy(np.dtype(dtype)))
-        return ir.Value(name=self._unique(name), type=kind)
+        return new_value(self._unique, name, dtype)
 
     # --- norms ----------------------------------------------------------------------------------
 
@@ -249,7 +287,6 @@ class Rewriter:
 
     def _rms_nodes(self, norm: NormInfo, x, scale, out, skip=None) -> list[ir.Node]:
         """RMS op(s) normalizing x (or, for a Skip op, x + skip + bias, written to its new sum tensor)."""
-        attrs = {"axis": norm.axis, "epsilon": norm.epsilon}
         dtype = self._dtype(x)
         if skip is not None:
             operands, _, total = skip
@@ -264,28 +301,9 @@ class Rewriter:
                 adds.append(ir.node("Add", [x, operand], outputs=[summed], name=self._unique(f"{norm.name}.add")))
                 x = summed
             return adds + self._rms_nodes(norm, x, scale, out)
-        outside = norm.ref.eps_outside_root  # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
-        if self.rms_op == "simplified" and not outside:
-            return [ir.node("SimplifiedLayerNormalization", [x, scale], {**attrs, "stash_type": 1}, outputs=[out],
-                            name=self._unique(norm.name))]
-        if self.rms_op == "onnx" and not outside:
-            return [ir.node("RMSNormalization", [x, scale], {**attrs, "stash_type": 1}, outputs=[out], name=self._unique(norm.name))]
-        name = norm.name
-        square, mean, inner, root, normed = (self._new_value(f"{name}.{s}", dtype) for s in ("sq", "ms", "inner", "rms", "xhat"))
-        eps = new_initializer(self.ctx.graph, self._unique(f"{name}.eps"), np.array(norm.epsilon, dtype=self._dtype(norm.ref.x)))
-        if outside:  # √mean + ε
-            root_nodes = [ir.node("Sqrt", [mean], outputs=[inner], name=self._unique(f"{name}.sqrt")),
-                          ir.node("Add", [inner, eps], outputs=[root], name=self._unique(f"{name}.add_eps"))]
-        else:  # √(mean + ε)
-            root_nodes = [ir.node("Add", [mean, eps], outputs=[inner], name=self._unique(f"{name}.add_eps")),
-                          ir.node("Sqrt", [inner], outputs=[root], name=self._unique(f"{name}.sqrt"))]
-        return [
-            ir.node("Mul", [x, x], outputs=[square], name=self._unique(f"{name}.square")),
-            self._reduce_mean(square, norm.axis, mean, f"{name}.mean_square"),
-            *root_nodes,
-            ir.node("Div", [x, root], outputs=[normed], name=self._unique(f"{name}.normalize")),
-            ir.node("Mul", [normed, scale], outputs=[out], name=self._unique(f"{name}.scale")),
-        ]
+        # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
+        return rms_nodes(self.ctx.graph, self._unique, self.ctx.opset, self.rms_op, norm.name, x, scale, out, norm.axis,
+                         norm.epsilon, self._dtype(norm.ref.x), norm.ref.eps_outside_root)
 
     def _values(self, tensor: ir.Value) -> np.ndarray | None:
         """A constant's values, loaded once per rewrite (read-only)."""

@@ -180,7 +180,7 @@ def find_mask_input(model: onnx.ModelProto, name: str | None = None) -> str | No
     inputs = graph_inputs(model)
     if name is not None:
         if name not in inputs:
-            raise InputError(f"--mask-input {name!r} is not a graph input ({', '.join(inputs)})")
+            raise InputError(f"mask input {name!r} is not a graph input ({', '.join(inputs)})")
         return name
     found = [n for n, (_, rank) in inputs.items() if "mask" in n.lower() and rank == 2]
     return found[0] if len(found) == 1 else None
@@ -323,16 +323,16 @@ class Budget:
                 key, sep, text = part.partition("=")
                 key = key.strip().lower()
                 if not sep or key not in ("cos", "rel", "top1"):
-                    raise InputError(f"--budget {part!r}: expected cos=V, rel=V or top1=V (e.g. cos=0.999)")
+                    raise InputError(f"budget {part!r}: expected cos=V, rel=V or top1=V (e.g. cos=0.999)")
                 try:
                     value = float(text)
                 except ValueError:
-                    raise InputError(f"--budget {part!r}: {text!r} is not a number") from None
+                    raise InputError(f"budget {part!r}: {text!r} is not a number") from None
                 if key in ("cos", "top1") and not 0 < value <= 1 or key == "rel" and not value >= 0 or not math.isfinite(value):
-                    raise InputError(f"--budget {part!r}: {key} must be in {'(0, 1]' if key != 'rel' else '[0, ∞)'}")
+                    raise InputError(f"budget {part!r}: {key} must be in {'(0, 1]' if key != 'rel' else '[0, ∞)'}")
                 values[key] = value
         if not values:
-            raise InputError("--budget: give at least one of cos=, rel=, top1=")
+            raise InputError("budget: give at least one of cos=, rel=, top1=")
         return cls(**values)
 
     def usage(self, metrics: Metrics) -> float:

@@ -54,13 +54,13 @@ from .calibrate import (
     split_batches,
 )
 from ..errors import InputError, VerificationError
-from ..onnx.frontend import load_graph
+from ..onnx.frontend import build_zero_mean_graph, load_graph
 from ..onnx.constants import constant_values
+from ..onnx.patterns import ALREADY_RMS
 from .emit import (
     Emission,
     Emitter,
     export_model,
-    find_norms,
     light_model,
     norm_cost,
     norm_spec,
@@ -163,9 +163,9 @@ class ReplaceResult:
 class Search:
     """States of replaced norms, their sequentially calibrated models, and their validation metrics."""
 
-    def __init__(self, base: onnx.ModelProto, shapes: dict, name: str, candidates: list[NormInfo], fit,
+    def __init__(self, base: onnx.ModelProto, shapes: dict, dtypes: dict, name: str, candidates: list[NormInfo], fit,
                  splits: dict[str, tuple[list, list]], mask_input: str | None, budget: Budget, options: ReplaceOptions):
-        self.base, self.shapes, self.name = base, shapes, name
+        self.base, self.shapes, self.dtypes, self.name = base, shapes, dtypes, name
         self.order = [n.name for n in candidates]
         self.index = {name: i for i, name in enumerate(self.order)}
         self.norms = {n.name: n for n in candidates}
@@ -236,10 +236,9 @@ class Search:
     # --- models ----------------------------------------------------------------------------------
 
     def build(self, surrogates: list[tuple[str, Surrogate]]):
-        ctx = open_graph(self.base, self.shapes, self.name)
+        ctx = open_graph(self.base, self.shapes, self.name, self.dtypes)
         emitter = Emitter(ctx, self.options.rms_op)
-        norms = find_norms(ctx)
-        emissions = {norm: emitter.emit(norms[norm], surrogate) for norm, surrogate in surrogates}
+        emissions = {norm: emitter.emit(emitter.norms[norm], surrogate) for norm, surrogate in surrogates}
         return ctx, emitter, emissions
 
     def emission(self, norm: str, kind: str) -> Emission:
@@ -316,21 +315,28 @@ def fit_surrogate(kind: str, stats: NormStats, norm: NormInfo, spec, options: Re
 
 
 def why_not(norm: NormInfo, width: int | None, kind: str) -> str | None:
-    """Why no surrogate of `kind` can replace `norm`, or None."""
+    """Why no surrogate of `kind` can replace `norm`, or None.
+
+    The front end's reason (`NormInfo.unsupported`: its axes, used statistics, run-time γ, β or ε,
+    a control-flow body) rules a LayerNorm out; an RMSNorm, which it declines for being one, is
+    ruled out for the rms kind only. Grouped norms, Skip ops and an unknown width are what the
+    surrogates do not implement.
+    """
     if norm.norm_type is NormType.GROUP:
         return "GroupNorm: surrogates for grouped norms are not implemented"
-    if norm.axis is None:
-        return norm.unsupported or "does not normalize over one (last) axis"
-    if norm.ref.extra_outputs_used:
-        return "its Mean/InvStdDev outputs are used"
-    if getattr(norm.ref, "skip", None) is not None:
+    if norm.norm_type is NormType.RMS and norm.unsupported == ALREADY_RMS:
+        if kind == "rms":
+            return "already an RMSNorm"
+        if norm.axis is None:
+            return "does not normalize over one (last) axis"
+        if norm.ref.gamma is not None and constant_values(norm.ref.gamma) is None:
+            return "its γ is computed at run time, not a constant"
+    elif norm.unsupported:
+        return norm.unsupported
+    if norm.ref.skip is not None:
         return "a SkipLayerNormalization: surrogates for norms fused with their residual Add are not implemented"
     if width is None:
         return "the normalized width is unknown"
-    if any(t is not None and constant_values(t) is None for t in (norm.ref.gamma, norm.ref.beta)):
-        return "its γ or β is computed at run time"
-    if kind == "rms" and norm.norm_type is NormType.RMS:
-        return "already an RMSNorm"
     return None
 
 
@@ -403,15 +409,16 @@ def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions |
     folded = fold_onnx(model, FoldOptions(rms_op=options.rms_op, insert_centering=options.insert_centering, verify=True,
                                           input_shapes=options.input_shapes, seed=options.seed), name=name)
     exact = {d.name for d in folded.plan.folded}
-    original_norms = find_norms(load_graph(model, name))
-    unfolded_outputs = {n.output: n.name for n in original_norms.values() if n.name not in exact}
+    original_norms = {n.name: n for n in build_zero_mean_graph(load_graph(model, name)).norms}
+    unfolded_outputs = {n.output for n in original_norms.values() if n.name not in exact}
     ctx = load_graph(folded.model, name)
     shapes = ctx.shapes
-    norms = [n for n in find_norms(ctx).values() if n.output in unfolded_outputs]
+    emitter = Emitter(ctx, options.rms_op)
+    norms = [n for n in emitter.norms.values() if n.output in unfolded_outputs]
     if options.norms is not None:
         unknown = sorted(set(options.norms) - {n.name for n in norms} - exact)
         if unknown:
-            raise InputError(f"--norm {', '.join(unknown)}: no such norm that the exact pass leaves ({', '.join(n.name for n in norms)})")
+            raise InputError(f"{name}: no norm {', '.join(unknown)} among those the exact pass leaves ({', '.join(n.name for n in norms)})")
         norms = [n for n in norms if n.name in options.norms]
     declined: dict[str, str] = {}
     candidates: list[NormInfo] = []
@@ -422,7 +429,6 @@ def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions |
             declined[norm.name] = reasons[0]
         else:
             candidates.append(norm)
-    emitter = Emitter(ctx, options.rms_op)
     centred = {}
     if options.centre_inputs if options.centre_inputs is not None else "rms" in kinds:
         for norm in candidates:
@@ -445,10 +451,10 @@ def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions |
         centring = compare(splits["select"][1][:1], [base_runner.run(first, output_names)], [first.get(mask_input) if mask_input else None])
         if centring.rel_max > CENTRING_TOLERANCE:
             raise VerificationError(f"{name}: input centring changed the outputs (relative error {centring.rel_max:.3g}); "
-                                    "rerun with --no-centre-inputs and report this model")
+                                    "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model")
     seconds["references"] = time.perf_counter() - start
 
-    search = Search(base, shapes, name, candidates, fit, splits, mask_input, budget, options)
+    search = Search(base, shapes, ctx.dtypes, name, candidates, fit, splits, mask_input, budget, options)
     return Prepared(options, budget, kinds, only_cheaper, model, name, fit, select, check, test, mask_input, folded,
                     exact, original_norms, declined, candidates, centred, ctx, emitter.docs, output_names, search,
                     seconds, started)
@@ -508,7 +514,7 @@ def replace_onnx(model: onnx.ModelProto | str, calibration, options: ReplaceOpti
         raise BudgetMissed(report, final,
             f"{name}: the replaced model misses the budget {budget} on the held-out split "
             f"({_figures(test_metrics)}; validation: {_figures(best.metrics)}); nothing written. "
-            "Give more calibration data, a smaller --margin, or a looser --budget")
+            "Give more calibration data, a smaller margin (ReplaceOptions.margin), or a looser budget")
     return ReplaceResult(final, report, passed)
 
 
@@ -521,7 +527,7 @@ def _kinds(kind: str) -> tuple[str, ...]:
     if kind == "auto":
         return KINDS
     if kind not in KINDS:
-        raise InputError(f"--with {kind!r}: choose one of auto, {', '.join(KINDS)}")
+        raise InputError(f"surrogate kind {kind!r}: choose one of auto, {', '.join(KINDS)}")
     return (kind,)
 
 
@@ -612,7 +618,7 @@ def _report(name, options, budget, kinds, original_norms, exact, declined, candi
         elif norm_name in declined:
             row.update(decision="unsupported", reason=declined[norm_name], kept=True)
         elif norm_name not in search.norms:
-            row.update(decision="kept", reason="not selected (--norm)", kept=True)
+            row.update(decision="kept", reason="not selected (ReplaceOptions.norms)", kept=True)
         else:
             own = norm_cost(search.norms[norm_name])
             row["original_cost"] = own
