@@ -251,16 +251,16 @@ def environment() -> dict:
     mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
     source = pathlib.Path(normpass.__file__).resolve().parent
     git = ["git", "-C", str(source)]
-    commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    branch = subprocess.run(git + ["branch", "--show-current"], capture_output=True, text=True).stdout.strip()
+    commit, branch, changes = (subprocess.run(git + command, capture_output=True, text=True).stdout.strip()
+                               for command in (["rev-parse", "--short", "HEAD"], ["branch", "--show-current"], ["status", "--porcelain", "."]))
     versions = {}
     for package in ("onnx", "onnxruntime", "onnx-graphsurgeon", "onnx-ir", "numpy", "protobuf"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    return {"nproc": os.cpu_count(), "cpu": cpu, "ram_gib": round(mem_kib / 1024**2, 1), "python": platform.python_version(),
-            "normpass": f"{source} at {branch} {commit}", **versions}
+    return {"nproc": os.cpu_count(), "cpu": cpu, "ram_gib": round(mem_kib / 1024**2, 1), "loadavg": os.getloadavg(), "python": platform.python_version(),
+            "normpass": f"{source} at {branch or '?'} {commit or '?'}{' with uncommitted changes' if changes else ''}", **versions}
 
 
 def print_tables(figures: dict, rows: list[dict]) -> None:
