@@ -58,6 +58,7 @@ GIB = 1024 * MIB
 TIME_FACTOR = 1.3  # fold wall ≤ this × floor wall
 RSS_FACTOR, RSS_SLACK_MIB = 1.5, 400  # peak RSS ≤ RSS_FACTOR × weight bytes + RSS_SLACK_MIB
 LINEARITY_TOLERANCE = 0.10
+STDERR_LINES = 30  # kept in the JSON record (with NORMPASS_DEBUG=1 in the environment, a failure's traceback)
 SYNTHETIC = {  # name → synthetic_stack.build keyword arguments
     "synthetic-2gb": {"params": 2.15e9 / 4, "dtype": "float32", "hidden": 768, "heads": 12, "vocab": 50257},
     "synthetic-7b": {"params": 7e9, "dtype": "float16"},
@@ -140,7 +141,8 @@ def measured(command: list[str], limit_as_gib: float | None) -> dict:
         err.seek(0)
         lines = err.read().decode(errors="replace").strip().splitlines()
     cpu = usage.ru_utime + usage.ru_stime
-    return {"wall_s": wall, "cpu_s": cpu, "rss_mib": usage.ru_maxrss / 1024, "rc": proc.returncode, "stderr": lines[-1] if lines else ""}
+    return {"wall_s": wall, "cpu_s": cpu, "rss_mib": usage.ru_maxrss / 1024, "rc": proc.returncode,
+            "stderr": lines[-1] if lines else "", "stderr_tail": lines[-STDERR_LINES:]}
 
 
 def normpass_script() -> str:
@@ -204,6 +206,7 @@ def summarise(name: str, r: dict) -> dict:
         "fold_rss_mib": max(run["rss_mib"] for run in r["fold_runs"]),
         "rss_bound_mib": rss_bound_mib(r["weight_bytes"]),
         "folded": f"{ok[-1]['folded']}/{ok[-1]['norms']}" if ok else f"failed: {last['stderr']}",
+        "max_rel_error": ok[-1]["max_rel_error"] if ok and r["verify"] else None,
     }
     if r["floor_runs"]:
         figures.update(floor_s=median(r["floor_runs"], "wall_s"), floor_cpu_s=median(r["floor_runs"], "cpu_s"),
@@ -235,7 +238,8 @@ def verdicts(figures: dict) -> list[dict]:
             f"within {LINEARITY_TOLERANCE:.0%}", a["rc"] == b["rc"] == 0 and abs(time_ratio / byte_ratio - 1) <= LINEARITY_TOLERANCE)
     if "synthetic-2gb" in figures:
         f = figures["synthetic-2gb"]
-        row("3. 2.15 GB fold + verify", f"exit {f['rc']}, {f['fold_s']:.0f} s, {f['folded']}", "exit 0", f["rc"] == 0)
+        error = f", max rel error {f['max_rel_error']:.1e}" if f["max_rel_error"] is not None else ""
+        row("3. 2.15 GB fold + verify", f"exit {f['rc']}, {f['fold_s']:.0f} s, {f['folded']}{error}", "exit 0", f["rc"] == 0)
         rss_row("3. 2.15 GB memory", f)
     if "synthetic-7b" in figures:
         f = figures["synthetic-7b"]
