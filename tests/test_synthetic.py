@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
-from normpass.onnx.passes import fold_onnx
+from normpass.onnx.passes import FoldOptions, fold_onnx
 
 TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "synthetic_stack.py"
 SPEC = importlib.util.spec_from_file_location("synthetic_stack", TOOL)
@@ -21,10 +21,18 @@ SPEC.loader.exec_module(synthetic_stack)
 
 TINY = {"hidden": 16, "heads": 2, "vocab": 48}
 WEIGHT_SUFFIXES = (".weight", ".bias", ".gamma", ".beta")
+IDS = np.array([[0, 5, 47]], dtype=np.int64)
 
 
 def _build(tmp_path, name="model.onnx", **kwargs):
     return synthetic_stack.build(tmp_path / name, **{"params": 2e4, "dtype": "float32", **TINY, **kwargs})
+
+
+def _run(path: str, ids: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"input_ids": ids})[0]
 
 
 def _weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -44,9 +52,17 @@ def test_tiny_stack_is_valid_runs_and_counts_its_parameters(tmp_path):
     assert (tmp_path / "model.onnx.data").stat().st_size >= info["weight_bytes"]
     assert [n.op_type for n in model.graph.node].count("LayerNormalization") == 2 * layers + 1
 
-    session = ort.InferenceSession(info["path"], providers=["CPUExecutionProvider"])
-    (logits,) = session.run(None, {"input_ids": np.array([[0, 5, 47]], dtype=np.int64)})
+    logits = _run(info["path"], IDS)
     assert logits.shape == (1, 3, 48) and np.isfinite(logits).all()
+
+
+def test_folded_tiny_stack_matches_the_original_in_onnx_runtime(tmp_path):
+    info = _build(tmp_path)
+    folded = fold_onnx(onnx.load(info["path"]), FoldOptions(verify=False))
+    assert folded.folded == 2 * info["layers"]
+    onnx.save(folded.model, str(tmp_path / "folded.onnx"))
+    original, rewritten = _run(info["path"], IDS), _run(str(tmp_path / "folded.onnx"), IDS)
+    np.testing.assert_allclose(rewritten, original, rtol=1e-4, atol=1e-5 * np.abs(original).max())
 
 
 def test_weights_follow_the_seed(tmp_path):
