@@ -146,8 +146,12 @@ def measured(command: list[str], limit_as_gib: float | None) -> dict:
 
 
 def normpass_script() -> str:
+    """The `normpass` console script installed beside this interpreter, else the one on PATH."""
     script = pathlib.Path(sys.executable).with_name("normpass")
-    return str(script) if script.exists() else shutil.which("normpass")
+    found = str(script) if script.exists() else shutil.which("normpass")
+    if not found:
+        sys.exit(f"bench_pass: no normpass console script beside {sys.executable} or on PATH; install normpass into this environment")
+    return found
 
 
 def run_fold(model: pathlib.Path, work: pathlib.Path, verify: bool, limit_as_gib: float | None) -> dict:
@@ -194,7 +198,7 @@ def measure_target(name: str, model: pathlib.Path, work: pathlib.Path, repeats: 
     return {**describe(model), "verify": verify, "fold_runs": folds, "floor_runs": floors}
 
 
-def summarise(name: str, r: dict) -> dict:
+def summarise(r: dict) -> dict:
     """Median figures of one target's runs."""
     ok = [run for run in r["fold_runs"] if run["rc"] == 0]
     last = r["fold_runs"][-1]
@@ -295,7 +299,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="normpass-bench-", dir=args.work) as work:
         models = {name: prepare(name, cache) for name in args.targets}
         results = {name: measure_target(name, models[name], pathlib.Path(work), args.repeats, args.limit_as_gib) for name in args.targets}
-    figures = {name: summarise(name, r) for name, r in results.items()}
+    figures = {name: summarise(r) for name, r in results.items()}
     rows = verdicts(figures)
     print_tables(figures, rows)
     if args.json:
