@@ -1,35 +1,39 @@
-"""Benchmark the cost of the fold pass on GPT-2-small-shaped ONNX exports.
+"""Benchmark what `normpass fold` costs on large models, as a user runs it, against the I/O floor.
 
-For each layer count (default 12 and 48; 12 is the 124M ``gpt2-small-shape`` registry model,
-the others are the same shape with more layers) the script exports the model once into
-``--cache`` (reused on later runs), loads it with ``onnx.load`` (not timed), and then runs
-``fold_onnx(model, FoldOptions(verify=False))`` ``--repeats`` times. It reports:
+Every measurement is one fresh process, timed from start to exit (wall seconds) and with its
+peak resident set size read from `os.wait4`'s `ru_maxrss` (the process and anything it waited
+for). Two commands are measured:
 
-* the median analysis, rewrite and total (= analysis + rewrite) wall seconds, as measured by
-  ``fold_onnx`` itself with ``time.perf_counter`` (analysis = graphsurgeon import + shape
-  inference + zero-mean graph + plan; rewrite = apply + export to ModelProto; load, save and
-  verification are excluded), the fastest total, and the median process CPU seconds of the
-  whole call (``time.process_time``, all threads; less disturbed by other load on the machine);
-* ``rss_delta_mib``: growth of the process's peak resident set size (``getrusage`` max RSS)
-  over the timed runs, relative to the peak after loading the model. It counts every
-  allocation (protobuf C++, NumPy, Python) but is a lower bound: only memory above the
-  earlier high-water mark shows. Each model is measured in a fresh process so that neither
-  the export nor another model raises that mark;
-* ``py_peak_mib``: the Python-heap peak during one extra, untimed run under ``tracemalloc``
-  (Python objects and NumPy buffers; not protobuf's C++ allocations);
-* the number of graph nodes and parameters, norms folded, and, once per model outside the
-  timed runs, the max relative output error of a verified fold (``FoldOptions(verify=True)``).
+* **fold**: the console script, `normpass fold MODEL -o OUT --report R.json --no-verify`
+  (without `--no-verify` where a target asks for verification); folds are read from the report;
+* **floor**: `onnx.load(MODEL)` then `onnx.save(model, OUT, save_as_external_data=True)` in a
+  fresh interpreter, the least any tool that reads and rewrites the model must do.
 
-It prints a Markdown table and the ratios last/first of node count, parameter count and time,
-so linearity can be judged from time per node. Usage::
+Targets (each printed as a row: figure, target, pass/fail):
 
-    python tools/bench_pass.py --layers 12 48 --repeats 5 --cache /tmp/normpass-bench --json out.json
+1. `gpt2-12`: GPT-2-small shape, 12 layers (the registry's `gpt2-small-shape`, exported by
+   `export()` below with external data): median fold wall ≤ 1.3 × median floor wall, and fold
+   peak RSS ≤ 1.5 × weight bytes + 400 MiB;
+2. `gpt2-48`: the same shape with 48 layers: the time ratio fold(48)/fold(12) within 10 % of
+   the weight-byte ratio W(48)/W(12), i.e. cost linear in weight bytes;
+3. `synthetic-2gb`: a 2.15 GB fp32 stack from `tools/synthetic_stack.py` (GPT-2-small width,
+   65 layers) folds *and verifies* (exit 0) with peak RSS ≤ 1.5 × weight bytes + 400 MiB;
+4. `synthetic-7b`: the 7B-parameter fp16 stack (13 GB; hidden 4096, 33 layers) folds with
+   `--no-verify` (exit 0) on this machine; wall, peak RSS and folds are reported.
+
+Models are exported or built once into `--cache` and reused; outputs go to `--work` and are
+deleted after each run. `--limit-as-gib N` runs every measured process under `RLIMIT_AS` = N GiB,
+so that a run that would exhaust the machine's memory fails by itself (its exit code and last
+line of stderr are recorded). Usage::
+
+    python tools/bench_pass.py --targets gpt2-12 gpt2-48 --repeats 3 --cache /tmp/npb --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.metadata
 import json
 import math
 import multiprocessing
@@ -39,12 +43,32 @@ import platform
 import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-import tracemalloc
 
-TARGET_SECONDS = 0.2
+import onnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import synthetic_stack  # noqa: E402  (a sibling tool)
+
 MIB = 1024 * 1024
+GIB = 1024 * MIB
+TIME_FACTOR = 1.3  # fold wall ≤ this × floor wall
+RSS_FACTOR, RSS_SLACK_MIB = 1.5, 400  # peak RSS ≤ RSS_FACTOR × weight bytes + RSS_SLACK_MIB
+LINEARITY_TOLERANCE = 0.10
+STDERR_LINES = 30  # kept in the JSON record (with NORMPASS_DEBUG=1 in the environment, a failure's traceback)
+SYNTHETIC = {  # name → synthetic_stack.build keyword arguments
+    "synthetic-2gb": {"params": 2.15e9 / 4, "dtype": "float32", "hidden": 768, "heads": 12, "vocab": 50257},
+    "synthetic-7b": {"params": 7e9, "dtype": "float16"},
+}
+TARGETS = ("gpt2-12", "gpt2-48", "synthetic-2gb", "synthetic-7b")
+FLOOR_CODE = (
+    "import os, sys, onnx; model = onnx.load(sys.argv[1]); "
+    "onnx.save(model, sys.argv[2], save_as_external_data=True, all_tensors_to_one_file=True, "
+    "location=os.path.basename(sys.argv[2]) + '.data')"
+)
 
 
 def model_path(cache: pathlib.Path, layers: int) -> pathlib.Path:
@@ -68,134 +92,219 @@ def export(cache: str, layers: int) -> str:
     return str(path)
 
 
-def max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def measure(path: str, repeats: int) -> dict:
-    """Time, memory and fold counts of the pass on the model at `path` (run in a fresh process)."""
-    import onnx
-
-    from normpass.onnx.passes import FoldOptions, fold_onnx
-
-    model = onnx.load(path)
-    nodes = len(model.graph.node)
-    params = sum(math.prod(init.dims) for init in model.graph.initializer)
-
-    rss_before = max_rss_mib()
-    runs = []
-    for _ in range(repeats):
-        start, cpu = time.perf_counter(), time.process_time()
-        result = fold_onnx(model, FoldOptions(verify=False))
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        runs.append({**result.seconds, "total": result.seconds["analysis"] + result.seconds["rewrite"], "call": wall, "cpu": cpu})
-        del result
-    rss_delta = max_rss_mib() - rss_before
-
-    tracemalloc.start()
-    result = fold_onnx(model, FoldOptions(verify=False))
-    py_peak = tracemalloc.get_traced_memory()[1] / MIB
-    tracemalloc.stop()
-    folded, total = result.folded, result.plan.total
-    del result
-
-    verified = fold_onnx(model, FoldOptions(verify=True))
-    median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-    return {
-        "path": path,
-        "nodes": nodes,
-        "params": params,
-        "folded": folded,
-        "norms": total,
-        "median_s": median,
-        "min_total_s": min(run["total"] for run in runs),
-        "runs_s": runs,
-        "rss_after_load_mib": rss_before,
-        "rss_delta_mib": rss_delta,
-        "py_peak_mib": py_peak,
-        "max_rel_error": verified.comparison.max_rel_error,
-        "verify_s": verified.seconds["verify"],
-    }
-
-
 def in_fresh_process(func, *args):
     """Run `func(*args)` in a new spawned interpreter and return its result."""
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(func, *args).result()
 
 
+def prepare(name: str, cache: pathlib.Path) -> pathlib.Path:
+    """The path of target `name`'s model in `cache`, exported or built first if missing."""
+    path = model_path(cache, int(name.split("-")[1])) if name.startswith("gpt2-") else cache / name / "model.onnx"
+    if path.exists():
+        print(f"{name}: reusing {path}", flush=True)
+        return path
+    start = time.perf_counter()
+    if name.startswith("gpt2-"):
+        in_fresh_process(export, str(cache), int(name.split("-")[1]))  # torch stays out of this process
+    else:
+        partial = path.parent.with_name(path.parent.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        synthetic_stack.build(partial / path.name, **SYNTHETIC[name])
+        partial.rename(path.parent)
+    print(f"{name}: wrote {path} in {time.perf_counter() - start:.0f} s", flush=True)
+    return path
+
+
+def describe(path: pathlib.Path) -> dict:
+    """Nodes, parameters and weight bytes (all initializers) of the model at `path`."""
+    model = onnx.load(str(path), load_external_data=False)
+    inits = model.graph.initializer
+    params = sum(math.prod(init.dims) for init in inits)
+    weight_bytes = sum(math.prod(init.dims) * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize for init in inits)
+    return {"path": str(path), "nodes": len(model.graph.node), "params": params, "weight_bytes": weight_bytes}
+
+
+def measured(command: list[str], limit_as_gib: float | None) -> dict:
+    """Run `command` in a fresh process: wall and CPU (user + system) seconds, peak RSS (MiB), exit code, last stderr line."""
+    def limit():
+        if limit_as_gib:
+            size = int(limit_as_gib * GIB)
+            resource.setrlimit(resource.RLIMIT_AS, (size, size))
+
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limit)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        lines = err.read().decode(errors="replace").strip().splitlines()
+    cpu = usage.ru_utime + usage.ru_stime
+    return {"wall_s": wall, "cpu_s": cpu, "rss_mib": usage.ru_maxrss / 1024, "rc": proc.returncode,
+            "stderr": lines[-1] if lines else "", "stderr_tail": lines[-STDERR_LINES:]}
+
+
+def normpass_script() -> str:
+    """The `normpass` console script installed beside this interpreter, else the one on PATH."""
+    script = pathlib.Path(sys.executable).with_name("normpass")
+    found = str(script) if script.exists() else shutil.which("normpass")
+    if not found:
+        sys.exit(f"bench_pass: no normpass console script beside {sys.executable} or on PATH; install normpass into this environment")
+    return found
+
+
+def run_fold(model: pathlib.Path, work: pathlib.Path, verify: bool, limit_as_gib: float | None) -> dict:
+    out, report = work / "fold.onnx", work / "fold.report.json"
+    command = [normpass_script(), "fold", str(model), "-o", str(out), "--report", str(report)]
+    result = measured(command + ([] if verify else ["--no-verify"]), limit_as_gib)
+    if result["rc"] == 0:
+        summary = json.loads(report.read_text())
+        result.update(folded=summary["folded"], norms=summary["total"], max_rel_error=summary.get("max_rel_error"))
+    clean(work)
+    return result
+
+
+def run_floor(model: pathlib.Path, work: pathlib.Path, limit_as_gib: float | None) -> dict:
+    result = measured([sys.executable, "-c", FLOOR_CODE, str(model), str(work / "floor.onnx")], limit_as_gib)
+    clean(work)
+    return result
+
+
+def clean(work: pathlib.Path) -> None:
+    for path in work.iterdir():
+        path.unlink()
+
+
+def rss_bound_mib(weight_bytes: int) -> float:
+    return RSS_FACTOR * weight_bytes / MIB + RSS_SLACK_MIB
+
+
+def median(runs: list[dict], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def measure_target(name: str, model: pathlib.Path, work: pathlib.Path, repeats: int, limit_as_gib: float | None) -> dict:
+    """Fold (and, for the GPT-2 targets, floor) runs of one target, interleaved."""
+    verify = name == "synthetic-2gb"
+    with_floor = name.startswith("gpt2-")
+    folds, floors = [], []
+    for _ in range(repeats if with_floor else 1):
+        if with_floor:
+            floors.append(run_floor(model, work, limit_as_gib))
+        folds.append(run_fold(model, work, verify, limit_as_gib))
+        print(f"{name}: fold {folds[-1]['wall_s']:.2f} s {folds[-1]['rss_mib']:.0f} MiB rc {folds[-1]['rc']}"
+              + (f"; floor {floors[-1]['wall_s']:.2f} s {floors[-1]['rss_mib']:.0f} MiB" if floors else ""), flush=True)
+    return {**describe(model), "verify": verify, "fold_runs": folds, "floor_runs": floors}
+
+
+def summarise(r: dict) -> dict:
+    """Median figures of one target's runs."""
+    ok = [run for run in r["fold_runs"] if run["rc"] == 0]
+    last = r["fold_runs"][-1]
+    figures = {
+        "weight_mib": r["weight_bytes"] / MIB,
+        "rc": last["rc"],
+        "fold_s": median(r["fold_runs"], "wall_s"),
+        "fold_cpu_s": median(r["fold_runs"], "cpu_s"),
+        "fold_rss_mib": max(run["rss_mib"] for run in r["fold_runs"]),
+        "rss_bound_mib": rss_bound_mib(r["weight_bytes"]),
+        "folded": f"{ok[-1]['folded']}/{ok[-1]['norms']}" if ok else f"failed: {last['stderr']}",
+        "max_rel_error": ok[-1]["max_rel_error"] if ok and r["verify"] else None,
+    }
+    if r["floor_runs"]:
+        figures.update(floor_s=median(r["floor_runs"], "wall_s"), floor_cpu_s=median(r["floor_runs"], "cpu_s"),
+                       floor_rss_mib=max(run["rss_mib"] for run in r["floor_runs"]))
+    return figures
+
+
+def verdicts(figures: dict) -> list[dict]:
+    """One row per target: figure, target, pass."""
+    rows = []
+
+    def row(target, figure, goal, passed):
+        rows.append({"target": target, "figure": figure, "goal": goal, "pass": bool(passed)})
+
+    def rss_row(target, f):
+        row(target, f"peak RSS {f['fold_rss_mib']:.0f} MiB", f"≤ {f['rss_bound_mib']:.0f} MiB (1.5 × weights + 400 MiB)",
+            f["rc"] == 0 and f["fold_rss_mib"] <= f["rss_bound_mib"])
+
+    if "gpt2-12" in figures:
+        f = figures["gpt2-12"]
+        ratio = f["fold_s"] / f["floor_s"]
+        row("1. gpt2-12 time", f"fold {f['fold_s']:.2f} s / floor {f['floor_s']:.2f} s = {ratio:.2f}×", f"≤ {TIME_FACTOR}×",
+            f["rc"] == 0 and ratio <= TIME_FACTOR)
+        rss_row("1. gpt2-12 memory", f)
+    if "gpt2-12" in figures and "gpt2-48" in figures:
+        a, b = figures["gpt2-12"], figures["gpt2-48"]
+        time_ratio, byte_ratio = b["fold_s"] / a["fold_s"], b["weight_mib"] / a["weight_mib"]
+        row("2. linearity 48/12", f"time {time_ratio:.2f}× vs weights {byte_ratio:.2f}× ({time_ratio / byte_ratio:.2f})",
+            f"within {LINEARITY_TOLERANCE:.0%}", a["rc"] == b["rc"] == 0 and abs(time_ratio / byte_ratio - 1) <= LINEARITY_TOLERANCE)
+    if "synthetic-2gb" in figures:
+        f = figures["synthetic-2gb"]
+        error = f", max rel error {f['max_rel_error']:.1e}" if f["max_rel_error"] is not None else ""
+        row("3. 2.15 GB fold + verify", f"exit {f['rc']}, {f['fold_s']:.0f} s, {f['folded']}{error}", "exit 0", f["rc"] == 0)
+        rss_row("3. 2.15 GB memory", f)
+    if "synthetic-7b" in figures:
+        f = figures["synthetic-7b"]
+        row("4. 7B fp16 fold", f"exit {f['rc']}, {f['fold_s']:.0f} s, peak RSS {f['fold_rss_mib']:.0f} MiB, {f['folded']}",
+            "exit 0", f["rc"] == 0)
+    return rows
+
+
 def environment() -> dict:
-    import numpy
-    import onnx
-    import onnx_graphsurgeon
-    import onnxruntime
-    import torch
+    import normpass
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": cpu,
-        "ram_gib": round(mem_kib / 1024**2, 1),
-        "python": platform.python_version(),
-        "onnx": onnx.__version__,
-        "onnxruntime": onnxruntime.__version__,
-        "onnx_graphsurgeon": onnx_graphsurgeon.__version__,
-        "numpy": numpy.__version__,
-        "torch": torch.__version__,
-    }
+    source = pathlib.Path(normpass.__file__).resolve().parent
+    git = ["git", "-C", str(source)]
+    commit, branch, changes = (subprocess.run(git + command, capture_output=True, text=True).stdout.strip()
+                               for command in (["rev-parse", "--short", "HEAD"], ["branch", "--show-current"], ["status", "--porcelain", "."]))
+    versions = {}
+    for package in ("onnx", "onnxruntime", "onnx-graphsurgeon", "onnx-ir", "numpy", "protobuf"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"nproc": os.cpu_count(), "cpu": cpu, "ram_gib": round(mem_kib / 1024**2, 1), "loadavg": os.getloadavg(), "python": platform.python_version(),
+            "normpass": f"{source} at {branch or '?'} {commit or '?'}{' with uncommitted changes' if changes else ''}", **versions}
+
+
+def print_tables(figures: dict, rows: list[dict]) -> None:
+    print("\n| model | weights MiB | fold s | fold CPU s | fold peak RSS MiB | floor s | floor CPU s | floor peak RSS MiB | folded |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, f in figures.items():
+        floor = f"{f['floor_s']:.2f} | {f['floor_cpu_s']:.2f} | {f['floor_rss_mib']:.0f}" if "floor_s" in f else "– | – | –"
+        print(f"| {name} | {f['weight_mib']:.0f} | {f['fold_s']:.2f} | {f['fold_cpu_s']:.2f} | {f['fold_rss_mib']:.0f} | {floor} | {f['folded']} |")
+    print("\n| target | figure | goal | result |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['target']} | {r['figure']} | {r['goal']} | {'pass' if r['pass'] else 'FAIL'} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[12, 48], help="layer counts (default: 12 48)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per model (default: 5)")
-    parser.add_argument("--cache", help="directory for the exported models (default: a temporary directory)")
+    parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS[:2]), help="default: gpt2-12 gpt2-48")
+    parser.add_argument("--repeats", type=int, default=3, help="fold and floor runs per GPT-2 model (default 3; one for the others)")
+    parser.add_argument("--cache", default="/tmp/npb", help="directory of the exported and built models (default /tmp/npb)")
+    parser.add_argument("--work", help="directory for the outputs, emptied after each run (default: a temporary directory)")
+    parser.add_argument("--limit-as-gib", type=float, help="run each measured process under RLIMIT_AS of this many GiB")
     parser.add_argument("--json", help="also write the results as JSON to this file")
     args = parser.parse_args()
 
-    temp = None if args.cache else tempfile.TemporaryDirectory(prefix="normpass-bench-")
-    cache = args.cache or temp.name
     env = environment()
-    print("machine:", ", ".join(f"{k} {v}" for k, v in env.items()))
-
-    results = {}
-    for layers in args.layers:
-        path = model_path(pathlib.Path(cache), layers)
-        if path.exists():
-            print(f"{layers} layers: reusing {path}")
-        else:
-            start = time.perf_counter()
-            path = in_fresh_process(export, cache, layers)  # torch stays out of the measuring process
-            print(f"{layers} layers: exported {path} in {time.perf_counter() - start:.1f} s")
-        results[layers] = in_fresh_process(measure, str(path), args.repeats)
-
-    print(f"\nfold_onnx(model, FoldOptions(verify=False)), median of {args.repeats} runs (load, save and verify excluded)\n")
-    print("| layers | nodes | params | folded | analysis s | rewrite s | total s | min total s | CPU s | µs/node "
-          "| RSS Δ MiB | Python peak MiB | max rel err |")
-    print("|" + "---:|" * 13)
-    for layers, r in results.items():
-        m = r["median_s"]
-        print(
-            f"| {layers} | {r['nodes']} | {r['params'] / 1e6:.1f} M | {r['folded']}/{r['norms']} | {m['analysis']:.3f} "
-            f"| {m['rewrite']:.3f} | {m['total']:.3f} | {r['min_total_s']:.3f} | {m['cpu']:.3f} "
-            f"| {1e6 * m['total'] / r['nodes']:.0f} | {r['rss_delta_mib']:.0f} | {r['py_peak_mib']:.0f} "
-            f"| {r['max_rel_error']:.1e} |"
-        )
-    ratios = {}
-    if len(results) > 1:
-        (small, a), (large, b) = list(results.items())[0], list(results.items())[-1]
-        ratios = {"nodes": b["nodes"] / a["nodes"], "params": b["params"] / a["params"]}
-        ratios.update({key: b["median_s"][key] / a["median_s"][key] for key in ("analysis", "rewrite", "total", "cpu")})
-        print(f"\nratio {large}/{small}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    if 12 in results:
-        total = results[12]["median_s"]["total"]
-        print(f"target total ≤ {TARGET_SECONDS} s on 12 layers: {'met' if total <= TARGET_SECONDS else 'MISSED'} ({total:.3f} s)")
-
+    print("machine:", ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    cache = pathlib.Path(args.cache)
+    with tempfile.TemporaryDirectory(prefix="normpass-bench-", dir=args.work) as work:
+        models = {name: prepare(name, cache) for name in args.targets}
+        results = {name: measure_target(name, models[name], pathlib.Path(work), args.repeats, args.limit_as_gib) for name in args.targets}
+    figures = {name: summarise(r) for name, r in results.items()}
+    rows = verdicts(figures)
+    print_tables(figures, rows)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"environment": env, "repeats": args.repeats, "results": results, "ratios": ratios}, indent=2))
-    if temp:
-        temp.cleanup()
+        record = {"environment": env, "command": sys.argv, "limit_as_gib": args.limit_as_gib, "results": results, "figures": figures, "verdicts": rows}
+        pathlib.Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":
