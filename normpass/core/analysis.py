@@ -271,7 +271,7 @@ def safe_centrings(zmg: ZeroMeanGraph, norm: NormInfo, checker: ShiftChecker | N
     the per-sample mean of the linear layers they reach out of its input.
     """
     checker = checker or ShiftChecker(zmg)
-    return [c for c in prove(zmg, norm).centrings if _first_unsafe(zmg, checker, [c]) is None]
+    return [c for c in prove(zmg, norm).centrings if checker.unsafe(c) is None]
 
 
 def _plan_insertions(checker: ShiftChecker, decisions: list[NormDecision], pending) -> None:
