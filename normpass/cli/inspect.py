@@ -20,10 +20,11 @@ import re
 import sys
 
 from ..core.analysis import plan as make_plan
-from ..onnx.frontend import build_zero_mean_graph, load_graph
+from ..onnx.frontend import build_zero_mean_graph
+from ..onnx.passes import open_graph
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan, NormDecision
-from .common import add_model_arguments, load_model
+from .common import add_model_arguments, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
 HEADER = ("block", "norm", "op", "decision", "why")
@@ -119,8 +120,8 @@ def to_json(plan: FoldPlan, label: str, block: dict[str, str]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings (graphsurgeon prints them) stay off stdout
-        model, label = load_model(args)
-        zmg = build_zero_mean_graph(load_graph(model, label))
+        model, label = model_source(args)
+        zmg = build_zero_mean_graph(open_graph(model, label))
         fold_plan = make_plan(zmg, not args.no_insert_centering)
         block = blocks(zmg)
     if args.json:

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from ..core.analysis import plan as make_plan
 from ..errors import InputError
-from ..onnx.frontend import build_zero_mean_graph, load_graph
+from ..onnx.frontend import build_zero_mean_graph
+from ..onnx.passes import open_graph
 from ..io import check_paths, write_text_atomic
 from ..viz import FORMATS, render
-from .common import add_model_arguments, load_model
+from .common import add_model_arguments, model_source
 
 
 def add_parser(sub) -> None:
@@ -33,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
     if fmt not in FORMATS:
         raise InputError(f"{out}: cannot tell the format from the suffix {Path(out).suffix!r}; "
                          f"use .html, .svg or .dot, or pass --format")
-    model, label = load_model(args)
-    zmg = build_zero_mean_graph(load_graph(model, label))
+    model, label = model_source(args)
+    zmg = build_zero_mean_graph(open_graph(model, label))
     fold_plan = make_plan(zmg, not args.no_insert_centering)
     write_text_atomic(render(zmg, fold_plan, fmt, full=args.full, norm=args.norm), out)
     print(f"{label}: {len(fold_plan.folded)} of {fold_plan.total} norms fold; wrote {fmt} to {out}")
