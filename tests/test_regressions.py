@@ -105,7 +105,7 @@ agraph (float[B, {D}] x, float eps) => (float[B, {D}] z) {{
 
 
 def test_a_body_reading_the_norm_output_is_no_part_of_the_norm():
-    """graphsurgeon lists an If branch's Mul among the consumers of the outer tensor it reads: not γ."""
+    """An If branch's Mul is among the readers of the outer tensor it reads: not γ."""
     gen = rng(3)
     float_out = lambda name: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["B", D])  # noqa: E731
     then_branch = helper.make_graph([helper.make_node("Mul", ["y", "s"], ["t"], name="scale_y")], "then", [], [float_out("t")],

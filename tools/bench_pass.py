@@ -262,7 +262,7 @@ def environment() -> dict:
     commit, branch, changes = (subprocess.run(git + command, capture_output=True, text=True).stdout.strip()
                                for command in (["rev-parse", "--short", "HEAD"], ["branch", "--show-current"], ["status", "--porcelain", "."]))
     versions = {}
-    for package in ("onnx", "onnxruntime", "onnx-graphsurgeon", "onnx-ir", "numpy", "protobuf"):
+    for package in ("onnx", "onnxruntime", "onnx-ir", "numpy", "protobuf"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..onnx.bench import Candidate, parse_sweep, plot, run_benchmark, to_csv
 from ..errors import InputError
 from ..io import check_paths, load_onnx, write_text_atomic
 
@@ -38,6 +37,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..onnx.bench import Candidate, parse_sweep, plot, run_benchmark, to_csv  # ONNX Runtime: only when benchmarking
+
     for path in (args.original, args.optimized):
         load_onnx(path)  # clear errors for a missing or unreadable file
     outputs = list(check_paths({"ORIGINAL": args.original, "OPTIMIZED": args.optimized},

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     graph_out = check_paths({"the input model": args.model}, {"--graph": args.graph}).get("--graph")
     if graph_out is not None and graph_out.suffix.lower() not in GRAPH_FORMATS:
         raise InputError(f"{graph_out}: --graph writes .graphml or .json; choose a path with one of those suffixes")
-    with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings (graphsurgeon prints them) stay off stdout
+    with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings stay off stdout
         model, label = model_source(args)
         zmg = build_zero_mean_graph(open_graph(model, label))
         fold_plan = make_plan(zmg, not args.no_insert_centering)

@@ -10,7 +10,6 @@ import argparse
 import os
 import sys
 
-from onnx_graphsurgeon.logger import G_LOGGER
 
 from .. import __version__
 from ..errors import NormpassError
@@ -31,7 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    G_LOGGER.severity = G_LOGGER.ERROR  # graphsurgeon prints its warnings on stdout; normpass reports what matters
     try:
         return COMMANDS[args.command].run(args)
     except NormpassError as e:

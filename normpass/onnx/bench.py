@@ -92,9 +92,9 @@ def open_session(model: str | bytes, provider: str = "cpu", threads: int = 0,
     `threads` 0 leaves ORT's default; `optimized_model_path` saves the graph ORT actually runs.
     """
     if provider not in PROVIDERS:
-        raise InputError(f"--provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+        raise InputError(f"provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
     if PROVIDERS[provider] not in ort.get_available_providers():
-        raise InputError(f"--provider {provider}: this onnxruntime build has no {PROVIDERS[provider]} "
+        raise InputError(f"provider {provider}: this onnxruntime build has no {PROVIDERS[provider]} "
                          f"(available: {', '.join(ort.get_available_providers())}); "
                          "for CUDA: pip install 'normpass[gpu]'")
     options = ort.SessionOptions()
@@ -163,7 +163,7 @@ def parse_sweep(spec: str) -> tuple[str, list[int]]:
     except ValueError:
         points = []
     if axis not in SWEEP_AXES or not points or min(points) < 1:
-        raise InputError(f"--sweep {spec!r}: expected AXIS=N,N,... with AXIS one of {', '.join(SWEEP_AXES)}, "
+        raise InputError(f"sweep {spec!r}: expected AXIS=N,N,... with AXIS one of {', '.join(SWEEP_AXES)}, "
                          "e.g. seq=64,256,1024")
     return axis, points
 
@@ -295,7 +295,7 @@ def run_benchmark(candidates: list[Candidate], points: list[tuple[int, int]], *,
     if len(candidates) < 2:
         raise InputError("give at least two models: a baseline and a candidate")
     if repeats < 1 or warmup < 0:
-        raise InputError(f"--repeats {repeats} / --warmup {warmup}: "
+        raise InputError(f"repeats {repeats} / warmup {warmup}: "
                          "need at least one timed run and no negative warm-up")
     _check_signatures(candidates)
     bar = progress_bar(len(points) * len(candidates) * (repeats + warmup), progress)
@@ -384,7 +384,7 @@ def plot(report: dict, path: str | os.PathLike) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise InputError(f"--plot needs matplotlib: pip install 'normpass[bench]' ({e})") from e
+        raise InputError(f"plotting needs matplotlib: pip install 'normpass[bench]' ({e})") from e
     axis = report["settings"]["sweep"] or "seq"
     points = report["points"]
     xs = [p[axis] for p in points]

@@ -72,15 +72,15 @@ class FoldOptions:
     def emission(self) -> tuple[str, bool | None]:
         """The RMS op and the skip-fusion choice (None: decided per dtype), after checking the options."""
         if self.target not in TARGETS:
-            raise InputError(f"--target {self.target!r}: choose one of {', '.join(TARGETS)}")
+            raise InputError(f"target {self.target!r}: choose one of {', '.join(TARGETS)}")
         if self.provider not in PROVIDERS:
-            raise InputError(f"--provider {self.provider!r}: choose one of {', '.join(PROVIDERS)}")
+            raise InputError(f"provider {self.provider!r}: choose one of {', '.join(PROVIDERS)}")
         rms_op = self.rms_op or ("simplified" if self.target == "ort" else "onnx")
         if rms_op not in RMS_OPS:
-            raise InputError(f"--rms-op {rms_op!r}: choose one of {', '.join(RMS_OPS)}")
+            raise InputError(f"rms_op {rms_op!r}: choose one of {', '.join(RMS_OPS)}")
         if self.target == "onnx" and (rms_op == "simplified" or self.fuse_skip):
-            raise InputError("--target onnx emits standard ops only: SimplifiedLayerNormalization and its Skip fusion are "
-                             "ONNX Runtime contrib ops; use --rms-op onnx or decomposed, or --target ort")
+            raise InputError("target onnx emits standard ops only: SimplifiedLayerNormalization and its Skip fusion are "
+                             "ONNX Runtime contrib ops; choose the rms_op onnx or decomposed, or the target ort")
         fuse_skip = False if rms_op != "simplified" or self.target == "onnx" else self.fuse_skip
         return rms_op, fuse_skip
 
@@ -162,7 +162,7 @@ def _to_rms_opset(ctx: OnnxGraph) -> OnnxGraph:
     except Exception as e:
         raise UnsupportedModelError(
             f"cannot convert the model from opset {ctx.opset} to {RMS_OPSET} for RMSNormalization ({e}); "
-            "use --rms-op simplified or decomposed"
+            "choose the rms_op simplified or decomposed"
         ) from e
     converted.ir_version = max(ctx.model.ir_version, RMS_IR_VERSION)
     return load_graph(converted, ctx.name, ctx.source)

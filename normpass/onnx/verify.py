@@ -176,9 +176,9 @@ def parse_input_shapes(specs: list[str]) -> dict[str, tuple[int, ...]]:
         try:
             shapes[name] = tuple(int(d) for d in dims.lower().split("x"))
         except ValueError:
-            raise InputError(f"--input-shape {spec!r}: expected NAME:DxDx..., e.g. input_ids:1x128") from None
+            raise InputError(f"input shape {spec!r}: expected NAME:DxDx..., e.g. input_ids:1x128") from None
         if not name:
-            raise InputError(f"--input-shape {spec!r}: missing the input name, e.g. input_ids:1x128")
+            raise InputError(f"input shape {spec!r}: missing the input name, e.g. input_ids:1x128")
     return shapes
 
 
@@ -259,7 +259,7 @@ def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | Non
     bounds = _index_bounds(model)
     unknown = set(shapes) - {i.name for i in model.graph.input}
     if unknown:
-        raise InputError(f"--input-shape names no graph input: {', '.join(sorted(unknown))}")
+        raise InputError(f"input shapes given for no graph input: {', '.join(sorted(unknown))}")
     named = {d.dim_param: value for i in model.graph.input if i.name in shapes
              for d, value in zip(i.type.tensor_type.shape.dim, shapes[i.name]) if d.dim_param}
     feeds = {}

@@ -35,17 +35,19 @@ import numpy as np
 KINDS = ("rms", "affine", "dyt", "derf")
 TINY = 1e-30
 
-try:  # SciPy's erf is exact to rounding; without it a rational approximation (|error| < 1.5e-7)
-    from scipy.special import erf as _scipy_erf
-except ImportError:  # pragma: no cover - depends on the environment
-    _scipy_erf = None
 
 
 def erf(values: np.ndarray) -> np.ndarray:
-    """The error function, elementwise, in float64."""
+    """The error function, elementwise, in float64: SciPy's (exact to rounding; imported when first
+    needed, as it takes longer to import than the CLI to start) or, without SciPy, a rational
+    approximation (|error| < 1.5e-7)."""
     values = np.asarray(values, dtype=np.float64)
-    if _scipy_erf is not None:
-        return _scipy_erf(values)
+    try:
+        from scipy.special import erf as scipy_erf
+    except ImportError:  # pragma: no cover - depends on the environment
+        scipy_erf = None
+    if scipy_erf is not None:
+        return scipy_erf(values)
     # Abramowitz & Stegun 7.1.26
     sign = np.sign(values)
     a = np.abs(values)
