@@ -45,30 +45,26 @@ def _default_mode() -> int:
     return 0o666 & ~umask
 
 
-def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
-    path = Path(path)
+def _read(path: Path, reader):
+    """`reader(path)`, with one-line errors for a missing, directory or unreadable model file."""
     if not path.exists():
         raise InputError(f"{path}: no such file; pass the path of an .onnx model")
     if path.is_dir():
         raise InputError(f"{path}: is a directory; pass the path of an .onnx model")
     try:
-        model = onnx.load(str(path))
+        return reader(path)
     except Exception as e:  # onnx raises DecodeError, OSError, ValidationError ...
         raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse error'})") from e
-    return checked_model(model, str(path))
+
+
+def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
+    return checked_model(_read(Path(path), lambda p: onnx.load(str(p))), str(path))
 
 
 def load_ir(path: str | os.PathLike) -> ir.Model:
     """The model at `path` as an `ir.Model` whose external tensors stay on disk (memory-mapped when read)."""
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file; pass the path of an .onnx model")
-    if path.is_dir():
-        raise InputError(f"{path}: is a directory; pass the path of an .onnx model")
-    try:
-        model = ir.load(path)
-    except Exception as e:  # onnx raises DecodeError, OSError, ValidationError ...
-        raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse error'})") from e
+    model = _read(path, ir.load)
     if not len(model.graph) and not model.graph.outputs:
         raise InputError(f"{path}: not an ONNX model (no graph found); pass an .onnx file")
     return model

@@ -337,3 +337,10 @@ def test_html_page_in_headless_chromium(registry, tmp_path):
             browser.close()
     assert not errors, f"console errors: {errors}"
     assert (artifacts / "viz-bert.png").stat().st_size > 10_000
+
+
+def test_the_command_offers_every_format_the_renderer_draws():
+    from normpass.cli import viz as command
+    from normpass.viz import FORMATS
+
+    assert set(command.FORMATS) == set(FORMATS)

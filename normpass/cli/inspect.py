@@ -23,8 +23,6 @@ import json
 import re
 import sys
 
-import networkx as nx
-
 from ..core.analysis import plan as make_plan
 from ..onnx.frontend import build_zero_mean_graph
 from ..onnx.passes import open_graph
@@ -127,13 +125,17 @@ def to_json(plan: FoldPlan, label: str, block: dict[str, str]) -> dict:
     return data
 
 
-GRAPH_FORMATS = {".graphml": lambda g: "\n".join(nx.generate_graphml(g)) + "\n",
-                 ".json": lambda g: json.dumps(nx.node_link_data(g, edges="edges"), indent=1) + "\n"}
+GRAPH_FORMATS = (".graphml", ".json")
 
 
 def graph_text(zmg: ZeroMeanGraph, plan: FoldPlan, suffix: str) -> str:
     """The zero-mean graph with the plan's decisions as GraphML (`.graphml`) or node-link JSON (`.json`)."""
-    return GRAPH_FORMATS[suffix](zmg.to_networkx(plan))
+    import networkx as nx  # only for this output: every other command starts without it
+
+    graph = zmg.to_networkx(plan)
+    if suffix == ".graphml":
+        return "\n".join(nx.generate_graphml(graph)) + "\n"
+    return json.dumps(nx.node_link_data(graph, edges="edges"), indent=1) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-import networkx as nx
 import numpy as np
 
 from .rules import (  # noqa: F401  (the rules are part of the graph's API: front ends build nodes with them)
@@ -45,6 +44,7 @@ from .rules import (  # noqa: F401  (the rules are part of the graph's API: fron
 )
 
 if TYPE_CHECKING:
+    import networkx as nx
     from .plan import FoldPlan
 
 Shape = tuple  # tuple[int | str | None, ...]
@@ -148,6 +148,8 @@ class ZeroMeanGraph:
         return self._graph
 
     def _build_graph(self) -> nx.MultiDiGraph:
+        import networkx as nx  # for inspect --graph and viz only: the CLI starts faster without it
+
         g = nx.MultiDiGraph()
         for node in self.nodes.values():
             g.add_node(node.name, kind=node.kind, rule=node.rule, op=node.op, ref=node.ref)
@@ -202,6 +204,8 @@ class ZeroMeanGraph:
         `blocked_by` and `centred_layers` (names joined by spaces); empty strings where none.
         Edges keep their key (the reader's input index) and attributes `tensor`, `index`.
         """
+        import networkx as nx
+
         out = nx.MultiDiGraph(name=self.model_name)
         ids = {}
         for ident, data in self.graph.nodes(data=True):

@@ -29,15 +29,18 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 
 from ..errors import InputError, UnsupportedModelError, VerificationError
 from ..io import keeps_external_data, may_exceed_proto_limit, release_weights, save_external, save_ir, skeleton
 from .precision import bf16_as_fp32, uses_bf16
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 # Relative tolerance per output dtype: a fold may only change rounding.
 REL_TOLERANCE = {
@@ -140,6 +143,8 @@ def session(model: onnx.ModelProto, optimize: bool = False, providers=("CPUExecu
 
 
 def _options(optimize: bool = False) -> ort.SessionOptions:
+    import onnxruntime as ort  # imported when a model is run: folding without verification never loads it
+
     options = ort.SessionOptions()
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -150,6 +155,8 @@ def _options(optimize: bool = False) -> ort.SessionOptions:
 
 def ort_session(source: bytes | str, options: ort.SessionOptions, providers) -> ort.InferenceSession:
     """`ort.InferenceSession`, with what ORT refuses as a one-line `UnsupportedModelError`."""
+    import onnxruntime as ort
+
     try:
         return ort.InferenceSession(source, options, providers=list(providers))
     except Exception as e:  # ORT's Fail, InvalidGraph, NotImplemented ... derive from Exception only
