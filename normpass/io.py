@@ -73,20 +73,35 @@ def load_ir(path: str | os.PathLike) -> ir.Model:
 def skeleton(model: ir.Model) -> onnx.ModelProto:
     """`model` as a ModelProto whose main-graph initializers of more than `LIGHT_INITIALIZER_LIMIT`
     elements are stubs: name, type and dims, marked external, no data (nothing is loaded or copied).
+    Smaller ones keep their values, read from external data where they are stored there: shape
+    inference needs them (a `Reshape`'s target shape, a `Slice`'s starts).
 
     For what reads a model's structure only: shape inference, signatures, verification inputs.
     """
     stubbed = {}
     for value in model.graph.initializers.values():
         tensor = value.const_value
-        if tensor is not None and (isinstance(tensor, ir.ExternalTensor) or tensor.size > LIGHT_INITIALIZER_LIMIT):
-            stubbed[value] = tensor
+        if tensor is None or not (isinstance(tensor, ir.ExternalTensor) or tensor.size > LIGHT_INITIALIZER_LIMIT):
+            continue
+        stubbed[value] = tensor
+        if tensor.size > LIGHT_INITIALIZER_LIMIT:
             value.const_value = ir.ExternalTensor(STUB_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name)
+        else:
+            value.const_value = ir.Tensor(_read_small(value.name, tensor), name=value.name)
     try:
         return ir.to_proto(model)
     finally:
         for value, tensor in stubbed.items():
             value.const_value = tensor
+
+
+def _read_small(name: str, tensor) -> np.ndarray:
+    """A copy of a small tensor's values, or a one-line error where its external data cannot be read."""
+    try:
+        return np.array(tensor.numpy())
+    except OSError as e:
+        raise InputError(f"initializer {name}: its data is in external file {getattr(tensor, 'path', '?')}, which cannot "
+                         f"be read ({e.strerror or e}); pass the model's path, or a ModelProto loaded with its external data") from e
 
 
 def interface(model: ir.Model) -> onnx.ModelProto:
@@ -228,12 +243,22 @@ def save_ir(path: Path, model: ir.Model) -> None:
     The weights are written tensor by tensor, unchanged ones straight from their source (a
     memory-mapped file, say, whose pages are dropped once written); `model` is left as it was.
     """
-    if keeps_external_data(model):
+    if not keeps_external_data(model):
+        ir.save(model, path)
+        return
+    # Small tensors stored externally in the source are written inline. onnx-ir would load each and
+    # close its memory map, which fails while the analysis still holds a view of it: copy them first.
+    inlined = {value: value.const_value for value in model.graph.initializers.values()
+               if isinstance(value.const_value, ir.ExternalTensor) and value.const_value.nbytes < EXTERNAL_MIN_BYTES}
+    for value, tensor in inlined.items():
+        value.const_value = ir.Tensor(np.array(tensor.numpy()), name=value.name)
+    try:
         ir.save(model, path, external_data=data_path(path).name, size_threshold_bytes=EXTERNAL_MIN_BYTES,
                 max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES, alignment=DATA_ALIGNMENT, callback=_dropping_pages())
-        release_weights(model)
-    else:
-        ir.save(model, path)
+    finally:
+        for value, tensor in inlined.items():
+            value.const_value = tensor
+    release_weights(model)
 
 
 def drop_pages(tensor) -> None:

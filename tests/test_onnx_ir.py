@@ -15,7 +15,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from normpass import FoldOptions, fold_onnx
+from normpass import FoldOptions, fold_onnx, inspect_onnx
 from normpass.io import skeleton
 from normpass.onnx.targets import LAZY_MIN_BYTES
 
@@ -83,3 +83,40 @@ def test_skeleton_holds_no_weights_and_leaves_the_model_as_it_was(tmp_path):
     assert len(large) == 3 and all(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data for t in large)
     assert all(isinstance(model.graph.initializers[t.name].const_value, ir.ExternalTensor) for t in large)
     assert list(large[0].dims) == [D, D]
+
+
+
+def every_tensor_external(tmp_path, model) -> tuple:
+    """`model` saved with all its tensors, however small, in external data (`size_threshold=0`); an untouched copy."""
+    kept = onnx.ModelProto.FromString(model.SerializeToString())  # onnx.save rewrites the proto it saves
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    return path, kept
+
+
+def test_small_external_tensors_are_read_for_shape_inference(tmp_path):
+    """A Reshape whose target shape is stored externally keeps the normalized axis, as in memory."""
+    gen = rng(5)
+    path, model = every_tensor_external(tmp_path, build(f"""<ir_version: 10, opset_import: ["" : 17]>
+agraph (float[B, {D}] x) => (float[B, {D}] y) {{
+  h = MatMul(x, W1)
+  r = Reshape(h, target)
+  n = LayerNormalization<axis=-1, epsilon=1e-5>(r, g, bt)
+  y = MatMul(n, W2)
+}}""", W1=randn(gen, D, D), target=np.array([-1, D], np.int64), g=1 + randn(gen, D, scale=0.1),
+        bt=randn(gen, D, scale=0.1), W2=randn(gen, D, D)))
+    from_file, from_memory = inspect_onnx(path), inspect_onnx(model)
+    assert [(d.name, d.foldable, d.reason) for d in from_file.decisions] == [(d.name, d.foldable, d.reason) for d in from_memory.decisions]
+    assert len(from_file.folded) == 1
+
+
+def test_small_external_tensors_are_written_inline_after_verification(tmp_path):
+    """A tiny constant read by the analysis from a memory map is written inline by the verified fold
+    (fuzzing seed 30047: onnx-ir closed the map under the analysis's view of it, a BufferError)."""
+    import graphgen
+
+    path, _ = every_tensor_external(tmp_path, graphgen.generate(30047).model)
+    result = fold_onnx(path)
+    assert result.comparison.passed
+    result.save(tmp_path / "folded.onnx")
+    onnx.checker.check_model(str(tmp_path / "folded.onnx"))
