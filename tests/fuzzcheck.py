@@ -15,11 +15,16 @@
 Both models run in ONNX Runtime with graph optimizations off, on the generator's feeds (both
 values of the bool input, a second shape for dynamic dims, overrides of overridable
 initializers), not on normpass's own verification inputs.
+
+`check_from_file(case, directory, size_threshold)` does the same for the path a file takes: the
+model saved with external data, folded from its path with and without verification, the written
+result compared with the original, and the input files checked unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -34,6 +39,7 @@ MODES = {
     "no-verify": FoldOptions(verify=False),
     "onnx": FoldOptions(target="onnx"),
 }
+FILE_MODES = {"file": FoldOptions(), "file-no-verify": FoldOptions(verify=False)}  # `check_from_file`
 
 
 @dataclass(frozen=True)
@@ -131,11 +137,16 @@ def _check_mode(case, mode: str, options: FoldOptions, expected) -> list[Failure
         return _one_line(e, mode)
     except Exception as e:  # noqa: BLE001
         return [Failure("exception", mode, describe(e))]
-    failures = _signature_change(case.model, result.model, mode)
-    declared = {i.name for i in result.model.graph.input}
+    return _compare(case, mode, result.model, expected, f"{result.folded} of {result.plan.total} norms folded")
+
+
+def _compare(case, mode: str, folded: onnx.ModelProto, expected, note: str) -> list[Failure]:
+    """Failures of `folded` against the original's outputs `expected` on the case's feeds."""
+    failures = _signature_change(case.model, folded, mode)
+    declared = {i.name for i in folded.graph.input}
     runnable = [i for i, feeds in enumerate(case.feeds) if set(feeds) <= declared]  # not overrides it dropped
     try:
-        got = dict(zip(runnable, run_all(result.model, [case.feeds[i] for i in runnable])))
+        got = dict(zip(runnable, run_all(folded, [case.feeds[i] for i in runnable])))
     except Exception as e:  # noqa: BLE001
         return failures + [Failure("rejected", mode, describe(e))]
     worst = (0.0, None, None)
@@ -151,8 +162,34 @@ def _check_mode(case, mode: str, options: FoldOptions, expected) -> list[Failure
     described = {k: (v.tolist() if v.ndim == 0 else list(v.shape)) for k, v in feeds.items() if k in ("x", "ids", "cond")}
     overrides = len(set(feeds) - set(described))
     return failures + [Failure("mismatch", mode, f"output {name}: relative error {error:.3g} on {described}"
-                                                 f"{f' with {overrides} overrides' if overrides else ''} "
-                                                 f"({result.folded} of {result.plan.total} norms folded)")]
+                                                 f"{f' with {overrides} overrides' if overrides else ''} ({note})")]
+
+
+def check_from_file(case, directory: Path, size_threshold: int = 0) -> list[Failure]:
+    """Fold `case.model` from a file whose tensors of `size_threshold` bytes or more are external data
+    (the lazy path: memory-mapped weights, changed ones computed when written), with and without
+    verification; compare the written result with the original, and check the files are untouched."""
+    expected = run_all(case.model, case.feeds)
+    source = directory / "model.onnx"
+    onnx.save(onnx.ModelProto.FromString(case.model.SerializeToString()), source, save_as_external_data=True,
+              location="model.onnx.data", size_threshold=size_threshold)
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    failures = []
+    for mode, options in FILE_MODES.items():
+        written = directory / f"{mode}.onnx"
+        try:
+            result = fold_onnx(source, options)
+            result.save(written)
+        except NormpassError as e:  # a refusal (ONNX Runtime cannot load every such file, say)
+            failures += _one_line(e, mode)
+            continue
+        except Exception as e:  # noqa: BLE001
+            failures.append(Failure("exception", mode, describe(e)))
+            continue
+        failures += _compare(case, mode, onnx.load(str(written)), expected, f"{result.folded} of {result.plan.total} norms folded")
+    if any(p.read_bytes() != before[p.name] for p in directory.iterdir() if p.name in before):
+        failures.append(Failure("mutated", "file", "normpass modified the input files"))
+    return failures
 
 
 def _signature_change(original: onnx.ModelProto, folded: onnx.ModelProto, mode: str) -> list[Failure]:

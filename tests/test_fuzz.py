@@ -246,6 +246,7 @@ def test_fuzz_fold_with_insertions(stack):
 
 
 GENERATED_SEEDS, BATCH = 240, 24  # CI's share of the campaign; tools/fuzz.py --examples 5000 runs more
+FILE_SEEDS = 40  # of those, also folded from files with external data
 
 
 @pytest.mark.parametrize("first", range(0, GENERATED_SEEDS, BATCH))
@@ -253,6 +254,19 @@ def test_fuzz_generated_graphs_fold_exactly_or_refuse(first):
     failures = [f"seed {seed}: {failure}" for seed in range(first, first + BATCH)
                 for failure in fuzzcheck.check(graphgen.generate(seed))]
     assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --replay SEED"])
+
+
+@pytest.mark.parametrize("size_threshold", (0, 64))
+def test_fuzz_generated_graphs_fold_from_files_exactly_or_refuse(size_threshold, tmp_path):
+    """Through files with external data: every tensor external (0), or those of 64 bytes or more;
+    seed 30047 once closed a memory map the analysis still read."""
+    failures = []
+    for seed in (*range(FILE_SEEDS), 30047):
+        directory = tmp_path / str(seed)
+        directory.mkdir()
+        failures += [f"seed {seed}: {failure}"
+                     for failure in fuzzcheck.check_from_file(graphgen.generate(seed), directory, size_threshold)]
+    assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --from-files BYTES --replay SEED"])
 
 
 # Campaign seeds (docs/FUZZING.md) of failure classes seeds 0–239 miss: a verified fold wrong on

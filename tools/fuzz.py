@@ -2,8 +2,12 @@
 
     python tools/fuzz.py --examples 5000 [--seed S] [--jobs 2] [--out fuzz-out]
     python tools/fuzz.py --replay SEED     # one example: its failures, in full
+    python tools/fuzz.py --from-files 0 --examples 2000   # fold from files, every tensor external
 
-Example i uses generator seed S + i (tests/graphgen.py), checked by tests/fuzzcheck.py. Prints
+Example i uses generator seed S + i (tests/graphgen.py), checked by tests/fuzzcheck.py (with
+`--from-files BYTES`: saved with its tensors of BYTES or more as external data and folded from the
+file, `fuzzcheck.check_from_file`). Prints
+
 the examples run, the failures by class with their seeds, and saves each failing model as
 OUT/SEED.onnx with a one-line repro in OUT/SEED.txt.
 """
@@ -14,7 +18,9 @@ import argparse
 import collections
 import multiprocessing
 import re
+import functools
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -27,11 +33,18 @@ import fuzzcheck  # noqa: E402
 import graphgen  # noqa: E402
 
 
-def run_one(seed: int) -> tuple[int, list[str], onnx.ModelProto | None]:
+def check(case, from_files: int | None) -> list:
+    if from_files is None:
+        return fuzzcheck.check(case)
+    with tempfile.TemporaryDirectory() as directory:
+        return fuzzcheck.check_from_file(case, Path(directory), from_files)
+
+
+def run_one(seed: int, from_files: int | None = None) -> tuple[int, list[str], onnx.ModelProto | None]:
     warnings.simplefilter("ignore")
     case = graphgen.generate(seed)
     try:
-        failures = [str(f) for f in fuzzcheck.check(case)]
+        failures = [str(f) for f in check(case, from_files)]
     except Exception as e:  # noqa: BLE001 - the generated original itself does not run: a generator bug
         failures = [f"generator [original]: {fuzzcheck.describe(e)}"]
     return seed, failures, case.model if failures else None
@@ -47,17 +60,18 @@ def failure_class(failure: str) -> str:
     return f"{kind_mode}: {re.sub(r'[(]?[A-Za-z_]*[0-9][^ ]*', '*', ' '.join(detail.split()[:20]))}"
 
 
-def campaign(first: int, examples: int, jobs: int, out: Path) -> int:
+def campaign(first: int, examples: int, jobs: int, out: Path, from_files: int | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     classes: dict[str, list[int]] = collections.defaultdict(list)
     failing = 0
     start = time.perf_counter()
     with multiprocessing.Pool(jobs) as pool:
-        for done, (seed, failures, model) in enumerate(pool.imap_unordered(run_one, range(first, first + examples)), 1):
+        for done, (seed, failures, model) in enumerate(pool.imap_unordered(functools.partial(run_one, from_files=from_files), range(first, first + examples)), 1):
             if failures:
                 failing += 1
                 onnx.save(model, out / f"{seed}.onnx")
-                (out / f"{seed}.txt").write_text(f"python tools/fuzz.py --replay {seed}\n" + "\n".join(failures) + "\n")
+                replay_flags = f"--replay {seed}" + (f" --from-files {from_files}" if from_files is not None else "")
+                (out / f"{seed}.txt").write_text(f"python tools/fuzz.py {replay_flags}\n" + "\n".join(failures) + "\n")
                 for key in dict.fromkeys(failure_class(f) for f in failures):
                     classes[key].append(seed)
             if done % 250 == 0:
@@ -70,11 +84,11 @@ def campaign(first: int, examples: int, jobs: int, out: Path) -> int:
     return 1 if failing else 0
 
 
-def replay(seed: int) -> int:
+def replay(seed: int, from_files: int | None = None) -> int:
     case = graphgen.generate(seed)
     print(f"seed {seed}: opset {case.model.opset_import[0].version}, IR {case.model.ir_version}, "
           f"features {sorted(case.used)}, {len(case.feeds)} feed sets")
-    failures = fuzzcheck.check(case)
+    failures = check(case, from_files)
     for failure in failures:
         print(failure)
     print("no failure" if not failures else f"{len(failures)} failures")
@@ -88,10 +102,12 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("fuzz-out"))
     parser.add_argument("--replay", type=int, metavar="SEED", help="run one example and print its failures")
+    parser.add_argument("--from-files", type=int, metavar="BYTES",
+                        help="fold each example from a file whose tensors of BYTES or more are external data")
     args = parser.parse_args(argv)
     if args.replay is not None:
-        return replay(args.replay)
-    return campaign(args.seed, args.examples, args.jobs, args.out)
+        return replay(args.replay, args.from_files)
+    return campaign(args.seed, args.examples, args.jobs, args.out, args.from_files)
 
 
 if __name__ == "__main__":
