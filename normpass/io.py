@@ -251,7 +251,7 @@ def save_ir(path: Path, model: ir.Model) -> None:
     inlined = {value: value.const_value for value in model.graph.initializers.values()
                if isinstance(value.const_value, ir.ExternalTensor) and value.const_value.nbytes < EXTERNAL_MIN_BYTES}
     for value, tensor in inlined.items():
-        value.const_value = ir.Tensor(np.array(tensor.numpy()), name=value.name)
+        value.const_value = ir.Tensor(_read_small(value.name, tensor), name=value.name)
     try:
         ir.save(model, path, external_data=data_path(path).name, size_threshold_bytes=EXTERNAL_MIN_BYTES,
                 max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES, alignment=DATA_ALIGNMENT, callback=_dropping_pages())

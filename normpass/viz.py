@@ -29,8 +29,9 @@ from statistics import fmean
 import networkx as nx
 
 from .errors import InputError
-from .core.graph import Concat, NodeKind, NormRule, ZeroMeanGraph
+from .core.graph import NodeKind, ZeroMeanGraph
 from .core.plan import FoldPlan, NormDecision
+from .core.rules import Concat, NormRule
 
 TRANSPARENT = {NodeKind.RESIDUAL.value, NodeKind.SCALAR.value, NodeKind.LAYOUT.value}
 

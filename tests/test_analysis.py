@@ -19,7 +19,8 @@ import pytest
 from conftest import build, randn, rng
 from normpass.cli.main import main
 from normpass.core.analysis import plan, prove
-from normpass.core.graph import Linear, NodeKind, NormInfo, NormRule, NormType, Opaque, Sum, ZeroMeanGraph, ZNode, source
+from normpass.core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode, source
+from normpass.core.rules import Linear, NormRule, Opaque, Sum
 
 SHAPE = (1, 4, 8)
 AXIS = 2

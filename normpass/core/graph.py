@@ -22,26 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .rules import (  # noqa: F401  (the rules are part of the graph's API: front ends build nodes with them)
-    Broadcast,
-    Centered,
-    Choose,
-    Concat,
-    Linear,
-    Mix,
-    NormRule,
-    Opaque,
-    Permute,
-    Regroup,
-    Rule,
-    Scale,
-    Select,
-    ShapeOnly,
-    ShiftInvariant,
-    Sum,
-    Take,
-    describe,
-)
+from .rules import Rule, describe
 
 if TYPE_CHECKING:
     import networkx as nx

@@ -25,15 +25,14 @@ import onnx
 import onnx_ir as ir
 
 from ..errors import UnsupportedModelError
-from ..core.graph import (
+from ..core.graph import NodeKind, NormInfo, ZeroMeanGraph, ZNode
+from ..core.rules import (
     Broadcast,
     Centered,
     Choose,
     Concat,
     Linear,
     Mix,
-    NodeKind,
-    NormInfo,
     NormRule,
     Opaque,
     Permute,
@@ -44,8 +43,6 @@ from ..core.graph import (
     ShiftInvariant,
     Sum,
     Take,
-    ZeroMeanGraph,
-    ZNode,
 )
 from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
 from .constants import constant_values, is_constant

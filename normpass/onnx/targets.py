@@ -37,10 +37,6 @@ REGROUP_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 BIASED_ACTIVATIONS = ("BiasGelu", "FastGelu")  # com.microsoft f(x + bias): the bias input takes β·W like an Add
 
 
-def producer(tensor: ir.Value) -> ir.Node | None:
-    return tensor.producer()
-
-
 def is_feature_vector(values: np.ndarray | None, width: int) -> bool:
     return values is not None and values.size == width and values.shape[-1:] == (width,)
 
@@ -61,7 +57,7 @@ def private_bias(tensor: ir.Value, width: int, graph_outputs: set[str]) -> tuple
     The bias broadcasts along the feature axis only, so adding a d-vector (or a scalar) to it adds
     the same to `tensor` and to nothing else.
     """
-    node = producer(tensor)
+    node = tensor.producer()
     if node is None or node.op_type != "Add" or len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
         return None
     for index, operand in enumerate(node.inputs):

@@ -30,15 +30,13 @@ import torch
 from torch import nn
 
 from ..core.algebra import has_zero_mean, is_uniform
-from ..core.graph import (
+from ..core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
+from ..core.rules import (
     Broadcast,
     Centered,
     Concat,
     Linear,
-    NodeKind,
-    NormInfo,
     NormRule,
-    NormType,
     Opaque,
     Permute,
     Regroup,
@@ -47,8 +45,6 @@ from ..core.graph import (
     ShiftInvariant,
     Sum,
     Take,
-    ZeroMeanGraph,
-    ZNode,
 )
 from .capture import Attr, Call, Capture, Ref
 
