@@ -1,9 +1,9 @@
-"""normpass_models: seeded transformer models for testing and demonstrating normpass.
+"""normpass.models: seeded transformer models for testing and demonstrating normpass.
 
 ``REGISTRY`` maps a model name to a :class:`ModelEntry` that builds the model in
 PyTorch, exports it to ONNX and records its expected norm and fold counts::
 
-    from normpass_models import export_onnx, names
+    from normpass.models import export_onnx, names
     for name in names(include_large=False):
         export_onnx(name, f"/tmp/{name}.onnx")
 

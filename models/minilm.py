@@ -19,7 +19,7 @@ similarity does not see it). ``token_type_ids`` are the default zeros.
 This module is not in ``REGISTRY`` (the registry's tests pin its names and export every small
 entry without optional packages); use it directly::
 
-    from normpass_models import minilm
+    from normpass.models import minilm
     minilm.export_onnx("minilm.onnx")
     feeds = minilm.encode(["A sentence.", "Another one."])   # {"input_ids", "attention_mask"}
 """

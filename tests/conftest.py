@@ -150,10 +150,10 @@ def registry_export(tmp_path_factory):
     """`registry_export(name, form="dynamo")` → path of registry model `name` exported in `form`, once per session.
 
     Every test that needs a registry model's ONNX file takes it from here, so each (model, form) is
-    exported once per run; a derived form (`normpass_models.BASE_FORM`) is converted from the cached
+    exported once per run; a derived form (`builtin_models.BASE_FORM`) is converted from the cached
     export of its base form.
     """
-    import normpass_models
+    from normpass import models as builtin_models
 
     root = tmp_path_factory.mktemp("registry")
     cache: dict[tuple[str, str], pathlib.Path] = {}
@@ -162,11 +162,11 @@ def registry_export(tmp_path_factory):
         key = (name, form)
         if key not in cache:
             path = root / f"{name}.{form}.onnx"
-            base = normpass_models.BASE_FORM.get(form)
+            base = builtin_models.BASE_FORM.get(form)
             if base is None:
-                cache[key] = normpass_models.export_onnx(name, path, form)
+                cache[key] = builtin_models.export_onnx(name, path, form)
             else:
-                cache[key] = normpass_models.convert(normpass_models.get(name), export(name, base), path, form)
+                cache[key] = builtin_models.convert(builtin_models.get(name), export(name, base), path, form)
         return cache[key]
 
     return export

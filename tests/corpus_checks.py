@@ -1,7 +1,7 @@
 """The CLI check shared by the corpus tests (test_corpus.py, test_thirdparty.py).
 
 `cli_exit_code`: one `normpass` command on a file through `normpass.cli.main.main`, quietly. (The
-independent numerical check is `normpass_models.reference.rewrite_error`, shared with tools/corpus.py.)
+independent numerical check is `builtin_models.reference.rewrite_error`, shared with tools/corpus.py.)
 """
 
 from __future__ import annotations

@@ -464,15 +464,15 @@ def test_llama_folds_nothing(normpass, tmp_path, registry_export):
 
 
 def test_builtin_gpt2(normpass, tmp_path, registry_export, monkeypatch):
-    import normpass_models
+    from normpass import models as builtin_models
 
-    exported = registry_export("gpt2")  # before the patch below: the cache exports through normpass_models
+    exported = registry_export("gpt2")  # before the patch below: the cache exports through normpass.models
 
     def export_onnx(name, path, form="dynamo"):  # the registry's own export, taken from the session's cache
         assert (name, form) == ("gpt2", "dynamo")
         return Path(shutil.copy(exported, path))
 
-    monkeypatch.setattr(normpass_models, "export_onnx", export_onnx)
+    monkeypatch.setattr(builtin_models, "export_onnx", export_onnx)
     out, report_path = tmp_path / "gpt2.onnx", tmp_path / "gpt2.json"
     result = normpass("fold", "--builtin", "gpt2", "-o", out, "--report", report_path)
     assert result.returncode == 0, result.stderr

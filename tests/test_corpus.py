@@ -1,12 +1,12 @@
 """The exporter axis: every small registry model in every form folds as its dynamo export does.
 
 Each (model, form) is exported and folded once per session (``registry_export``, ``registry_fold`` in
-conftest.py; ``normpass_models.FORMS``: dynamo, torchscript, ort-optimized, fp16). Per form:
+conftest.py; ``builtin_models.FORMS``: dynamo, torchscript, ort-optimized, fp16). Per form:
 
 * ``inspect`` finds the registry's norm count and proves the registry's count, and the declined
   norms are declined for the same reasons as in the dynamo export (reasons compared by category:
   node names and the spelling of the LayerNorm op are normalised away);
-* ``fold``: normpass's verifier passes, an independent check (``normpass_models.reference``: both
+* ``fold``: normpass's verifier passes, an independent check (``builtin_models.reference``: both
   models run in ONNX Runtime, optimizations off, on inputs of a shape the export did not see)
   agrees within 1e-4 relative (fp32) or 1e-2 (fp16), and it rewrites the registry's count;
 * ``inspect``, ``fold`` and ``viz`` through the CLI never raise on the file (``fold --no-verify``: the
@@ -22,14 +22,14 @@ import re
 
 import pytest
 
-import normpass_models
+from normpass import models as builtin_models
 from normpass import inspect_onnx
-from normpass_models.reference import entry_feeds, rewrite_error
+from normpass.models.reference import entry_feeds, rewrite_error
 
 from corpus_checks import cli_exit_code
 
-SMALL = normpass_models.names(include_large=False)
-CASES = [(name, form) for name in SMALL for form in normpass_models.get(name).forms]
+SMALL = builtin_models.names(include_large=False)
+CASES = [(name, form) for name in SMALL for form in builtin_models.get(name).forms]
 
 
 def reason_category(reason: str) -> str:
@@ -45,13 +45,13 @@ def reasons(plan) -> collections.Counter:
 @pytest.fixture(scope="module", params=CASES, ids=[f"{name}-{form}" for name, form in CASES])
 def case(request, registry_export):
     name, form = request.param
-    return normpass_models.get(name), form, registry_export(name, form)
+    return builtin_models.get(name), form, registry_export(name, form)
 
 
 def test_forms_cover_every_small_entry():
-    assert normpass_models.FORMS == ("dynamo", "torchscript", "ort-optimized", "fp16")
+    assert builtin_models.FORMS == ("dynamo", "torchscript", "ort-optimized", "fp16")
     assert {"gpt2", "bert", "vit", "llama", "swin", "opt"} <= set(SMALL)
-    assert all(normpass_models.get(name).forms == normpass_models.FORMS for name in SMALL)
+    assert all(builtin_models.get(name).forms == builtin_models.FORMS for name in SMALL)
 
 
 def test_reason_category_ignores_names_and_spelling():

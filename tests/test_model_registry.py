@@ -1,4 +1,4 @@
-"""Tests for the model registry ``normpass_models`` (registry level only, no normpass imports).
+"""Tests for the model registry ``normpass.models`` (registry level only, no normpass imports).
 
 Every non-large entry is exported once per session (``registry_export`` in
 conftest.py); the export must be a valid ONNX model that ONNX Runtime runs to
@@ -17,8 +17,8 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-import normpass_models
-from normpass_models import REGISTRY, default_name, get, gpt2_small_shape, names
+from normpass import models as builtin_models
+from normpass.models import REGISTRY, default_name, get, gpt2_small_shape, names
 
 SMALL = names(include_large=False)
 
@@ -59,7 +59,7 @@ def test_registry_contents():
     assert SMALL == ["gpt2", "bert", "vit", "llama", "swin", "opt"]
     assert default_name in REGISTRY and not get(default_name).large
     assert get("gpt2-small-shape").large
-    assert set(normpass_models.__all__) >= {"ModelEntry", "REGISTRY", "get", "names", "export_onnx"}
+    assert set(builtin_models.__all__) >= {"ModelEntry", "REGISTRY", "get", "names", "export_onnx"}
     for entry in REGISTRY.values():
         assert 0 <= entry.expected_folded <= entry.expected_norms
         assert entry.why and entry.summary

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-import normpass_models
+from normpass import models as builtin_models
 from normpass.onnx.passes import fold_onnx
 from normpass.onnx.verify import REL_TOLERANCE, verify
 
@@ -50,7 +50,7 @@ def test_conversion_is_fp16_with_fp32_norm_statistics(gpt2, gpt2_fp16):
 
 def test_fold_after_conversion(gpt2_fp16):
     result = fold_onnx(gpt2_fp16)  # verifies against the fp16 original, fp16 tolerance
-    assert result.folded == normpass_models.get("gpt2").expected_rewritten
+    assert result.folded == builtin_models.get("gpt2").expected_rewritten
     assert result.comparison.outputs[0].dtype == "float16"
     assert 0 < result.comparison.max_rel_error <= FP16_TOLERANCE
     rms = [n for n in result.model.graph.node if "Simplified" in n.op_type]

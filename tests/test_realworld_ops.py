@@ -414,7 +414,7 @@ def _torchscript_export(name: str) -> onnx.ModelProto:
 
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from normpass_models.registry import _randomise, gpt2_config
+    from normpass.models.registry import _randomise, gpt2_config
 
     class LM(torch.nn.Module):
         def __init__(self, model):

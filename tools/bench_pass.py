@@ -77,13 +77,13 @@ def model_path(cache: pathlib.Path, layers: int) -> pathlib.Path:
 
 def export(cache: str, layers: int) -> str:
     """Export the GPT-2-small-shaped model with `layers` layers into `cache`; return its path."""
-    import normpass_models
+    from normpass import models as builtin_models
 
     path = model_path(pathlib.Path(cache), layers)
     if layers == 12:
-        entry = normpass_models.get("gpt2-small-shape")
+        entry = builtin_models.get("gpt2-small-shape")
     else:
-        entry = normpass_models.gpt2_small_shape(f"gpt2-small-shape-{layers}l", n_layer=layers)
+        entry = builtin_models.gpt2_small_shape(f"gpt2-small-shape-{layers}l", n_layer=layers)
     partial = path.parent.with_name(path.parent.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

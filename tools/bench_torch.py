@@ -26,9 +26,9 @@ import os
 import time
 import warnings
 
-import normpass_models
+from normpass import models as builtin_models
 import torch
-from normpass_models import registry
+from normpass.models import registry
 from torch import nn
 
 from normpass.onnx import bench
@@ -37,7 +37,7 @@ from normpass.onnx.verify import compare_outputs
 
 # name → (registry entry factory, sweep axis, eager points, compile points)
 MODELS = {
-    "gpt2-small-shape": (lambda: normpass_models.get("gpt2-small-shape"), "seq", [64, 256, 1024], [256]),
+    "gpt2-small-shape": (lambda: builtin_models.get("gpt2-small-shape"), "seq", [64, 256, 1024], [256]),
     "bert-base-shape": (registry.bert_base_shape, "seq", [64, 256, 512], [256]),
     "vit-b16-shape": (registry.vit_b16_shape, "batch", [1, 4], [1]),
 }

@@ -1,11 +1,11 @@
 """The corpus table: what normpass folds on the ONNX files people actually have.
 
-Rows: every small registry model in every exporter form (``normpass_models.FORMS``: dynamo,
-torchscript, ort-optimized, fp16), then the published ONNX files of ``normpass_models.thirdparty``
+Rows: every small registry model in every exporter form (``builtin_models.FORMS``: dynamo,
+torchscript, ort-optimized, fp16), then the published ONNX files of ``builtin_models.thirdparty``
 that are installed (form ``published``). Columns: norms found, proven by ``inspect``, rewritten by
 ``fold`` (defaults), the registry's target (proven / rewritten, the dynamo export's counts), the
 largest relative output error of the fold in an independent ONNX Runtime check
-(``normpass_models.reference``: optimizations off, inputs of a size the export did not see),
+(``builtin_models.reference``: optimizations off, inputs of a size the export did not see),
 whether normpass's own verifier passed, and the seconds ``inspect`` + ``fold`` took. A file that
 makes normpass raise gets its exception in the ``error`` column instead of counts.
 
@@ -36,11 +36,11 @@ from typing import Callable
 import numpy as np
 import onnx
 
-import normpass_models
+from normpass import models as builtin_models
 from normpass import FoldOptions, fold_onnx, inspect_onnx
 from normpass.cli.main import main as normpass_main
-from normpass_models import thirdparty
-from normpass_models.reference import entry_feeds, rewrite_error
+from normpass.models import thirdparty
+from normpass.models.reference import entry_feeds, rewrite_error
 
 COLUMNS = ("model", "form", "norms", "proven", "rewritten", "target", "max_rel_error", "verified", "seconds", "error")
 CALIBRATION_SENTENCES = 60
@@ -74,15 +74,15 @@ def measure(model: onnx.ModelProto, make_feeds: Callable[[], dict[str, np.ndarra
 def registry_rows(names: list[str], forms: list[str], root: pathlib.Path) -> list[dict]:
     rows = []
     for name in names:
-        entry = normpass_models.get(name)
+        entry = builtin_models.get(name)
         exported: dict[str, pathlib.Path] = {}
         for form in forms:
             path = root / f"{name}.{form}.onnx"
-            base = normpass_models.BASE_FORM.get(form)
+            base = builtin_models.BASE_FORM.get(form)
             if base in exported:
-                exported[form] = normpass_models.convert(entry, exported[base], path, form)
+                exported[form] = builtin_models.convert(entry, exported[base], path, form)
             else:
-                exported[form] = normpass_models.export_onnx(name, path, form)
+                exported[form] = builtin_models.export_onnx(name, path, form)
             model = onnx.load(str(exported[form]))
             row = {"model": name, "form": form, "target": f"{entry.expected_folded}/{entry.expected_rewritten}"}
             row.update(measure(model, lambda: entry_feeds(entry, model)))
@@ -110,7 +110,7 @@ def thirdparty_rows() -> list[dict]:
 
 def minilm_row(root: pathlib.Path) -> dict:
     """all-MiniLM-L6-v2 (TorchScript export) through `normpass replace --budget cos=0.999`."""
-    from normpass_models import minilm
+    from normpass.models import minilm
 
     path = minilm.export_onnx(root / "minilm.torchscript.onnx", form="torchscript")
     sentences = minilm.sentences()
@@ -154,9 +154,9 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(normpass_models.names(include_large=False)),
+    parser.add_argument("--models", default=",".join(builtin_models.names(include_large=False)),
                         help="comma-separated registry models (default: every small one; empty: none)")
-    parser.add_argument("--forms", default=",".join(normpass_models.FORMS), help="comma-separated forms (default: all)")
+    parser.add_argument("--forms", default=",".join(builtin_models.FORMS), help="comma-separated forms (default: all)")
     parser.add_argument("--no-thirdparty", action="store_true", help="leave out the installed published files")
     parser.add_argument("--minilm", action="store_true", help="add the all-MiniLM-L6-v2 replace row (minutes)")
     parser.add_argument("--json", metavar="PATH", help="write every row as JSON here")

