@@ -91,7 +91,7 @@ def torchscript_export(module, inputs, path, input_names, output_names, dynamic_
 
 def _export_torchscript(entry: ModelEntry, path: pathlib.Path) -> pathlib.Path:
     module, inputs = entry.build_torch()
-    axes = dict(zip(entry.input_names, entry.dynamic_shapes))
+    axes = dict(zip(entry.input_names, entry.dynamic_shapes, strict=False))
     axes.update({name: entry.dynamic_shapes[0] for name in entry.output_names})
     return torchscript_export(module, inputs, path, entry.input_names, entry.output_names, axes)
 

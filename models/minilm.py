@@ -137,11 +137,19 @@ def export_onnx(path: str | os.PathLike, form: str = "dynamo") -> pathlib.Path:
     module, inputs = build_torch()
     dynamic = ({0: "batch", 1: "seq"}, {0: "batch", 1: "seq"})
     if form == "torchscript":
-        axes = {**dict(zip(INPUT_NAMES, dynamic)), OUTPUT_NAMES[0]: {0: "batch"}}
+        axes = {**dict(zip(INPUT_NAMES, dynamic, strict=False)), OUTPUT_NAMES[0]: {0: "batch"}}
         return torchscript_export(module, inputs, path, INPUT_NAMES, OUTPUT_NAMES, axes)
     if form != "dynamo":
         raise ValueError(f"unknown form {form!r}; all-MiniLM-L6-v2 exports as dynamo or torchscript")
     with _quiet(), torch.no_grad():
-        torch.onnx.export(module, inputs, str(path), dynamo=True, input_names=list(INPUT_NAMES),
-                          output_names=list(OUTPUT_NAMES), dynamic_shapes=dynamic, verbose=False)
+        torch.onnx.export(
+            module,
+            inputs,
+            str(path),
+            dynamo=True,
+            input_names=list(INPUT_NAMES),
+            output_names=list(OUTPUT_NAMES),
+            dynamic_shapes=dynamic,
+            verbose=False,
+        )
     return path

@@ -28,7 +28,7 @@ def run_unoptimized(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dic
     """Every output of ``model`` on ``feeds``, by name."""
     session = _session(model)
     names = [output.name for output in session.get_outputs()]
-    return dict(zip(names, session.run(names, feeds)))
+    return dict(zip(names, session.run(names, feeds), strict=False))
 
 
 def rewrite_error(
@@ -45,8 +45,10 @@ def rewrite_error(
     return worst, TOLERANCE[next(iter(expected.values())).dtype]
 
 
-def entry_feeds(entry: ModelEntry, model: onnx.ModelProto, batch: int = 3, seq: int = 7, seed: int = 123) -> dict[str, np.ndarray]:
+def entry_feeds(
+    entry: ModelEntry, model: onnx.ModelProto, batch: int = 3, seq: int = 7, seed: int = 123
+) -> dict[str, np.ndarray]:
     """``entry``'s seeded inputs at ``batch`` x ``seq`` (the exports saw 2 x 8), in ``model``'s input dtypes."""
     dtypes = {i.name: NUMPY_TYPES[i.type] for i in _session(model).get_inputs()}
     tensors = entry.make_inputs(batch, seq, seed)
-    return {name: tensor.numpy().astype(dtypes[name]) for name, tensor in zip(entry.input_names, tensors)}
+    return {name: tensor.numpy().astype(dtypes[name]) for name, tensor in zip(entry.input_names, tensors, strict=False)}

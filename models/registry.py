@@ -25,9 +25,9 @@ import io
 import logging
 import pathlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import torch
 from transformers import (
@@ -267,9 +267,7 @@ def _bert_entry() -> ModelEntry:
     return ModelEntry(
         name="bert",
         summary=f"BERT encoder, post-LN, {layers} layers, hidden 64, vocab 128, returns last_hidden_state",
-        build_torch=partial(
-            _build, lambda: _LastHidden(BertModel(config, add_pooling_layer=False)), make_inputs, 2
-        ),
+        build_torch=partial(_build, lambda: _LastHidden(BertModel(config, add_pooling_layer=False)), make_inputs, 2),
         make_inputs=make_inputs,
         input_names=("input_ids",),
         output_names=("last_hidden_state",),
@@ -303,9 +301,7 @@ def _vit_entry() -> ModelEntry:
     return ModelEntry(
         name="vit",
         summary=f"ViT encoder, pre-LN, {layers} layers, hidden 64, 32x32 images in 8x8 patches",
-        build_torch=partial(
-            _build, lambda: _LastHidden(ViTModel(config, add_pooling_layer=False)), make_inputs, 3
-        ),
+        build_torch=partial(_build, lambda: _LastHidden(ViTModel(config, add_pooling_layer=False)), make_inputs, 3),
         make_inputs=make_inputs,
         input_names=("pixel_values",),
         output_names=("last_hidden_state",),
@@ -379,9 +375,7 @@ def _swin_entry() -> ModelEntry:
     return ModelEntry(
         name="swin",
         summary="Swin encoder, hierarchical: 2 stages of 2 blocks (window 4, shifted), patch merging, 32x32 images",
-        build_torch=partial(
-            _build, lambda: _LastHidden(SwinModel(config, add_pooling_layer=False)), make_inputs, 5
-        ),
+        build_torch=partial(_build, lambda: _LastHidden(SwinModel(config, add_pooling_layer=False)), make_inputs, 5),
         make_inputs=make_inputs,
         input_names=("pixel_values",),
         output_names=("last_hidden_state",),
@@ -468,9 +462,7 @@ def bert_base_shape(seed: int = 6) -> ModelEntry:
     return ModelEntry(
         name="bert-base-shape",
         summary="BERT-base-shaped encoder, post-LN, 12 layers, hidden 768, vocab 30522, returns last_hidden_state",
-        build_torch=partial(
-            _build, lambda: _LastHidden(BertModel(config, add_pooling_layer=False)), make_inputs, seed
-        ),
+        build_torch=partial(_build, lambda: _LastHidden(BertModel(config, add_pooling_layer=False)), make_inputs, seed),
         make_inputs=make_inputs,
         input_names=("input_ids",),
         output_names=("last_hidden_state",),
@@ -500,9 +492,7 @@ def vit_b16_shape(seed: int = 7) -> ModelEntry:
     return ModelEntry(
         name="vit-b16-shape",
         summary="ViT-B/16-shaped encoder, pre-LN, 12 layers, hidden 768, 224x224 images in 16x16 patches",
-        build_torch=partial(
-            _build, lambda: _LastHidden(ViTModel(config, add_pooling_layer=False)), make_inputs, seed
-        ),
+        build_torch=partial(_build, lambda: _LastHidden(ViTModel(config, add_pooling_layer=False)), make_inputs, seed),
         make_inputs=make_inputs,
         input_names=("pixel_values",),
         output_names=("last_hidden_state",),

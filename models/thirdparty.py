@@ -36,8 +36,9 @@ class ThirdPartyModel:
 
 
 def _rapidocr(name: str, file: str, summary: str, layer_norms: int, input_shape: tuple[int, ...]) -> ThirdPartyModel:
-    return ThirdPartyModel(name, "rapidocr-onnxruntime", "rapidocr_onnxruntime", f"models/{file}", summary,
-                           layer_norms, input_shape)
+    return ThirdPartyModel(
+        name, "rapidocr-onnxruntime", "rapidocr_onnxruntime", f"models/{file}", summary, layer_norms, input_shape
+    )
 
 
 THIRDPARTY: dict[str, ThirdPartyModel] = {
@@ -52,15 +53,27 @@ THIRDPARTY: dict[str, ThirdPartyModel] = {
             layer_norms=25,
             input_shape=(2, 3, 224, 224),
         ),
-        _rapidocr("ppocrv4-rec", "ch_PP-OCRv4_rec_infer.onnx",
-                  "PP-OCRv4 text recogniser (PaddlePaddle, paddle2onnx, opset 12), SVTR neck with LayerNorms",
-                  5, (2, 3, 48, 160)),
-        _rapidocr("ppocrv4-det", "ch_PP-OCRv4_det_infer.onnx",
-                  "PP-OCRv4 text detector (PaddlePaddle, paddle2onnx, opset 12), a CNN without LayerNorms",
-                  0, (1, 3, 64, 96)),
-        _rapidocr("ppocr-cls", "ch_ppocr_mobile_v2.0_cls_infer.onnx",
-                  "PP-OCR mobile v2 text-direction classifier (PaddlePaddle, opset 11), a CNN without LayerNorms",
-                  0, (2, 3, 48, 192)),
+        _rapidocr(
+            "ppocrv4-rec",
+            "ch_PP-OCRv4_rec_infer.onnx",
+            "PP-OCRv4 text recogniser (PaddlePaddle, paddle2onnx, opset 12), SVTR neck with LayerNorms",
+            5,
+            (2, 3, 48, 160),
+        ),
+        _rapidocr(
+            "ppocrv4-det",
+            "ch_PP-OCRv4_det_infer.onnx",
+            "PP-OCRv4 text detector (PaddlePaddle, paddle2onnx, opset 12), a CNN without LayerNorms",
+            0,
+            (1, 3, 64, 96),
+        ),
+        _rapidocr(
+            "ppocr-cls",
+            "ch_ppocr_mobile_v2.0_cls_infer.onnx",
+            "PP-OCR mobile v2 text-direction classifier (PaddlePaddle, opset 11), a CNN without LayerNorms",
+            0,
+            (2, 3, 48, 192),
+        ),
     )
 }
 
@@ -84,7 +97,9 @@ def path(name: str) -> pathlib.Path:
     model = THIRDPARTY[name]
     directory = _package_dir(model.package)
     if directory is None:
-        raise FileNotFoundError(f"{name}: package {model.distribution} is not installed: pip install {model.distribution}")
+        raise FileNotFoundError(
+            f"{name}: package {model.distribution} is not installed: pip install {model.distribution}"
+        )
     file = directory / model.relative_path
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing from {model.distribution}; reinstall it")

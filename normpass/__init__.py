@@ -10,8 +10,8 @@ Public API:
 
 __version__ = "0.1.0"
 
-from .errors import InputError, NormpassError, UnsupportedModelError, VerificationError  # noqa: E402
-from .onnx.passes import FoldOptions, FoldResult, fold_onnx, inspect_onnx  # noqa: E402
+from .errors import InputError, NormpassError, UnsupportedModelError, VerificationError
+from .onnx.passes import FoldOptions, FoldResult, fold_onnx, inspect_onnx
 
 TORCH_API = ("fold", "inspect", "TorchFoldReport")
 

@@ -19,8 +19,8 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import onnx
@@ -54,7 +54,9 @@ def _read(path: Path, reader):
     try:
         return reader(path)
     except Exception as e:  # onnx raises DecodeError, OSError, ValidationError ...
-        raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse error'})") from e
+        raise InputError(
+            f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse error'})"
+        ) from e
 
 
 def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
@@ -85,7 +87,9 @@ def skeleton(model: ir.Model) -> onnx.ModelProto:
             continue
         stubbed[value] = tensor
         if tensor.size > LIGHT_INITIALIZER_LIMIT:
-            value.const_value = ir.ExternalTensor(STUB_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name)
+            value.const_value = ir.ExternalTensor(
+                STUB_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name
+            )
         else:
             value.const_value = ir.Tensor(_read_small(value.name, tensor), name=value.name)
     try:
@@ -100,8 +104,10 @@ def _read_small(name: str, tensor) -> np.ndarray:
     try:
         return np.array(tensor.numpy())
     except OSError as e:
-        raise InputError(f"initializer {name}: its data is in external file {getattr(tensor, 'path', '?')}, which cannot "
-                         f"be read ({e.strerror or e}); pass the model's path, or a ModelProto loaded with its external data") from e
+        raise InputError(
+            f"initializer {name}: its data is in external file {getattr(tensor, 'path', '?')}, which cannot "
+            f"be read ({e.strerror or e}); pass the model's path, or a ModelProto loaded with its external data"
+        ) from e
 
 
 def interface(model: ir.Model) -> onnx.ModelProto:
@@ -118,7 +124,9 @@ def checked_model(model, label: str = "model") -> onnx.ModelProto:
     if isinstance(model, (str, os.PathLike)):
         return load_onnx(model)
     if not isinstance(model, onnx.ModelProto):
-        raise InputError(f"{label}: expected an onnx.ModelProto or the path of an .onnx file, got {type(model).__name__}")
+        raise InputError(
+            f"{label}: expected an onnx.ModelProto or the path of an .onnx file, got {type(model).__name__}"
+        )
     if not model.graph.node and not model.graph.output:
         raise InputError(f"{label}: not an ONNX model (no graph found); pass an .onnx file")
     return model
@@ -150,15 +158,19 @@ def check_paths(inputs: dict[str, object], outputs: dict[str, object]) -> dict[s
             continue
         out = Path(value)
         if out.exists() and not stat.S_ISREG(out.stat().st_mode):
-            raise InputError(f"{out}: {label} exists and is not a regular file (a directory, FIFO or device); "
-                             f"choose another path for {label}")
+            raise InputError(
+                f"{out}: {label} exists and is not a regular file (a directory, FIFO or device); "
+                f"choose another path for {label}"
+            )
         for other, path in [*sources.items(), *checked.items()]:
             if _same_file(out, path):
-                raise InputError(f"{out}: {label} must not overwrite {other} ({path}), the same file; choose another path for {label}")
+                raise InputError(
+                    f"{out}: {label} must not overwrite {other} ({path}), the same file; choose another path for {label}"
+                )
         parent = out.resolve().parent
         if not parent.is_dir():
             raise InputError(f"{out}: directory {parent} does not exist; create it or choose another path for {label}")
-        if not os.access(parent, os.W_OK) or out.exists() and not os.access(out, os.W_OK):
+        if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
             raise InputError(f"{out}: cannot write here; choose a writable {label} path")
         checked[label] = out
     return checked
@@ -219,8 +231,13 @@ def save_external(model: onnx.ModelProto, path: Path) -> None:
             payload = tensor.raw_data or numpy_helper.to_array(tensor).tobytes()
             offset = data.tell()
             data.write(payload)
-            stored = skeleton.graph.initializer.add(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type,
-                                                    doc_string=tensor.doc_string, data_location=onnx.TensorProto.EXTERNAL)
+            stored = skeleton.graph.initializer.add(
+                name=tensor.name,
+                dims=tensor.dims,
+                data_type=tensor.data_type,
+                doc_string=tensor.doc_string,
+                data_location=onnx.TensorProto.EXTERNAL,
+            )
             for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(payload)))):
                 stored.external_data.add(key=key, value=value)
     onnx.save_model(skeleton, str(path))
@@ -234,7 +251,9 @@ def ir_weight_bytes(model: ir.Model) -> int:
 def keeps_external_data(model: ir.Model) -> bool:
     """Whether `model`'s weights go to a data file when written: it came with external data, or may exceed 2 GB."""
     tensors = [v.const_value for v in model.graph.initializers.values()]
-    return any(isinstance(t, ir.ExternalTensor) for t in tensors) or ir_weight_bytes(model) + PROTO_HEADROOM >= PROTO_LIMIT
+    return (
+        any(isinstance(t, ir.ExternalTensor) for t in tensors) or ir_weight_bytes(model) + PROTO_HEADROOM >= PROTO_LIMIT
+    )
 
 
 def save_ir(path: Path, model: ir.Model) -> None:
@@ -248,13 +267,23 @@ def save_ir(path: Path, model: ir.Model) -> None:
         return
     # Small tensors stored externally in the source are written inline. onnx-ir would load each and
     # close its memory map, which fails while the analysis still holds a view of it: copy them first.
-    inlined = {value: value.const_value for value in model.graph.initializers.values()
-               if isinstance(value.const_value, ir.ExternalTensor) and value.const_value.nbytes < EXTERNAL_MIN_BYTES}
+    inlined = {
+        value: value.const_value
+        for value in model.graph.initializers.values()
+        if isinstance(value.const_value, ir.ExternalTensor) and value.const_value.nbytes < EXTERNAL_MIN_BYTES
+    }
     for value, tensor in inlined.items():
         value.const_value = ir.Tensor(_read_small(value.name, tensor), name=value.name)
     try:
-        ir.save(model, path, external_data=data_path(path).name, size_threshold_bytes=EXTERNAL_MIN_BYTES,
-                max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES, alignment=DATA_ALIGNMENT, callback=_dropping_pages())
+        ir.save(
+            model,
+            path,
+            external_data=data_path(path).name,
+            size_threshold_bytes=EXTERNAL_MIN_BYTES,
+            max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES,
+            alignment=DATA_ALIGNMENT,
+            callback=_dropping_pages(),
+        )
     finally:
         for value, tensor in inlined.items():
             value.const_value = tensor

@@ -22,16 +22,17 @@ script for pan, zoom, search and a details panel. Nothing is fetched at view tim
 from __future__ import annotations
 
 import html
+import itertools
 import json
 from dataclasses import dataclass, field
 from statistics import fmean
 
 import networkx as nx
 
-from .errors import InputError
 from .core.graph import NodeKind, ZeroMeanGraph
 from .core.plan import FoldPlan, NormDecision
 from .core.rules import Concat, NormRule
+from .errors import InputError
 
 TRANSPARENT = {NodeKind.RESIDUAL.value, NodeKind.SCALAR.value, NodeKind.LAYOUT.value}
 
@@ -107,8 +108,14 @@ class _Graph:
         self.g = nx.DiGraph()
         self.alias: dict[str, str] = {}  # tensor → pseudo-node id
         for node in zmg.nodes.values():
-            self.g.add_node(node.name, op=node.op, kind=node.kind.value, inputs=node.inputs, outputs=node.outputs,
-                            rule=_describe(node.rule))
+            self.g.add_node(
+                node.name,
+                op=node.op,
+                kind=node.kind.value,
+                inputs=node.inputs,
+                outputs=node.outputs,
+                rule=_describe(node.rule),
+            )
         constants = {c.tensor for d in plan.decisions for c in d.centrings if c.tensor and c.tensor not in zmg.producer}
         for tensor in sorted(zmg.graph_inputs):
             self._pseudo(tensor, "input", outputs=[tensor])
@@ -163,9 +170,9 @@ class _Graph:
         """Edges from the norm back to its blocker (safety blockers: from the centred layer forward)."""
         names = [n for n in (self.resolve(name) for name in decision.blocker.path) if n is not None]
         edges: list[tuple[str, str]] = []
-        for a, b in zip(names, names[1:]):
+        for a, b in itertools.pairwise(names):
             path = self.connect(a, b)
-            edges.extend(zip(path, path[1:]))
+            edges.extend(itertools.pairwise(path))
         return edges
 
     def proof_region(self, decision: NormDecision, ends: set[str]) -> set[str]:
@@ -261,8 +268,11 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
             edges.append(VEdge(source, target, style, data["tensors"]))
     edges += _collapsed_edges(g, nodes, edges)
     folded = len(plan.folded)
-    shown = (f"all {len(nodes)} nodes" if full
-             else f"{len(nodes)} of {len(g)} nodes; the rest is collapsed (a full view shows all)")
+    shown = (
+        f"all {len(nodes)} nodes"
+        if full
+        else f"{len(nodes)} of {len(g)} nodes; the rest is collapsed (a full view shows all)"
+    )
     around = f"norm {norm}" if norm else f"{plan.total} norm(s)"
     view = View(
         title=f"{zmg.model_name}: {folded} of {plan.total} norms fold exactly into RMSNorm",
@@ -279,8 +289,10 @@ def _describe(rule) -> str:
     """A rule as the details panel shows it (a norm's rule without its front-end handle)."""
     if isinstance(rule, NormRule):
         norm = rule.norm
-        return (f"{norm.norm_type.value} over axis {norm.axis}, ε = {norm.epsilon:.3g}; "
-                f"γ = {norm.scale or 'none'}, β = {norm.bias or 'none'}")
+        return (
+            f"{norm.norm_type.value} over axis {norm.axis}, ε = {norm.epsilon:.3g}; "
+            f"γ = {norm.scale or 'none'}, β = {norm.bias or 'none'}"
+        )
     return repr(rule)
 
 
@@ -335,7 +347,7 @@ def _short(text: str) -> str:
     if len(text) <= MAX_LABEL:
         return text
     head = (MAX_LABEL - 1) // 3
-    return text[:head] + "…" + text[len(text) - (MAX_LABEL - 1 - head):]
+    return text[:head] + "…" + text[len(text) - (MAX_LABEL - 1 - head) :]
 
 
 def _layout(view: View) -> None:
@@ -363,7 +375,7 @@ def _layout(view: View) -> None:
             layer[dummy], up[dummy], down[dummy] = step, [], []
             chain.append(dummy)
         chain.append(edge.target)
-        for a, b in zip(chain, chain[1:]):
+        for a, b in itertools.pairwise(chain):
             down[a].append(b)
             up[b].append(a)
         chains.append(chain)
@@ -382,7 +394,7 @@ def _layout(view: View) -> None:
     for v, node in view.nodes.items():
         node.x = x[v] - left + MARGIN
         node.y = HEADER_H + MARGIN + layer[v] * ROW_H + NORM_H / 2
-    for edge, chain in zip(view.edges, chains):
+    for edge, chain in zip(view.edges, chains, strict=False):
         source, target = view.nodes[edge.source], view.nodes[edge.target]
         middle = [(x[d] - left + MARGIN, HEADER_H + MARGIN + layer[d] * ROW_H + NORM_H / 2) for d in chain[1:-1]]
         edge.points = [(source.x, source.y + source.h / 2), *middle, (target.x, target.y - target.h / 2)]
@@ -417,14 +429,14 @@ def _place_rows(rows: list[list], up: dict, down: dict, width: dict, rounds: int
         sequence = rows if round_ % 2 == 0 else list(reversed(rows))
         for row in sequence:
             desired = [fmean([x[u] for u in up[v] + down[v]]) if up[v] or down[v] else x[v] for v in row]
-            gaps = [(width[a] + width[b]) / 2 + GAP for a, b in zip(row, row[1:])]
+            gaps = [(width[a] + width[b]) / 2 + GAP for a, b in itertools.pairwise(row)]
             left = desired[:]
             for i in range(1, len(row)):
                 left[i] = max(desired[i], left[i - 1] + gaps[i - 1])
             right = desired[:]
             for i in range(len(row) - 2, -1, -1):
                 right[i] = min(desired[i], right[i + 1] - gaps[i])
-            for v, a, b in zip(row, left, right):
+            for v, a, b in zip(row, left, right, strict=False):
                 x[v] = (a + b) / 2
     return x
 
@@ -473,9 +485,7 @@ def _svg_node(node: VNode) -> str:
         f'<g class="{classes}" data-id="{_esc(node.id)}" transform="translate({node.x:.1f},{node.y:.1f})"{opacity}>'
         f"<title>{_esc(tooltip)}</title>"
         f'<rect x="{-node.w / 2:.1f}" y="{-node.h / 2:.1f}" width="{node.w:.1f}" height="{node.h:.1f}" rx="6" '
-        f'fill="{fill}" stroke="{stroke}" stroke-width="{width}"{_dash(dash)}/>'
-        + "".join(texts)
-        + "</g>"
+        f'fill="{fill}" stroke="{stroke}" stroke-width="{width}"{_dash(dash)}/>' + "".join(texts) + "</g>"
     )
 
 
@@ -494,9 +504,11 @@ def _svg_edge(edge: VEdge) -> str:
     title = ", ".join(edge.tensors) or f"through {edge.hidden} hidden node(s)"
     label = ""
     if edge.hidden:
-        (xa, ya), (xb, yb) = edge.points[len(edge.points) // 2 - 1: len(edge.points) // 2 + 1]
-        label = (f'<text x="{(xa + xb) / 2 + 6:.1f}" y="{(ya + yb) / 2 + 3:.1f}" font-size="9" fill="#6b7280" '
-                 f'text-anchor="start">{edge.hidden} hidden</text>')
+        (xa, ya), (xb, yb) = edge.points[len(edge.points) // 2 - 1 : len(edge.points) // 2 + 1]
+        label = (
+            f'<text x="{(xa + xb) / 2 + 6:.1f}" y="{(ya + yb) / 2 + 3:.1f}" font-size="9" fill="#6b7280" '
+            f'text-anchor="start">{edge.hidden} hidden</text>'
+        )
     return (
         f'<path class="edge {edge.style}" data-source="{_esc(edge.source)}" data-target="{_esc(edge.target)}" '
         f'd="{" ".join(path)}" fill="none" stroke="{colour}" stroke-width="{width}"{_dash(dash)} '
@@ -513,14 +525,17 @@ def _svg_header(view: View) -> str:
     for y, swatches in ((62, kinds), (84, marks)):
         x = MARGIN
         for label, fill, stroke, width in swatches:
-            parts.append(f'<rect x="{x}" y="{y}" width="14" height="14" rx="3" fill="{fill}" stroke="{stroke}" '
-                         f'stroke-width="{width}"/>')
+            parts.append(
+                f'<rect x="{x}" y="{y}" width="14" height="14" rx="3" fill="{fill}" stroke="{stroke}" '
+                f'stroke-width="{width}"/>'
+            )
             parts.append(f'<text x="{x + 19}" y="{y + 11}" font-size="11" fill="#374151">{_esc(label)}</text>')
             x += 28 + len(label) * 6.2
     for colour, width, dash, label in EDGE_STYLE.values():
         if label:
-            parts.append(f'<line x1="{x}" y1="91" x2="{x + 24}" y2="91" stroke="{colour}" '
-                         f'stroke-width="{width}"{_dash(dash)}/>')
+            parts.append(
+                f'<line x1="{x}" y1="91" x2="{x + 24}" y2="91" stroke="{colour}" stroke-width="{width}"{_dash(dash)}/>'
+            )
             parts.append(f'<text x="{x + 30}" y="95" font-size="11" fill="#374151">{_esc(label)}</text>')
             x += 44 + len(label) * 6.2
     return f'<g class="chrome" text-anchor="start">{"".join(parts)}</g>'
@@ -566,8 +581,10 @@ def to_dot(view: View) -> str:
         label = "\n".join([node.op, node.label, *_lines(node)[2:]])
         style = "rounded,filled,dashed" if dash else "rounded,filled"
         tooltip = ", ".join([node.kind, *node.roles])
-        lines.append(f"  {_dot_id(node.id)} [label={_dot_id(label)}, fillcolor={_dot_id(fill)}, color={_dot_id(stroke)}, "
-                     f"penwidth={width}, style={_dot_id(style)}, tooltip={_dot_id(tooltip)}];")
+        lines.append(
+            f"  {_dot_id(node.id)} [label={_dot_id(label)}, fillcolor={_dot_id(fill)}, color={_dot_id(stroke)}, "
+            f"penwidth={width}, style={_dot_id(style)}, tooltip={_dot_id(tooltip)}];"
+        )
     for edge in view.edges:
         colour, width, dash, _ = EDGE_STYLE[edge.style]
         attrs = f"color={_dot_id(colour)}, penwidth={width}" + (", style=dashed" if dash else "")
@@ -595,7 +612,8 @@ def to_html(view: View) -> str:
         for label, fill, stroke, width in kinds + marks
     ) + "".join(
         f'<span class="line" style="border-top:{width}px {"dashed" if dash else "solid"} {colour}"></span>{_esc(label)}<br>'
-        for colour, width, dash, label in EDGE_STYLE.values() if label
+        for colour, width, dash, label in EDGE_STYLE.values()
+        if label
     )
     return _HTML.format(
         title=_esc(view.title),

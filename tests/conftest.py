@@ -128,8 +128,9 @@ def max_rel_error(reference: dict[str, np.ndarray], candidate: dict[str, np.ndar
     return worst
 
 
-def assert_equivalent(original: onnx.ModelProto, folded: onnx.ModelProto, seeds=(11, 12), shapes=None,
-                      rel_tol: float = REL_TOL) -> None:
+def assert_equivalent(
+    original: onnx.ModelProto, folded: onnx.ModelProto, seeds=(11, 12), shapes=None, rel_tol: float = REL_TOL
+) -> None:
     """Both models give the same outputs (within `rel_tol` of each output's scale) on new inputs."""
     for seed in seeds:
         feeds = make_inputs(original, shapes, seed=seed)

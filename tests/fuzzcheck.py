@@ -62,7 +62,7 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
 def run_all(model: onnx.ModelProto, feed_sets) -> list[dict[str, np.ndarray]]:
     sess = session(model)
     names = [o.name for o in sess.get_outputs()]
-    return [dict(zip(names, sess.run(names, feeds))) for feeds in feed_sets]
+    return [dict(zip(names, sess.run(names, feeds), strict=False)) for feeds in feed_sets]
 
 
 def relative_error(reference: np.ndarray, candidate: np.ndarray) -> float:
@@ -98,12 +98,17 @@ def check(case) -> list[Failure]:
     try:
         plan = inspect_onnx(case.model)
         if plan.total != len(case.norms):
-            failures.append(Failure("count", "inspect", f"the plan lists {plan.total} norms, the model has {len(case.norms)}"))
-        failures += [Failure("message", "inspect", f"{d.name}: reason {d.reason!r}") for d in plan.decisions
-                     if not d.foldable and (not d.reason or "\n" in d.reason)]
+            failures.append(
+                Failure("count", "inspect", f"the plan lists {plan.total} norms, the model has {len(case.norms)}")
+            )
+        failures += [
+            Failure("message", "inspect", f"{d.name}: reason {d.reason!r}")
+            for d in plan.decisions
+            if not d.foldable and (not d.reason or "\n" in d.reason)
+        ]
     except NormpassError as e:
         failures += _one_line(e, "inspect")
-    except Exception as e:  # noqa: BLE001 - the property under test: nothing else escapes
+    except Exception as e:
         failures.append(Failure("exception", "inspect", describe(e)))
     failures += _restored(case.model, original, "inspect")
     expected = run_all(case.model, case.feeds)
@@ -135,7 +140,7 @@ def _check_mode(case, mode: str, options: FoldOptions, expected) -> list[Failure
         return _one_line(e, mode)
     except NormpassError as e:
         return _one_line(e, mode)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return [Failure("exception", mode, describe(e))]
     return _compare(case, mode, result.model, expected, f"{result.folded} of {result.plan.total} norms folded")
 
@@ -146,8 +151,8 @@ def _compare(case, mode: str, folded: onnx.ModelProto, expected, note: str) -> l
     declared = {i.name for i in folded.graph.input}
     runnable = [i for i, feeds in enumerate(case.feeds) if set(feeds) <= declared]  # not overrides it dropped
     try:
-        got = dict(zip(runnable, run_all(folded, [case.feeds[i] for i in runnable])))
-    except Exception as e:  # noqa: BLE001
+        got = dict(zip(runnable, run_all(folded, [case.feeds[i] for i in runnable]), strict=False))
+    except Exception as e:
         return failures + [Failure("rejected", mode, describe(e))]
     worst = (0.0, None, None)
     for index, candidate in got.items():
@@ -159,10 +164,18 @@ def _compare(case, mode: str, folded: onnx.ModelProto, expected, note: str) -> l
         return failures
     error, name, index = worst
     feeds = case.feeds[index]
-    described = {k: (v.tolist() if v.ndim == 0 else list(v.shape)) for k, v in feeds.items() if k in ("x", "ids", "cond")}
+    described = {
+        k: (v.tolist() if v.ndim == 0 else list(v.shape)) for k, v in feeds.items() if k in ("x", "ids", "cond")
+    }
     overrides = len(set(feeds) - set(described))
-    return failures + [Failure("mismatch", mode, f"output {name}: relative error {error:.3g} on {described}"
-                                                 f"{f' with {overrides} overrides' if overrides else ''} ({note})")]
+    return failures + [
+        Failure(
+            "mismatch",
+            mode,
+            f"output {name}: relative error {error:.3g} on {described}"
+            f"{f' with {overrides} overrides' if overrides else ''} ({note})",
+        )
+    ]
 
 
 def check_from_file(case, directory: Path, size_threshold: int = 0) -> list[Failure]:
@@ -171,8 +184,13 @@ def check_from_file(case, directory: Path, size_threshold: int = 0) -> list[Fail
     verification; compare the written result with the original, and check the files are untouched."""
     expected = run_all(case.model, case.feeds)
     source = directory / "model.onnx"
-    onnx.save(onnx.ModelProto.FromString(case.model.SerializeToString()), source, save_as_external_data=True,
-              location="model.onnx.data", size_threshold=size_threshold)
+    onnx.save(
+        onnx.ModelProto.FromString(case.model.SerializeToString()),
+        source,
+        save_as_external_data=True,
+        location="model.onnx.data",
+        size_threshold=size_threshold,
+    )
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
     failures = []
     for mode, options in FILE_MODES.items():
@@ -183,10 +201,12 @@ def check_from_file(case, directory: Path, size_threshold: int = 0) -> list[Fail
         except NormpassError as e:  # a refusal (ONNX Runtime cannot load every such file, say)
             failures += _one_line(e, mode)
             continue
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             failures.append(Failure("exception", mode, describe(e)))
             continue
-        failures += _compare(case, mode, onnx.load(str(written)), expected, f"{result.folded} of {result.plan.total} norms folded")
+        failures += _compare(
+            case, mode, onnx.load(str(written)), expected, f"{result.folded} of {result.plan.total} norms folded"
+        )
     if any(p.read_bytes() != before[p.name] for p in directory.iterdir() if p.name in before):
         failures.append(Failure("mutated", "file", "normpass modified the input files"))
     return failures
@@ -194,6 +214,9 @@ def check_from_file(case, directory: Path, size_threshold: int = 0) -> list[Fail
 
 def _signature_change(original: onnx.ModelProto, folded: onnx.ModelProto, mode: str) -> list[Failure]:
     (inputs, outputs), (new_inputs, new_outputs) = signature(original), signature(folded)
-    changes = [f"{what} {sorted(set(old) - set(new))} became {sorted(set(new) - set(old))}"
-               for what, old, new in (("inputs", inputs, new_inputs), ("outputs", outputs, new_outputs)) if old != new]
+    changes = [
+        f"{what} {sorted(set(old) - set(new))} became {sorted(set(new) - set(old))}"
+        for what, old, new in (("inputs", inputs, new_inputs), ("outputs", outputs, new_outputs))
+        if old != new
+    ]
     return [Failure("signature", mode, "; ".join(changes))] if changes else []

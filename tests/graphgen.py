@@ -154,7 +154,10 @@ class Builder:
             gamma, beta = self.floats("g", D, scale=0.3, offset=1.0), self.floats("b", D, scale=0.3)
         elif affine == "centred":
             b = 0.3 * self.rng.standard_normal(D)
-            gamma, beta = self.const("g", np.full(D, 1.25, self.dtype)), self.const("b", (b - b.mean()).astype(self.dtype))
+            gamma, beta = (
+                self.const("g", np.full(D, 1.25, self.dtype)),
+                self.const("b", (b - b.mean()).astype(self.dtype)),
+            )
         elif affine == "unit":
             gamma = self.const("g", np.ones(D, self.dtype))
         eps = float(self.rng.choice([1e-5, 1e-6]))
@@ -163,8 +166,11 @@ class Builder:
             y = self.node("LayerNormalization", [x, gamma] + ([beta] if beta else []), axis=-1, epsilon=eps)
         else:
             centred = self.node("Sub", [x, self.reduce_mean(x)])
-            square = self.node("Pow", [centred, self.const("two", np.array(2, self.dtype))]) if self.chance(0.5) \
+            square = (
+                self.node("Pow", [centred, self.const("two", np.array(2, self.dtype))])
+                if self.chance(0.5)
                 else self.node("Mul", [centred, centred])
+            )
             variance = self.node("Add", [self.reduce_mean(square), self.const("eps", np.array(eps, self.dtype))])
             y = self.node("Div", [centred, self.node("Sqrt", [variance])])
             y = self.node("Mul", [y, gamma]) if gamma else y
@@ -185,8 +191,12 @@ class Builder:
         self.used.add("attention")
         q, k, v = self.linear(x), self.linear(x), self.linear(x)
         if self.chance(0.5):  # [b, s, D] → [b, H, s, D/H]
-            q, k, v = (self.node("Transpose", [self.node("Reshape", [t, self.ints(0, 0, HEADS, D // HEADS)])],
-                                 perm=[0, 2, 1, 3]) for t in (q, k, v))
+            q, k, v = (
+                self.node(
+                    "Transpose", [self.node("Reshape", [t, self.ints(0, 0, HEADS, D // HEADS)])], perm=[0, 2, 1, 3]
+                )
+                for t in (q, k, v)
+            )
             scores = self.node("MatMul", [q, self.node("Transpose", [k], perm=[0, 1, 3, 2])])
             mixed = self.node("MatMul", [self.node("Softmax", [scores], axis=-1), v])
             merged = self.node("Reshape", [self.node("Transpose", [mixed], perm=[0, 2, 1, 3]), self.ints(0, 0, D)])
@@ -238,7 +248,9 @@ def _if(parent: Builder, readers: list[str], depth: int) -> str:
             y = sub.norm(outer)
         else:
             y = _subgraph_node(sub, readers, depth + 1) if depth < 1 else sub.node("Neg", [outer])
-        branches.append(helper.make_graph(sub.nodes, sub.prefix + "graph", [], [sub.stream_info(y)], initializer=sub.inits))
+        branches.append(
+            helper.make_graph(sub.nodes, sub.prefix + "graph", [], [sub.stream_info(y)], initializer=sub.inits)
+        )
     return parent.node("If", ["cond"], then_branch=branches[0], else_branch=branches[1])
 
 
@@ -252,11 +264,16 @@ def _loop(parent: Builder, readers: list[str]) -> str:
     scaled = body.node("Mul", [read, body.const("s", np.array(body.rng.uniform(0.5, 2), body.dtype))])
     outputs = [body.node("Identity", [cond]), body.node("Add", [carried, scaled])]
     graph = helper.make_graph(
-        body.nodes, body.prefix + "graph",
-        [helper.make_tensor_value_info(step, onnx.TensorProto.INT64, []),
-         helper.make_tensor_value_info(cond, onnx.TensorProto.BOOL, []), body.stream_info(carried)],
+        body.nodes,
+        body.prefix + "graph",
+        [
+            helper.make_tensor_value_info(step, onnx.TensorProto.INT64, []),
+            helper.make_tensor_value_info(cond, onnx.TensorProto.BOOL, []),
+            body.stream_info(carried),
+        ],
         [helper.make_tensor_value_info(outputs[0], onnx.TensorProto.BOOL, []), body.stream_info(outputs[1])],
-        initializer=body.inits)
+        initializer=body.inits,
+    )
     start = readers[parent.rng.integers(len(readers))]
     if parent.chance(0.5):  # zeros of the stream's shape: the body's outer-scope read is the only value reader
         zero = numpy_helper.from_array(np.zeros(1, parent.dtype))
@@ -292,7 +309,9 @@ def generate(seed: int, features=FEATURES) -> Case:
     stream = [h]  # stream values, readable by subgraphs and extra outputs
 
     for _ in range(rng.integers(1, 5)):
-        step = rng.choice(["block", "block", "block", "split", "reshape", "scale", "bias", "relu", "subgraph", "output"])
+        step = rng.choice(
+            ["block", "block", "block", "split", "reshape", "scale", "bias", "relu", "subgraph", "output"]
+        )
         if step == "block":
             h = b.block(h)
         elif step == "split":
@@ -331,9 +350,13 @@ def generate(seed: int, features=FEATURES) -> Case:
         inputs.append(helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, []))
 
     overridable = _overridable(b, rng)
-    inputs += [helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in b.inits if i.name in overridable]
-    out_infos = [helper.make_tensor_value_info(o, tensor_type, ["batch", seq, width if o == h else D])
-                 for o in dict.fromkeys(outputs)]
+    inputs += [
+        helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in b.inits if i.name in overridable
+    ]
+    out_infos = [
+        helper.make_tensor_value_info(o, tensor_type, ["batch", seq, width if o == h else D])
+        for o in dict.fromkeys(outputs)
+    ]
     graph = helper.make_graph(b.nodes, f"fuzz{seed}", inputs, out_infos, initializer=b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=_ir_version(rng, opset))
     onnx.checker.check_model(model, full_check=True)  # full_check: strict shape inference passes too
@@ -354,14 +377,16 @@ def _overridable(b: Builder, rng: np.random.Generator) -> set[str]:
     return {name for name in floats if rng.random() < 0.3} or set(floats[:1])
 
 
-def _feeds(rng: np.random.Generator, model: onnx.ModelProto, overridable: set[str], inits) -> list[dict[str, np.ndarray]]:
+def _feeds(
+    rng: np.random.Generator, model: onnx.ModelProto, overridable: set[str], inits
+) -> list[dict[str, np.ndarray]]:
     """Feed sets: each shape, both bool values, and overrides of the overridable float initializers."""
     declared = {i.name: i for i in model.graph.input}
     dynamic_seq = any(d.dim_param == "seq" for i in model.graph.input for d in i.type.tensor_type.shape.dim)
     shapes = SHAPES if dynamic_seq else tuple((batch, SHAPES[0][1]) for batch, _ in SHAPES)
     feed_sets = []
     for index, (batch, seq) in enumerate(shapes):
-        for cond in ((True, False) if "cond" in declared else (None,)):
+        for cond in (True, False) if "cond" in declared else (None,):
             feeds = {}
             if "x" in declared:
                 x_type = declared["x"].type.tensor_type.elem_type

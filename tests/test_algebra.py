@@ -9,7 +9,9 @@ from normpass.core.algebra import centre, has_zero_mean, is_uniform, migrate_aff
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
-@pytest.mark.parametrize("shape,axis", [((7, 5), 0), ((7, 5), 1), ((3, 4, 6), 2), ((3, 4, 6), 0), ((9,), 0), ((2, 5), -1)])
+@pytest.mark.parametrize(
+    "shape,axis", [((7, 5), 0), ((7, 5), 1), ((3, 4, 6), 2), ((3, 4, 6), 0), ((9,), 0), ((2, 5), -1)]
+)
 def test_centre_zero_sums_along_axis_keeps_shape_and_dtype(shape, axis, dtype):
     values = (np.random.default_rng(1).standard_normal(shape) * 3 + 2).astype(dtype)
     centred = centre(values, axis)
@@ -112,7 +114,7 @@ def test_migrate_affine_wide_input_is_exact():
 
 
 def test_migrate_affine_nothing_to_migrate():
-    x, _, _, weight, _ = _affine_case(7)
+    _x, _, _, weight, _ = _affine_case(7)
     new_weight, new_bias = migrate_affine(weight, None, None, None, in_axis=0)
     assert new_bias is None
     np.testing.assert_array_equal(new_weight, weight)
@@ -129,10 +131,10 @@ def test_migrate_affine_float32_keeps_dtype_and_is_accurate():
 
 
 def test_migrate_affine_does_not_modify_inputs():
-    x, gamma, beta, weight, bias = _affine_case(9)
+    _x, gamma, beta, weight, bias = _affine_case(9)
     copies = [a.copy() for a in (weight, bias, gamma, beta)]
     migrate_affine(weight, bias, gamma, beta, in_axis=0)
-    for original, copy in zip((weight, bias, gamma, beta), copies):
+    for original, copy in zip((weight, bias, gamma, beta), copies, strict=False):
         np.testing.assert_array_equal(original, copy)
 
 

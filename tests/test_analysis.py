@@ -15,8 +15,8 @@ import json
 import networkx as nx
 import numpy as np
 import pytest
-
 from conftest import build, randn, rng
+
 from normpass.cli.main import main
 from normpass.core.analysis import plan, prove
 from normpass.core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode, source
@@ -102,8 +102,9 @@ def test_centring_that_reaches_an_opaque_node_is_refused():
     decisions = {d.name: d for d in plan(zmg).decisions}
     assert not any(d.foldable for d in decisions.values()), "every norm needs the embedding centred"
     refused = decisions["ln0"]
-    assert refused.reason == ("centring embed is unsafe: Gelu gelu would change its output "
-                              "(it is not shift-invariant): a nonlinearity")
+    assert refused.reason == (
+        "centring embed is unsafe: Gelu gelu would change its output (it is not shift-invariant): a nonlinearity"
+    )
     assert refused.blocker.path == ("embed", "gelu")
 
 
@@ -157,7 +158,9 @@ def test_graph_edges_are_tensors_and_sources_are_nodes_whatever_the_order_nodes_
     assert set(g) == {"add", "mm", source("x"), source("w")}
     assert sorted(g.in_edges("add", keys=True, data="tensor")) == [("mm", "add", 0, "h"), ("mm", "add", 1, "h")]
     assert {(u, key, tensor) for u, _, key, tensor in g.in_edges("mm", keys=True, data="tensor")} == {
-        (source("x"), 0, "x"), (source("w"), 1, "w")}
+        (source("x"), 0, "x"),
+        (source("w"), 1, "w"),
+    }
     assert g.nodes["mm"]["rule"] == Linear(AXIS) and g.nodes["mm"]["kind"] is NodeKind.LINEAR
     assert nx.descendants(g, source("x")) == {"mm", "add"}
 
@@ -166,8 +169,15 @@ def test_exported_graph_carries_refusals_and_renames_a_source_that_shares_a_node
     zmg = stream(2, post_ln=True)
     zmg.add_node(ZNode("ids", "Identity", NodeKind.OTHER, Opaque("not modelled"), ["x2"], ["copy"]))
     g = zmg.to_networkx(plan(zmg))
-    assert g.nodes["ln1"] == {"kind": "norm", "op": "LayerNormalization", "rule": "NormRule(norm=ln1)", "decision": "keep",
-                              "reason": plan(zmg).decisions[2].reason, "blocked_by": "ln0", "centred_layers": ""}
+    assert g.nodes["ln1"] == {
+        "kind": "norm",
+        "op": "LayerNormalization",
+        "rule": "NormRule(norm=ln1)",
+        "decision": "keep",
+        "reason": plan(zmg).decisions[2].reason,
+        "blocked_by": "ln0",
+        "centred_layers": "",
+    }
     assert g.nodes["ids (input)"]["kind"] == "input" and g.nodes["ids"]["rule"] == "Opaque(reason='not modelled')"
     assert g.nodes["proj0.w"] == {"kind": "constant", "op": "constant", "rule": ""}
     assert g.number_of_nodes() == zmg.graph.number_of_nodes() and g.number_of_edges() == zmg.graph.number_of_edges()
@@ -175,15 +185,22 @@ def test_exported_graph_carries_refusals_and_renames_a_source_that_shares_a_node
 
 def exported_model():
     gen = rng(7)
-    return build("""<ir_version: 10, opset_import: ["" : 18]>
+    return build(
+        """<ir_version: 10, opset_import: ["" : 18]>
 agraph (float[B, 4, 6] x) => (float[B, 4, 8] y) {
   h = MatMul(x, W0)
   n1 = LayerNormalization<axis=-1>(h, g1, b1)
   m1 = MatMul(n1, W1)
   r = Add(h, m1)
   y = LayerNormalization<axis=-1>(r, g2, b2)
-}""", W0=randn(gen, 6, 8), W1=randn(gen, 8, 8), g1=1 + randn(gen, 8, scale=0.3), b1=randn(gen, 8, scale=0.3),
-        g2=1 + randn(gen, 8, scale=0.3), b2=randn(gen, 8, scale=0.3))
+}""",
+        W0=randn(gen, 6, 8),
+        W1=randn(gen, 8, 8),
+        g1=1 + randn(gen, 8, scale=0.3),
+        b1=randn(gen, 8, scale=0.3),
+        g2=1 + randn(gen, 8, scale=0.3),
+        b2=randn(gen, 8, scale=0.3),
+    )
 
 
 @pytest.mark.parametrize("suffix", [".graphml", ".json"])
@@ -201,8 +218,15 @@ def test_inspect_writes_the_graph_for_other_tools(tmp_path, capsys, suffix):
         g = nx.node_link_graph(json.loads(out.read_text()), edges="edges")
     # 5 ops; sources x, W0, W1, g1, b1, g2, b2; edges: every input read by an op
     assert (g.number_of_nodes(), g.number_of_edges()) == (12, 12)
-    assert g.nodes["y"] == {"kind": "norm", "op": "LayerNormalization", "rule": "NormRule(norm=y)", "decision": "fold",
-                            "reason": "", "blocked_by": "", "centred_layers": "h m1"}
+    assert g.nodes["y"] == {
+        "kind": "norm",
+        "op": "LayerNormalization",
+        "rule": "NormRule(norm=y)",
+        "decision": "fold",
+        "reason": "",
+        "blocked_by": "",
+        "centred_layers": "h m1",
+    }
     assert g.nodes["h"]["rule"] == "Linear(axis=2)" and g.nodes["x"]["kind"] == "input"
     assert g.nodes["W0"]["kind"] == "constant"
     into_r = {(u, d["tensor"], d["index"]) for u, v, d in g.edges(data=True) if v == "r"}

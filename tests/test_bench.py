@@ -13,9 +13,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from normpass.onnx import bench
 from normpass.cli.main import main
 from normpass.errors import InputError, VerificationError
+from normpass.onnx import bench
 
 REPEATS = 2
 
@@ -42,7 +42,7 @@ def test_point_inputs_override_dynamic_dims_with_ids_in_range(gpt2_pair):
     assert bench.point_shapes(model, 3, 40) == {"input_ids": (3, 40)}
     feeds = bench.make_feeds(model, 3, 40)
     assert feeds["input_ids"].shape == (3, 40)
-    assert 0 <= feeds["input_ids"].min() and feeds["input_ids"].max() < 128  # the registry gpt2's vocabulary
+    assert feeds["input_ids"].min() >= 0 and feeds["input_ids"].max() < 128  # the registry gpt2's vocabulary
 
 
 def test_image_model_keeps_fixed_dims(registry_export):
@@ -138,8 +138,25 @@ def test_cuda_without_the_provider_is_bad_input(gpt2_pair):
 def test_cli_sweep_writes_json_csv_and_plot(gpt2_pair, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = {ext: tmp_path / f"r.{ext}" for ext in ("json", "csv", "png")}
-    code = main(["bench", *gpt2_pair, "--sweep", "seq=8,16", "--repeats", str(REPEATS), "--warmup", "1",
-                 "--no-progress", "--json", str(out["json"]), "--csv", str(out["csv"]), "--plot", str(out["png"])])
+    code = main(
+        [
+            "bench",
+            *gpt2_pair,
+            "--sweep",
+            "seq=8,16",
+            "--repeats",
+            str(REPEATS),
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out["json"]),
+            "--csv",
+            str(out["csv"]),
+            "--plot",
+            str(out["png"]),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "ratio" in printed and len(printed.strip().splitlines()) == 4  # header, 2 points, "wrote ..."

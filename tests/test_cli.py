@@ -20,14 +20,23 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import (
+    build,
+    check_plain,
+    check_structure,
+    initializers,
+    op_counts,
+    randn,
+    rms_nodes,
+    rms_scale,
+    rng,
+    run_ort,
+)
+from test_patterns import post_ln, pre_ln_block, pre_ln_from_input
 
-from conftest import (build, check_plain, check_structure, initializers, op_counts, randn, rms_nodes, rms_scale, rng,
-                      run_ort)
 from normpass import __version__
 from normpass.cli.main import main
 from normpass.onnx.verify import make_inputs
-
-from test_patterns import post_ln, pre_ln_block, pre_ln_from_input
 
 
 def _command() -> list[str]:
@@ -103,25 +112,31 @@ def models(tmp_path_factory):
 @pytest.fixture
 def workdir(tmp_path, models):
     """A fresh directory holding a copy of each model."""
-    for name, path in models.items():
+    for _name, path in models.items():
         shutil.copy(path, tmp_path / path.name)
     return tmp_path
 
 
 def noisy_model(gen) -> onnx.ModelProto:
     """Foldable, but its output is random: verification must fail."""
-    return build("""<ir_version: 10, opset_import: ["" : 18]>
+    return build(
+        """<ir_version: 10, opset_import: ["" : 18]>
 agraph (float[B, 4, 6] x) => (float[B, 4, 8] y) {
   h = MatMul(x, W)
   n = LayerNormalization<axis=-1>(h, g1, b1)
   r = RandomNormalLike<scale=1.0>(n)
   y = Add(n, r)
-}""", W=randn(gen, 6, 8), g1=1 + randn(gen, 8, scale=0.3), b1=randn(gen, 8, scale=0.3))
+}""",
+        W=randn(gen, 6, 8),
+        g1=1 + randn(gen, 8, scale=0.3),
+        b1=randn(gen, 8, scale=0.3),
+    )
 
 
 def rms_only_model(gen) -> onnx.ModelProto:
     """A Llama-style decomposed RMSNorm after a linear layer: one norm, nothing to fold."""
-    return build("""<ir_version: 10, opset_import: ["" : 18]>
+    return build(
+        """<ir_version: 10, opset_import: ["" : 18]>
 agraph (float[B, 4, 6] x) => (float[B, 4, 8] y) {
   h = MatMul(x, W)
   sq = Pow(h, two)
@@ -131,8 +146,13 @@ agraph (float[B, 4, 6] x) => (float[B, 4, 8] y) {
   inv = Reciprocal(rms)
   xn = Mul(h, inv)
   y = Mul(xn, g1)
-}""", W=randn(gen, 6, 8), two=np.array(2.0, np.float32), ax=np.array([-1], np.int64),
-        eps=np.array(1e-6, np.float32), g1=1 + randn(gen, 8, scale=0.3))
+}""",
+        W=randn(gen, 6, 8),
+        two=np.array(2.0, np.float32),
+        ax=np.array([-1], np.int64),
+        eps=np.array(1e-6, np.float32),
+        g1=1 + randn(gen, 8, scale=0.3),
+    )
 
 
 def assert_input_error(result: Result, *fragments: str) -> None:
@@ -217,7 +237,10 @@ def test_fold_writes_model_and_report(normpass, workdir):
     assert report["target"] == "ort" and report["rms_op"] == "simplified" and report["skip_fused"] == 0
     assert isinstance(report["max_abs_error"], float) and 0 <= report["max_abs_error"] < 1e-4
     assert isinstance(report["max_rel_error"], float) and 0 <= report["max_rel_error"] <= 1e-5
-    assert [(n["name"], n["foldable"], n["kept"]) for n in report["norms"]] == [("n1", True, False), ("out", False, True)]
+    assert [(n["name"], n["foldable"], n["kept"]) for n in report["norms"]] == [
+        ("n1", True, False),
+        ("out", False, True),
+    ]
     # the written model computes what the original does
     original = onnx.load(str(model_path))
     feeds = make_inputs(original, seed=5)
@@ -244,7 +267,9 @@ def test_fold_partial_reports_refusals(normpass, workdir):
 @pytest.mark.parametrize("rms_op,op", [("onnx", "RMSNormalization"), ("decomposed", None)])
 def test_fold_rms_op_choices(normpass, workdir, rms_op, op):
     out = workdir / f"{rms_op}.onnx"
-    result = normpass("fold", workdir / "pre.onnx", "-o", out, "--target", "onnx", "--rms-op", rms_op, "--fold-with-beta-add")
+    result = normpass(
+        "fold", workdir / "pre.onnx", "-o", out, "--target", "onnx", "--rms-op", rms_op, "--fold-with-beta-add"
+    )
     assert result.returncode == 0, result.stderr
     folded = onnx.load(str(out))
     check_plain(folded)
@@ -258,8 +283,9 @@ def test_fold_rms_op_choices(normpass, workdir, rms_op, op):
 
 def test_fold_no_verify_and_no_migrate(normpass, workdir):
     out, report_path = workdir / "nv.onnx", workdir / "nv.json"
-    result = normpass("fold", workdir / "pre.onnx", "-o", out, "--report", report_path, "--no-verify",
-                      "--no-migrate-affine")
+    result = normpass(
+        "fold", workdir / "pre.onnx", "-o", out, "--report", report_path, "--no-verify", "--no-migrate-affine"
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(report_path.read_text())
     assert report["verified"] is False
@@ -284,18 +310,21 @@ def test_fold_no_fuse_skip(normpass, workdir):
 
 def test_fold_input_shape(normpass, workdir):
     report_path = workdir / "shape.json"
-    result = normpass("fold", workdir / "pre.onnx", "-o", workdir / "s.onnx", "--report", report_path,
-                      "--input-shape", "ids:3x4")
+    result = normpass(
+        "fold", workdir / "pre.onnx", "-o", workdir / "s.onnx", "--report", report_path, "--input-shape", "ids:3x4"
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(report_path.read_text())["input_shapes"] == {"ids": [3, 4]}
-    upper = normpass("fold", workdir / "pre.onnx", "-o", workdir / "s2.onnx", "--report", report_path,
-                     "--input-shape", "ids:5X4")
+    upper = normpass(
+        "fold", workdir / "pre.onnx", "-o", workdir / "s2.onnx", "--report", report_path, "--input-shape", "ids:5X4"
+    )
     assert upper.returncode == 0, upper.stderr
     assert json.loads(report_path.read_text())["input_shapes"] == {"ids": [5, 4]}
 
 
-@pytest.mark.parametrize("spec,fragment", [("ids:3xq", "ids:3xq"), ("nope:3x4", "nope"), (":3x4", "name"),
-                                           ("ids", "ids")])
+@pytest.mark.parametrize(
+    "spec,fragment", [("ids:3xq", "ids:3xq"), ("nope:3x4", "nope"), (":3x4", "name"), ("ids", "ids")]
+)
 def test_fold_bad_input_shape(normpass, workdir, spec, fragment):
     before = listing(workdir)
     result = normpass("fold", workdir / "pre.onnx", "-o", workdir / "bad.onnx", "--input-shape", spec)
@@ -494,8 +523,9 @@ def test_console_script_runs(workdir):
     version = subprocess.run(NORMPASS + ["--version"], capture_output=True, text=True, timeout=120)
     assert version.returncode == 0 and version.stdout.strip() == f"normpass {__version__}", version
     out = workdir / "script.onnx"
-    result = subprocess.run(NORMPASS + ["fold", str(workdir / "pre.onnx"), "-o", str(out)], capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        NORMPASS + ["fold", str(workdir / "pre.onnx"), "-o", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert "1 of 2" in result.stdout and f"wrote {out}" in result.stdout
     folded = onnx.load(str(out))

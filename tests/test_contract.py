@@ -16,13 +16,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import build, randn, rng
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import build, randn, rng
 from normpass import FoldOptions, fold_onnx, inspect_onnx, io
-from normpass.onnx import frontend as onnx_frontend
 from normpass.cli.main import main
 from normpass.errors import InputError, NormpassError
+from normpass.onnx import frontend as onnx_frontend
 from normpass.surrogate.replace import ReplaceOptions, replace_onnx
 
 D = 8
@@ -31,15 +31,22 @@ D = 8
 def ln_model(seed: int = 0) -> onnx.ModelProto:
     """x → MatMul → Add → LayerNorm → MatMul → Add → y: one norm that folds."""
     gen = rng(seed)
-    return build(f"""<ir_version: 10, opset_import: ["" : 17]>
+    return build(
+        f"""<ir_version: 10, opset_import: ["" : 17]>
 agraph (float[B, {D}] x) => (float[B, {D}] y) {{
   m0 = MatMul(x, w0)
   h = Add(m0, b0)
   n = LayerNormalization<axis=-1, epsilon=1e-5>(h, g, bt)
   m1 = MatMul(n, w1)
   y = Add(m1, b1)
-}}""", w0=randn(gen, D, D), b0=randn(gen, D), g=1 + randn(gen, D, scale=0.1), bt=randn(gen, D), w1=randn(gen, D, D),
-                 b1=randn(gen, D))
+}}""",
+        w0=randn(gen, D, D),
+        b0=randn(gen, D),
+        g=1 + randn(gen, D, scale=0.1),
+        bt=randn(gen, D),
+        w1=randn(gen, D, D),
+        b1=randn(gen, D),
+    )
 
 
 def ort_outputs(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
@@ -103,7 +110,9 @@ def test_large_models_go_to_external_data_without_serializing_or_mutating(tmp_pa
     folded = onnx.load(str(out))
     assert all(not t.raw_data or t.data_location == TensorProto.DEFAULT for t in folded.graph.initializer)
     x = randn(rng(5), 3, D) * 3 + 1
-    np.testing.assert_allclose(ort_outputs(folded, {"x": x})[0], ort_outputs(ln_model(), {"x": x})[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        ort_outputs(folded, {"x": x})[0], ort_outputs(ln_model(), {"x": x})[0], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_writing_external_data_leaves_the_callers_model_alone(tmp_path, monkeypatch):
@@ -114,8 +123,10 @@ def test_writing_external_data_leaves_the_callers_model_alone(tmp_path, monkeypa
     io.save_onnx_atomic(model, tmp_path / "m.onnx")
     assert model.SerializeToString() == before
     assert (tmp_path / "m.onnx.data").stat().st_size == 2 * D * D * 4
-    np.testing.assert_array_equal(numpy_helper.to_array(onnx.load(str(tmp_path / "m.onnx")).graph.initializer[0]),
-                                  numpy_helper.to_array(model.graph.initializer[0]))
+    np.testing.assert_array_equal(
+        numpy_helper.to_array(onnx.load(str(tmp_path / "m.onnx")).graph.initializer[0]),
+        numpy_helper.to_array(model.graph.initializer[0]),
+    )
 
 
 # --- 5. output paths ------------------------------------------------------------------------------
@@ -196,14 +207,18 @@ def test_fold_writes_through_a_symlink_and_refuses_a_fifo_weights_file(tmp_path,
     refused(capsys, "fold", model_file, "-o", tmp_path / "out.onnx")
 
 
-
 def test_report_to_a_piped_stdout_is_refused_before_the_model_is_written(tmp_path, model_file):
     """`--report /dev/stdout` with stdout a pipe: a real process, since pytest captures stdout in-process."""
     out = tmp_path / "out.onnx"
-    done = subprocess.run([sys.executable, "-m", "normpass", "fold", str(model_file), "-o", str(out), "--report", "/dev/stdout"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "normpass", "fold", str(model_file), "-o", str(out), "--report", "/dev/stdout"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "not a regular file" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
 
 # --- 6. one line instead of a traceback -----------------------------------------------------------
 
@@ -213,8 +228,10 @@ def bf16_model() -> onnx.ModelProto:
     model = ln_model()
     for value in [*model.graph.input, *model.graph.output]:
         value.type.tensor_type.elem_type = TensorProto.BFLOAT16
-    weights = [helper.make_tensor(t.name, TensorProto.BFLOAT16, t.dims, numpy_helper.to_array(t).ravel().tolist())
-               for t in model.graph.initializer]
+    weights = [
+        helper.make_tensor(t.name, TensorProto.BFLOAT16, t.dims, numpy_helper.to_array(t).ravel().tolist())
+        for t in model.graph.initializer
+    ]
     del model.graph.initializer[:]
     model.graph.initializer.extend(weights)
     return model
@@ -223,7 +240,7 @@ def bf16_model() -> onnx.ModelProto:
 def test_bf16_models_are_verified_in_fp32(tmp_path, capsys):
     path, out = tmp_path / "bf16.onnx", tmp_path / "out.onnx"
     onnx.save(bf16_model(), path)
-    code, stdout, err = cli(capsys, "fold", path, "-o", out, "--report", tmp_path / "r.json")
+    code, _stdout, err = cli(capsys, "fold", path, "-o", out, "--report", tmp_path / "r.json")
     assert code == 0, err
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verified"] and report["folded"] == 1
@@ -261,20 +278,32 @@ def test_duplicate_node_names_are_verified_on_renamed_copies(tmp_path, capsys):
     assert [n.name for n in onnx.load(str(path)).graph.node] == ["same"] * 5
 
 
-@pytest.mark.parametrize("spec, says", [
-    ("x:2x8x1", "rank"), ("x:2x9", "8"), ("x:-2x8", "positive"), ("x:0x8", "positive"),
-    ("x:99999999999x8", "elements"), ("nope:2x8", "nope"), ("x:2xabc", "NAME:DxD"), (":2x8", "name"),
-])
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("x:2x8x1", "rank"),
+        ("x:2x9", "8"),
+        ("x:-2x8", "positive"),
+        ("x:0x8", "positive"),
+        ("x:99999999999x8", "elements"),
+        ("nope:2x8", "nope"),
+        ("x:2xabc", "NAME:DxD"),
+        (":2x8", "name"),
+    ],
+)
 def test_malformed_input_shapes_are_refused(tmp_path, capsys, model_file, spec, says):
     assert says in refused(capsys, "fold", model_file, "-o", tmp_path / "o.onnx", "--input-shape", spec)
     assert not (tmp_path / "o.onnx").exists()
 
 
-@pytest.mark.parametrize("arrays, says", [
-    ({"x": np.zeros((8, D + 1), np.float32)}, "8"),
-    ({"x": np.zeros((8, D), np.int64)}, "int64"),
-    ({"y": np.zeros((8, D), np.float32)}, "missing"),
-])
+@pytest.mark.parametrize(
+    "arrays, says",
+    [
+        ({"x": np.zeros((8, D + 1), np.float32)}, "8"),
+        ({"x": np.zeros((8, D), np.int64)}, "int64"),
+        ({"y": np.zeros((8, D), np.float32)}, "missing"),
+    ],
+)
 def test_replace_refuses_calibration_arrays_that_do_not_fit(tmp_path, capsys, model_file, arrays, says):
     calib = tmp_path / "calib.npz"
     np.savez(calib, **arrays)
@@ -333,4 +362,3 @@ def test_unexpected_errors_print_one_line_with_a_hint(tmp_path, capsys, monkeypa
     monkeypatch.setenv("NORMPASS_DEBUG", "1")
     with pytest.raises(ZeroDivisionError):
         main(["inspect", str(model_file)])
-

@@ -21,12 +21,11 @@ import collections
 import re
 
 import pytest
-
-from normpass import models as builtin_models
-from normpass import inspect_onnx
-from normpass.models.reference import entry_feeds, rewrite_error
-
 from corpus_checks import cli_exit_code
+
+from normpass import inspect_onnx
+from normpass import models as builtin_models
+from normpass.models.reference import entry_feeds, rewrite_error
 
 SMALL = builtin_models.names(include_large=False)
 CASES = [(name, form) for name in SMALL for form in builtin_models.get(name).forms]
@@ -84,7 +83,7 @@ def test_fold_rewrites_what_dynamo_rewrites_and_verifies(case, registry_model, r
 
 @pytest.mark.parametrize("command", ["inspect", "fold", "viz"])
 def test_cli_never_raises(case, command, tmp_path):
-    entry, form, path = case
+    _entry, _form, path = case
     options = ["--no-verify"] if command == "fold" else []  # test_fold_rewrites_... verifies this fold
     code, output = cli_exit_code(command, path, tmp_path, *options)
     assert code in (0, 2), output[-2000:]

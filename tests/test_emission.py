@@ -12,21 +12,35 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import (
+    assert_equivalent,
+    build,
+    check_plain,
+    check_structure,
+    initializers,
+    op_counts,
+    producer,
+    randn,
+    rng,
+)
 
 from normpass import FoldOptions, InputError, fold_onnx, inspect_onnx
-
-from conftest import assert_equivalent, build, check_plain, check_structure, initializers, op_counts, producer, randn, rng
 
 D, S = 8, 4
 HEADER = '<ir_version: 10, opset_import: ["" : 18]>'
 
 
 def ln_to_output(gen, beta_scale: float = 0.3) -> onnx.ModelProto:
-    return build(f"""{HEADER}
+    return build(
+        f"""{HEADER}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   y = LayerNormalization<axis=-1>(h, g, b)
-}}""", W=randn(gen, 6, D), g=1 + randn(gen, D, scale=0.3), b=randn(gen, D, scale=beta_scale))
+}}""",
+        W=randn(gen, 6, D),
+        g=1 + randn(gen, D, scale=0.3),
+        b=randn(gen, D, scale=beta_scale),
+    )
 
 
 def test_norm_whose_beta_goes_nowhere_is_kept_unchanged():
@@ -46,14 +60,19 @@ def test_norm_whose_beta_goes_nowhere_is_kept_unchanged():
 def test_norm_without_beta_folds():
     model = ln_to_output(rng(1), beta_scale=0.0)
     result = fold_onnx(model)
-    assert result.folded == 1 and op_counts(result.model)["Add"] == 0 and op_counts(result.model)["LayerNormalization"] == 0
+    assert (
+        result.folded == 1
+        and op_counts(result.model)["Add"] == 0
+        and op_counts(result.model)["LayerNormalization"] == 0
+    )
     check_structure(result.model)
 
 
 def embedding_block(gen, branch_is_output: bool = False) -> onnx.ModelProto:
     """BERT-style: embeddings → LN → (Q projection, residual); the attention output adds a bias o."""
     outputs = f"float[B, {S}, {D}] y" + (f", float[B, {S}, {D}] ob" if branch_is_output else "")
-    return build(f"""{HEADER}
+    return build(
+        f"""{HEADER}
 agraph (int64[B, {S}] ids) => ({outputs}) {{
   emb = Gather<axis=0>(table, ids)
   h0 = Add(emb, pos)
@@ -65,9 +84,18 @@ agraph (int64[B, {S}] ids) => ({outputs}) {{
   ob = Add(o_mm, o)
   r = Add(e, ob)
   y = LayerNormalization<axis=-1>(r, g2, b2)
-}}""", table=randn(gen, 10, D), pos=randn(gen, S, D), g1=1 + randn(gen, D, scale=0.3), b1=randn(gen, D, scale=0.3),
-        Wq=randn(gen, D, D), q_b=randn(gen, D), Wo=randn(gen, D, D), o=randn(gen, D), g2=1 + randn(gen, D, scale=0.3),
-        b2=randn(gen, D, scale=0.3))
+}}""",
+        table=randn(gen, 10, D),
+        pos=randn(gen, S, D),
+        g1=1 + randn(gen, D, scale=0.3),
+        b1=randn(gen, D, scale=0.3),
+        Wq=randn(gen, D, D),
+        q_b=randn(gen, D),
+        Wo=randn(gen, D, D),
+        o=randn(gen, D),
+        g2=1 + randn(gen, D, scale=0.3),
+        b2=randn(gen, D, scale=0.3),
+    )
 
 
 def test_embedding_beta_moves_across_the_residual_add():
@@ -111,12 +139,15 @@ def test_target_onnx_emits_standard_ops_only():
     check_plain(decomposed.model)
 
 
-@pytest.mark.parametrize("options", [
-    FoldOptions(target="onnx", rms_op="simplified"),
-    FoldOptions(target="onnx", fuse_skip=True),
-    FoldOptions(target="tensorrt"),
-    FoldOptions(provider="rocm"),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        FoldOptions(target="onnx", rms_op="simplified"),
+        FoldOptions(target="onnx", fuse_skip=True),
+        FoldOptions(target="tensorrt"),
+        FoldOptions(provider="rocm"),
+    ],
+)
 def test_bad_emission_options_are_refused(options):
     with pytest.raises(InputError):
         fold_onnx(ln_to_output(rng(5)), options)
@@ -125,10 +156,19 @@ def test_bad_emission_options_are_refused(options):
 def residual_model(dtype: str, gen) -> onnx.ModelProto:
     """Pre-LN: a residual Add feeds the second norm, whose γ/β move into the head."""
     np_type = {"float": np.float32, "float16": np.float16}[dtype]
-    weights = dict(W0=randn(gen, 6, D), g1=1 + randn(gen, D, scale=0.3), b1=randn(gen, D, scale=0.3), W1=randn(gen, D, D),
-                   c1=randn(gen, D), g2=1 + randn(gen, D, scale=0.3), b2=randn(gen, D, scale=0.3), W2=randn(gen, D, 5),
-                   c2=randn(gen, 5))
-    return build(f"""{HEADER}
+    weights = dict(
+        W0=randn(gen, 6, D),
+        g1=1 + randn(gen, D, scale=0.3),
+        b1=randn(gen, D, scale=0.3),
+        W1=randn(gen, D, D),
+        c1=randn(gen, D),
+        g2=1 + randn(gen, D, scale=0.3),
+        b2=randn(gen, D, scale=0.3),
+        W2=randn(gen, D, 5),
+        c2=randn(gen, 5),
+    )
+    return build(
+        f"""{HEADER}
 agraph ({dtype}[B, {S}, 6] x) => ({dtype}[B, {S}, 5] y) {{
   h = MatMul(x, W0)
   n1 = LayerNormalization<axis=-1>(h, g1, b1)
@@ -138,11 +178,14 @@ agraph ({dtype}[B, {S}, 6] x) => ({dtype}[B, {S}, 5] y) {{
   n2 = LayerNormalization<axis=-1>(r, g2, b2)
   m2 = MatMul(n2, W2)
   y = Add(m2, c2)
-}}""", **{name: values.astype(np_type) for name, values in weights.items()})
+}}""",
+        **{name: values.astype(np_type) for name, values in weights.items()},
+    )
 
 
-@pytest.mark.parametrize("dtype,provider,fused", [
-    ("float", "cuda", 1), ("float", "cpu", 1), ("float16", "cuda", 1), ("float16", "cpu", 0)])
+@pytest.mark.parametrize(
+    "dtype,provider,fused", [("float", "cuda", 1), ("float", "cpu", 1), ("float16", "cuda", 1), ("float16", "cpu", 0)]
+)
 def test_skip_fusion_per_provider_and_dtype(dtype, provider, fused):
     model = residual_model(dtype, rng(6))
     result = fold_onnx(model, FoldOptions(provider=provider))
@@ -161,7 +204,8 @@ def test_skip_fusion_per_provider_and_dtype(dtype, provider, fused):
 def test_on_cpu_a_norm_that_ort_would_skip_fuse_is_folded_with_its_beta_add():
     """ORT's CPU SkipLayerNormalization is slower than RMS op + Add: the last norm of a residual stack folds."""
     gen = rng(7)
-    model = build(f"""{HEADER}
+    model = build(
+        f"""{HEADER}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W0)
   n1 = LayerNormalization<axis=-1>(h, g1, b1)
@@ -169,8 +213,15 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   a1 = Add(m1, c1)
   r = Add(h, a1)
   y = LayerNormalization<axis=-1>(r, g2, b2)
-}}""", W0=randn(gen, 6, D), g1=1 + randn(gen, D, scale=0.3), b1=randn(gen, D, scale=0.3), W1=randn(gen, D, D),
-        c1=randn(gen, D), g2=1 + randn(gen, D, scale=0.3), b2=randn(gen, D, scale=0.3))
+}}""",
+        W0=randn(gen, 6, D),
+        g1=1 + randn(gen, D, scale=0.3),
+        b1=randn(gen, D, scale=0.3),
+        W1=randn(gen, D, D),
+        c1=randn(gen, D),
+        g2=1 + randn(gen, D, scale=0.3),
+        b2=randn(gen, D, scale=0.3),
+    )
     cuda = fold_onnx(model)
     assert [d.name for d in cuda.plan.decisions if d.kept] == ["y"] and cuda.folded == 1
     cpu = fold_onnx(model, FoldOptions(provider="cpu"))
@@ -182,7 +233,8 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
 def test_double_models_keep_the_residual_add_unfused():
     """ORT has no double kernel for SkipSimplifiedLayerNormalization: fusing would emit a model it refuses."""
     gen = rng(5)
-    model = build(f"""{HEADER}
+    model = build(
+        f"""{HEADER}
 agraph (double[B, {S}, {D}] x) => (double[B, {S}, {D}] y) {{
   h = MatMul(x, W0)
   n1 = LayerNormalization<axis=-1>(h, g1)
@@ -190,8 +242,12 @@ agraph (double[B, {S}, {D}] x) => (double[B, {S}, {D}] y) {{
   r = Add(h, f)
   n2 = LayerNormalization<axis=-1>(r, g2)
   y = MatMul(n2, W2)
-}}""", **{name: randn(gen, *shape).astype(np.float64) for name, shape in
-          (("W0", (D, D)), ("W1", (D, D)), ("W2", (D, D)), ("g1", (D,)), ("g2", (D,)))})
+}}""",
+        **{
+            name: randn(gen, *shape).astype(np.float64)
+            for name, shape in (("W0", (D, D)), ("W1", (D, D)), ("W2", (D, D)), ("g1", (D,)), ("g2", (D,)))
+        },
+    )
     result = fold_onnx(model)
     assert result.folded == 2 and result.emitted["skip_fused"] == 0
     assert op_counts(result.model)["SimplifiedLayerNormalization"] == 2

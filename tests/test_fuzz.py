@@ -21,23 +21,27 @@ others, and the rewritten model passes the checker.
 
 from __future__ import annotations
 
+import fuzzcheck
+import graphgen
 import numpy as np
 import onnx
+import pytest
+from conftest import IR_VERSION, assert_equivalent, check_structure, op_counts, rms_nodes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
 
-import fuzzcheck
-import graphgen
-import pytest
-from conftest import IR_VERSION, assert_equivalent, check_structure, op_counts, rms_nodes
-
 D = 8
 SHAPES = {2: (6, D), 3: (2, 3, D)}
-FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 OPS = ("linear", "bias", "scale", "reshape", "residual", "relu", "ln", "output", "block")
 
@@ -57,8 +61,12 @@ def stacks(draw, blocked_start: bool = False):
         op = draw(st.sampled_from(OPS))
         params = {}
         if op == "linear":
-            params = {"gemm": draw(st.booleans()), "trans_b": draw(st.booleans()), "bias": draw(st.booleans()),
-                      "reuse": draw(st.booleans())}
+            params = {
+                "gemm": draw(st.booleans()),
+                "trans_b": draw(st.booleans()),
+                "bias": draw(st.booleans()),
+                "reuse": draw(st.booleans()),
+            }
         elif op == "bias":
             params = {"scalar": draw(st.booleans())}
         elif op == "residual":
@@ -137,15 +145,21 @@ def make_model(steps, seed: int) -> onnx.ModelProto:
                 inputs += [const("g", np.ones(D, np.float32))]
             current = node("LayerNormalization", inputs, axis=-1, epsilon=1e-5)
         elif op == "block":  # pre-LN residual block: current + linear(act(linear(LN(current))))
-            hidden = node("LayerNormalization", [current, const("g", 1 + randn(D, scale=0.3)),
-                                                 const("b", randn(D, scale=0.3))], axis=-1, epsilon=1e-5)
+            hidden = node(
+                "LayerNormalization",
+                [current, const("g", 1 + randn(D, scale=0.3)), const("b", randn(D, scale=0.3))],
+                axis=-1,
+                epsilon=1e-5,
+            )
             for layer in range(2 if params["mlp"] else 1):
                 if layer:
                     hidden = node("Relu", [hidden])
                 if params["gemm"] and rank == 2:
                     hidden = node("Gemm", [hidden, const("W", randn(D, D, scale=0.5)), const("C", randn(D))], transB=1)
                 else:
-                    hidden = node("Add", [node("MatMul", [hidden, const("W", randn(D, D, scale=0.5))]), const("c", randn(D))])
+                    hidden = node(
+                        "Add", [node("MatMul", [hidden, const("W", randn(D, D, scale=0.5))]), const("c", randn(D))]
+                    )
             current = node("Add", [current, hidden])
         elif op == "output":
             if current != x and current not in outputs:
@@ -160,7 +174,8 @@ def make_model(steps, seed: int) -> onnx.ModelProto:
         outputs.append(node("Relu", [x]))
         out_ranks[outputs[-1]] = 2
     graph = helper.make_graph(
-        nodes, "fuzz",
+        nodes,
+        "fuzz",
         [helper.make_tensor_value_info(x, TensorProto.FLOAT, [6, D])],
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, SHAPES[out_ranks[o]]) for o in outputs],
         initializer=inits,
@@ -251,8 +266,11 @@ FILE_SEEDS = 40  # of those, also folded from files with external data
 
 @pytest.mark.parametrize("first", range(0, GENERATED_SEEDS, BATCH))
 def test_fuzz_generated_graphs_fold_exactly_or_refuse(first):
-    failures = [f"seed {seed}: {failure}" for seed in range(first, first + BATCH)
-                for failure in fuzzcheck.check(graphgen.generate(seed))]
+    failures = [
+        f"seed {seed}: {failure}"
+        for seed in range(first, first + BATCH)
+        for failure in fuzzcheck.check(graphgen.generate(seed))
+    ]
     assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --replay SEED"])
 
 
@@ -264,9 +282,13 @@ def test_fuzz_generated_graphs_fold_from_files_exactly_or_refuse(size_threshold,
     for seed in (*range(FILE_SEEDS), 30047):
         directory = tmp_path / str(seed)
         directory.mkdir()
-        failures += [f"seed {seed}: {failure}"
-                     for failure in fuzzcheck.check_from_file(graphgen.generate(seed), directory, size_threshold)]
-    assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --from-files BYTES --replay SEED"])
+        failures += [
+            f"seed {seed}: {failure}"
+            for failure in fuzzcheck.check_from_file(graphgen.generate(seed), directory, size_threshold)
+        ]
+    assert not failures, "\n".join(
+        failures + ["replay one with: python tools/fuzz.py --from-files BYTES --replay SEED"]
+    )
 
 
 # Campaign seeds (docs/FUZZING.md) of failure classes seeds 0–239 miss: a verified fold wrong on

@@ -9,9 +9,9 @@ import re
 import numpy as np
 import onnx
 import pytest
+from conftest import IR_VERSION, randn, rng
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import IR_VERSION, randn, rng
 from normpass.cli import inspect as inspect_cli
 from normpass.cli.main import main
 
@@ -41,10 +41,14 @@ def blocks_model() -> onnx.ModelProto:
     graph = helper.make_graph(
         nodes,
         "blocks",
-        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 4]),
-         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, D])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4, D]),
-         helper.make_tensor_value_info("raw", TensorProto.FLOAT, [2, 4, D])],
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 4]),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, D]),
+        ],
+        [
+            helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4, D]),
+            helper.make_tensor_value_info("raw", TensorProto.FLOAT, [2, 4, D]),
+        ],
         [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -60,16 +64,19 @@ def model_path(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("name, block", [
-    ("model.transformer.h.0.ln_1.weight", "transformer.h.0"),
-    ("model.encoder.layer.11.attention.output.LayerNorm.bias", "encoder.layer.11"),
-    ("model.transformer.ln_f.weight", "transformer"),
-    ("model.embeddings.LayerNorm.weight", "embeddings"),
-    ("transformer.h.3.ln_2.weight", "transformer.h.3"),
-    ("/transformer/h.2/ln_1/LayerNormalization", "transformer.h.2"),
-    ("ln_f.weight", "(top level)"),
-    ("node_layer_norm_3", "(top level)"),
-])
+@pytest.mark.parametrize(
+    "name, block",
+    [
+        ("model.transformer.h.0.ln_1.weight", "transformer.h.0"),
+        ("model.encoder.layer.11.attention.output.LayerNorm.bias", "encoder.layer.11"),
+        ("model.transformer.ln_f.weight", "transformer"),
+        ("model.embeddings.LayerNorm.weight", "embeddings"),
+        ("transformer.h.3.ln_2.weight", "transformer.h.3"),
+        ("/transformer/h.2/ln_1/LayerNormalization", "transformer.h.2"),
+        ("ln_f.weight", "(top level)"),
+        ("node_layer_norm_3", "(top level)"),
+    ],
+)
 def test_block_of(name, block):
     assert inspect_cli.block_of(name) == block
 
@@ -97,7 +104,7 @@ def test_json_is_stable_and_keeps_the_schema(model_path, capsys):
     assert list(data) == ["model", "norms", "total", "foldable"]
     assert (data["model"], data["total"], data["foldable"]) == (model_path, 3, 2)
     for norm in data["norms"]:
-        assert NORM_KEYS <= set(norm)
+        assert set(norm) >= NORM_KEYS
     by_name = {n["name"]: n for n in data["norms"]}
     assert by_name["ln_1"]["block"] == "h.0" and by_name["ln_raw"]["block"] == "h.1"
     assert by_name["ln_1"]["foldable"] and by_name["ln_1"]["centred_layers"] == ["embed"]

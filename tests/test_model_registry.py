@@ -80,7 +80,7 @@ def test_export_is_valid_onnx(exported):
     assert model.ir_version <= 10
     assert [i.name for i in model.graph.input] == list(entry.input_names)
     assert [o.name for o in model.graph.output] == list(entry.output_names)
-    for graph_input, dims in zip(model.graph.input, entry.dynamic_shapes):
+    for graph_input, dims in zip(model.graph.input, entry.dynamic_shapes, strict=False):
         shape = graph_input.type.tensor_type.shape.dim
         assert {axis: shape[axis].dim_param for axis in dims} == dims
 
@@ -92,7 +92,7 @@ def test_onnxruntime_matches_torch(exported):
     with torch.no_grad():
         expected = module(*inputs).numpy()
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (actual,) = session.run(None, {n: t.numpy() for n, t in zip(entry.input_names, inputs)})
+    (actual,) = session.run(None, {n: t.numpy() for n, t in zip(entry.input_names, inputs, strict=False)})
     assert actual.shape == expected.shape
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
 
@@ -127,7 +127,9 @@ def test_export_holds_the_seeded_weights(exported):
         assert torch.equal(value, second[key]), key
     exported_values = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
     named = set(first) & set(exported_values)
-    norm_parameters = {name for node in model.graph.node if node.op_type == "LayerNormalization" for name in node.input[1:]}
+    norm_parameters = {
+        name for node in model.graph.node if node.op_type == "LayerNormalization" for name in node.input[1:]
+    }
     assert named and norm_parameters <= named, sorted(norm_parameters - named)
     for key in named:
         np.testing.assert_array_equal(exported_values[key], first[key].numpy(), err_msg=key)

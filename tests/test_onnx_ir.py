@@ -14,12 +14,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
+from conftest import build, randn, rng
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
 from normpass.io import skeleton
 from normpass.onnx.targets import LAZY_MIN_BYTES
-
-from conftest import build, randn, rng
 
 D = 512  # a D×D float32 weight is 1 MiB
 
@@ -27,7 +26,8 @@ D = 512  # a D×D float32 weight is 1 MiB
 def external_model(tmp_path) -> tuple:
     """y = LN(x·W1 + b1)·W2 + b2 (foldable: W1 is centred, γ/β move into W2), z = x·W3 (untouched), saved with external data."""
     gen = rng(3)
-    model = build(f"""<ir_version: 10, opset_import: ["" : 17]>
+    model = build(
+        f"""<ir_version: 10, opset_import: ["" : 17]>
 agraph (float[B, {D}] x) => (float[B, {D}] y, float[B, {D}] z) {{
   h = MatMul(x, W1)
   hb = Add(h, b1)
@@ -35,8 +35,15 @@ agraph (float[B, {D}] x) => (float[B, {D}] y, float[B, {D}] z) {{
   m = MatMul(n, W2)
   y = Add(m, b2)
   z = MatMul(x, W3)
-}}""", W1=randn(gen, D, D), b1=randn(gen, D), g=1 + randn(gen, D, scale=0.1), bt=randn(gen, D, scale=0.1),
-                  W2=randn(gen, D, D), b2=randn(gen, D), W3=randn(gen, D, D))
+}}""",
+        W1=randn(gen, D, D),
+        b1=randn(gen, D),
+        g=1 + randn(gen, D, scale=0.1),
+        bt=randn(gen, D, scale=0.1),
+        W2=randn(gen, D, D),
+        b2=randn(gen, D),
+        W3=randn(gen, D, D),
+    )
     path = tmp_path / "model.onnx"
     onnx.save(model, path, save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
     return path, tmp_path / "model.onnx.data"
@@ -71,7 +78,7 @@ def test_fold_from_a_path_computes_changed_weights_when_written(tmp_path):
     folded = onnx.load(str(out))
     assert [n.op_type for n in folded.graph.node].count("SimplifiedLayerNormalization") == 1
     feeds = {"x": (3 * randn(rng(7), 4, D) + 1).astype(np.float32)}
-    for expected, got in zip(outputs(path, feeds), outputs(out, feeds)):
+    for expected, got in zip(outputs(path, feeds), outputs(out, feeds), strict=False):
         assert np.abs(expected - got).max() <= 1e-4 * np.abs(expected).max()
 
 
@@ -85,7 +92,6 @@ def test_skeleton_holds_no_weights_and_leaves_the_model_as_it_was(tmp_path):
     assert list(large[0].dims) == [D, D]
 
 
-
 def every_tensor_external(tmp_path, model) -> tuple:
     """`model` saved with all its tensors, however small, in external data (`size_threshold=0`); an untouched copy."""
     kept = onnx.ModelProto.FromString(model.SerializeToString())  # onnx.save rewrites the proto it saves
@@ -97,16 +103,27 @@ def every_tensor_external(tmp_path, model) -> tuple:
 def test_small_external_tensors_are_read_for_shape_inference(tmp_path):
     """A Reshape whose target shape is stored externally keeps the normalized axis, as in memory."""
     gen = rng(5)
-    path, model = every_tensor_external(tmp_path, build(f"""<ir_version: 10, opset_import: ["" : 17]>
+    path, model = every_tensor_external(
+        tmp_path,
+        build(
+            f"""<ir_version: 10, opset_import: ["" : 17]>
 agraph (float[B, {D}] x) => (float[B, {D}] y) {{
   h = MatMul(x, W1)
   r = Reshape(h, target)
   n = LayerNormalization<axis=-1, epsilon=1e-5>(r, g, bt)
   y = MatMul(n, W2)
-}}""", W1=randn(gen, D, D), target=np.array([-1, D], np.int64), g=1 + randn(gen, D, scale=0.1),
-        bt=randn(gen, D, scale=0.1), W2=randn(gen, D, D)))
+}}""",
+            W1=randn(gen, D, D),
+            target=np.array([-1, D], np.int64),
+            g=1 + randn(gen, D, scale=0.1),
+            bt=randn(gen, D, scale=0.1),
+            W2=randn(gen, D, D),
+        ),
+    )
     from_file, from_memory = inspect_onnx(path), inspect_onnx(model)
-    assert [(d.name, d.foldable, d.reason) for d in from_file.decisions] == [(d.name, d.foldable, d.reason) for d in from_memory.decisions]
+    assert [(d.name, d.foldable, d.reason) for d in from_file.decisions] == [
+        (d.name, d.foldable, d.reason) for d in from_memory.decisions
+    ]
     assert len(from_file.folded) == 1
 
 

@@ -20,8 +20,13 @@ import pytest
 
 from normpass.onnx.passes import fold_onnx
 
-NORM_OPS = ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization",
-            "SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
+NORM_OPS = (
+    "LayerNormalization",
+    "SimplifiedLayerNormalization",
+    "RMSNormalization",
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+)
 
 
 def _ort_optimized_counts(path, tmp_path, tag) -> collections.Counter:
@@ -65,6 +70,10 @@ def test_transformers_optimizer_fuses_folded_gpt2(registry_export, tmp_path):
         optimized = optimize_model(str(path), model_type="gpt2", num_heads=4, hidden_size=64)
         counts[tag] = collections.Counter(n.op_type for n in optimized.model.graph.node)
     before, after = counts["original"], counts["folded"]
-    assert before["SkipLayerNormalization"] == after["SkipSimplifiedLayerNormalization"] + after["SkipLayerNormalization"] == 4, (before, after)
+    assert (
+        before["SkipLayerNormalization"]
+        == after["SkipSimplifiedLayerNormalization"] + after["SkipLayerNormalization"]
+        == 4
+    ), (before, after)
     assert after["SkipLayerNormalization"] == 1  # the kept final LayerNorm
     assert before["LayerNormalization"] == after["SimplifiedLayerNormalization"] == 1

@@ -11,9 +11,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-
-from normpass import FoldOptions, InputError, fold_onnx, inspect_onnx
-
 from conftest import (
     assert_equivalent,
     build,
@@ -29,6 +26,8 @@ from conftest import (
     rms_scale,
     rng,
 )
+
+from normpass import FoldOptions, InputError, fold_onnx, inspect_onnx
 
 D, S, V = 8, 4, 10  # hidden width, sequence length, vocabulary
 HEADER = '<ir_version: 10, opset_import: ["" : {opset}]>'
@@ -104,11 +103,16 @@ def assert_not_centred(values: np.ndarray, axis: int) -> None:
 def test_check_structure_still_rejects_broken_models():
     """The checker helper hides only the contrib op's domain, not real errors."""
     gen = rng(0)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   y = LayerNormalization<axis=-1>(h, g1, b1)
-}}""", W=randn(gen, 6, D), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=randn(gen, 6, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     folded = fold_onnx(model, FoldOptions(fold_with_beta_add=True)).model
     check_structure(folded)
     with pytest.raises(onnx.checker.ValidationError, match="SimplifiedLayerNormalization"):
@@ -126,12 +130,23 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
 def pre_ln_block(gen, linear="MatMul"):
     """Token + position embeddings → LN → linear → Relu → linear → residual add → LN."""
     if linear == "MatMul":
-        ids, stream, up, down = f"int64[B, {S}] ids", f"float[B, {S}, {D}] out", "m1 = MatMul(n1, w1)\n  a1 = Add(m1, c1)", "m2 = MatMul(r1, w2)\n  a2 = Add(m2, c2)"
+        ids, stream, up, down = (
+            f"int64[B, {S}] ids",
+            f"float[B, {S}, {D}] out",
+            "m1 = MatMul(n1, w1)\n  a1 = Add(m1, c1)",
+            "m2 = MatMul(r1, w2)\n  a2 = Add(m2, c2)",
+        )
         w1, w2 = randn(gen, D, 12), randn(gen, 12, D)
     else:  # Gemm on a [S, D] stream, Linear-style [out, in] weights
-        ids, stream, up, down = f"int64[{S}] ids", f"float[{S}, {D}] out", "a1 = Gemm<transB=1>(n1, w1, c1)", "a2 = Gemm<transB=1>(r1, w2, c2)"
+        ids, stream, up, down = (
+            f"int64[{S}] ids",
+            f"float[{S}, {D}] out",
+            "a1 = Gemm<transB=1>(n1, w1, c1)",
+            "a2 = Gemm<transB=1>(r1, w2, c2)",
+        )
         w1, w2 = randn(gen, 12, D), randn(gen, D, 12)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph ({ids}) => ({stream}) {{
   emb = Gather<axis=0>(table, ids)
   h0 = Add(emb, pos)
@@ -141,8 +156,18 @@ agraph ({ids}) => ({stream}) {{
   {down}
   h1 = Add(h0, a2)
   out = LayerNormalization<axis=-1, epsilon=1e-5>(h1, g2, b2)
-}}""", table=randn(gen, V, D), pos=randn(gen, S, D), g1=gamma(gen), b1=beta(gen), w1=w1, c1=randn(gen, 12),
-        w2=w2, c2=randn(gen, D), g2=gamma(gen), b2=beta(gen))
+}}""",
+        table=randn(gen, V, D),
+        pos=randn(gen, S, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+        w1=w1,
+        c1=randn(gen, 12),
+        w2=w2,
+        c2=randn(gen, D),
+        g2=gamma(gen),
+        b2=beta(gen),
+    )
     return model
 
 
@@ -168,7 +193,7 @@ def test_pre_ln_block_folds_everything(linear, fuse_skip):
     assert_centred(table, 1)
     np.testing.assert_allclose(table, original["table"] - original["table"].mean(1, keepdims=True), atol=1e-6)
     add = producer(folded, "h0")
-    pos = initializers(folded)[[i for i in add.input if i != "emb"][0]]
+    pos = initializers(folded)[next(i for i in add.input if i != "emb")]
     assert_centred(pos, 1)
     if linear == "MatMul":
         _, w2 = weight_of(folded, "m2")
@@ -192,7 +217,7 @@ def test_pre_ln_block_folds_everything(linear, fuse_skip):
     # the last LN is a graph output: γ stays in the RMS op and β is an Add
     last = producer(folded, "out")
     assert last.op_type == "Add"
-    rms_out = producer(folded, [i for i in last.input if i not in initializers(folded)][0])
+    rms_out = producer(folded, next(i for i in last.input if i not in initializers(folded)))
     assert next(a.f for a in rms_out.attribute if a.name == "epsilon") == pytest.approx(1e-5)
     if fuse_skip:  # the residual Add h1 = h0 + a2 is fused into the RMS op, and h1 is no longer needed
         assert counts["SimplifiedLayerNormalization"] == 1 and counts["SkipSimplifiedLayerNormalization"] == 1
@@ -213,7 +238,8 @@ def test_pre_ln_block_folds_everything(linear, fuse_skip):
 def test_skip_fusion_keeps_a_residual_sum_that_is_read_on():
     """h1 = h0 + a feeds the norm and the next residual add: the fused op must still provide h1."""
     gen = rng(47)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h0 = MatMul(x, W0)
   n0 = LayerNormalization<axis=-1>(h0, g0, b0)
@@ -223,8 +249,17 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   a1 = MatMul(n1, W2)
   h2 = Add(h1, a1)
   y = LayerNormalization<axis=-1>(h2, g2, b2)
-}}""", W0=randn(gen, 6, D), W1=randn(gen, D, D), W2=randn(gen, D, D), g0=gamma(gen), b0=beta(gen),
-        g1=gamma(gen), b1=beta(gen), g2=gamma(gen), b2=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        W1=randn(gen, D, D),
+        W2=randn(gen, D, D),
+        g0=gamma(gen),
+        b0=beta(gen),
+        g1=gamma(gen),
+        b1=beta(gen),
+        g2=gamma(gen),
+        b2=beta(gen),
+    )
     result = fold_and_check(model)
     assert len(result.plan.folded) == 3
     folded = result.model
@@ -244,11 +279,17 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
 def test_gemm_with_bias_feeding_ln(trans_b):
     gen = rng(2)
     weight = randn(gen, 6, D) if trans_b == 0 else randn(gen, D, 6)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[N, 6] x) => (float[N, {D}] y) {{
   h = Gemm<transB={trans_b}>(x, W, C)
   y = LayerNormalization<axis=-1>(h, g1, b1)
-}}""", W=weight, C=randn(gen, D) + 2, g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=weight,
+        C=randn(gen, D) + 2,
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert len(plan.folded) == 1 and decision(plan, "y").centred_layers == ["h"]
     result = fold_and_check(model)
@@ -266,12 +307,18 @@ agraph (float[N, 6] x) => (float[N, {D}] y) {{
 
 def test_matmul_plus_bias_feeding_ln():
     gen = rng(3)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   hb = Add(h, c)
   y = LayerNormalization<axis=-1>(hb, g1, b1)
-}}""", W=randn(gen, 6, D), c=randn(gen, D) + 1, g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=randn(gen, 6, D),
+        c=randn(gen, D) + 1,
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert len(plan.folded) == 1
     assert set(decision(plan, "y").centred_layers) == {"h", "c"}
@@ -280,7 +327,7 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
     _, w = weight_of(result.model, "h")
     assert_centred(w, 1)
     add = producer(result.model, "hb")
-    bias = initializers(result.model)[[i for i in add.input if i != "h"][0]]
+    bias = initializers(result.model)[next(i for i in add.input if i != "h")]
     assert_centred(bias, 0)
 
 
@@ -295,8 +342,14 @@ agraph (float[B, {channels}, 8, 8] x) => (float[B, 4, {D}] y) {{
   t = Transpose<perm=[0, 2, 1]>(r)
   y = LayerNormalization<axis=-1>(t, g1, b1)
 }}"""
-    return build(text, W=randn(gen, D, channels // group, 4, 4), Bc=randn(gen, D) + 1,
-                 shp=np.array([0, D, 4], np.int64), g1=gamma(gen), b1=beta(gen))
+    return build(
+        text,
+        W=randn(gen, D, channels // group, 4, 4),
+        Bc=randn(gen, D) + 1,
+        shp=np.array([0, D, 4], np.int64),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
 
 
 def test_conv_patch_embedding_folds():
@@ -334,7 +387,6 @@ def decomposed_ln(gen, square="Pow", divide="Div", casts=None, opset=18, affine=
     back after the Sqrt); "around" (the whole chain runs in double between a Cast pair).
     """
     wide = casts == "around"
-    ft = "double" if wide else "float"
     dt = np.float64 if wide else np.float32
     mean = "ReduceMean<axes=[-1]>({})" if opset < 18 else "ReduceMean({}, ax)"
     lines = ["h = Gemm<transB=1>(x, W, C)"]
@@ -369,9 +421,15 @@ def decomposed_ln(gen, square="Pow", divide="Div", casts=None, opset=18, affine=
 agraph (float[N, 6] x) => (float[N, {D}] y) {{
   {body}
 }}"""
-    values = dict(W=randn(gen, D, 6), C=randn(gen, D) + 1, two=np.array(2.0, dt),
-                  eps=np.array(1e-5, np.float64 if casts else np.float32), g1=gamma(gen).astype(dt),
-                  b1=beta(gen).astype(dt), ax=np.array([-1], np.int64))
+    values = dict(
+        W=randn(gen, D, 6),
+        C=randn(gen, D) + 1,
+        two=np.array(2.0, dt),
+        eps=np.array(1e-5, np.float64 if casts else np.float32),
+        g1=gamma(gen).astype(dt),
+        b1=beta(gen).astype(dt),
+        ax=np.array([-1], np.int64),
+    )
     used = {name for node in onnx.parser.parse_model(text).graph.node for name in node.input}
     return build(text, **{k: v for k, v in values.items() if k in used})
 
@@ -443,7 +501,8 @@ def test_decomposed_ln_with_private_tensor_used_elsewhere_is_not_matched():
 
 
 def post_ln(gen, g1=None, b1=None):
-    return build(f"""{header()}
+    return build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W0)
   n1 = LayerNormalization<axis=-1>(h, g1, b1)
@@ -451,8 +510,15 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   a1 = Add(m1, c1)
   r = Add(n1, a1)
   y = LayerNormalization<axis=-1>(r, g2, b2)
-}}""", W0=randn(gen, 6, D), W1=randn(gen, D, D), c1=randn(gen, D), g1=gamma(gen) if g1 is None else g1,
-        b1=beta(gen) if b1 is None else b1, g2=gamma(gen), b2=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        W1=randn(gen, D, D),
+        c1=randn(gen, D),
+        g1=gamma(gen) if g1 is None else g1,
+        b1=beta(gen) if b1 is None else b1,
+        g2=gamma(gen),
+        b2=beta(gen),
+    )
 
 
 def test_post_ln_second_norm_refused_naming_the_first():
@@ -498,13 +564,23 @@ def test_unsafe_centring_refused(leak):
     if leak == "graph_output":
         outputs, extra, inits = f"float[B, {S}, {D}] y, float[B, {S}, {D}] h", "", {}
     else:
-        outputs, extra, inits = f"float[B, {S}, {D}] y, float[B, {S}, 5] z", "z = MatMul(h, W1)", {"W1": randn(gen, D, 5)}
-    model = build(f"""{header()}
+        outputs, extra, inits = (
+            f"float[B, {S}, {D}] y, float[B, {S}, 5] z",
+            "z = MatMul(h, W1)",
+            {"W1": randn(gen, D, 5)},
+        )
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => ({outputs}) {{
   h = MatMul(x, W0)
   y = LayerNormalization<axis=-1>(h, g1, b1)
   {extra}
-}}""", W0=randn(gen, 6, D), g1=gamma(gen), b1=beta(gen), **inits)
+}}""",
+        W0=randn(gen, 6, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+        **inits,
+    )
     plan = inspect_onnx(model)
     assert plan.total == 1 and not plan.folded
     refused = plan.decisions[0]
@@ -519,12 +595,17 @@ def test_shared_weight_is_copied_on_write():
     """W feeds the centred MatMul and another MatMul whose output is a graph output."""
     gen = rng(16)
     weight = randn(gen, D, D)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, {D}] x) => (float[B, {S}, {D}] y, float[B, {S}, {D}] z) {{
   h = MatMul(x, W)
   y = LayerNormalization<axis=-1>(h, g1, b1)
   z = MatMul(x, W)
-}}""", W=weight, g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=weight,
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     result = fold_and_check(model)
     assert len(result.plan.folded) == 1
     folded = result.model
@@ -538,7 +619,8 @@ agraph (float[B, {S}, {D}] x) => (float[B, {S}, {D}] y, float[B, {S}, {D}] z) {{
 def test_tied_embedding_and_shared_bias_are_copied_on_write():
     """The token table is also the (transposed) LM head; the stream bias also feeds a side output."""
     gen = rng(17)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (int64[B, {S}] ids) => (float[B, {S}, {V}] logits, float[B, {S}, {D}] side) {{
   emb = Gather<axis=0>(table, ids)
   h = Add(emb, bias)
@@ -546,7 +628,12 @@ agraph (int64[B, {S}] ids) => (float[B, {S}, {V}] logits, float[B, {S}, {D}] sid
   head = Transpose<perm=[1, 0]>(table)
   logits = MatMul(n, head)
   side = Add(n, bias)
-}}""", table=randn(gen, V, D), bias=randn(gen, D) + 1, g1=gamma(gen), b1=beta(gen))
+}}""",
+        table=randn(gen, V, D),
+        bias=randn(gen, D) + 1,
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     result = fold_and_check(model)
     assert len(result.plan.folded) == 1
     folded, original = result.model, initializers(model)
@@ -557,7 +644,7 @@ agraph (int64[B, {S}] ids) => (float[B, {S}, {V}] logits, float[B, {S}, {D}] sid
     _, table = weight_of(folded, "emb", 0)
     assert_centred(table, 1)
     stream_add = producer(folded, "h")
-    stream_bias = [i for i in stream_add.input if i != "emb"][0]
+    stream_bias = next(i for i in stream_add.input if i != "emb")
     assert stream_bias != "bias"
     assert_centred(initializers(folded)[stream_bias], 0)
 
@@ -567,7 +654,8 @@ agraph (int64[B, {S}] ids) => (float[B, {S}, {V}] logits, float[B, {S}, {D}] sid
 
 def test_affine_migrates_into_linear_consumers():
     gen = rng(18)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[N, 6] x) => (float[N, 5] q, float[N, 7] k, float[N, 3] v) {{
   h = Gemm(x, W0, c0)
   n = LayerNormalization<axis=-1>(h, g1, b1)
@@ -575,8 +663,17 @@ agraph (float[N, 6] x) => (float[N, 5] q, float[N, 7] k, float[N, 3] v) {{
   k = Gemm(n, Wk)
   mv = MatMul(n, Wv)
   v = Add(mv, cv)
-}}""", W0=randn(gen, 6, D), c0=randn(gen, D), Wq=randn(gen, 5, D), cq=randn(gen, 5), Wk=randn(gen, D, 7),
-        Wv=randn(gen, D, 3), cv=randn(gen, 3), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        c0=randn(gen, D),
+        Wq=randn(gen, 5, D),
+        cq=randn(gen, 5),
+        Wk=randn(gen, D, 7),
+        Wv=randn(gen, D, 3),
+        cv=randn(gen, 3),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     result = fold_and_check(model)
     assert len(result.plan.folded) == 1
     folded = result.model
@@ -596,21 +693,29 @@ agraph (float[N, 6] x) => (float[N, 5] q, float[N, 7] k, float[N, 3] v) {{
 
 def test_affine_stays_with_a_non_linear_consumer():
     gen = rng(19)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[N, 6] x) => (float[N, 5] q, float[N, {D}] k) {{
   h = Gemm(x, W0, c0)
   n = LayerNormalization<axis=-1>(h, g1, b1)
   q = Gemm<transB=1>(n, Wq, cq)
   k = Relu(n)
-}}""", W0=randn(gen, 6, D), c0=randn(gen, D), Wq=randn(gen, 5, D), cq=randn(gen, 5), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        c0=randn(gen, D),
+        Wq=randn(gen, 5, D),
+        cq=randn(gen, 5),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     result = fold_and_check(model)
     folded, original = result.model, initializers(model)
     beta_add = producer(folded, "n")
     assert beta_add.op_type == "Add"
-    rms = producer(folded, [i for i in beta_add.input if i not in initializers(folded)][0])
+    rms = producer(folded, next(i for i in beta_add.input if i not in initializers(folded)))
     assert rms.op_type == "SimplifiedLayerNormalization"
     np.testing.assert_array_equal(initializers(folded)[rms.input[1]], original["g1"])
-    beta_const = [i for i in beta_add.input if i in initializers(folded)][0]
+    beta_const = next(i for i in beta_add.input if i in initializers(folded))
     np.testing.assert_array_equal(initializers(folded)[beta_const], original["b1"])
     assert producer(folded, "q").input[1] == "Wq"  # the Gemm consumer is untouched
     np.testing.assert_array_equal(initializers(folded)["Wq"], original["Wq"])
@@ -618,12 +723,20 @@ agraph (float[N, 6] x) => (float[N, 5] q, float[N, {D}] k) {{
 
 def test_no_migrate_affine_option_keeps_affine():
     gen = rng(20)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[N, 6] x) => (float[N, 5] q) {{
   h = Gemm(x, W0, c0)
   n = LayerNormalization<axis=-1>(h, g1, b1)
   q = Gemm<transB=1>(n, Wq, cq)
-}}""", W0=randn(gen, 6, D), c0=randn(gen, D), Wq=randn(gen, 5, D), cq=randn(gen, 5), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        c0=randn(gen, D),
+        Wq=randn(gen, 5, D),
+        cq=randn(gen, 5),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     migrated = fold_and_check(model).model
     assert op_counts(migrated)["Add"] == 0
     kept = fold_and_check(model, migrate_affine=False).model
@@ -635,13 +748,20 @@ agraph (float[N, 6] x) => (float[N, 5] q) {{
 def test_affine_migrates_into_gemm_with_alpha_beta(attrs, with_bias):
     gen = rng(21)
     bias = ", cq" if with_bias else ""
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[N, 6] x) => (float[N, 5] q) {{
   h = Gemm(x, W0, c0)
   n = LayerNormalization<axis=-1>(h, g1, b1)
   q = Gemm<transB=1, {attrs}>(n, Wq{bias})
-}}""", W0=randn(gen, 6, D), c0=randn(gen, D), Wq=randn(gen, 5, D), g1=gamma(gen), b1=beta(gen),
-        **({"cq": randn(gen, 5)} if with_bias else {}))
+}}""",
+        W0=randn(gen, 6, D),
+        c0=randn(gen, D),
+        Wq=randn(gen, 5, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+        **({"cq": randn(gen, 5)} if with_bias else {}),
+    )
     result = fold_and_check(model)
     assert len(result.plan.folded) == 1
 
@@ -653,16 +773,23 @@ def pre_ln_from_input(gen, layers=2):
     lines = ["h0 = Add(x, pos)"]
     values = dict(pos=randn(gen, S, D))
     for i in range(layers):
-        lines += [f"n{i} = LayerNormalization<axis=-1>(h{i}, g{i}, b{i})", f"m{i} = MatMul(n{i}, W{i})",
-                  f"a{i} = Add(m{i}, c{i})", f"h{i + 1} = Add(h{i}, a{i})"]
+        lines += [
+            f"n{i} = LayerNormalization<axis=-1>(h{i}, g{i}, b{i})",
+            f"m{i} = MatMul(n{i}, W{i})",
+            f"a{i} = Add(m{i}, c{i})",
+            f"h{i + 1} = Add(h{i}, a{i})",
+        ]
         values.update({f"g{i}": gamma(gen), f"b{i}": beta(gen), f"W{i}": randn(gen, D, D), f"c{i}": randn(gen, D)})
     lines.append(f"y = LayerNormalization<axis=-1>(h{layers}, gf, bf)")
     values.update(gf=gamma(gen), bf=beta(gen))
     body = "\n  ".join(lines)
-    return build(f"""{header()}
+    return build(
+        f"""{header()}
 agraph (float[B, {S}, {D}] x) => (float[B, {S}, {D}] y) {{
   {body}
-}}""", **values)
+}}""",
+        **values,
+    )
 
 
 def test_inserted_centring_is_planned_once_for_all_norms():
@@ -694,13 +821,20 @@ def test_inserted_centring_fold():
 def test_inserted_centring_on_a_norm_input():
     """x feeds the first norm directly and the residual stream: the insertion must feed both."""
     gen = rng(41)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, {D}] x) => (float[B, {S}, {D}] y) {{
   n0 = LayerNormalization<axis=-1>(x, g0, b0)
   m0 = MatMul(n0, W0)
   h1 = Add(x, m0)
   y = LayerNormalization<axis=-1>(h1, g1, b1)
-}}""", g0=gamma(gen), b0=beta(gen), W0=randn(gen, D, D), g1=gamma(gen), b1=beta(gen))
+}}""",
+        g0=gamma(gen),
+        b0=beta(gen),
+        W0=randn(gen, D, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert len(plan.folded) == 2 and [(i.tensor, i.axis) for i in plan.insertions] == [("x", 2)]
     fold_and_check(model)
@@ -722,10 +856,14 @@ def test_no_insertion_without_option():
 def test_single_ln_on_graph_input_is_refused():
     """One insertion costs about what one fold saves: no insertion for a single norm."""
     gen = rng(23)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, {D}] x) => (float[B, {S}, {D}] y) {{
   y = LayerNormalization<axis=-1>(x, g1, b1)
-}}""", g1=gamma(gen), b1=beta(gen))
+}}""",
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert plan.total == 1 and not plan.folded and not plan.insertions
     assert "graph input x" in plan.decisions[0].reason
@@ -738,13 +876,18 @@ agraph (float[B, {S}, {D}] x) => (float[B, {S}, {D}] y) {{
 
 def test_multi_axis_ln_refused():
     gen = rng(24)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   hr = Reshape(h, shp)
   y = LayerNormalization<axis=-2>(hr, g1, b1)
-}}""", W=randn(gen, 6, S * D), shp=np.array([-1, S, D], np.int64), g1=1 + randn(gen, S, D, scale=0.3),
-        b1=randn(gen, S, D, scale=0.3))
+}}""",
+        W=randn(gen, 6, S * D),
+        shp=np.array([-1, S, D], np.int64),
+        g1=1 + randn(gen, S, D, scale=0.3),
+        b1=randn(gen, S, D, scale=0.3),
+    )
     plan = inspect_onnx(model)
     assert plan.total == 1 and not plan.folded
     assert "axes" in plan.decisions[0].reason and "multi-axis" in plan.decisions[0].reason
@@ -754,12 +897,17 @@ agraph (float[B, 6] x) => (float[B, {S}, {D}] y) {{
 
 def test_ln_with_mean_output_consumed_is_refused():
     gen = rng(25)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, 1] z) {{
   h = MatMul(x, W0)
   y, mu, isd = LayerNormalization<axis=-1>(h, g1, b1)
   z = Relu(mu)
-}}""", W0=randn(gen, 6, D), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert not plan.folded and "Mean" in plan.decisions[0].reason
     fold_and_check(model)
@@ -767,11 +915,16 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, 1] z) {{
 
 def test_ln_with_mean_output_as_graph_output_is_refused():
     gen = rng(25)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, 1] mu) {{
   h = MatMul(x, W0)
   y, mu, isd = LayerNormalization<axis=-1>(h, g1, b1)
-}}""", W0=randn(gen, 6, D), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert not plan.folded
     fold_and_check(model)
@@ -779,11 +932,17 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, 1] mu) {{
 
 def test_group_norm_reported_not_folded():
     gen = rng(26)
-    model = build(f"""{header(21)}
+    model = build(
+        f"""{header(21)}
 agraph (float[B, 3, 4, 4] x) => (float[B, {D}, 4, 4] y) {{
   c = Conv<kernel_shape=[1, 1]>(x, W, Bc)
   y = GroupNormalization<num_groups=2>(c, g1, b1)
-}}""", W=randn(gen, D, 3, 1, 1), Bc=randn(gen, D), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=randn(gen, D, 3, 1, 1),
+        Bc=randn(gen, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert plan.total == 1 and not plan.folded
     assert plan.decisions[0].op == "GroupNormalization"
@@ -793,23 +952,35 @@ agraph (float[B, 3, 4, 4] x) => (float[B, {D}, 4, 4] y) {{
 
 
 def scaled(gen, factor):
-    return build(f"""{header()}
+    return build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   hs = Mul(h, s)
   y = LayerNormalization<axis=-1>(hs, g1, b1)
-}}""", W=randn(gen, 6, D), s=factor, g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=randn(gen, 6, D),
+        s=factor,
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
 
 
 def test_per_feature_mul_is_refused():
     """On a tensor that something else reads too (right after a linear layer, it is a LayerScale)."""
     gen = rng(27)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, {D}] h) {{
   h = MatMul(x, W)
   hs = Mul(h, s)
   y = LayerNormalization<axis=-1>(hs, g1, b1)
-}}""", W=randn(gen, 6, D), s=1 + randn(gen, D, scale=0.5), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=randn(gen, 6, D),
+        s=1 + randn(gen, D, scale=0.5),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert not plan.folded
     assert "not constant along the normalized axis" in plan.decisions[0].reason
@@ -818,9 +989,11 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, {D}] h) {{
     assert op_counts(result.model) == op_counts(model)
 
 
-@pytest.mark.parametrize("factor", [np.array(0.7, np.float32), np.array([0.7], np.float32),
-                                    np.array([[0.5], [1.0], [2.0], [-1.0]], np.float32)],
-                         ids=["scalar", "shape-1", "per-token"])
+@pytest.mark.parametrize(
+    "factor",
+    [np.array(0.7, np.float32), np.array([0.7], np.float32), np.array([[0.5], [1.0], [2.0], [-1.0]], np.float32)],
+    ids=["scalar", "shape-1", "per-token"],
+)
 def test_mul_constant_along_the_axis_folds(factor):
     gen = rng(28)
     model = scaled(gen, factor)
@@ -836,7 +1009,8 @@ def test_mul_constant_along_the_axis_folds(factor):
 def test_sums_differences_and_scalings_of_linear_layers_fold():
     """c − (h − (−k)) / 3 through Identity: every linear branch and the constant are centred."""
     gen = rng(42)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W0)
   k = MatMul(x, W1)
@@ -846,8 +1020,14 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   di = Identity(dd)
   e = Sub(c0, di)
   y = LayerNormalization<axis=-1>(e, g1, b1)
-}}""", W0=randn(gen, 6, D), W1=randn(gen, 6, D), s=np.array(3.0, np.float32), c0=randn(gen, D) + 1,
-        g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        W1=randn(gen, 6, D),
+        s=np.array(3.0, np.float32),
+        c0=randn(gen, D) + 1,
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert len(plan.folded) == 1 and set(plan.decisions[0].centred_layers) == {"h", "k", "c0"}
     result = fold_and_check(model)
@@ -858,12 +1038,17 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
 def test_runtime_factor_constant_along_the_axis_folds():
     """A per-token factor computed at run time (shape [B, S, 1]) scales every feature alike."""
     gen = rng(43)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x, float[B, {S}, 1] f) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W0)
   hs = Mul(f, h)
   y = LayerNormalization<axis=-1>(hs, g1, b1)
-}}""", W0=randn(gen, 6, D), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     assert len(inspect_onnx(model).folded) == 1
     fold_and_check(model)
 
@@ -872,13 +1057,20 @@ agraph (float[B, {S}, 6] x, float[B, {S}, 1] f) => (float[B, {S}, {D}] y) {{
 def test_non_linear_products_refused(factor):
     gen = rng(44)
     body = "hs = Mul(k, h)" if factor == "stream" else "hs = Div(s, h)"
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W0)
   k = MatMul(x, W1)
   {body}
   y = LayerNormalization<axis=-1>(hs, g1, b1)
-}}""", W0=randn(gen, 6, D), W1=randn(gen, 6, D), s=np.array(3.0, np.float32), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        W1=randn(gen, 6, D),
+        s=np.array(3.0, np.float32),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert not plan.folded and plan.decisions[0].blocker.node == "hs"
     fold_and_check(model)
@@ -887,24 +1079,34 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
 def test_softmax_consumer_removes_the_shift():
     """Softmax over the normalized axis is shift-invariant: centring its input is safe."""
     gen = rng(45)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, {D}] z) {{
   h = MatMul(x, W0)
   y = LayerNormalization<axis=-1>(h, g1, b1)
   z = Softmax<axis=-1>(h)
-}}""", W0=randn(gen, 6, D), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     assert len(inspect_onnx(model).folded) == 1
     fold_and_check(model)
 
 
 def test_softmax_over_another_axis_is_unsafe():
     gen = rng(46)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, {D}] z) {{
   h = MatMul(x, W0)
   y = LayerNormalization<axis=-1>(h, g1, b1)
   z = Softmax<axis=1>(h)
-}}""", W0=randn(gen, 6, D), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert not plan.folded and "unsafe" in plan.decisions[0].reason
     fold_and_check(model)
@@ -912,13 +1114,20 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, {D}] z) {{
 
 def test_slice_along_normalized_axis_refused():
     gen = rng(29)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, 4] y) {{
   h = MatMul(x, W)
   hs = Slice(h, st, en, ax)
   y = LayerNormalization<axis=-1>(hs, g1, b1)
-}}""", W=randn(gen, 6, D), st=np.array([0], np.int64), en=np.array([4], np.int64), ax=np.array([-1], np.int64),
-        g1=gamma(gen, 4), b1=beta(gen, 4))
+}}""",
+        W=randn(gen, 6, D),
+        st=np.array([0], np.int64),
+        en=np.array([4], np.int64),
+        ax=np.array([-1], np.int64),
+        g1=gamma(gen, 4),
+        b1=beta(gen, 4),
+    )
     plan = inspect_onnx(model)
     assert not plan.folded and "slices the normalized axis" in plan.decisions[0].reason
     fold_and_check(model)
@@ -926,13 +1135,20 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, 4] y) {{
 
 def test_slice_along_other_axis_folds():
     gen = rng(30)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, 2, {D}] y) {{
   h = MatMul(x, W)
   hs = Slice(h, st, en, ax)
   y = LayerNormalization<axis=-1>(hs, g1, b1)
-}}""", W=randn(gen, 6, D), st=np.array([1], np.int64), en=np.array([3], np.int64), ax=np.array([1], np.int64),
-        g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=randn(gen, 6, D),
+        st=np.array([1], np.int64),
+        en=np.array([3], np.int64),
+        ax=np.array([1], np.int64),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     assert len(inspect_onnx(model).folded) == 1
     fold_and_check(model)
 
@@ -940,12 +1156,18 @@ agraph (float[B, {S}, 6] x) => (float[B, 2, {D}] y) {{
 @pytest.mark.parametrize("batch", ["2", "B"])
 def test_reshape_keeping_last_axis_folds(batch):
     gen = rng(31)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[{batch}, {S}, 6] x) => (float[N, {D}] y) {{
   h = MatMul(x, W)
   hs = Reshape(h, shp)
   y = LayerNormalization<axis=-1>(hs, g1, b1)
-}}""", W=randn(gen, 6, D), shp=np.array([-1, D], np.int64), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=randn(gen, 6, D),
+        shp=np.array([-1, D], np.int64),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert len(plan.folded) == 1, plan.to_json()
     result = fold_and_check(model)
@@ -954,12 +1176,18 @@ agraph (float[{batch}, {S}, 6] x) => (float[N, {D}] y) {{
 
 def test_reshape_splitting_normalized_axis_refused():
     gen = rng(32)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, 2, {D // 2}] y) {{
   h = MatMul(x, W)
   hs = Reshape(h, shp)
   y = LayerNormalization<axis=-1>(hs, g1, b1)
-}}""", W=randn(gen, 6, D), shp=np.array([0, 0, 2, D // 2], np.int64), g1=gamma(gen, D // 2), b1=beta(gen, D // 2))
+}}""",
+        W=randn(gen, 6, D),
+        shp=np.array([0, 0, 2, D // 2], np.int64),
+        g1=gamma(gen, D // 2),
+        b1=beta(gen, D // 2),
+    )
     plan = inspect_onnx(model)
     assert not plan.folded and "intact" in plan.decisions[0].reason
     fold_and_check(model)
@@ -969,7 +1197,8 @@ def flattened_patches(gen, kept: int) -> onnx.ModelProto:
     """Conv → Reshape to Concat(Shape(h)[:kept], [-1]) (TorchScript's `flatten(kept)`) → [Transpose] → LN."""
     width, layout = (D, "t = Transpose<perm=[0, 2, 1]>(flat)") if kept == 2 else (16 * D, "t = Identity(flat)")
     out = f"float[B, M, {D}] y" if kept == 2 else f"float[B, {16 * D}] y"
-    return build(f"""{header(17)}
+    return build(
+        f"""{header(17)}
 agraph (float[B, 3, 8, 8] x) => ({out}) {{
   h = Conv<kernel_shape=[2, 2], strides=[2, 2]>(x, W, C)
   s = Shape(h)
@@ -978,8 +1207,15 @@ agraph (float[B, 3, 8, 8] x) => ({out}) {{
   flat = Reshape(h, shp)
   {layout}
   y = LayerNormalization<axis=-1>(t, g1, b1)
-}}""", W=randn(gen, D, 3, 2, 2), C=randn(gen, D), zero=np.array([0], np.int64), upto=np.array([kept], np.int64),
-        minus_one=np.array([-1], np.int64), g1=gamma(gen, width), b1=beta(gen, width))
+}}""",
+        W=randn(gen, D, 3, 2, 2),
+        C=randn(gen, D),
+        zero=np.array([0], np.int64),
+        upto=np.array([kept], np.int64),
+        minus_one=np.array([-1], np.int64),
+        g1=gamma(gen, width),
+        b1=beta(gen, width),
+    )
 
 
 def test_reshape_to_shape_arithmetic_keeping_channels_folds():
@@ -1004,14 +1240,18 @@ def test_weights_from_constant_nodes_fold():
     def literal(values):
         return ", ".join(repr(float(v)) for v in values.ravel())
 
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   W = Constant<value=float[6, {D}] {{{literal(weight)}}}>()
   c = Constant<value=float[{D}] {{{literal(bias)}}}>()
   h = MatMul(x, W)
   hb = Add(h, c)
   y = LayerNormalization<axis=-1>(hb, g1, b1)
-}}""", g1=gamma(gen), b1=beta(gen))
+}}""",
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     plan = inspect_onnx(model)
     assert len(plan.folded) == 1, plan.to_json()
     assert set(plan.decisions[0].centred_layers) == {"h", "c"}
@@ -1024,11 +1264,16 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
 
 def typed_model(dtype: str, gen):
     np_type = {"double": np.float64, "float16": np.float16}[dtype]
-    return build(f"""{header()}
+    return build(
+        f"""{header()}
 agraph ({dtype}[B, {S}, 6] x) => ({dtype}[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   y = LayerNormalization<axis=-1>(h, g1, b1)
-}}""", W=randn(gen, 6, D).astype(np_type), g1=gamma(gen).astype(np_type), b1=beta(gen).astype(np_type))
+}}""",
+        W=randn(gen, 6, D).astype(np_type),
+        g1=gamma(gen).astype(np_type),
+        b1=beta(gen).astype(np_type),
+    )
 
 
 @pytest.mark.parametrize("value_info", [True, False], ids=["value_info", "no_value_info"])
@@ -1065,11 +1310,15 @@ def test_rms_op_onnx(linear):
 
 def test_rms_op_onnx_from_opset_17():
     gen = rng(36)
-    model = build(f"""{header(17)}
+    model = build(
+        f"""{header(17)}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   y = LayerNormalization<axis=-1>(h, g1)
-}}""", W=randn(gen, 6, D), g1=gamma(gen))
+}}""",
+        W=randn(gen, 6, D),
+        g1=gamma(gen),
+    )
     result = fold_and_check(model, rms_op="onnx")
     assert op_counts(result.model)["RMSNormalization"] == 1
     assert {o.domain: o.version for o in result.model.opset_import}[""] == 23
@@ -1078,11 +1327,16 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
 @pytest.mark.parametrize("opset", [17, 18])
 def test_rms_op_decomposed(opset):
     gen = rng(37)
-    model = build(f"""{header(opset)}
+    model = build(
+        f"""{header(opset)}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   y = LayerNormalization<axis=-1, epsilon=0.5>(h, g1, b1)
-}}""", W=randn(gen, 6, D, scale=0.3), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=randn(gen, 6, D, scale=0.3),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     result = fold_and_check(model, rms_op="decomposed")
     counts = op_counts(result.model)
     assert not any(counts[op] for op in FLOAT_SPECIALS), counts
@@ -1096,11 +1350,16 @@ agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
 def test_epsilon_is_carried_into_the_rms_op():
     """A large ε makes a dropped or defaulted ε visible in the numerics."""
     gen = rng(38)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   y = LayerNormalization<axis=-1, epsilon=2.0>(h, g1, b1)
-}}""", W=randn(gen, 6, D, scale=0.3), g1=gamma(gen), b1=beta(gen))
+}}""",
+        W=randn(gen, 6, D, scale=0.3),
+        g1=gamma(gen),
+        b1=beta(gen),
+    )
     result = fold_and_check(model)
     rms = nodes_of(result.model, "SimplifiedLayerNormalization")[0]
     assert next(a.f for a in rms.attribute if a.name == "epsilon") == pytest.approx(2.0)
@@ -1117,11 +1376,14 @@ def test_unknown_rms_op_is_an_input_error():
 
 def test_model_without_norms():
     gen = rng(40)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
   h = MatMul(x, W)
   y = Relu(h)
-}}""", W=randn(gen, 6, D))
+}}""",
+        W=randn(gen, 6, D),
+    )
     plan = inspect_onnx(model)
     assert plan.total == 0 and plan.folded == []
     assert plan.to_json() == {"norms": [], "total": 0, "foldable": 0}

@@ -10,13 +10,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import build
 from onnx import numpy_helper
 
 from normpass import models as builtin_models
 from normpass.onnx.passes import fold_onnx
 from normpass.onnx.verify import REL_TOLERANCE, verify
-
-from conftest import build
 
 pytestmark = pytest.mark.filterwarnings("ignore:the float32 number")
 pytest.importorskip("onnxconverter_common")
@@ -36,8 +35,11 @@ def gpt2_fp16(gpt2):
 
 
 def _stash_types(model) -> list[int]:
-    return [next((a.i for a in n.attribute if a.name == "stash_type"), None)
-            for n in model.graph.node if n.op_type in STASH_TYPE_OPS]
+    return [
+        next((a.i for a in n.attribute if a.name == "stash_type"), None)
+        for n in model.graph.node
+        if n.op_type in STASH_TYPE_OPS
+    ]
 
 
 def test_conversion_is_fp16_with_fp32_norm_statistics(gpt2, gpt2_fp16):
@@ -68,13 +70,16 @@ def test_conversion_after_fold(gpt2, gpt2_fp16):
 def test_graph_casts_to_float_become_fp16_except_into_fp32_only_ops():
     """A graph's own `Cast(to=float)` casts to float16 after conversion; the converter's casts to
     float in front of the ops it keeps in fp32 (its block list, here `Max`) stay float."""
-    model = build("""<ir_version: 10, opset_import: ["" : 17]>
+    model = build(
+        """<ir_version: 10, opset_import: ["" : 17]>
 agraph (float[2, 4] x, int64[2, 4] k) => (float[2, 4] y) {
   kf = Cast<to=1>(k)
   s = Add(x, kf)
   m = Max(s, x)
   y = Mul(m, w)
-}""", w=np.full(4, 0.5, np.float32))
+}""",
+        w=np.full(4, 0.5, np.float32),
+    )
     converted = to_fp16(model)
     producers = {out: n for n in converted.graph.node for out in n.output}
     casts = {n.output[0]: n.attribute[0].i for n in converted.graph.node if n.op_type == "Cast"}

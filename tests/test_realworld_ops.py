@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-
 from conftest import assert_equivalent, build, check_structure, initializers, randn, run_ort
+
 from normpass import FoldOptions, fold_onnx, inspect_onnx
 from normpass.onnx.constants import constant_values, is_constant
 
@@ -24,7 +24,9 @@ def _decision(plan, name):
 
 # --- overridable initializers --------------------------------------------------------------------
 
-PRE_LN = OPSET + """
+PRE_LN = (
+    OPSET
+    + """
 m (float[2,4,8] x, float[8,8] W0) => (float[2,4,8] y) {
   h0 = MatMul(x, W0)
   h = Add(h0, b0)
@@ -32,11 +34,20 @@ m (float[2,4,8] x, float[8,8] W0) => (float[2,4,8] y) {
   y0 = MatMul(n, W1)
   y = Add(y0, b1)
 }"""
+)
 
 
 def _pre_ln(gen, **extra):
-    return build(PRE_LN, W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8),
-                 W1=randn(gen, 8, 8), b1=randn(gen, 8), **extra)
+    return build(
+        PRE_LN,
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        b1=randn(gen, 8),
+        **extra,
+    )
 
 
 def test_initializer_listed_as_input_is_a_runtime_input(gen):
@@ -55,8 +66,15 @@ def test_initializer_listed_as_input_is_a_runtime_input(gen):
 
 def test_overridable_consumer_weight_is_no_migration_target(gen):
     """W1 can be overridden: γ/β must stay out of it, and the folded model must still take it."""
-    model = build(PRE_LN.replace("float[8,8] W0)", "float[8,8] W1)"), W0=randn(gen, 8, 8), b0=randn(gen, 8),
-                  g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8), b1=randn(gen, 8))
+    model = build(
+        PRE_LN.replace("float[8,8] W0)", "float[8,8] W1)"),
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        b1=randn(gen, 8),
+    )
     result = _fold(model)
     assert result.folded == 1
     assert "migrated" not in (result.affine_notes["n"] or "")
@@ -67,8 +85,15 @@ def test_overridable_consumer_weight_is_no_migration_target(gen):
 
 
 def test_overridable_gamma_declines_the_norm(gen):
-    model = build(PRE_LN.replace("float[8,8] W0)", "float[8] g)"), W0=randn(gen, 8, 8), b0=randn(gen, 8),
-                  g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8), b1=randn(gen, 8))
+    model = build(
+        PRE_LN.replace("float[8,8] W0)", "float[8] g)"),
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        b1=randn(gen, 8),
+    )
     result = _fold(model)
     assert result.folded == 0
     assert "run time" in _decision(result.plan, "n").reason
@@ -80,7 +105,9 @@ def test_overridable_gamma_declines_the_norm(gen):
 
 def test_shape_readers_do_not_block_centring_or_affine_migration(gen):
     """Shape of the centred stream and of the norm's output (as TorchScript exports emit for every reshape)."""
-    model = build(OPSET + """
+    model = build(
+        OPSET
+        + """
 m (float[B,S,8] x) => (float[B,S,8] y) {
   h0 = MatMul(x, W0)
   h = Add(h0, b0)
@@ -92,7 +119,14 @@ m (float[B,S,8] x) => (float[B,S,8] y) {
   y1 = Add(y0, b1)
   z = Reshape(y1, ns)
   y = Reshape(z, hs)
-}""", W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8), b1=randn(gen, 8))
+}""",
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        b1=randn(gen, 8),
+    )
     plan = inspect_onnx(model)
     assert [d.foldable for d in plan.decisions] == [True]
     result = fold_onnx(model)  # default options: β must have somewhere to go
@@ -104,7 +138,9 @@ m (float[B,S,8] x) => (float[B,S,8] y) {
 
 
 def test_a_value_computed_from_shapes_is_not_a_constant_to_centre(gen):
-    model = build(OPSET + """
+    model = build(
+        OPSET
+        + """
 m (float[2,4,8] x) => (float[2,4,8] y) {
   h0 = MatMul(x, W0)
   s = Shape(h0)
@@ -113,8 +149,14 @@ m (float[2,4,8] x) => (float[2,4,8] y) {
   h = Add(h0, t)
   n = LayerNormalization<axis=-1>(h, g, be)
   y = MatMul(n, W1)
-}""", W0=randn(gen, 8, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8),
-        two=np.array([2], np.int64), three=np.array([3], np.int64))
+}""",
+        W0=randn(gen, 8, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        two=np.array([2], np.int64),
+        three=np.array([3], np.int64),
+    )
     decision = _decision(inspect_onnx(model), "n")
     assert not decision.foldable and "broadcasts t along the normalized axis" in decision.reason
 
@@ -126,7 +168,9 @@ def test_weights_read_through_constant_subgraphs_are_constants(gen):
     """γ deduplicated and read through Identity by two norms (TorchScript), W0 transposed, b0 a
     `value_floats` Constant, W1 cast from double, b1 unsqueezed: all constants. Only n1 folds, and
     n2 keeps reading the original γ (copy-on-write)."""
-    model = build(OPSET + """
+    model = build(
+        OPSET
+        + """
 m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] y2) {
   b0 = Constant<value_floats = [0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 3.0, 1.0]>()
   w0 = Transpose<perm=[1, 0]>(W0t)
@@ -140,8 +184,15 @@ m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] y2) {
   y = Add(y0, b1)
   n2 = LayerNormalization<axis=-1>(x, gi, be)
   y2 = Mul(n2, two)
-}""", W0t=randn(gen, 8, 8), g=randn(gen, 8) + 1.0, be=randn(gen, 8), W1d=randn(gen, 8, 8).astype(np.float64),
-        b1v=randn(gen, 8), zero=np.array([0], np.int64), two=np.array(2.0, np.float32))
+}""",
+        W0t=randn(gen, 8, 8),
+        g=randn(gen, 8) + 1.0,
+        be=randn(gen, 8),
+        W1d=randn(gen, 8, 8).astype(np.float64),
+        b1v=randn(gen, 8),
+        zero=np.array([0], np.int64),
+        two=np.array(2.0, np.float32),
+    )
     result = _fold(model)
     assert [(d.name, d.foldable) for d in result.plan.decisions] == [("n1", True), ("n2", False)]
     assert result.affine_notes["n1"].startswith("γ/β migrated")
@@ -154,7 +205,9 @@ m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] y2) {
 
 
 def test_slice_and_concat_of_constants_feed_a_centred_layer(gen):
-    text = OPSET + """
+    text = (
+        OPSET
+        + """
 m (float[2,4,8] x) => (float[2,4,8] y) {
   lo = Slice(W, zero, four, one)
   hi = Slice(W, four, eight, one, one)
@@ -165,9 +218,20 @@ m (float[2,4,8] x) => (float[2,4,8] y) {
   n = LayerNormalization<axis=-1>(hb, g, be)
   y = MatMul(n, W1)
 }"""
-    model = build(text, W=randn(gen, 8, 8), zero=np.array([0], np.int64), four=np.array([4], np.int64),
-                  eight=np.array([8], np.int64), one=np.array([1], np.int64), B=randn(gen, 3, 8),
-                  idx=np.array(1, np.int64), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8))
+    )
+    model = build(
+        text,
+        W=randn(gen, 8, 8),
+        zero=np.array([0], np.int64),
+        four=np.array([4], np.int64),
+        eight=np.array([8], np.int64),
+        one=np.array([1], np.int64),
+        B=randn(gen, 3, 8),
+        idx=np.array(1, np.int64),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+    )
     result = _fold(model)
     assert result.folded == 1
     assert_equivalent(model, result.model)
@@ -178,7 +242,10 @@ m (float[2,4,8] x) => (float[2,4,8] y) {
 
 def _as_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model with every initializer written as a `Constant` node, as PaddlePaddle exports do."""
-    constants = [onnx.helper.make_node("Constant", [], [i.name], name=f"const_{i.name}", value=i) for i in model.graph.initializer]
+    constants = [
+        onnx.helper.make_node("Constant", [], [i.name], name=f"const_{i.name}", value=i)
+        for i in model.graph.initializer
+    ]
     nodes = constants + list(model.graph.node)
     del model.graph.initializer[:]
     del model.graph.node[:]
@@ -197,32 +264,50 @@ m (float x) => (float y, float p) {
 }""")
     for value in list(model.graph.input) + list(model.graph.output):
         value.type.tensor_type.ClearField("shape")  # unknown rank
-    for name, value in dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8)).items():
+    for name, value in dict(
+        W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8)
+    ).items():
         model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
     plan = inspect_onnx(_as_constant_nodes(model))
-    assert [(d.foldable, d.reason) for d in plan.decisions] == [(False, "the rank of h is unknown, so the normalized axis cannot be tracked")]
+    assert [(d.foldable, d.reason) for d in plan.decisions] == [
+        (False, "the rank of h is unknown, so the normalized axis cannot be tracked")
+    ]
 
 
-@pytest.mark.parametrize("node", [
-    'p = Softmax<axis=1>(h)',
-    'p = Gather<axis=-1>(h, idx)',
-    'p = Transpose<perm=[0, 0, 1]>(h)',
-    'p = Concat(h, h)',
-    'p = custom.MatMul(h, W1)',
-    'p = Sub(h)',
-])
+@pytest.mark.parametrize(
+    "node",
+    [
+        "p = Softmax<axis=1>(h)",
+        "p = Gather<axis=-1>(h, idx)",
+        "p = Transpose<perm=[0, 0, 1]>(h)",
+        "p = Concat(h, h)",
+        "p = custom.MatMul(h, W1)",
+        "p = Sub(h)",
+    ],
+)
 def test_malformed_or_unknown_readers_decline_with_a_reason(gen, node):
     """A reader of the centred stream that cannot be analysed makes the fold unsafe, with a reason."""
-    model = onnx.parser.parse_model(OPSET.replace('"" : 17', '"" : 17, "custom" : 1') + """
+    model = onnx.parser.parse_model(
+        OPSET.replace('"" : 17', '"" : 17, "custom" : 1')
+        + """
 m (float[2,4,8] x) => (float[2,4,8] y, float p) {
   h0 = MatMul(x, W0)
   h = Add(h0, b0)
   n = LayerNormalization<axis=-1>(h, g, be)
   y = MatMul(n, W1)
-  """ + node + """
-}""")
-    for name, value in dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8),
-                            idx=np.array([0], np.int64)).items():
+  """
+        + node
+        + """
+}"""
+    )
+    for name, value in dict(
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        idx=np.array([0], np.int64),
+    ).items():
         model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
     model.graph.output[1].type.tensor_type.ClearField("shape")
     (decision,) = inspect_onnx(model).decisions
@@ -231,7 +316,9 @@ m (float[2,4,8] x) => (float[2,4,8] y, float p) {
 
 # --- more zero-mean-preserving ops ---------------------------------------------------------------
 
-STREAM = OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1') + """
+STREAM = (
+    OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1')
+    + """
 m (float[2,4,6,8] x) => (float[{y}] y) {{
   h0 = MatMul(x, W0)
   h = Add(h0, b0)
@@ -239,6 +326,7 @@ m (float[2,4,6,8] x) => (float[{y}] y) {{
   n = LayerNormalization<axis=-1>(t, g, be)
   y = MatMul(n, W1)
 }}"""
+)
 NO_ROI = np.zeros(0, np.float32)
 
 
@@ -247,20 +335,42 @@ def _stream_model(gen, op: str, out: str, **constants):
 
     Shapes through contrib ops come from ONNX Runtime's symbolic shape inference."""
     shape = [int(d) for d in out.split(",")]
-    text = STREAM.format(op=op, y=out[:out.rindex(",")] + ",8")
+    text = STREAM.format(op=op, y=out[: out.rindex(",")] + ",8")
     width = shape[-1]
-    return build(text, W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, width),
-                 be=randn(gen, width), W1=randn(gen, width, 8), **constants)
+    return build(
+        text,
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g=randn(gen, width),
+        be=randn(gen, width),
+        W1=randn(gen, width, 8),
+        **constants,
+    )
 
 
-@pytest.mark.parametrize("op, out, constants", [
-    ('t = Resize<mode="linear">(h, roi, scales)', "2,8,12,8", dict(roi=NO_ROI, scales=np.array([1, 2, 2, 1], np.float32))),
-    ('t = Resize<mode="cubic">(h, roi, "", sizes)', "2,4,9,8", dict(roi=NO_ROI, sizes=np.array([2, 4, 9, 8], np.int64))),
-    ('t = Pad(h, pads)', "2,7,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 2, 0, 0], np.int64))),
-    ('t = Pad<mode="reflect">(h, pads)', "2,4,8,8", dict(pads=np.array([0, 0, 1, 0, 0, 0, 1, 0], np.int64))),
-    ('t = Tile(h, reps)', "2,8,6,8", dict(reps=np.array([1, 2, 1, 1], np.int64))),
-    ('t = Where(rows, h, zero)', "2,4,6,8", dict(rows=np.arange(48).reshape(2, 4, 6, 1) % 3 == 0, zero=np.array(-1e4, np.float32))),
-])
+@pytest.mark.parametrize(
+    "op, out, constants",
+    [
+        (
+            't = Resize<mode="linear">(h, roi, scales)',
+            "2,8,12,8",
+            dict(roi=NO_ROI, scales=np.array([1, 2, 2, 1], np.float32)),
+        ),
+        (
+            't = Resize<mode="cubic">(h, roi, "", sizes)',
+            "2,4,9,8",
+            dict(roi=NO_ROI, sizes=np.array([2, 4, 9, 8], np.int64)),
+        ),
+        ("t = Pad(h, pads)", "2,7,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 2, 0, 0], np.int64))),
+        ('t = Pad<mode="reflect">(h, pads)', "2,4,8,8", dict(pads=np.array([0, 0, 1, 0, 0, 0, 1, 0], np.int64))),
+        ("t = Tile(h, reps)", "2,8,6,8", dict(reps=np.array([1, 2, 1, 1], np.int64))),
+        (
+            "t = Where(rows, h, zero)",
+            "2,4,6,8",
+            dict(rows=np.arange(48).reshape(2, 4, 6, 1) % 3 == 0, zero=np.array(-1e4, np.float32)),
+        ),
+    ],
+)
 def test_ops_that_keep_rows_whole_fold(gen, op, out, constants):
     model = _stream_model(gen, op, out, **constants)
     result = _fold(model)
@@ -269,17 +379,48 @@ def test_ops_that_keep_rows_whole_fold(gen, op, out, constants):
     assert_equivalent(model, result.model)
 
 
-@pytest.mark.parametrize("op, out, constants, reason", [
-    ('t = Resize<mode="linear">(h, roi, scales)', "2,4,6,16", dict(roi=NO_ROI, scales=np.array([1, 1, 1, 2], np.float32)),
-     "mixes or pads along the normalized axis"),
-    ('t = Pad(h, pads)', "2,4,6,9", dict(pads=np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64)), "mixes or pads along the normalized axis"),
-    ('t = Pad(h, pads, one)', "2,5,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int64), one=np.array(1, np.float32)),
-     "pads with a value that is not a constant zero"),
-    ('x0 = ReduceMax<keepdims=0>(x)\n  t = Pad(h, pads, x0)', "2,5,6,8", dict(pads=np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int64)), "not a constant zero"),
-    ('t = Tile(h, reps)', "2,4,6,16", dict(reps=np.array([1, 1, 1, 2], np.int64)), "mixes or pads along the normalized axis"),
-    ('t = Where(cols, h, zero)', "2,4,6,8", dict(cols=np.arange(8) % 2 == 0, zero=np.array(0, np.float32)), "not whole rows"),
-    ('t = com.microsoft.FastGelu(h)', "2,4,6,8", {}, "a GELU is nonlinear"),
-])
+@pytest.mark.parametrize(
+    "op, out, constants, reason",
+    [
+        (
+            't = Resize<mode="linear">(h, roi, scales)',
+            "2,4,6,16",
+            dict(roi=NO_ROI, scales=np.array([1, 1, 1, 2], np.float32)),
+            "mixes or pads along the normalized axis",
+        ),
+        (
+            "t = Pad(h, pads)",
+            "2,4,6,9",
+            dict(pads=np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64)),
+            "mixes or pads along the normalized axis",
+        ),
+        (
+            "t = Pad(h, pads, one)",
+            "2,5,6,8",
+            dict(pads=np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int64), one=np.array(1, np.float32)),
+            "pads with a value that is not a constant zero",
+        ),
+        (
+            "x0 = ReduceMax<keepdims=0>(x)\n  t = Pad(h, pads, x0)",
+            "2,5,6,8",
+            dict(pads=np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int64)),
+            "not a constant zero",
+        ),
+        (
+            "t = Tile(h, reps)",
+            "2,4,6,16",
+            dict(reps=np.array([1, 1, 1, 2], np.int64)),
+            "mixes or pads along the normalized axis",
+        ),
+        (
+            "t = Where(cols, h, zero)",
+            "2,4,6,8",
+            dict(cols=np.arange(8) % 2 == 0, zero=np.array(0, np.float32)),
+            "not whole rows",
+        ),
+        ("t = com.microsoft.FastGelu(h)", "2,4,6,8", {}, "a GELU is nonlinear"),
+    ],
+)
 def test_ops_that_mix_a_row_decline_with_a_reason(gen, op, out, constants, reason):
     (decision,) = inspect_onnx(_stream_model(gen, op, out, **constants)).decisions
     assert not decision.foldable and reason in decision.reason
@@ -291,7 +432,9 @@ def test_contrib_bias_add_is_a_residual_sum(gen):
     assert decision.foldable and {c.label for c in decision.centrings} == {"h0", "b0"}
 
 
-POOLED = OPSET + """
+POOLED = (
+    OPSET
+    + """
 m (float[2,8,6,6] x) => (float[2,{side},{side},8] y) {{
   h = Conv(x, W0, b0)
   p = {pool}
@@ -299,12 +442,21 @@ m (float[2,8,6,6] x) => (float[2,{side},{side},8] y) {{
   n = LayerNormalization<axis=-1>(t, g, be)
   y = MatMul(n, W1)
 }}"""
+)
 
 
-@pytest.mark.parametrize("pool, side", [("AveragePool<kernel_shape=[2, 2], strides=[2, 2]>(h)", 3), ("GlobalAveragePool(h)", 1)])
+@pytest.mark.parametrize(
+    "pool, side", [("AveragePool<kernel_shape=[2, 2], strides=[2, 2]>(h)", 3), ("GlobalAveragePool(h)", 1)]
+)
 def test_average_pooling_over_spatial_axes_folds(gen, pool, side):
-    model = build(POOLED.format(pool=pool, side=side), W0=randn(gen, 8, 8, 1, 1), b0=randn(gen, 8), g=randn(gen, 8),
-                  be=randn(gen, 8), W1=randn(gen, 8, 8))
+    model = build(
+        POOLED.format(pool=pool, side=side),
+        W0=randn(gen, 8, 8, 1, 1),
+        b0=randn(gen, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+    )
     result = _fold(model)
     assert result.folded == 1
     assert_equivalent(model, result.model)
@@ -313,14 +465,22 @@ def test_average_pooling_over_spatial_axes_folds(gen, pool, side):
 @pytest.mark.parametrize("equation, weight", [("bhsd,de->bhse", (8, 8)), ("bhsd,ed->bhse", (8, 8))])
 def test_einsum_with_a_constant_operand_is_a_linear_layer(gen, equation, weight):
     text = STREAM.format(op=f't = Einsum<equation="{equation}">(h, We)', y="2,4,6,8")
-    model = build(text.replace("h = Add(h0, b0)", "h = Relu(h0)"), W0=randn(gen, 8, 8), g=randn(gen, 8), be=randn(gen, 8),
-                  W1=randn(gen, 8, 8), We=randn(gen, *weight))
+    model = build(
+        text.replace("h = Add(h0, b0)", "h = Relu(h0)"),
+        W0=randn(gen, 8, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        We=randn(gen, *weight),
+    )
     result = _fold(model)
     assert result.folded == 1
     assert_equivalent(model, result.model)
 
 
-LAYER_SCALE = OPSET + """
+LAYER_SCALE = (
+    OPSET
+    + """
 m (float[2,4,8] x) => (float[2,4,8] y) {
   h0 = MatMul(x, W0)
   h = Add(h0, b0)
@@ -332,12 +492,23 @@ m (float[2,4,8] x) => (float[2,4,8] y) {
   n2 = LayerNormalization<axis=-1>(r, g2, be2)
   y = MatMul(n2, W1)
 }"""
+)
 
 
 def test_layer_scale_after_a_linear_layer_is_absorbed_and_centred(gen):
-    model = build(LAYER_SCALE, W0=randn(gen, 8, 8), b0=randn(gen, 8), g1=randn(gen, 8), be1=randn(gen, 8),
-                  Wa=randn(gen, 8, 8), ba=randn(gen, 8), ls=randn(gen, 8) + 0.5, g2=randn(gen, 8), be2=randn(gen, 8),
-                  W1=randn(gen, 8, 8))
+    model = build(
+        LAYER_SCALE,
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g1=randn(gen, 8),
+        be1=randn(gen, 8),
+        Wa=randn(gen, 8, 8),
+        ba=randn(gen, 8),
+        ls=randn(gen, 8) + 0.5,
+        g2=randn(gen, 8),
+        be2=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+    )
     result = _fold(model)
     assert result.folded == 2, result.plan.decisions
     (mul,) = [n for n in result.model.graph.node if n.op_type == "Mul" and n.output[0] == "s"]
@@ -347,15 +518,27 @@ def test_layer_scale_after_a_linear_layer_is_absorbed_and_centred(gen):
 
 
 def test_layer_scale_varying_along_other_axes_is_not_absorbed(gen):
-    model = build(LAYER_SCALE, W0=randn(gen, 8, 8), b0=randn(gen, 8), g1=randn(gen, 8), be1=randn(gen, 8),
-                  Wa=randn(gen, 8, 8), ba=randn(gen, 8), ls=randn(gen, 4, 8), g2=randn(gen, 8), be2=randn(gen, 8),
-                  W1=randn(gen, 8, 8))
+    model = build(
+        LAYER_SCALE,
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g1=randn(gen, 8),
+        be1=randn(gen, 8),
+        Wa=randn(gen, 8, 8),
+        ba=randn(gen, 8),
+        ls=randn(gen, 4, 8),
+        g2=randn(gen, 8),
+        be2=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+    )
     decision = _decision(inspect_onnx(model), "n2")
     assert not decision.foldable and "factor that is not constant along the normalized axis" in decision.reason
 
 
 def test_layer_scale_after_a_gemm_with_transposed_weight(gen):
-    model = build(OPSET + """
+    model = build(
+        OPSET
+        + """
 m (float[4,8] x) => (float[4,8] y) {
   h = Gemm<transB=1>(x, W0, b0)
   n1 = LayerNormalization<axis=-1>(h, g1, be1)
@@ -364,8 +547,18 @@ m (float[4,8] x) => (float[4,8] y) {
   r = Add(h, s)
   n2 = LayerNormalization<axis=-1>(r, g2, be2)
   y = MatMul(n2, W1)
-}""", W0=randn(gen, 8, 8), b0=randn(gen, 8), g1=randn(gen, 8), be1=randn(gen, 8), Wa=randn(gen, 8, 8), ba=randn(gen, 8),
-        ls=randn(gen, 1, 8) + 0.5, g2=randn(gen, 8), be2=randn(gen, 8), W1=randn(gen, 8, 8))
+}""",
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g1=randn(gen, 8),
+        be1=randn(gen, 8),
+        Wa=randn(gen, 8, 8),
+        ba=randn(gen, 8),
+        ls=randn(gen, 1, 8) + 0.5,
+        g2=randn(gen, 8),
+        be2=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+    )
     result = _fold(model)
     assert result.folded == 2, result.plan.decisions
     assert_equivalent(model, result.model)
@@ -373,7 +566,9 @@ m (float[4,8] x) => (float[4,8] y) {
 
 def test_fused_attention_takes_the_affine_and_refuses_a_shift(gen):
     """com.microsoft.Attention computes x·W_qkv + b_qkv: γ/β migrate into them; centring its input would not be exact."""
-    text = OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1') + """
+    text = (
+        OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1')
+        + """
 m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] z) {
   h0 = MatMul(x, W0)
   h = Add(h0, b0)
@@ -381,8 +576,15 @@ m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] z) {
   y = com.microsoft.Attention<num_heads=2>(n, Wqkv, bqkv)
   z = com.microsoft.Attention<num_heads=2>(h0, Wqkv, bqkv)
 }"""
-    constants = dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8),
-                     Wqkv=randn(gen, 8, 24), bqkv=randn(gen, 24))
+    )
+    constants = dict(
+        W0=randn(gen, 8, 8),
+        b0=randn(gen, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        Wqkv=randn(gen, 8, 24),
+        bqkv=randn(gen, 24),
+    )
     model = build(text, **constants)
     (decision,) = inspect_onnx(model).decisions
     assert not decision.foldable and "fused attention" in decision.reason
@@ -395,12 +597,20 @@ m (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] z) {
 def test_a_residual_chain_deeper_than_the_recursion_limit(gen):
     depth = 1100
     lines = ["h0 = MatMul(x, W0)"] + [f"h{i + 1} = Add(h{i}, b)" for i in range(depth)]
-    model = build(OPSET + f"""
+    model = build(
+        OPSET
+        + f"""
 m (float[2,8] x) => (float[2,8] y) {{
   {chr(10).join(lines)}
   n = LayerNormalization<axis=-1>(h{depth}, g, be)
   y = MatMul(n, W1)
-}}""", W0=randn(gen, 8, 8), b=randn(gen, 8), g=randn(gen, 8), be=randn(gen, 8), W1=randn(gen, 8, 8))
+}}""",
+        W0=randn(gen, 8, 8),
+        b=randn(gen, 8),
+        g=randn(gen, 8),
+        be=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+    )
     assert [d.foldable for d in inspect_onnx(model).decisions] == [True]
 
 
@@ -432,18 +642,41 @@ def _torchscript_export(name: str) -> onnx.ModelProto:
     if name == "gpt2":
         model, args = LM(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1))), (torch.randint(0, 128, (2, 8)),)
     elif name == "opt":
-        config = transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, ffn_dim=128, num_attention_heads=4,
-                                        max_position_embeddings=64, word_embed_proj_dim=64, pad_token_id=1)
+        config = transformers.OPTConfig(
+            vocab_size=128,
+            hidden_size=64,
+            num_hidden_layers=1,
+            ffn_dim=128,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=64,
+            pad_token_id=1,
+        )
         model, args = LM(transformers.OPTForCausalLM(config)), (torch.randint(0, 128, (2, 8)),)
     else:
-        config = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, intermediate_size=128)
+        config = transformers.ViTConfig(
+            image_size=32,
+            patch_size=8,
+            num_channels=3,
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=128,
+        )
         model, args = Encoder(transformers.ViTModel(config, add_pooling_layer=False)), (torch.randn(2, 3, 32, 32),)
     _randomise(model)
     dynamic = {0: "batch"} if name == "vit" else {0: "batch", 1: "sequence"}
     buffer = io.BytesIO()
-    torch.onnx.export(model.eval(), args, buffer, dynamo=False, opset_version=17, input_names=["input"], output_names=["output"],
-                      dynamic_axes={"input": dynamic, "output": dynamic})
+    torch.onnx.export(
+        model.eval(),
+        args,
+        buffer,
+        dynamo=False,
+        opset_version=17,
+        input_names=["input"],
+        output_names=["output"],
+        dynamic_axes={"input": dynamic, "output": dynamic},
+    )
     return onnx.load_from_string(buffer.getvalue())
 
 
@@ -460,26 +693,29 @@ def test_torchscript_exports_fold_every_norm(name):
     assert [d.kept for d in default.plan.decisions] == [False, False, True]
 
 
-@pytest.mark.parametrize("opset, body", [
-    (17, "y = Identity(a)"),
-    (17, "y = Cast<to=10>(a)"),
-    (17, "y = Reshape(a, shape)"),
-    (17, "y = Flatten<axis=1>(a)"),
-    (17, "y = Squeeze(u, zero)"),
-    (11, "y = Squeeze<axes=[0]>(u)"),
-    (11, "y = Unsqueeze<axes=[0, -1]>(a)"),
-    (17, "y = Unsqueeze(a, zero)"),
-    (17, "y = Transpose(a)"),
-    (17, "y = Concat<axis=-1>(a, a)"),
-    (17, "y = Gather<axis=1>(a, idx)"),
-    (17, "y = Slice(a, one, big, minus_one_axis)"),
-    (9, "y = Slice<starts=[1], ends=[2], axes=[0]>(a)"),
-    (17, "y = Expand(a, wide)"),
-    (17, "t = Neg(a)\n  s = Sub(t, a)\n  y = Mul(s, a)"),
-    (17, "y = ConstantOfShape<value=float[1] {0.5}>(shape)"),
-    (17, 'y = Constant<value_ints=[3, 1, 2]>()'),
-    (17, "r = Range(zero_f, three_f, half_f)\n  y = Add(r, zero_f)"),
-])
+@pytest.mark.parametrize(
+    "opset, body",
+    [
+        (17, "y = Identity(a)"),
+        (17, "y = Cast<to=10>(a)"),
+        (17, "y = Reshape(a, shape)"),
+        (17, "y = Flatten<axis=1>(a)"),
+        (17, "y = Squeeze(u, zero)"),
+        (11, "y = Squeeze<axes=[0]>(u)"),
+        (11, "y = Unsqueeze<axes=[0, -1]>(a)"),
+        (17, "y = Unsqueeze(a, zero)"),
+        (17, "y = Transpose(a)"),
+        (17, "y = Concat<axis=-1>(a, a)"),
+        (17, "y = Gather<axis=1>(a, idx)"),
+        (17, "y = Slice(a, one, big, minus_one_axis)"),
+        (9, "y = Slice<starts=[1], ends=[2], axes=[0]>(a)"),
+        (17, "y = Expand(a, wide)"),
+        (17, "t = Neg(a)\n  s = Sub(t, a)\n  y = Mul(s, a)"),
+        (17, "y = ConstantOfShape<value=float[1] {0.5}>(shape)"),
+        (17, "y = Constant<value_ints=[3, 1, 2]>()"),
+        (17, "r = Range(zero_f, three_f, half_f)\n  y = Add(r, zero_f)"),
+    ],
+)
 def test_constant_subgraphs_evaluate_as_the_onnx_reference_does(gen, opset, body):
     from onnx.reference import ReferenceEvaluator
 
@@ -487,10 +723,20 @@ def test_constant_subgraphs_evaluate_as_the_onnx_reference_does(gen, opset, body
 
     text = f'<ir_version: 7, opset_import: ["" : {opset}]>\nm () => (y) {{\n  {body}\n}}'
     model = onnx.parser.parse_model(text)
-    constants = dict(a=randn(gen, 2, 3), u=randn(gen, 1, 3), shape=np.array([3, 2], np.int64), zero=np.array([0], np.int64),
-                     idx=np.array([[2, 0]], np.int64), one=np.array([1], np.int64), big=np.array([2**62], np.int64),
-                     minus_one_axis=np.array([-1], np.int64), wide=np.array([4, 2, 3], np.int64),
-                     zero_f=np.array(0, np.float32), three_f=np.array(3, np.float32), half_f=np.array(0.5, np.float32))
+    constants = dict(
+        a=randn(gen, 2, 3),
+        u=randn(gen, 1, 3),
+        shape=np.array([3, 2], np.int64),
+        zero=np.array([0], np.int64),
+        idx=np.array([[2, 0]], np.int64),
+        one=np.array([1], np.int64),
+        big=np.array([2**62], np.int64),
+        minus_one_axis=np.array([-1], np.int64),
+        wide=np.array([4, 2, 3], np.int64),
+        zero_f=np.array(0, np.float32),
+        three_f=np.array(3, np.float32),
+        half_f=np.array(0.5, np.float32),
+    )
     used = {name for node in model.graph.node for name in node.input}
     model.graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in constants.items() if k in used)
     (expected,) = ReferenceEvaluator(model).run(None, {})

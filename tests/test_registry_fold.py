@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-
-from normpass import models as builtin_models
-from normpass import inspect_onnx
-from normpass.onnx.verify import make_inputs
-
 from conftest import check_plain, check_structure, initializers, op_counts, rms_nodes, run_ort
+
+from normpass import inspect_onnx
+from normpass import models as builtin_models
+from normpass.onnx.verify import make_inputs
 
 SMALL = builtin_models.names(include_large=False)
 RMS_OPS = ("simplified", "onnx", "decomposed")
@@ -68,7 +67,8 @@ def test_fold_verifies(exported, rms_op, registry_export, registry_fold):
         else:
             assert counts["RMSNormalization"] == 0
     assert counts["LayerNormalization"] == op_counts(model)["LayerNormalization"] - (
-        entry.expected_rewritten if op_counts(model)["LayerNormalization"] else 0)
+        entry.expected_rewritten if op_counts(model)["LayerNormalization"] else 0
+    )
     # rewritten constants are new initializers: whatever keeps an original name keeps its values
     original = initializers(model)
     for name, values in initializers(folded).items():
@@ -83,7 +83,9 @@ def test_fold_with_beta_add_rewrites_every_proven_norm(exported, registry_fold):
     assert result.comparison.passed and result.comparison.max_rel_error <= 1e-5
     # each kept-by-default norm now costs an RMS op plus a separate β Add
     kept_names = {d.name for d in registry_fold(entry.name).plan.decisions if d.kept}
-    beta_adds = [n.name for n in result.model.graph.node if n.op_type == "Add" and n.name.removesuffix(".beta") in kept_names]
+    beta_adds = [
+        n.name for n in result.model.graph.node if n.op_type == "Add" and n.name.removesuffix(".beta") in kept_names
+    ]
     assert len(beta_adds) == entry.expected_kept, beta_adds
 
 
@@ -106,8 +108,11 @@ def test_gpt2_tied_head_keeps_the_original_table(registry_fold):
     folded = registry_fold("gpt2").model
     gathers = [n for n in folded.graph.node if n.op_type == "Gather" and n.input[0] in initializers(folded)]
     tables = initializers(folded)
-    centred = [n for n in gathers if tables[n.input[0]].ndim == 2
-               and np.abs(tables[n.input[0]].astype(np.float64).sum(axis=1)).max() < 1e-4]
+    centred = [
+        n
+        for n in gathers
+        if tables[n.input[0]].ndim == 2 and np.abs(tables[n.input[0]].astype(np.float64).sum(axis=1)).max() < 1e-4
+    ]
     assert len(centred) == 2, [n.name for n in gathers]  # token and position embeddings
 
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 import onnx.parser
+import pytest
+from conftest import assert_equivalent, build, check_structure, op_counts, randn, rng
 from onnx import helper, numpy_helper
 
 from normpass import FoldOptions, fold_onnx
-
-from conftest import assert_equivalent, build, check_structure, op_counts, randn, rng
 
 D = 8
 HEADER = '<ir_version: 10, opset_import: ["" : 17]>'
@@ -40,13 +39,19 @@ def decomposed_ln(x: str, y: str, scale: str | None = None) -> str:
 
 def test_decomposed_norm_with_a_scalar_gamma_folds():
     gen = rng(0)
-    model = build(f"""{HEADER}
+    model = build(
+        f"""{HEADER}
 agraph (float[B, {D}] x) => (float[B, {D}] z) {{
   m0 = MatMul(x, W0)
   h = Add(m0, b0){decomposed_ln("h", "y", scale="s")}
   z = MatMul(y, W1)
-}}""", W0=randn(gen, D, D), b0=randn(gen, D), W1=randn(gen, D, D), eps=np.array(1e-5, np.float32),
-        s=np.array(1.7, np.float32))
+}}""",
+        W0=randn(gen, D, D),
+        b0=randn(gen, D),
+        W1=randn(gen, D, D),
+        eps=np.array(1e-5, np.float32),
+        s=np.array(1.7, np.float32),
+    )
     for options in (FoldOptions(), FoldOptions(target="onnx")):
         result = fold_onnx(model, options)
         assert result.folded == 1 and op_counts(result.model)["ReduceMean"] == 0
@@ -58,7 +63,8 @@ def test_gammaless_decomposed_norms_behind_an_inserted_centring_fold(dtype):
     """The new RMS scale and ε take the norm's own dtype (an inserted centring's is not known)."""
     gen = rng(1)
     np_dtype = np.float32 if dtype == "float" else np.float64
-    model = build(f"""{HEADER}
+    model = build(
+        f"""{HEADER}
 agraph ({dtype}[B, {D}] x) => ({dtype}[B, {D}] y) {{
   m0 = MatMul(x, W0)
   a0 = Add(m0, b0)
@@ -66,10 +72,16 @@ agraph ({dtype}[B, {D}] x) => ({dtype}[B, {D}] y) {{
   m1 = MatMul(n1, W1)
   f = Add(m1, b1)
   r = Add(h, f){decomposed_ln("r", "y")}
-}}""", **{name: value.astype(np_dtype) for name, value in dict(
-        W0=randn(gen, D, D), b0=randn(gen, D), W1=randn(gen, D, D), b1=randn(gen, D), eps=np.array(1e-5)).items()})
+}}""",
+        **{
+            name: value.astype(np_dtype)
+            for name, value in dict(
+                W0=randn(gen, D, D), b0=randn(gen, D), W1=randn(gen, D, D), b1=randn(gen, D), eps=np.array(1e-5)
+            ).items()
+        },
+    )
     result = fold_onnx(model, FoldOptions(fold_with_beta_add=True, verify=False))
-    assert result.folded == 2 and [d.insertions for d in result.plan.folded][0]
+    assert result.folded == 2 and next(d.insertions for d in result.plan.folded)
     check_structure(result.model)
     assert_equivalent(model, result.model)
 
@@ -77,11 +89,21 @@ agraph ({dtype}[B, {D}] x) => ({dtype}[B, {D}] y) {{
 def test_tensor_attributes_of_the_callers_model_are_untouched():
     nodes = [
         helper.make_node("Shape", ["x"], ["shape"], name="shape"),
-        helper.make_node("ConstantOfShape", ["shape"], ["zeros"], name="zeros", value=numpy_helper.from_array(np.zeros(1, np.float32))),
+        helper.make_node(
+            "ConstantOfShape",
+            ["shape"],
+            ["zeros"],
+            name="zeros",
+            value=numpy_helper.from_array(np.zeros(1, np.float32)),
+        ),
         helper.make_node("Add", ["x", "zeros"], ["y"], name="add"),
     ]
-    graph = helper.make_graph(nodes, "attribute", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", D])],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", D])])
+    graph = helper.make_graph(
+        nodes,
+        "attribute",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", D])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", D])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     before = model.SerializeToString()
     for options in (FoldOptions(), FoldOptions(verify=False)):
@@ -92,12 +114,18 @@ def test_tensor_attributes_of_the_callers_model_are_untouched():
 def test_decomposed_norm_with_a_run_time_epsilon_is_listed_and_declined():
     """ε (or Pow's exponent) given as an overridable initializer: the norm is listed, with the reason."""
     gen = rng(2)
-    model = build(f"""{HEADER}
+    model = build(
+        f"""{HEADER}
 agraph (float[B, {D}] x, float eps) => (float[B, {D}] z) {{
   m0 = MatMul(x, W0)
   h = Add(m0, b0){decomposed_ln("h", "y")}
   z = MatMul(y, W1)
-}}""", W0=randn(gen, D, D), b0=randn(gen, D), W1=randn(gen, D, D), eps=np.array(1e-5, np.float32))
+}}""",
+        W0=randn(gen, D, D),
+        b0=randn(gen, D),
+        W1=randn(gen, D, D),
+        eps=np.array(1e-5, np.float32),
+    )
     result = fold_onnx(model)
     [decision] = result.plan.decisions
     assert result.folded == 0 and "ε" in decision.reason and "given at run time" in decision.reason
@@ -107,20 +135,34 @@ agraph (float[B, {D}] x, float eps) => (float[B, {D}] z) {{
 def test_a_body_reading_the_norm_output_is_no_part_of_the_norm():
     """An If branch's Mul is among the readers of the outer tensor it reads: not γ."""
     gen = rng(3)
-    float_out = lambda name: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["B", D])  # noqa: E731
-    then_branch = helper.make_graph([helper.make_node("Mul", ["y", "s"], ["t"], name="scale_y")], "then", [], [float_out("t")],
-                                    [numpy_helper.from_array(np.array(2.0, np.float32), "s")])
-    else_branch = helper.make_graph([helper.make_node("Neg", ["x"], ["e"], name="negate_x")], "else", [], [float_out("e")])
+    float_out = lambda name: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["B", D])
+    then_branch = helper.make_graph(
+        [helper.make_node("Mul", ["y", "s"], ["t"], name="scale_y")],
+        "then",
+        [],
+        [float_out("t")],
+        [numpy_helper.from_array(np.array(2.0, np.float32), "s")],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["e"], name="negate_x")], "else", [], [float_out("e")]
+    )
     chain = onnx.parser.parse_graph(f"""chain (float[B, {D}] x) => (float[B, {D}] y) {{
   m0 = MatMul(x, W0)
   h = Add(m0, b0){decomposed_ln("h", "y")}
 }}""")
-    nodes = list(chain.node) + [helper.make_node("If", ["cond"], ["z"], name="branch", then_branch=then_branch, else_branch=else_branch)]
+    nodes = list(chain.node) + [
+        helper.make_node("If", ["cond"], ["z"], name="branch", then_branch=then_branch, else_branch=else_branch)
+    ]
     for node in nodes:
         node.name = node.name or node.output[0]
     inits = {"W0": randn(gen, D, D), "b0": randn(gen, D), "eps": np.array(1e-5, np.float32)}
-    graph = helper.make_graph(nodes, "body_reader", [float_out("x"), helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])],
-                              [float_out("y"), float_out("z")], [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    graph = helper.make_graph(
+        nodes,
+        "body_reader",
+        [float_out("x"), helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])],
+        [float_out("y"), float_out("z")],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     onnx.checker.check_model(model, full_check=True)
     plan = fold_onnx(model).plan
@@ -130,12 +172,18 @@ def test_a_body_reading_the_norm_output_is_no_part_of_the_norm():
 def test_a_norm_whose_normalized_output_is_also_a_graph_output_ends_there():
     """x̂ is a graph output and feeds `+ k`: the norm is x ↦ x̂, the Add stays an ordinary op."""
     gen = rng(4)
-    model = build(f"""{HEADER}
+    model = build(
+        f"""{HEADER}
 agraph (float[B, {D}] x) => (float[B, {D}] y, float[B, {D}] z) {{
   m0 = MatMul(x, W0)
   h = Add(m0, b0){decomposed_ln("h", "y")}
   z = Add(y, k)
-}}""", W0=randn(gen, D, D), b0=randn(gen, D), k=randn(gen, D), eps=np.array(1e-5, np.float32))
+}}""",
+        W0=randn(gen, D, D),
+        b0=randn(gen, D),
+        k=randn(gen, D),
+        eps=np.array(1e-5, np.float32),
+    )
     result = fold_onnx(model)
     assert [d.op for d in result.plan.decisions] == ["decomposed LayerNorm"] and result.folded == 1
     assert_equivalent(model, result.model)

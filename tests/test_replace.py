@@ -21,9 +21,9 @@ import onnx
 import pytest
 from conftest import build, check_structure, randn, run_ort
 
-from normpass.surrogate.calibrate import load_batches, split_batches
 from normpass.cli.main import main
 from normpass.errors import InputError
+from normpass.surrogate.calibrate import load_batches, split_batches
 from normpass.surrogate.replace import BudgetMissed, ReplaceOptions, replace_onnx
 
 FAST = dict(orders=("input",), samples=48, batch_size=8)
@@ -42,7 +42,7 @@ def test_replace_bert_holds_its_budget_and_reports_every_norm(bert):
     assert report["total"] == 5 and report["exact"] == 1
     assert report["exact"] + report["replaced"] + report["kept"] == 5
     assert report["replaced"] >= 2
-    assert [n["decision"] for n in report["norms"]][0] == "exact"
+    assert next(n["decision"] for n in report["norms"]) == "exact"
     for norm in report["norms"]:
         assert norm["decision"] in ("exact", "replaced", "kept", "unsupported") and norm["reason"]
         if norm["decision"] == "replaced":
@@ -62,7 +62,9 @@ def test_replace_bert_holds_its_budget_and_reports_every_norm(bert):
 @pytest.mark.parametrize("sequential", [True, False])
 def test_replace_bert_rms_sequential_and_parallel(bert, sequential):
     _, model = bert
-    result = replace_onnx(model, "synthetic", ReplaceOptions(kind="rms", budget="cos=0.999", sequential=sequential, **FAST))
+    result = replace_onnx(
+        model, "synthetic", ReplaceOptions(kind="rms", budget="cos=0.999", sequential=sequential, **FAST)
+    )
     report = result.report()
     assert report["calibration"] == ("sequential" if sequential else "parallel")
     assert report["test"]["cos_min"] >= 0.999
@@ -85,8 +87,15 @@ post (float[N, 8] a) => (float[N, 8] out) {
 
 
 def _post_ln(gen):
-    return build(POST_LN, W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), g=(1 + randn(gen, 8, scale=0.2)),
-                 bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8), b2=randn(gen, 8))
+    return build(
+        POST_LN,
+        W1=randn(gen, 8, 8, scale=0.3),
+        b1=randn(gen, 8),
+        g=(1 + randn(gen, 8, scale=0.2)),
+        bb=randn(gen, 8, scale=0.2),
+        W2=randn(gen, 8, 8),
+        b2=randn(gen, 8),
+    )
 
 
 def _narrow(gen, count, scale):
@@ -106,9 +115,29 @@ def test_a_model_missing_its_budget_on_held_out_data_is_refused(gen, tmp_path):
     onnx.save(model, str(model_path))
     np.savez(tmp_path / "calib.npz", **calib)
     np.savez(tmp_path / "holdout.npz", **holdout)
-    code = main(["replace", str(model_path), "--with", "affine", "--calib", str(tmp_path / "calib.npz"), "--holdout",
-                 str(tmp_path / "holdout.npz"), "--budget", "cos=0.99", "--margin", "1", "--orders", "input",
-                 "-o", str(out), "--report", str(report), "--no-progress"])
+    code = main(
+        [
+            "replace",
+            str(model_path),
+            "--with",
+            "affine",
+            "--calib",
+            str(tmp_path / "calib.npz"),
+            "--holdout",
+            str(tmp_path / "holdout.npz"),
+            "--budget",
+            "cos=0.99",
+            "--margin",
+            "1",
+            "--orders",
+            "input",
+            "-o",
+            str(out),
+            "--report",
+            str(report),
+            "--no-progress",
+        ]
+    )
     assert code == 1 and not out.exists()
     data = json.loads(report.read_text())
     assert data["output"] is None and data["passed"] is False
@@ -134,8 +163,16 @@ post (float[N, 8] a) => (float[N, 8] out) {
 
 
 def test_a_shape_reader_of_the_norm_input_does_not_block_shift_and_centring(gen):
-    model = build(POST_LN_SHAPE_READER, W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), g=(1 + randn(gen, 8, scale=0.2)),
-                  bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8), b2=randn(gen, 8))
+    model = build(
+        POST_LN_SHAPE_READER,
+        W1=randn(gen, 8, 8, scale=0.3),
+        b1=randn(gen, 8),
+        g=(1 + randn(gen, 8, scale=0.2)),
+        bb=randn(gen, 8, scale=0.2),
+        W2=randn(gen, 8, 8),
+        b2=randn(gen, 8),
+    )
+
     def zero_mean_rows(count):  # the residual carries no per-token mean: after centring, rms is exact
         rows = randn(gen, count, 8)
         return {"a": rows - rows.mean(-1, keepdims=True)}
@@ -158,8 +195,27 @@ def test_cli_writes_model_and_report_and_leaves_the_input_alone(bert, tmp_path, 
     path, _ = bert
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     out, report = tmp_path / "bert.rep.onnx", tmp_path / "report.json"
-    code = main(["replace", str(path), "--with", "rms", "--calib", "synthetic", "--samples", "48", "--budget", "cos=0.999",
-                 "--orders", "input", "-o", str(out), "--report", str(report), "--no-progress"])
+    code = main(
+        [
+            "replace",
+            str(path),
+            "--with",
+            "rms",
+            "--calib",
+            "synthetic",
+            "--samples",
+            "48",
+            "--budget",
+            "cos=0.999",
+            "--orders",
+            "input",
+            "-o",
+            str(out),
+            "--report",
+            str(report),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
     check_structure(onnx.load(str(out)))
@@ -169,12 +225,15 @@ def test_cli_writes_model_and_report_and_leaves_the_input_alone(bert, tmp_path, 
     assert "1 of 5 norms folded exactly" in printed and "replaced by surrogates" in printed
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--calib", "missing.npz"], "no such calibration data"),
-    (["--calib", "synthetic", "--budget", "cos=2"], "--budget"),
-    (["--calib", "synthetic", "--split", "0.5,0.5"], "--split"),
-    (["--calib", "synthetic", "--orders", "sideways"], "orders"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--calib", "missing.npz"], "no such calibration data"),
+        (["--calib", "synthetic", "--budget", "cos=2"], "--budget"),
+        (["--calib", "synthetic", "--split", "0.5,0.5"], "--split"),
+        (["--calib", "synthetic", "--orders", "sideways"], "orders"),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(bert, tmp_path, capsys, args, message):
     path, _ = bert
     out = tmp_path / "out.onnx"
@@ -196,8 +255,11 @@ def test_calibration_data_forms_agree(gen, tmp_path):
     np.savez(tmp_path / "d.npz", **arrays)
     (tmp_path / "dir").mkdir()
     np.save(tmp_path / "dir" / "a.npy", arrays["a"])
-    forms = [load_batches(tmp_path / "d.npz", model, batch_size=8), load_batches(tmp_path / "dir", model, batch_size=8),
-             load_batches(lambda: ({"a": arrays["a"][i : i + 8]} for i in range(0, 20, 8)), model)]
+    forms = [
+        load_batches(tmp_path / "d.npz", model, batch_size=8),
+        load_batches(tmp_path / "dir", model, batch_size=8),
+        load_batches(lambda: ({"a": arrays["a"][i : i + 8]} for i in range(0, 20, 8)), model),
+    ]
     for batches in forms:
         assert [b["a"].shape[0] for b in batches] == [8, 8, 4]
         np.testing.assert_array_equal(np.concatenate([b["a"] for b in batches]), arrays["a"])
@@ -241,8 +303,9 @@ def test_minilm_rms_surrogates_hold_the_budget_on_held_out_sentences(minilm):
     calib = module.batches(sentences[:48], batch_size=16)
     holdout = module.batches(sentences[200:232], batch_size=16)
     wanted = ("node_layer_norm_1", "node_layer_norm_3", "node_layer_norm_5")
-    options = ReplaceOptions(kind="rms", budget="cos=0.999", holdout=holdout, split=(0.6, 0.4, 0.0), norms=wanted,
-                             orders=("input",))
+    options = ReplaceOptions(
+        kind="rms", budget="cos=0.999", holdout=holdout, split=(0.6, 0.4, 0.0), norms=wanted, orders=("input",)
+    )
     result = replace_onnx(model, calib, options, name="minilm")
     report = result.report()
     assert report["exact"] == 1 and report["replaced"] >= 2

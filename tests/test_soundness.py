@@ -16,12 +16,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import build, check_structure, randn, rng
 from onnx import numpy_helper
 
 from normpass import FoldOptions, VerificationError, fold_onnx, inspect_onnx
 from normpass.onnx.verify import check_signature, compare_outputs, make_inputs, verify
-
-from conftest import build, check_structure, randn, rng
 
 D = 8
 HEADER = '<ir_version: 10, opset_import: ["" : 17]>'
@@ -40,7 +39,9 @@ def assert_same_for_both_conditions(original: onnx.ModelProto, folded: onnx.Mode
     for cond in (True, False):
         feeds = floats | {"cond": np.array(cond)}
         for expected, got in zip(ort_outputs(original, feeds), ort_outputs(folded, feeds), strict=True):
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), err_msg=f"cond={cond}")
+            np.testing.assert_allclose(
+                got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), err_msg=f"cond={cond}"
+            )
 
 
 def ln_model(else_body: str, then_body: str = "t = Identity(x)", extra: str = "", **more) -> onnx.ModelProto:
@@ -57,8 +58,14 @@ def ln_model(else_body: str, then_body: str = "t = Identity(x)", extra: str = ""
         z = If(cond) <then_branch = then_g () => (float[2, 4, {D}] t) {{ {then_body} }},
                       else_branch = else_g () => (float[2, 4, {D}] e) {{ {else_body} }}>
     }}"""
-    weights = dict(W0=randn(gen, D, D), b0=randn(gen, D), g0=1 + randn(gen, D, scale=0.3), be0=randn(gen, D, scale=0.3),
-                   W1=randn(gen, D, D), b1=randn(gen, D))
+    weights = dict(
+        W0=randn(gen, D, D),
+        b0=randn(gen, D),
+        g0=1 + randn(gen, D, scale=0.3),
+        be0=randn(gen, D, scale=0.3),
+        W1=randn(gen, D, D),
+        b1=randn(gen, D),
+    )
     return build(text, **weights, **more)
 
 
@@ -95,8 +102,16 @@ def test_outer_scope_reader_in_a_loop_body_blocks_the_centring():
             acc_out = Add(acc, h)
         }}>
     }}"""
-    model = build(text, W0=randn(gen, D, D), b0=randn(gen, D), g0=1 + randn(gen, D, scale=0.3), be0=randn(gen, D, scale=0.3),
-                  W1=randn(gen, D, D), b1=randn(gen, D), trips=np.array(2, dtype=np.int64))
+    model = build(
+        text,
+        W0=randn(gen, D, D),
+        b0=randn(gen, D),
+        g0=1 + randn(gen, D, scale=0.3),
+        be0=randn(gen, D, scale=0.3),
+        W1=randn(gen, D, D),
+        b1=randn(gen, D),
+        trips=np.array(2, dtype=np.int64),
+    )
     plan = inspect_onnx(model)
     assert len(plan.folded) == 0 and plan.decisions[0].blocker.node == "z"
     assert_same_for_both_conditions(model, fold_onnx(model).model)

@@ -12,11 +12,6 @@ import onnx
 import onnx.parser
 import onnx_ir as ir
 import pytest
-from onnx import numpy_helper
-
-from normpass import FoldOptions, fold_onnx, inspect_onnx
-from normpass.onnx.patterns import match_decomposed
-
 from conftest import (
     assert_equivalent,
     build,
@@ -28,6 +23,10 @@ from conftest import (
     randn,
     rng,
 )
+from onnx import numpy_helper
+
+from normpass import FoldOptions, fold_onnx, inspect_onnx
+from normpass.onnx.patterns import match_decomposed
 
 D = 8
 HEADER = '<ir_version: 10, opset_import: ["" : {opset}, "com.microsoft" : 1]>'
@@ -91,11 +90,16 @@ agraph (float[N, 6] x) => (float[N, {D}] y) {{
 
 def test_com_microsoft_layer_normalization_is_recognised():
     gen = rng(2)
-    model = parse_unchecked(f"""{header(13)}
+    model = parse_unchecked(
+        f"""{header(13)}
 agraph (float[N, 6] x) => (float[N, {D}] y) {{
   h = Gemm<transB=1>(x, W, C)
   y = com.microsoft.LayerNormalization<axis=-1, epsilon=1e-5>(h, g1, b1)
-}}""", W=randn(gen, D, 6), C=randn(gen, D), **affine(gen))
+}}""",
+        W=randn(gen, D, 6),
+        C=randn(gen, D),
+        **affine(gen),
+    )
     norm = only_decision(model)
     assert norm.op == "LayerNormalization" and norm.foldable, norm.reason
     assert norm.centred_layers == ["h"]
@@ -104,8 +108,18 @@ agraph (float[N, 6] x) => (float[N, {D}] y) {{
 # --- decomposed LayerNorm -------------------------------------------------------------------------
 
 
-def decomposed(gen, *, opset=18, square="Pow", divide="Div", eps="inside", variance="centred",
-               order="normal", beta_node=False, casts=False) -> onnx.ModelProto:
+def decomposed(
+    gen,
+    *,
+    opset=18,
+    square="Pow",
+    divide="Div",
+    eps="inside",
+    variance="centred",
+    order="normal",
+    beta_node=False,
+    casts=False,
+) -> onnx.ModelProto:
     """Gemm → a decomposed LayerNorm spelled as asked → γ, β.
 
     eps: "inside" √(v + ε), "outside" √v + ε. variance: "centred" mean((x − μ)²), "moments"
@@ -117,26 +131,42 @@ def decomposed(gen, *, opset=18, square="Pow", divide="Div", eps="inside", varia
     mean = "ReduceMean<axes=[-1]>({})" if opset < 18 else "ReduceMean({}, ax)"
     sq = "Pow({0}, two)" if square == "Pow" else "Mul({0}, {0})"
     src = "hc" if casts else "h"
-    lines = ["h = Gemm<transB=1>(x, W, C)"] + ["hc = Cast<to=1>(h)"] * casts + [f"mu = {mean.format(src)}", f"d = Sub({src}, mu)"]
+    lines = (
+        ["h = Gemm<transB=1>(x, W, C)"]
+        + ["hc = Cast<to=1>(h)"] * casts
+        + [f"mu = {mean.format(src)}", f"d = Sub({src}, mu)"]
+    )
     if variance == "centred":
         lines += [f"d2 = {sq.format('d')}", f"v = {mean.format('d2')}"]
     else:
         lines += [f"h2 = {sq.format(src)}", f"m2 = {mean.format('h2')}", f"mu2 = {sq.format('mu')}", "v = Sub(m2, mu2)"]
     lines += ["ve = Add(v, eps)", "s = Sqrt(ve)"] if eps == "inside" else ["r = Sqrt(v)", "s = Add(r, eps)"]
-    lines += {"Div": ["xn = Div(d, s)"], "Reciprocal": ["rs = Reciprocal(s)", "xn = Mul(rs, d)"],
-              "Div1": ["rs = Div(one, s)", "xn = Mul(d, rs)"]}[divide]
+    lines += {
+        "Div": ["xn = Div(d, s)"],
+        "Reciprocal": ["rs = Reciprocal(s)", "xn = Mul(rs, d)"],
+        "Div1": ["rs = Div(one, s)", "xn = Mul(d, rs)"],
+    }[divide]
     lines += ["xc = Cast<to=1>(xn)"] if casts else []
     xn = "xc" if casts else "xn"
     if beta_node:
         lines.insert(0, f"b1 = Constant<value=float[{D}] {{{', '.join(map(str, randn(gen, D).tolist()))}}}>()")
-    lines += [f"xg = Mul({xn}, g1)", "y = Add(xg, b1)"] if order == "normal" else [f"xg = Mul(g1, {xn})", "y = Add(b1, xg)"]
+    lines += (
+        [f"xg = Mul({xn}, g1)", "y = Add(xg, b1)"] if order == "normal" else [f"xg = Mul(g1, {xn})", "y = Add(b1, xg)"]
+    )
     body = "\n  ".join(lines)
     text = f"""{header(opset)}
 agraph (float[N, 6] x) => (float[N, {D}] y) {{
   {body}
 }}"""
-    values = dict(W=randn(gen, D, 6), C=randn(gen, D) + 1, two=np.array(2.0, np.float32),
-                  eps=np.array(1e-3, np.float32), one=np.array(1.0, np.float32), ax=np.array([-1], np.int64), **affine(gen))
+    values = dict(
+        W=randn(gen, D, 6),
+        C=randn(gen, D) + 1,
+        two=np.array(2.0, np.float32),
+        eps=np.array(1e-3, np.float32),
+        one=np.array(1.0, np.float32),
+        ax=np.array([-1], np.int64),
+        **affine(gen),
+    )
     if beta_node:
         del values["b1"]
     used = {name for node in onnx.parser.parse_model(text).graph.node for name in node.input}
@@ -190,15 +220,26 @@ def skip_block(gen, bias=True, sum_used=True, skip_source="MatMul(x, W1)", op="S
     gamma_beta = "g1" if op == "SkipSimplifiedLayerNormalization" else "g1, b1"
     inputs = f"h, a, {gamma_beta}" + (", c1" if bias else "")
     tail = ["s2 = Add(s, u)", "z = LayerNormalization<axis=-1>(s2, g2, b2)"] if sum_used else ["z = Identity(u)"]
-    lines = ["h = MatMul(x, W0)", f"a = {skip_source}", f"y, m, v, s = com.microsoft.{op}<epsilon=1e-5>({inputs})",
-             "u = MatMul(y, W2)"] + tail
+    lines = [
+        "h = MatMul(x, W0)",
+        f"a = {skip_source}",
+        f"y, m, v, s = com.microsoft.{op}<epsilon=1e-5>({inputs})",
+        "u = MatMul(y, W2)",
+    ] + tail
     body = "\n  ".join(lines)
     text = f"""{header()}
 agraph (float[B, 4, 6] x, float[B, 4, {D}] r) => (float[B, 4, {D}] z) {{
   {body}
 }}"""
-    values = dict(W0=randn(gen, 6, D), W1=randn(gen, 6, D), W2=randn(gen, D, D), c1=randn(gen, D) + 1,
-                  g2=1 + randn(gen, D, scale=0.3), b2=randn(gen, D), **affine(gen))
+    values = dict(
+        W0=randn(gen, 6, D),
+        W1=randn(gen, 6, D),
+        W2=randn(gen, D, D),
+        c1=randn(gen, D) + 1,
+        g2=1 + randn(gen, D, scale=0.3),
+        b2=randn(gen, D),
+        **affine(gen),
+    )
     used = {name for node in onnx.parser.parse_model(text).graph.node for name in node.input}
     return build(text, **{k: v for k, v in values.items() if k in used})
 
@@ -256,11 +297,16 @@ def test_skip_simplified_is_already_rms_and_refuses_a_shift_into_its_sum():
 @pytest.mark.parametrize("op", ["SimplifiedLayerNormalization", "RMSNormalization"])
 def test_rms_ops_reported_as_already_rms(op):
     gen = rng(9)
-    model = parse_unchecked(f"""{header(23)}
+    model = parse_unchecked(
+        f"""{header(23)}
 agraph (float[N, 6] x) => (float[N, {D}] y) {{
   h = Gemm<transB=1>(x, W, C)
   y = {op}<axis=-1>(h, g1)
-}}""", W=randn(gen, D, 6), C=randn(gen, D), g1=affine(gen)["g1"])
+}}""",
+        W=randn(gen, D, 6),
+        C=randn(gen, D),
+        g1=affine(gen)["g1"],
+    )
     norm = only_decision(model)
     assert norm.op == op and not norm.foldable and "already an RMSNorm" in norm.reason
 
@@ -269,7 +315,8 @@ def torchscript_rms(gen, to: int) -> onnx.ModelProto:
     """Gemm → Llama's RMSNorm as TorchScript exports it, `γ * (h * rsqrt(mean(h²) + ε)).to(dtype)`:
     the norm reads `Cast<to=float>(h)`, rsqrt is `Div(1, ·)`, and x̂ is cast to `to` before γ."""
     dtype, name = (np.float32, "float") if to == onnx.TensorProto.FLOAT else (np.float16, "float16")
-    return build(f"""{header(17)}
+    return build(
+        f"""{header(17)}
 agraph (float[N, 6] x) => ({name}[N, {D}] y) {{
   h = Gemm<transB=1>(x, W, C)
   hc = Cast<to=1>(h)
@@ -281,8 +328,14 @@ agraph (float[N, 6] x) => ({name}[N, {D}] y) {{
   xn = Mul(hc, rs)
   xc = Cast<to={to}>(xn)
   y = Mul(g1, xc)
-}}""", W=randn(gen, D, 6), C=randn(gen, D), g1=affine(gen)["g1"].astype(dtype), two=np.array(2.0, np.float32),
-                 eps=np.array(1e-6, np.float32), one=np.array(1.0, np.float32))
+}}""",
+        W=randn(gen, D, 6),
+        C=randn(gen, D),
+        g1=affine(gen)["g1"].astype(dtype),
+        two=np.array(2.0, np.float32),
+        eps=np.array(1e-6, np.float32),
+        one=np.array(1.0, np.float32),
+    )
 
 
 def test_torchscript_llama_rms_norm_reported_as_already_rms():
@@ -302,10 +355,16 @@ def test_cast_to_another_type_before_gamma_stays_outside_the_norm():
 
 def test_embed_layer_normalization_is_listed_with_a_reason():
     gen = rng(10)
-    model = parse_unchecked(f"""{header(13)}
+    model = parse_unchecked(
+        f"""{header(13)}
 agraph (int32[B, 4] ids, int32[B, 4] seg) => (float[B, 4, {D}] y) {{
   y, mask = com.microsoft.EmbedLayerNormalization<epsilon=1e-12>(ids, seg, words, positions, segments, g1, b1)
-}}""", words=randn(gen, 16, D), positions=randn(gen, 4, D), segments=randn(gen, 2, D), **affine(gen))
+}}""",
+        words=randn(gen, 16, D),
+        positions=randn(gen, 4, D),
+        segments=randn(gen, 2, D),
+        **affine(gen),
+    )
     norm = only_decision(model)
     assert norm.op == "EmbedLayerNormalization" and not norm.foldable
     assert "sum of embedding lookups" in norm.reason
@@ -313,10 +372,13 @@ agraph (int32[B, 4] ids, int32[B, 4] seg) => (float[B, 4, {D}] y) {{
 
 def test_skip_group_norm_is_listed_with_a_reason():
     gen = rng(11)
-    model = parse_unchecked(f"""{header(18)}
+    model = parse_unchecked(
+        f"""{header(18)}
 agraph (float[B, 4, 4, {D}] x, float[B, 4, 4, {D}] k) => (float[B, 4, 4, {D}] y) {{
   y = com.microsoft.SkipGroupNorm<activation=0, epsilon=1e-5, groups=2, channels_last=1>(x, g1, b1, k)
-}}""", **affine(gen))
+}}""",
+        **affine(gen),
+    )
     norm = only_decision(model)
     assert norm.op == "SkipGroupNorm" and not norm.foldable and "GroupNorm" in norm.reason
 
@@ -329,13 +391,19 @@ def test_affine_migrates_into_a_matmul_whose_bias_a_fused_gelu_adds(activation):
     """LN → MatMul → com.microsoft.FastGelu/BiasGelu(·, bias): γ/β go into W and that bias, so the
     default fold (which keeps a norm whose β has nowhere to go) rewrites it."""
     gen = rng(12)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, 4, 6] x) => (float[B, 4, 16] y) {{
   h = MatMul(x, W0)
   n = LayerNormalization<axis=-1>(h, g1, b1)
   m = MatMul(n, W1)
   y = com.microsoft.{activation}(m, c1)
-}}""", W0=randn(gen, 6, D), W1=randn(gen, D, 16), c1=randn(gen, 16), **affine(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        W1=randn(gen, D, 16),
+        c1=randn(gen, 16),
+        **affine(gen),
+    )
     result = fold_checked(model, 1, fold_with_beta_add=False)
     rms = nodes_of(result.model, "SimplifiedLayerNormalization")[0]
     np.testing.assert_array_equal(initializers(result.model)[rms.input[1]], np.ones(D, np.float32))
@@ -347,15 +415,23 @@ def test_beta_moves_into_the_bias_of_a_skip_layer_norm_reading_the_norm():
     of a SkipLayerNormalization; its β moves into that op's bias, (n − β) + q + (c + β), so the
     default fold rewrites it without a separate β Add."""
     gen = rng(13)
-    model = build(f"""{header()}
+    model = build(
+        f"""{header()}
 agraph (float[B, 4, 6] x) => (float[B, 4, {D}] y) {{
   h = MatMul(x, W0)
   n = LayerNormalization<axis=-1>(h, g1, b1)
   q0 = MatMul(n, W1)
   q = Add(q0, c1)
   y, m, v, s = com.microsoft.SkipLayerNormalization<epsilon=1e-5>(q, n, g2, b2, c2)
-}}""", W0=randn(gen, 6, D), W1=randn(gen, D, D), c1=randn(gen, D), g2=1 + randn(gen, D, scale=0.3),
-        b2=randn(gen, D), c2=randn(gen, D), **affine(gen))
+}}""",
+        W0=randn(gen, 6, D),
+        W1=randn(gen, D, D),
+        c1=randn(gen, D),
+        g2=1 + randn(gen, D, scale=0.3),
+        b2=randn(gen, D),
+        c2=randn(gen, D),
+        **affine(gen),
+    )
     result = fold_checked(model, 1, fold_with_beta_add=False)
     assert [n.name for n in nodes_of(result.model, "Add")] == ["q"]  # no β Add
     skip = nodes_of(result.model, "SkipLayerNormalization")[0]

@@ -18,8 +18,8 @@ from conftest import build, check_structure, initializers, op_counts, randn, run
 
 from normpass.core.analysis import prove, safe_centrings
 from normpass.core.plan import Centring
-from normpass.surrogate.calibrate import Budget, Metrics, compare, token_rows
 from normpass.onnx.frontend import build_zero_mean_graph, load_graph
+from normpass.surrogate.calibrate import Budget, Metrics, compare, token_rows
 from normpass.surrogate.emit import Emitter, export_model, light_model, open_graph
 from normpass.surrogate.fit import (
     NormSpec,
@@ -75,7 +75,7 @@ def test_least_squares_is_the_per_feature_regression(gen):
     y = 1.5 * u - 0.3 + 0.01 * gen.standard_normal((200, D))
     g, h, residual = least_squares(u, y)
     for j in range(D):
-        (gj, hj), res, *_ = np.linalg.lstsq(np.stack([u[:, j], np.ones(200)], 1), y[:, j], rcond=None)
+        (gj, hj), _res, *_ = np.linalg.lstsq(np.stack([u[:, j], np.ones(200)], 1), y[:, j], rcond=None)
         assert g[j] == pytest.approx(gj, rel=1e-10) and h[j] == pytest.approx(hj, abs=1e-10)
     assert residual == pytest.approx(float(((g * u + h - y) ** 2).sum()), rel=1e-8)
 
@@ -114,7 +114,9 @@ def test_refitted_rms_is_no_worse_than_the_mean_shift(gen):
     stats = Welford(D)
     stats.update(x)
     y = spec(x)
-    assert relative_error(fit_rms(x, y, stats, 1e-5, spec, True)(x), y) <= relative_error(fit_rms(x, y, stats, 1e-5, spec, False)(x), y)
+    assert relative_error(fit_rms(x, y, stats, 1e-5, spec, True)(x), y) <= relative_error(
+        fit_rms(x, y, stats, 1e-5, spec, False)(x), y
+    )
 
 
 @pytest.mark.parametrize("kind", ["dyt", "derf"])
@@ -275,8 +277,12 @@ def test_emission_in_a_post_ln_block_is_exact(gen, kind):
     np.testing.assert_array_equal(b3, (w["b3"].astype(np.float64) + surrogate.beta).astype(np.float32))
     np.testing.assert_array_equal(new["Wq"], w["Wq"])  # γ stays, so Wq is not copied
     assert ops["Add"] == 5  # the model's own five; no Add for β
-    expected = {"rms": {"SimplifiedLayerNormalization": 1}, "affine": {"Mul": 1},
-                "dyt": {"Mul": 2, "Tanh": 1}, "derf": {"Mul": 2, "Erf": 1}}[kind]
+    expected = {
+        "rms": {"SimplifiedLayerNormalization": 1},
+        "affine": {"Mul": 1},
+        "dyt": {"Mul": 2, "Tanh": 1},
+        "derf": {"Mul": 2, "Erf": 1},
+    }[kind]
     assert dict(emission.ops) == expected
     if kind == "rms":
         rms = next(n for n in out.graph.node if n.op_type == "SimplifiedLayerNormalization")
@@ -345,10 +351,13 @@ def test_input_centring_is_exact_and_removes_the_linear_mean(gen):
         _close(after[name], before[name], rtol=1e-5)
 
 
-@pytest.mark.parametrize("text, ops", [
-    (BLOCK, {"Mul": 2, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1}),  # γ stays: the chain's last Mul
-    (LINEAR_ONLY, {"Mul": 1, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1}),  # γ/β migrate: it ends at the Div
-])
+@pytest.mark.parametrize(
+    "text, ops",
+    [
+        (BLOCK, {"Mul": 2, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1}),  # γ stays: the chain's last Mul
+        (LINEAR_ONLY, {"Mul": 1, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1}),  # γ/β migrate: it ends at the Div
+    ],
+)
 def test_decomposed_rms_core_is_the_exact_pass_chain(gen, text, ops):
     w = _weights(gen, "W1", "b1", "g", "bb", "Wq", "bq", "Wk", "bk", "W3", "b3")
     model = build(text, **{k: v for k, v in w.items() if k in text})

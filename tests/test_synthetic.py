@@ -36,7 +36,11 @@ def _run(path: str, ids: np.ndarray) -> np.ndarray:
 
 
 def _weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    return {init.name: numpy_helper.to_array(init) for init in model.graph.initializer if init.name.endswith(WEIGHT_SUFFIXES)}
+    return {
+        init.name: numpy_helper.to_array(init)
+        for init in model.graph.initializer
+        if init.name.endswith(WEIGHT_SUFFIXES)
+    }
 
 
 def test_tiny_stack_is_valid_runs_and_counts_its_parameters(tmp_path):
@@ -77,7 +81,9 @@ def test_weights_follow_the_seed(tmp_path):
 def test_float16_stack_folds_every_norm_but_the_final_one(tmp_path):
     info = _build(tmp_path, dtype="float16")
     model = onnx.load(info["path"])
-    assert {init.data_type for init in model.graph.initializer if init.name.endswith(WEIGHT_SUFFIXES)} == {onnx.TensorProto.FLOAT16}
+    assert {init.data_type for init in model.graph.initializer if init.name.endswith(WEIGHT_SUFFIXES)} == {
+        onnx.TensorProto.FLOAT16
+    }
     result = fold_onnx(model)  # verified; the final norm's β has no linear layer to move into
     assert (result.folded, result.plan.total) == (2 * info["layers"], 2 * info["layers"] + 1)
     assert result.comparison.max_rel_error < 1e-2

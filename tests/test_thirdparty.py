@@ -12,12 +12,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from corpus_checks import cli_exit_code
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
 from normpass.models import thirdparty
 from normpass.models.reference import rewrite_error
-
-from corpus_checks import cli_exit_code
 
 NAMES = list(thirdparty.THIRDPARTY)
 PROVABLE = {"vit-s-focus": 25}  # the target where the model's structure proves it (pre-LN DINOv2-S)
@@ -45,7 +44,7 @@ def test_registry_names_packages_and_shapes():
 
 @pytest.mark.parametrize("command", ["inspect", "fold", "viz"])
 def test_cli_never_raises(published, command, tmp_path):
-    model, path = published
+    _model, path = published
     code, output = cli_exit_code(command, path, tmp_path)
     assert code in (0, 2), output[-2000:]
 

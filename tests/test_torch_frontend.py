@@ -24,11 +24,11 @@ from torch import nn
 from normpass import models as builtin_models
 from normpass.core.analysis import plan as make_plan
 from normpass.errors import InputError, UnsupportedModelError, VerificationError
-from normpass.torch.rewrite import RMSNormWithBias
 from normpass.onnx.frontend import build_zero_mean_graph, load_graph
 from normpass.onnx.passes import inspect_onnx
-from normpass.torch.api import export_onnx, fold, inspect, load_factory
 from normpass.onnx.verify import run
+from normpass.torch.api import export_onnx, fold, inspect, load_factory
+from normpass.torch.rewrite import RMSNormWithBias
 
 SMALL = builtin_models.names(include_large=False)
 REL_TOL = 1e-5
@@ -73,7 +73,7 @@ def test_same_verdicts_as_onnx(folded, registry_export):
     entry, _, _, _, report, _ = folded
     zmg = build_zero_mean_graph(load_graph(onnx.load(str(registry_export(entry.name)))))
     onnx_plan = make_plan(zmg)
-    by_gamma = {norm.scale: decision for norm, decision in zip(zmg.norms, onnx_plan.decisions)}
+    by_gamma = {norm.scale: decision for norm, decision in zip(zmg.norms, onnx_plan.decisions, strict=False)}
     assert report.plan.total == onnx_plan.total == entry.expected_norms
     assert report.folded == len(onnx_plan.folded) == entry.expected_folded
     for decision in report.plan.decisions:
@@ -278,11 +278,14 @@ def test_bfloat16_module_is_judged_at_bfloat16_tolerance():
     assert report.float64["folded_rel_error"] <= 2 * report.float64["original_rel_error"] + 1e-3
 
 
-@pytest.mark.parametrize("cls, name, reason", [
-    (SharedLayer, "ln", "fc.weight cannot be centred: it is also read by fc/linear_2, where centring is unsafe"),
-    (FunctionalNorm, "layer_norm", "the PyTorch rewrite replaces nn.LayerNorm modules only"),
-    (NormTwice, "ln", "module ln is also called as ln@1, which does not fold"),
-])
+@pytest.mark.parametrize(
+    "cls, name, reason",
+    [
+        (SharedLayer, "ln", "fc.weight cannot be centred: it is also read by fc/linear_2, where centring is unsafe"),
+        (FunctionalNorm, "layer_norm", "the PyTorch rewrite replaces nn.LayerNorm modules only"),
+        (NormTwice, "ln", "module ln is also called as ln@1, which does not fold"),
+    ],
+)
 def test_declines_what_a_module_rewrite_cannot_express(cls, name, reason):
     module = _seeded(cls)
     result, report = fold(module, X)
@@ -339,8 +342,11 @@ def test_symbolic_trace_refuses_mutation_it_cannot_see(monkeypatch):
 
 
 def test_untraceable_model_names_the_construct():
-    with pytest.raises(UnsupportedModelError, match=r"torch.export failed.*`if h.sum\(\) > 0:`.*"
-                                                    r"symbolic_trace failed.*control flow"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"torch.export failed.*`if h.sum\(\) > 0:`.*"
+        r"symbolic_trace failed.*control flow",
+    ):
         fold(_seeded(Branch), IDS)
 
 
@@ -355,7 +361,8 @@ def test_untraceable_model_in_a_directory_named_normpass_is_still_named(tmp_path
         "        h = self.emb(ids)\n"
         "        if h.sum() > 0:\n"
         "            h = -h\n"
-        "        return self.head(self.ln2(h))\n")
+        "        return self.head(self.ln2(h))\n"
+    )
     monkeypatch.syspath_prepend(str(project))
     import user_branch
 
@@ -381,8 +388,11 @@ def test_rejects_bad_input():
 def test_load_factory():
     module, inputs = load_factory("test_torch_frontend:toy_factory")
     assert isinstance(module, Stack) and inputs == IDS
-    for spec, message in [("no_colon", "package.module:factory"), ("no_such_module:f", "cannot import"),
-                          ("test_torch_frontend:IDS", "not callable")]:
+    for spec, message in [
+        ("no_colon", "package.module:factory"),
+        ("no_such_module:f", "cannot import"),
+        ("test_torch_frontend:IDS", "not callable"),
+    ]:
         with pytest.raises(InputError, match=message):
             load_factory(spec)
 

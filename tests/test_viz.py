@@ -9,6 +9,7 @@ goes to $NORMPASS_ARTIFACTS when set, else to the test's tmp_path.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -21,18 +22,25 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import IR_VERSION, randn, rng
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import IR_VERSION, randn, rng
-from normpass.core.analysis import plan as make_plan
 from normpass.cli.main import main
+from normpass.core.analysis import plan as make_plan
 from normpass.errors import InputError
 from normpass.onnx.frontend import build_zero_mean_graph, load_graph
 from normpass.viz import build_view, render, to_dot, to_html, to_svg
 
 D, V = 8, 16
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def story_model() -> onnx.ModelProto:
@@ -63,8 +71,10 @@ def story_model() -> onnx.ModelProto:
     graph = helper.make_graph(
         nodes,
         "story",
-        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 4]),
-         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, D])],
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 4]),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, D]),
+        ],
         [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 4, D]) for name in ("e", "ne", "out")],
         [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
     )
@@ -132,7 +142,7 @@ def test_nodes_are_laid_out_in_layers_without_overlap(story):
         by_row.setdefault(node.y, []).append(node)
     for row in by_row.values():
         row.sort(key=lambda n: n.x)
-        for left, right in zip(row, row[1:]):
+        for left, right in itertools.pairwise(row):
             assert left.x + left.w / 2 <= right.x - right.w / 2, (left.id, right.id)
 
 
@@ -226,8 +236,12 @@ def test_output_does_not_depend_on_hash_seeds(tmp_path):
     for seed in ("1", "2"):
         out = tmp_path / f"story-{seed}.svg"
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        subprocess.run([sys.executable, "-m", "normpass", "viz", str(model), "-o", str(out)], env=env, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "normpass", "viz", str(model), "-o", str(out)],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         outputs.append(out.read_text())
     assert outputs[0] == outputs[1]
 
@@ -264,8 +278,14 @@ def _browser_or_skip():
         from playwright.sync_api import sync_playwright
     except ImportError:
         sync_playwright = None
-    missing = [what for what, ok in (("the playwright Python package (pip install playwright)", sync_playwright),
-                                     ("Debian's chromium (apt-get install chromium)", chromium)) if not ok]
+    missing = [
+        what
+        for what, ok in (
+            ("the playwright Python package (pip install playwright)", sync_playwright),
+            ("Debian's chromium (apt-get install chromium)", chromium),
+        )
+        if not ok
+    ]
     if missing:
         message = "headless browser test needs " + " and ".join(missing)
         if os.environ.get("NORMPASS_REQUIRE_BROWSER"):
@@ -296,7 +316,8 @@ def test_html_page_in_headless_chromium(registry, tmp_path):
             # every norm is drawn, with a real box on the page
             norms = page.locator("svg .node.kind-norm")
             assert sorted(norms.evaluate_all("els => els.map(e => e.dataset.id)")) == sorted(
-                d.name for d in fold_plan.decisions)
+                d.name for d in fold_plan.decisions
+            )
             sizes = norms.evaluate_all("els => els.map(e => [e.getBBox().width, e.getBBox().height])")
             assert all(w > 0 and h > 0 for w, h in sizes)
 

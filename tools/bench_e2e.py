@@ -45,10 +45,10 @@ import tempfile
 import time
 import warnings
 
-from normpass import models as builtin_models
 import onnx
-from normpass.models import registry
 
+from normpass import models as builtin_models
+from normpass.models import registry
 from normpass.onnx import bench
 from normpass.onnx.passes import FoldOptions, fold_onnx
 from normpass.onnx.precision import to_fp16
@@ -59,10 +59,18 @@ MODELS = {
     "bert-base-shape": (registry.bert_base_shape, "seq", [64, 256, 512]),
     "vit-b16-shape": (registry.vit_b16_shape, "batch", [1, 4]),
     # GPT-2-small with a 4096-row position table, for seq 4096 (the issue's longest point)
-    "gpt2-small-shape-4k": (lambda: registry.gpt2_small_shape("gpt2-small-shape-4k", n_positions=4096), "seq", [1024, 4096]),
+    "gpt2-small-shape-4k": (
+        lambda: registry.gpt2_small_shape("gpt2-small-shape-4k", n_positions=4096),
+        "seq",
+        [1024, 4096],
+    ),
 }
-NORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
-            "SkipSimplifiedLayerNormalization")
+NORM_OPS = (
+    "LayerNormalization",
+    "SkipLayerNormalization",
+    "SimplifiedLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+)
 COUNTED_OPS = (*NORM_OPS, "Add", "Cast")
 
 
@@ -73,8 +81,9 @@ def save(model: onnx.ModelProto, path: pathlib.Path) -> None:
     """
     partial = path.with_name(path.stem + ".partial.onnx")
     path.with_name(path.name + ".data").unlink(missing_ok=True)  # onnx appends to an existing data file
-    onnx.save_model(model, str(partial), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.name + ".data")
+    onnx.save_model(
+        model, str(partial), save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data"
+    )
     os.replace(partial, path)
 
 
@@ -119,8 +128,11 @@ def prepare(name: str, cache: pathlib.Path, dtype: str, provider: str) -> dict[s
     folded = {}
     for label, options in variants.items():
         result = fold_onnx(source, options, name=name)
-        print(f"{name} {dtype} {label}: {result.folded} of {result.plan.total} norms folded, max rel error "
-              f"{result.comparison.max_rel_error:.2g} (verified at its default shapes)", flush=True)
+        print(
+            f"{name} {dtype} {label}: {result.folded} of {result.plan.total} norms folded, max rel error "
+            f"{result.comparison.max_rel_error:.2g} (verified at its default shapes)",
+            flush=True,
+        )
         folded[label] = result.model
     bound = without_norms(source)
     if dtype != "fp32":
@@ -143,27 +155,42 @@ def profile(paths: dict[str, pathlib.Path], point: tuple[int, int], provider: st
     """Kernel ms per run (ORT profiler) at `point`: in all, in norm ops, in Adds and in Casts."""
     feeds = bench.make_feeds(onnx.load(str(paths["original"]), load_external_data=False), *point)
     per_op = bench.profile_ops({k: str(v) for k, v in paths.items()}, feeds, provider, threads, runs)
-    return {label: {"total": sum(ops.values()), "norms": sum(ops.get(op, 0.0) for op in NORM_OPS),
-                    "Add": ops.get("Add", 0.0), "Cast": ops.get("Cast", 0.0), "by_op": ops}
-            for label, ops in per_op.items()}
+    return {
+        label: {
+            "total": sum(ops.values()),
+            "norms": sum(ops.get(op, 0.0) for op in NORM_OPS),
+            "Add": ops.get("Add", 0.0),
+            "Cast": ops.get("Cast", 0.0),
+            "by_op": ops,
+        }
+        for label, ops in per_op.items()
+    }
 
 
 def profile_markdown(reports: list[dict]) -> str:
-    lines = ["| model | dtype | input | variant | kernel ms | norm ops ms | Add ms | Cast ms | norms + Add + Cast, % |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | dtype | input | variant | kernel ms | norm ops ms | Add ms | Cast ms | norms + Add + Cast, % |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for report in reports:
         shape = "×".join(str(d) for d in report["profile_input"])
         for label, p in report["profile"].items():
             share = 100 * (p["norms"] + p["Add"] + p["Cast"]) / p["total"]
-            lines.append(f"| {report['model']} | {report['dtype']} | {shape} | {label} | {p['total']:.1f} "
-                         f"| {p['norms']:.1f} | {p['Add']:.1f} | {p['Cast']:.1f} | {share:.1f} |")
+            lines.append(
+                f"| {report['model']} | {report['dtype']} | {shape} | {label} | {p['total']:.1f} "
+                f"| {p['norms']:.1f} | {p['Add']:.1f} | {p['Cast']:.1f} | {share:.1f} |"
+            )
     return "\n".join(lines)
 
 
 def markdown(reports: list[dict]) -> str:
-    lines = [("| model | dtype | input | original ms | folded ms (ratio, quartiles) "
-              "| alternative: ms (ratio, quartiles) | identity ms (ratio) | gap of folded to bound, % |"),
-             "|---|---|---|---:|---|---|---|---:|"]
+    lines = [
+        (
+            "| model | dtype | input | original ms | folded ms (ratio, quartiles) "
+            "| alternative: ms (ratio, quartiles) | identity ms (ratio) | gap of folded to bound, % |"
+        ),
+        "|---|---|---|---:|---|---|---|---:|",
+    ]
     for report in reports:
         for point in report["points"]:
             results = point["results"]
@@ -175,7 +202,8 @@ def markdown(reports: list[dict]) -> str:
                 f"| {report['model']} | {report['dtype']} | {shape} | {o['median_ms']:.1f} "
                 f"| {f['median_ms']:.1f} ({f['ratio']:.3f}, {f['ratio_p25']:.3f}–{f['ratio_p75']:.3f}) "
                 f"| {other}: {n['median_ms']:.1f} ({n['ratio']:.3f}, {n['ratio_p25']:.3f}–{n['ratio_p75']:.3f}) "
-                f"| {i['median_ms']:.1f} ({i['ratio']:.3f}) | {100 * (f['ratio'] - i['ratio']):.1f} |")
+                f"| {i['median_ms']:.1f} ({i['ratio']:.3f}) | {100 * (f['ratio'] - i['ratio']):.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -203,15 +231,30 @@ def main() -> None:
             paths = prepare(name, args.cache, dtype, args.provider)
             candidates = [bench.Candidate(label, str(path), check=label != "identity") for label, path in paths.items()]
             batch_seq = [(p, 1) if axis == "batch" else (1, p) for p in points]
-            report = bench.run_benchmark(candidates, batch_seq, provider=args.provider, threads=args.threads, repeats=args.repeats,
-                                         warmup=args.warmup, budget_s=args.budget, sweep=axis)
-            report |= {"model": name, "dtype": dtype, "provider": args.provider,
-                       "ran_ops": {c.label: ran_ops(pathlib.Path(c.path), args.provider, args.threads) for c in candidates}}
+            report = bench.run_benchmark(
+                candidates,
+                batch_seq,
+                provider=args.provider,
+                threads=args.threads,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                budget_s=args.budget,
+                sweep=axis,
+            )
+            report |= {
+                "model": name,
+                "dtype": dtype,
+                "provider": args.provider,
+                "ran_ops": {c.label: ran_ops(pathlib.Path(c.path), args.provider, args.threads) for c in candidates},
+            }
             if args.profile_runs:
                 middle = report["points"][len(points) // 2]
-                report |= {"profile_input": next(iter(middle["input_shapes"].values())),
-                           "profile": profile(paths, batch_seq[len(points) // 2], args.provider, args.threads,
-                                              args.profile_runs)}
+                report |= {
+                    "profile_input": next(iter(middle["input_shapes"].values())),
+                    "profile": profile(
+                        paths, batch_seq[len(points) // 2], args.provider, args.threads, args.profile_runs
+                    ),
+                }
             report["seconds"] = time.time() - start
             (args.out / f"{name}.{dtype}.{args.provider}.json").write_text(json.dumps(report, indent=2) + "\n")
             bench.plot(report, args.out / f"{name}.{dtype}.{args.provider}.png")

@@ -51,46 +51,134 @@ EPS = 1e-5
 MS = "com.microsoft"
 # label → (node builder, graph inputs, graph outputs, opset); SKIP_GROUP is compared with SkipLayerNorm
 VARIANTS = {
-    "LayerNorm": (lambda: [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["y"], axis=-1,
-                                            epsilon=EPS, stash_type=1)], ["x"], ["y"], 17),
-    "SimplifiedLayerNorm": (lambda: [helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["y"], axis=-1,
-                                                      epsilon=EPS, stash_type=1)], ["x"], ["y"], 17),
-    "RMSNormalization (opset 23)": (lambda: [helper.make_node("RMSNormalization", ["x", "gamma"], ["y"], axis=-1,
-                                                              epsilon=EPS, stash_type=1)], ["x"], ["y"], 23),
-    "SimplifiedLayerNorm + Add(β)": (lambda: [
-        helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["r"], axis=-1, epsilon=EPS, stash_type=1),
-        helper.make_node("Add", ["r", "beta"], ["y"])], ["x"], ["y"], 17),
-    "affine (Mul+Add)": (lambda: [helper.make_node("Mul", ["x", "gamma"], ["m"]),
-                                  helper.make_node("Add", ["m", "beta"], ["y"])], ["x"], ["y"], 17),
+    "LayerNorm": (
+        lambda: [
+            helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["y"], axis=-1, epsilon=EPS, stash_type=1)
+        ],
+        ["x"],
+        ["y"],
+        17,
+    ),
+    "SimplifiedLayerNorm": (
+        lambda: [
+            helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["y"], axis=-1, epsilon=EPS, stash_type=1)
+        ],
+        ["x"],
+        ["y"],
+        17,
+    ),
+    "RMSNormalization (opset 23)": (
+        lambda: [helper.make_node("RMSNormalization", ["x", "gamma"], ["y"], axis=-1, epsilon=EPS, stash_type=1)],
+        ["x"],
+        ["y"],
+        23,
+    ),
+    "SimplifiedLayerNorm + Add(β)": (
+        lambda: [
+            helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["r"], axis=-1, epsilon=EPS, stash_type=1),
+            helper.make_node("Add", ["r", "beta"], ["y"]),
+        ],
+        ["x"],
+        ["y"],
+        17,
+    ),
+    "affine (Mul+Add)": (
+        lambda: [helper.make_node("Mul", ["x", "gamma"], ["m"]), helper.make_node("Add", ["m", "beta"], ["y"])],
+        ["x"],
+        ["y"],
+        17,
+    ),
     "Identity": (lambda: [helper.make_node("Identity", ["x"], ["y"])], ["x"], ["y"], 17),
-    "SkipLayerNorm": (lambda: [helper.make_node("SkipLayerNormalization", ["x", "skip", "gamma", "beta"],
-                                                ["y", "", "", "sum"], domain=MS, epsilon=EPS)],
-                      ["x", "skip"], ["y", "sum"], 17),
-    "SkipSimplifiedLayerNorm": (lambda: [helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"],
-                                                          ["y", "", "", "sum"], domain=MS, epsilon=EPS)],
-                                ["x", "skip"], ["y", "sum"], 17),
-    "Add + LayerNorm": (lambda: [
-        helper.make_node("Add", ["x", "skip"], ["sum"]),
-        helper.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["y"], axis=-1, epsilon=EPS, stash_type=1)],
-        ["x", "skip"], ["y", "sum"], 17),
-    "Add + SimplifiedLayerNorm": (lambda: [
-        helper.make_node("Add", ["x", "skip"], ["sum"]),
-        helper.make_node("SimplifiedLayerNormalization", ["sum", "gamma"], ["y"], axis=-1, epsilon=EPS, stash_type=1)],
-        ["x", "skip"], ["y", "sum"], 17),
-    "Add(bias) + SkipSimplifiedLayerNorm": (lambda: [
-        helper.make_node("Add", ["x", "beta"], ["xb"]),
-        helper.make_node("SkipSimplifiedLayerNormalization", ["xb", "skip", "gamma"], ["y", "", "", "sum"], domain=MS,
-                         epsilon=EPS)], ["x", "skip"], ["y", "sum"], 17),
-    "SkipSimplifiedLayerNorm(bias)": (lambda: [
-        helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma", "beta"], ["y", "", "", "sum"],
-                         domain=MS, epsilon=EPS)], ["x", "skip"], ["y", "sum"], 17),
-    "SkipSimplifiedLayerNorm + Add(β)": (lambda: [
-        helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["r", "", "", "sum"], domain=MS,
-                         epsilon=EPS),
-        helper.make_node("Add", ["r", "beta"], ["y"])], ["x", "skip"], ["y", "sum"], 17),
+    "SkipLayerNorm": (
+        lambda: [
+            helper.make_node(
+                "SkipLayerNormalization", ["x", "skip", "gamma", "beta"], ["y", "", "", "sum"], domain=MS, epsilon=EPS
+            )
+        ],
+        ["x", "skip"],
+        ["y", "sum"],
+        17,
+    ),
+    "SkipSimplifiedLayerNorm": (
+        lambda: [
+            helper.make_node(
+                "SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["y", "", "", "sum"], domain=MS, epsilon=EPS
+            )
+        ],
+        ["x", "skip"],
+        ["y", "sum"],
+        17,
+    ),
+    "Add + LayerNorm": (
+        lambda: [
+            helper.make_node("Add", ["x", "skip"], ["sum"]),
+            helper.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["y"], axis=-1, epsilon=EPS, stash_type=1),
+        ],
+        ["x", "skip"],
+        ["y", "sum"],
+        17,
+    ),
+    "Add + SimplifiedLayerNorm": (
+        lambda: [
+            helper.make_node("Add", ["x", "skip"], ["sum"]),
+            helper.make_node(
+                "SimplifiedLayerNormalization", ["sum", "gamma"], ["y"], axis=-1, epsilon=EPS, stash_type=1
+            ),
+        ],
+        ["x", "skip"],
+        ["y", "sum"],
+        17,
+    ),
+    "Add(bias) + SkipSimplifiedLayerNorm": (
+        lambda: [
+            helper.make_node("Add", ["x", "beta"], ["xb"]),
+            helper.make_node(
+                "SkipSimplifiedLayerNormalization",
+                ["xb", "skip", "gamma"],
+                ["y", "", "", "sum"],
+                domain=MS,
+                epsilon=EPS,
+            ),
+        ],
+        ["x", "skip"],
+        ["y", "sum"],
+        17,
+    ),
+    "SkipSimplifiedLayerNorm(bias)": (
+        lambda: [
+            helper.make_node(
+                "SkipSimplifiedLayerNormalization",
+                ["x", "skip", "gamma", "beta"],
+                ["y", "", "", "sum"],
+                domain=MS,
+                epsilon=EPS,
+            )
+        ],
+        ["x", "skip"],
+        ["y", "sum"],
+        17,
+    ),
+    "SkipSimplifiedLayerNorm + Add(β)": (
+        lambda: [
+            helper.make_node(
+                "SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["r", "", "", "sum"], domain=MS, epsilon=EPS
+            ),
+            helper.make_node("Add", ["r", "beta"], ["y"]),
+        ],
+        ["x", "skip"],
+        ["y", "sum"],
+        17,
+    ),
 }
-SKIP_GROUP = ("SkipLayerNorm", "SkipSimplifiedLayerNorm", "Add + LayerNorm", "Add + SimplifiedLayerNorm",
-              "Add(bias) + SkipSimplifiedLayerNorm", "SkipSimplifiedLayerNorm(bias)", "SkipSimplifiedLayerNorm + Add(β)")
+SKIP_GROUP = (
+    "SkipLayerNorm",
+    "SkipSimplifiedLayerNorm",
+    "Add + LayerNorm",
+    "Add + SimplifiedLayerNorm",
+    "Add(bias) + SkipSimplifiedLayerNorm",
+    "SkipSimplifiedLayerNorm(bias)",
+    "SkipSimplifiedLayerNorm + Add(β)",
+)
 
 
 def build(label: str, dtype: str, tokens: int, width: int, rng: np.random.Generator) -> onnx.ModelProto:
@@ -98,13 +186,17 @@ def build(label: str, dtype: str, tokens: int, width: int, rng: np.random.Genera
     np_type, elem = DTYPES[dtype]
     nodes = make_nodes()
     used = {name for node in nodes for name in node.input}
-    initializers = [numpy_helper.from_array((1 + 0.2 * rng.standard_normal(width)).astype(np_type), "gamma"),
-                    numpy_helper.from_array((0.2 * rng.standard_normal(width)).astype(np_type), "beta")]
+    initializers = [
+        numpy_helper.from_array((1 + 0.2 * rng.standard_normal(width)).astype(np_type), "gamma"),
+        numpy_helper.from_array((0.2 * rng.standard_normal(width)).astype(np_type), "beta"),
+    ]
     graph = helper.make_graph(
-        nodes, label,
+        nodes,
+        label,
         [helper.make_tensor_value_info(name, elem, [tokens, width]) for name in inputs],
         [helper.make_tensor_value_info(name, elem, [tokens, width]) for name in outputs],
-        [i for i in initializers if i.name in used])
+        [i for i in initializers if i.name in used],
+    )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=11 if opset >= 23 else 8)
 
@@ -142,16 +234,21 @@ def markdown(points: list[dict]) -> str:
     lines = []
     for dtype, tokens in dict.fromkeys((p["dtype"], p["tokens"]) for p in points):
         by_width = {p["d"]: p for p in points if p["dtype"] == dtype and p["tokens"] == tokens}
-        lines += [(f"\n{dtype}, [{tokens}, d], median ms (ratio to LayerNorm, or to SkipLayerNorm for the skip "
-                   "variants; quartiles of the per-round ratio)\n"),
-                  "| variant | ORT ran | " + " | ".join(f"d={w}" for w in widths) + " |",
-                  "|---|---|" + "---:|" * len(widths)]
+        lines += [
+            (
+                f"\n{dtype}, [{tokens}, d], median ms (ratio to LayerNorm, or to SkipLayerNorm for the skip "
+                "variants; quartiles of the per-round ratio)\n"
+            ),
+            "| variant | ORT ran | " + " | ".join(f"d={w}" for w in widths) + " |",
+            "|---|---|" + "---:|" * len(widths),
+        ]
         for label in by_width[widths[0]]["results"]:
             cells = []
             for width in widths:
                 r = by_width[width]["results"][label]
-                ratio = ("" if r.get("ratio") is None
-                         else f" ({r['ratio']:.2f}, {r['ratio_p25']:.2f}–{r['ratio_p75']:.2f})")
+                ratio = (
+                    "" if r.get("ratio") is None else f" ({r['ratio']:.2f}, {r['ratio_p25']:.2f}–{r['ratio_p75']:.2f})"
+                )
                 cells.append(f"{r['median_ms']:.3f}{ratio}")
             ran = " + ".join(by_width[widths[0]]["ran_ops"][label])
             lines.append(f"| {label} | {ran} | " + " | ".join(cells) + " |")
@@ -173,8 +270,12 @@ def main() -> None:
     start, load = time.time(), os.getloadavg()
     total = len(args.dtypes) * len(args.tokens) * len(args.widths) * len(args.variants) * (args.repeats + args.warmup)
     bar = bench.progress_bar(total, True)
-    points = [measure(dtype, tokens, width, args, bar)
-              for dtype in args.dtypes for tokens in args.tokens for width in args.widths]
+    points = [
+        measure(dtype, tokens, width, args, bar)
+        for dtype in args.dtypes
+        for tokens in args.tokens
+        for width in args.widths
+    ]
     bar.close()
     bench.finish_tool_run(points, vars(args), start, load, bench.machine(), markdown(points), args.json)
 

@@ -51,7 +51,7 @@ import time
 import onnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import synthetic_stack  # noqa: E402  (a sibling tool)
+import synthetic_stack
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -121,12 +121,15 @@ def describe(path: pathlib.Path) -> dict:
     model = onnx.load(str(path), load_external_data=False)
     inits = model.graph.initializer
     params = sum(math.prod(init.dims) for init in inits)
-    weight_bytes = sum(math.prod(init.dims) * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize for init in inits)
+    weight_bytes = sum(
+        math.prod(init.dims) * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize for init in inits
+    )
     return {"path": str(path), "nodes": len(model.graph.node), "params": params, "weight_bytes": weight_bytes}
 
 
 def measured(command: list[str], limit_as_gib: float | None) -> dict:
     """Run `command` in a fresh process: wall and CPU (user + system) seconds, peak RSS (MiB), exit code, last stderr line."""
+
     def limit():
         if limit_as_gib:
             size = int(limit_as_gib * GIB)
@@ -141,8 +144,14 @@ def measured(command: list[str], limit_as_gib: float | None) -> dict:
         err.seek(0)
         lines = err.read().decode(errors="replace").strip().splitlines()
     cpu = usage.ru_utime + usage.ru_stime
-    return {"wall_s": wall, "cpu_s": cpu, "rss_mib": usage.ru_maxrss / 1024, "rc": proc.returncode,
-            "stderr": lines[-1] if lines else "", "stderr_tail": lines[-STDERR_LINES:]}
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "rss_mib": usage.ru_maxrss / 1024,
+        "rc": proc.returncode,
+        "stderr": lines[-1] if lines else "",
+        "stderr_tail": lines[-STDERR_LINES:],
+    }
 
 
 def normpass_script() -> str:
@@ -150,7 +159,9 @@ def normpass_script() -> str:
     script = pathlib.Path(sys.executable).with_name("normpass")
     found = str(script) if script.exists() else shutil.which("normpass")
     if not found:
-        sys.exit(f"bench_pass: no normpass console script beside {sys.executable} or on PATH; install normpass into this environment")
+        sys.exit(
+            f"bench_pass: no normpass console script beside {sys.executable} or on PATH; install normpass into this environment"
+        )
     return found
 
 
@@ -184,7 +195,9 @@ def median(runs: list[dict], key: str) -> float:
     return statistics.median(run[key] for run in runs)
 
 
-def measure_target(name: str, model: pathlib.Path, work: pathlib.Path, repeats: int, limit_as_gib: float | None) -> dict:
+def measure_target(
+    name: str, model: pathlib.Path, work: pathlib.Path, repeats: int, limit_as_gib: float | None
+) -> dict:
     """Fold (and, for the GPT-2 targets, floor) runs of one target, interleaved."""
     verify = name == "synthetic-2gb"
     with_floor = name.startswith("gpt2-")
@@ -193,8 +206,11 @@ def measure_target(name: str, model: pathlib.Path, work: pathlib.Path, repeats: 
         if with_floor:
             floors.append(run_floor(model, work, limit_as_gib))
         folds.append(run_fold(model, work, verify, limit_as_gib))
-        print(f"{name}: fold {folds[-1]['wall_s']:.2f} s {folds[-1]['rss_mib']:.0f} MiB rc {folds[-1]['rc']}"
-              + (f"; floor {floors[-1]['wall_s']:.2f} s {floors[-1]['rss_mib']:.0f} MiB" if floors else ""), flush=True)
+        print(
+            f"{name}: fold {folds[-1]['wall_s']:.2f} s {folds[-1]['rss_mib']:.0f} MiB rc {folds[-1]['rc']}"
+            + (f"; floor {floors[-1]['wall_s']:.2f} s {floors[-1]['rss_mib']:.0f} MiB" if floors else ""),
+            flush=True,
+        )
     return {**describe(model), "verify": verify, "fold_runs": folds, "floor_runs": floors}
 
 
@@ -213,8 +229,11 @@ def summarise(r: dict) -> dict:
         "max_rel_error": ok[-1]["max_rel_error"] if ok and r["verify"] else None,
     }
     if r["floor_runs"]:
-        figures.update(floor_s=median(r["floor_runs"], "wall_s"), floor_cpu_s=median(r["floor_runs"], "cpu_s"),
-                       floor_rss_mib=max(run["rss_mib"] for run in r["floor_runs"]))
+        figures.update(
+            floor_s=median(r["floor_runs"], "wall_s"),
+            floor_cpu_s=median(r["floor_runs"], "cpu_s"),
+            floor_rss_mib=max(run["rss_mib"] for run in r["floor_runs"]),
+        )
     return figures
 
 
@@ -226,29 +245,50 @@ def verdicts(figures: dict) -> list[dict]:
         rows.append({"target": target, "figure": figure, "goal": goal, "pass": bool(passed)})
 
     def rss_row(target, f):
-        row(target, f"peak RSS {f['fold_rss_mib']:.0f} MiB", f"≤ {f['rss_bound_mib']:.0f} MiB (1.5 × weights + 400 MiB)",
-            f["rc"] == 0 and f["fold_rss_mib"] <= f["rss_bound_mib"])
+        row(
+            target,
+            f"peak RSS {f['fold_rss_mib']:.0f} MiB",
+            f"≤ {f['rss_bound_mib']:.0f} MiB (1.5 × weights + 400 MiB)",
+            f["rc"] == 0 and f["fold_rss_mib"] <= f["rss_bound_mib"],
+        )
 
     if "gpt2-12" in figures:
         f = figures["gpt2-12"]
         ratio = f["fold_s"] / f["floor_s"]
-        row("1. gpt2-12 time", f"fold {f['fold_s']:.2f} s / floor {f['floor_s']:.2f} s = {ratio:.2f}×", f"≤ {TIME_FACTOR}×",
-            f["rc"] == 0 and ratio <= TIME_FACTOR)
+        row(
+            "1. gpt2-12 time",
+            f"fold {f['fold_s']:.2f} s / floor {f['floor_s']:.2f} s = {ratio:.2f}×",
+            f"≤ {TIME_FACTOR}×",
+            f["rc"] == 0 and ratio <= TIME_FACTOR,
+        )
         rss_row("1. gpt2-12 memory", f)
     if "gpt2-12" in figures and "gpt2-48" in figures:
         a, b = figures["gpt2-12"], figures["gpt2-48"]
         time_ratio, byte_ratio = b["fold_s"] / a["fold_s"], b["weight_mib"] / a["weight_mib"]
-        row("2. linearity 48/12", f"time {time_ratio:.2f}× vs weights {byte_ratio:.2f}× ({time_ratio / byte_ratio:.2f})",
-            f"within {LINEARITY_TOLERANCE:.0%}", a["rc"] == b["rc"] == 0 and abs(time_ratio / byte_ratio - 1) <= LINEARITY_TOLERANCE)
+        row(
+            "2. linearity 48/12",
+            f"time {time_ratio:.2f}× vs weights {byte_ratio:.2f}× ({time_ratio / byte_ratio:.2f})",
+            f"within {LINEARITY_TOLERANCE:.0%}",
+            a["rc"] == b["rc"] == 0 and abs(time_ratio / byte_ratio - 1) <= LINEARITY_TOLERANCE,
+        )
     if "synthetic-2gb" in figures:
         f = figures["synthetic-2gb"]
         error = f", max rel error {f['max_rel_error']:.1e}" if f["max_rel_error"] is not None else ""
-        row("3. 2.15 GB fold + verify", f"exit {f['rc']}, {f['fold_s']:.0f} s, {f['folded']}{error}", "exit 0", f["rc"] == 0)
+        row(
+            "3. 2.15 GB fold + verify",
+            f"exit {f['rc']}, {f['fold_s']:.0f} s, {f['folded']}{error}",
+            "exit 0",
+            f["rc"] == 0,
+        )
         rss_row("3. 2.15 GB memory", f)
     if "synthetic-7b" in figures:
         f = figures["synthetic-7b"]
-        row("4. 7B fp16 fold", f"exit {f['rc']}, {f['fold_s']:.0f} s, peak RSS {f['fold_rss_mib']:.0f} MiB, {f['folded']}",
-            "exit 0", f["rc"] == 0)
+        row(
+            "4. 7B fp16 fold",
+            f"exit {f['rc']}, {f['fold_s']:.0f} s, peak RSS {f['fold_rss_mib']:.0f} MiB, {f['folded']}",
+            "exit 0",
+            f["rc"] == 0,
+        )
     return rows
 
 
@@ -259,24 +299,39 @@ def environment() -> dict:
     mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
     source = pathlib.Path(normpass.__file__).resolve().parent
     git = ["git", "-C", str(source)]
-    commit, branch, changes = (subprocess.run(git + command, capture_output=True, text=True).stdout.strip()
-                               for command in (["rev-parse", "--short", "HEAD"], ["branch", "--show-current"], ["status", "--porcelain", "."]))
+    commit, branch, changes = (
+        subprocess.run(git + command, capture_output=True, text=True).stdout.strip()
+        for command in (["rev-parse", "--short", "HEAD"], ["branch", "--show-current"], ["status", "--porcelain", "."])
+    )
     versions = {}
     for package in ("onnx", "onnxruntime", "onnx-ir", "numpy", "protobuf"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    return {"nproc": os.cpu_count(), "cpu": cpu, "ram_gib": round(mem_kib / 1024**2, 1), "loadavg": os.getloadavg(), "python": platform.python_version(),
-            "normpass": f"{source} at {branch or '?'} {commit or '?'}{' with uncommitted changes' if changes else ''}", **versions}
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "ram_gib": round(mem_kib / 1024**2, 1),
+        "loadavg": os.getloadavg(),
+        "python": platform.python_version(),
+        "normpass": f"{source} at {branch or '?'} {commit or '?'}{' with uncommitted changes' if changes else ''}",
+        **versions,
+    }
 
 
 def print_tables(figures: dict, rows: list[dict]) -> None:
-    print("\n| model | weights MiB | fold s | fold CPU s | fold peak RSS MiB | floor s | floor CPU s | floor peak RSS MiB | folded |")
+    print(
+        "\n| model | weights MiB | fold s | fold CPU s | fold peak RSS MiB | floor s | floor CPU s | floor peak RSS MiB | folded |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, f in figures.items():
-        floor = f"{f['floor_s']:.2f} | {f['floor_cpu_s']:.2f} | {f['floor_rss_mib']:.0f}" if "floor_s" in f else "– | – | –"
-        print(f"| {name} | {f['weight_mib']:.0f} | {f['fold_s']:.2f} | {f['fold_cpu_s']:.2f} | {f['fold_rss_mib']:.0f} | {floor} | {f['folded']} |")
+        floor = (
+            f"{f['floor_s']:.2f} | {f['floor_cpu_s']:.2f} | {f['floor_rss_mib']:.0f}" if "floor_s" in f else "– | – | –"
+        )
+        print(
+            f"| {name} | {f['weight_mib']:.0f} | {f['fold_s']:.2f} | {f['fold_cpu_s']:.2f} | {f['fold_rss_mib']:.0f} | {floor} | {f['folded']} |"
+        )
     print("\n| target | figure | goal | result |")
     print("|---|---|---|---|")
     for r in rows:
@@ -285,10 +340,18 @@ def print_tables(figures: dict, rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS[:2]), help="default: gpt2-12 gpt2-48")
-    parser.add_argument("--repeats", type=int, default=3, help="fold and floor runs per GPT-2 model (default 3; one for the others)")
-    parser.add_argument("--cache", default="/tmp/npb", help="directory of the exported and built models (default /tmp/npb)")
-    parser.add_argument("--work", help="directory for the outputs, emptied after each run (default: a temporary directory)")
+    parser.add_argument(
+        "--targets", nargs="+", choices=TARGETS, default=list(TARGETS[:2]), help="default: gpt2-12 gpt2-48"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="fold and floor runs per GPT-2 model (default 3; one for the others)"
+    )
+    parser.add_argument(
+        "--cache", default="/tmp/npb", help="directory of the exported and built models (default /tmp/npb)"
+    )
+    parser.add_argument(
+        "--work", help="directory for the outputs, emptied after each run (default: a temporary directory)"
+    )
     parser.add_argument("--limit-as-gib", type=float, help="run each measured process under RLIMIT_AS of this many GiB")
     parser.add_argument("--json", help="also write the results as JSON to this file")
     args = parser.parse_args()
@@ -298,12 +361,22 @@ def main() -> None:
     cache = pathlib.Path(args.cache)
     with tempfile.TemporaryDirectory(prefix="normpass-bench-", dir=args.work) as work:
         models = {name: prepare(name, cache) for name in args.targets}
-        results = {name: measure_target(name, models[name], pathlib.Path(work), args.repeats, args.limit_as_gib) for name in args.targets}
+        results = {
+            name: measure_target(name, models[name], pathlib.Path(work), args.repeats, args.limit_as_gib)
+            for name in args.targets
+        }
     figures = {name: summarise(r) for name, r in results.items()}
     rows = verdicts(figures)
     print_tables(figures, rows)
     if args.json:
-        record = {"environment": env, "command": sys.argv, "limit_as_gib": args.limit_as_gib, "results": results, "figures": figures, "verdicts": rows}
+        record = {
+            "environment": env,
+            "command": sys.argv,
+            "limit_as_gib": args.limit_as_gib,
+            "results": results,
+            "figures": figures,
+            "verdicts": rows,
+        }
         pathlib.Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
 
 

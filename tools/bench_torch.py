@@ -26,14 +26,14 @@ import os
 import time
 import warnings
 
-from normpass import models as builtin_models
 import torch
-from normpass.models import registry
 from torch import nn
 
+from normpass import models as builtin_models
+from normpass.models import registry
 from normpass.onnx import bench
-from normpass.torch.api import fold
 from normpass.onnx.verify import compare_outputs
+from normpass.torch.api import fold
 
 # name → (registry entry factory, sweep axis, eager points, compile points)
 MODELS = {
@@ -72,8 +72,11 @@ def measure(name: str, args) -> list[dict]:
     entry = factory()
     original, example = entry.build_torch()
     folded, report = fold(original, example, name=name)
-    print(f"{name}: {report.folded} of {report.plan.total} norms folded ({report.capture}), "
-          f"max rel error {report.max_rel_error:.2g} on the example inputs", flush=True)
+    print(
+        f"{name}: {report.folded} of {report.plan.total} norms folded ({report.capture}), "
+        f"max rel error {report.max_rel_error:.2g} on the example inputs",
+        flush=True,
+    )
     variants = {"original": original, "folded": folded, "identity": without_norms(original)}
     results = []
     for mode, points in (("eager", eager_points), ("compile", compile_points)):
@@ -96,8 +99,15 @@ def measure(name: str, args) -> list[dict]:
             times = bench.interleave(runners, args.repeats, args.warmup, budget_s=args.budget)
             summary = bench.summarize(times, "original")
             summary["folded"]["max_rel_error"] = comparison.max_rel_error
-            results.append({"model": name, "mode": mode, "input": list(inputs[0].shape), "results": summary,
-                            "compile_seconds": compile_seconds})
+            results.append(
+                {
+                    "model": name,
+                    "mode": mode,
+                    "input": list(inputs[0].shape),
+                    "results": summary,
+                    "compile_seconds": compile_seconds,
+                }
+            )
             print(markdown(results[-1:], header=False), flush=True)
             if compile_seconds:
                 print("  compile s: " + ", ".join(f"{k} {v:.0f}" for k, v in compile_seconds.items()), flush=True)
@@ -105,15 +115,25 @@ def measure(name: str, args) -> list[dict]:
 
 
 def markdown(points: list[dict], header: bool = True) -> str:
-    lines = [("| model | mode | input | original ms | folded ms | folded/original (quartiles) | identity ms "
-              "| identity/original | gap to bound (% of original) |"),
-             "|---|---|---|---:|---:|---|---:|---:|---:|"] if header else []
+    lines = (
+        [
+            (
+                "| model | mode | input | original ms | folded ms | folded/original (quartiles) | identity ms "
+                "| identity/original | gap to bound (% of original) |"
+            ),
+            "|---|---|---|---:|---:|---|---:|---:|---:|",
+        ]
+        if header
+        else []
+    )
     for point in points:
         o, f, i = (point["results"][k] for k in ("original", "folded", "identity"))
         shape = "×".join(str(d) for d in point["input"])
-        lines.append(f"| {point['model']} | {point['mode']} | {shape} | {o['median_ms']:.1f} | {f['median_ms']:.1f} "
-                     f"| {f['ratio']:.3f} ({f['ratio_p25']:.3f}–{f['ratio_p75']:.3f}) | {i['median_ms']:.1f} "
-                     f"| {i['ratio']:.3f} | {100 * (f['ratio'] - i['ratio']):.1f} |")
+        lines.append(
+            f"| {point['model']} | {point['mode']} | {shape} | {o['median_ms']:.1f} | {f['median_ms']:.1f} "
+            f"| {f['ratio']:.3f} ({f['ratio_p25']:.3f}–{f['ratio_p75']:.3f}) | {i['median_ms']:.1f} "
+            f"| {i['ratio']:.3f} | {100 * (f['ratio'] - i['ratio']):.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -131,8 +151,9 @@ def main() -> None:
     warnings.simplefilter("ignore")
     start, load = time.time(), os.getloadavg()
     points = [point for name in args.models for point in measure(name, args)]
-    bench.finish_tool_run(points, vars(args), start, load, bench.machine() | {"torch": torch.__version__},
-                          markdown(points), args.json)
+    bench.finish_tool_run(
+        points, vars(args), start, load, bench.machine() | {"torch": torch.__version__}, markdown(points), args.json
+    )
 
 
 if __name__ == "__main__":

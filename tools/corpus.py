@@ -31,13 +31,13 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnx
 
-from normpass import models as builtin_models
 from normpass import FoldOptions, fold_onnx, inspect_onnx
+from normpass import models as builtin_models
 from normpass.cli.main import main as normpass_main
 from normpass.models import thirdparty
 from normpass.models.reference import entry_feeds, rewrite_error
@@ -46,7 +46,9 @@ COLUMNS = ("model", "form", "norms", "proven", "rewritten", "target", "max_rel_e
 CALIBRATION_SENTENCES = 60
 
 
-def measure(model: onnx.ModelProto, make_feeds: Callable[[], dict[str, np.ndarray]], input_shapes: dict | None = None) -> dict:
+def measure(
+    model: onnx.ModelProto, make_feeds: Callable[[], dict[str, np.ndarray]], input_shapes: dict | None = None
+) -> dict:
     """inspect + fold ``model`` (verified at ``input_shapes``), then check the fold independently on ``make_feeds()``.
 
     What raises (normpass, or ONNX Runtime on the original) is reported in ``error`` with the
@@ -114,14 +116,30 @@ def minilm_row(root: pathlib.Path) -> dict:
 
     path = minilm.export_onnx(root / "minilm.torchscript.onnx", form="torchscript")
     sentences = minilm.sentences()
-    for split, texts in (("calib", sentences[:CALIBRATION_SENTENCES]),
-                         ("holdout", sentences[CALIBRATION_SENTENCES:2 * CALIBRATION_SENTENCES])):
+    for split, texts in (
+        ("calib", sentences[:CALIBRATION_SENTENCES]),
+        ("holdout", sentences[CALIBRATION_SENTENCES : 2 * CALIBRATION_SENTENCES]),
+    ):
         np.savez(root / f"{split}.npz", **minilm.encode(texts))
     report = root / "replace.json"
     start = time.perf_counter()
-    code = normpass_main(["replace", str(path), "-o", str(root / "minilm.replaced.onnx"),
-                          "--calib", str(root / "calib.npz"), "--holdout", str(root / "holdout.npz"),
-                          "--budget", "cos=0.999", "--report", str(report), "--no-progress"])
+    code = normpass_main(
+        [
+            "replace",
+            str(path),
+            "-o",
+            str(root / "minilm.replaced.onnx"),
+            "--calib",
+            str(root / "calib.npz"),
+            "--holdout",
+            str(root / "holdout.npz"),
+            "--budget",
+            "cos=0.999",
+            "--report",
+            str(report),
+            "--no-progress",
+        ]
+    )
     seconds = time.perf_counter() - start
     if not report.exists():
         return {"model": "all-MiniLM-L6-v2", "form": "torchscript replace", "error": f"exit {code}, no report"}
@@ -154,8 +172,11 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(builtin_models.names(include_large=False)),
-                        help="comma-separated registry models (default: every small one; empty: none)")
+    parser.add_argument(
+        "--models",
+        default=",".join(builtin_models.names(include_large=False)),
+        help="comma-separated registry models (default: every small one; empty: none)",
+    )
     parser.add_argument("--forms", default=",".join(builtin_models.FORMS), help="comma-separated forms (default: all)")
     parser.add_argument("--no-thirdparty", action="store_true", help="leave out the installed published files")
     parser.add_argument("--minilm", action="store_true", help="add the all-MiniLM-L6-v2 replace row (minutes)")

@@ -51,6 +51,7 @@ def _embeddings(outputs: list[dict]) -> np.ndarray:
 
 def nn_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
     """Share of sentences whose nearest neighbour (cosine, among the others) is the same."""
+
     def neighbours(e):
         unit = e / np.linalg.norm(e, axis=1, keepdims=True)
         sim = unit @ unit.T
@@ -72,13 +73,20 @@ def run_pass(model, calib, split, holdout, reference, kind, budget, **extra) -> 
     embeddings = _embeddings([runner.run(b) for b in holdout])
     chosen = [n for n in report["norms"] if n["decision"] == "replaced"]
     return {
-        "kind": kind, "budget": budget, "options": {k: v for k, v in extra.items()},
-        "exact": report["exact"], "replaced": report["replaced"], "total": report["total"],
-        "held": held, "selection": report["validation"], "test": report["test"],
+        "kind": kind,
+        "budget": budget,
+        "options": {k: v for k, v in extra.items()},
+        "exact": report["exact"],
+        "replaced": report["replaced"],
+        "total": report["total"],
+        "held": held,
+        "selection": report["validation"],
+        "test": report["test"],
         "nn_agreement": nn_agreement(reference, embeddings),
         "surrogates": {n["name"]: n["surrogate"] for n in chosen},
         "ops": {n["name"]: n["emission"]["ops"] for n in chosen},
-        "norm_cost": report["norm_cost"], "order": report["chosen_order"],
+        "norm_cost": report["norm_cost"],
+        "order": report["chosen_order"],
         "seconds": round(time.perf_counter() - start, 1),
     }
 
@@ -91,8 +99,13 @@ def replace_all(model, calib, split, holdout, reference, kind, sequential) -> di
     outputs = p.search.outputs(state, "test")
     masks = [None] * len(outputs)
     metrics = compare(p.search.splits["test"][1], outputs, masks)
-    return {"kind": kind, "calibration": "sequential" if sequential else "parallel", "replaced": len(state),
-            "test": metrics.to_json(), "nn_agreement": nn_agreement(reference, _embeddings(outputs))}
+    return {
+        "kind": kind,
+        "calibration": "sequential" if sequential else "parallel",
+        "replaced": len(state),
+        "test": metrics.to_json(),
+        "nn_agreement": nn_agreement(reference, _embeddings(outputs)),
+    }
 
 
 def _fmt_cos(value: float) -> str:
@@ -136,13 +149,24 @@ def main(argv=None) -> int:
     budgets = [f"cos={b}" for b in args.budgets.split(",")]
     kinds = args.kinds.split(",")
     results: dict = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
-        "versions": {"normpass": __version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__,
-                     "numpy": np.__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "versions": {
+            "normpass": __version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": ort.__version__,
+            "numpy": np.__version__,
+        },
         "sentences": {"fit": len(fit), "validation": len(val), "test": len(test), "seed": args.seed},
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-        "kinds": [], "ablation": [], "all": [], "baseline": [],
+        "kinds": [],
+        "ablation": [],
+        "all": [],
+        "baseline": [],
     }
     started = time.perf_counter()
     for kind in kinds:
@@ -161,11 +185,25 @@ def main(argv=None) -> int:
             for sequential in (True, False):
                 row = replace_all(model, calib, split, holdout, reference, kind, sequential)
                 results["all"].append(row)
-                print(f"all {kind} {row['calibration']}: {row['test']['cos_min']:.4f} {row['test']['cos_mean']:.4f}", file=sys.stderr)
+                print(
+                    f"all {kind} {row['calibration']}: {row['test']['cos_min']:.4f} {row['test']['cos_mean']:.4f}",
+                    file=sys.stderr,
+                )
     if not args.no_baseline:
         for budget in budgets:
-            row = run_pass(model, calib, split, holdout, reference, "rms", budget, centre_inputs=False, refit=False,
-                           target="local", orders=("input",))
+            row = run_pass(
+                model,
+                calib,
+                split,
+                holdout,
+                reference,
+                "rms",
+                budget,
+                centre_inputs=False,
+                refit=False,
+                target="local",
+                orders=("input",),
+            )
             results["baseline"].append(row)
             _progress(row)
     results["seconds"] = round(time.perf_counter() - started, 1)
@@ -176,22 +214,29 @@ def main(argv=None) -> int:
 
 
 def _progress(row: dict) -> None:
-    print(f"{row['kind']} {row['budget']} {row['options'] or ''}: {row['replaced']}+{row['exact']} "
-          f"test {row['test']['cos_min']:.5f} held={row['held']} ({row['seconds']} s)", file=sys.stderr)
+    print(
+        f"{row['kind']} {row['budget']} {row['options'] or ''}: {row['replaced']}+{row['exact']} "
+        f"test {row['test']['cos_min']:.5f} held={row['held']} ({row['seconds']} s)",
+        file=sys.stderr,
+    )
 
 
 def _row(r: dict) -> str:
     handled = r["replaced"] + r["exact"]
     held = "yes" if r["held"] else "**no** (refused)"
     cost = r["norm_cost"]
-    return (f"| {r['kind']} | {r['budget']} | {r['replaced']} + {r['exact']} exact = **{handled}/{r['total']}** | "
-            f"{_fmt_cos(r['selection']['cos_min'])} | {_fmt_cos(r['test']['cos_min'])} | {r['test']['cos_mean']:.5f} | "
-            f"{r['nn_agreement']:.3f} | {held} | {cost['replaced_norms_before']:.2f} → {cost['replaced_norms_after']:.2f} | "
-            f"{r['seconds']:.0f} |")
+    return (
+        f"| {r['kind']} | {r['budget']} | {r['replaced']} + {r['exact']} exact = **{handled}/{r['total']}** | "
+        f"{_fmt_cos(r['selection']['cos_min'])} | {_fmt_cos(r['test']['cos_min'])} | {r['test']['cos_mean']:.5f} | "
+        f"{r['nn_agreement']:.3f} | {held} | {cost['replaced_norms_before']:.2f} → {cost['replaced_norms_after']:.2f} | "
+        f"{r['seconds']:.0f} |"
+    )
 
 
-HEADER = ("| kind | budget | norms replaced | selection cos min | test cos min | test cos mean | NN agreement | "
-          "budget held on test | norm cost before → after | s |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| kind | budget | norms replaced | selection cos min | test cos min | test cos mean | NN agreement | "
+    "budget held on test | norm cost before → after | s |\n|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def markdown(results: dict) -> str:
@@ -201,12 +246,23 @@ def markdown(results: dict) -> str:
         lines += ["", "Parallel calibration (every norm fitted on the original model), same budgets:", "", HEADER]
         lines += [_row(r) for r in results["ablation"]]
     if results["all"]:
-        lines += ["", "| every candidate replaced by | calibration | test cos min | test cos mean | NN agreement |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {r['kind']} ({r['replaced']}) | {r['calibration']} | {_fmt_cos(r['test']['cos_min'])} | "
-                  f"{r['test']['cos_mean']:.5f} | {r['nn_agreement']:.3f} |" for r in results["all"]]
+        lines += [
+            "",
+            "| every candidate replaced by | calibration | test cos min | test cos mean | NN agreement |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['kind']} ({r['replaced']}) | {r['calibration']} | {_fmt_cos(r['test']['cos_min'])} | "
+            f"{r['test']['cos_mean']:.5f} | {r['nn_agreement']:.3f} |"
+            for r in results["all"]
+        ]
     if results["baseline"]:
-        lines += ["", "Baseline calibrated RMS (mean shift, original γ/β, no input centring, input order only):", "", HEADER]
+        lines += [
+            "",
+            "Baseline calibrated RMS (mean shift, original γ/β, no input centring, input order only):",
+            "",
+            HEADER,
+        ]
         lines += [_row(r) for r in results["baseline"]]
     lines += ["", f"Total {results['seconds']:.0f} s."]
     return "\n".join(lines)

@@ -204,7 +204,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     info = build(args.out, args.params, args.dtype, args.hidden, args.heads, args.vocab, args.seed)
-    print(f"{info['path']}: {info['layers']} layers, {info['params']:,} parameters, {info['weight_bytes']:,} bytes of weights")
+    print(
+        f"{info['path']}: {info['layers']} layers, {info['params']:,} parameters, {info['weight_bytes']:,} bytes of weights"
+    )
 
 
 if __name__ == "__main__":

@@ -18,16 +18,26 @@ def add_parser(sub) -> None:
     parser = sub.add_parser("bench", help="time an optimized model against its original in ONNX Runtime")
     parser.add_argument("original", help="the baseline .onnx model")
     parser.add_argument("optimized", help="the .onnx model to compare with it (e.g. the output of normpass fold)")
-    parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
-                        help="execution provider; cuda needs onnxruntime-gpu (inputs and outputs stay on the GPU)")
+    parser.add_argument(
+        "--provider",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="execution provider; cuda needs onnxruntime-gpu (inputs and outputs stay on the GPU)",
+    )
     parser.add_argument("--batch", type=int, default=1, help="size of dynamic first axes (default 1)")
     parser.add_argument("--seq", type=int, default=128, help="size of other dynamic axes (default 128)")
-    parser.add_argument("--sweep", metavar="AXIS=N,N,...",
-                        help="time several points, e.g. seq=64,256,1024 or batch=1,4")
+    parser.add_argument(
+        "--sweep", metavar="AXIS=N,N,...", help="time several points, e.g. seq=64,256,1024 or batch=1,4"
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per model and point (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per model and point first (default 2)")
-    parser.add_argument("--budget", type=float, default=0.0, metavar="SECONDS",
-                        help="time per point: short points get more than --repeats runs (default 0: --repeats only)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="time per point: short points get more than --repeats runs (default 0: --repeats only)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (default 0: ORT's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     parser.add_argument("--json", metavar="PATH", help="write the full report (every run time) as JSON")
@@ -41,8 +51,12 @@ def run(args: argparse.Namespace) -> int:
 
     for path in (args.original, args.optimized):
         load_onnx(path)  # clear errors for a missing or unreadable file
-    outputs = list(check_paths({"ORIGINAL": args.original, "OPTIMIZED": args.optimized},
-                               {"--json": args.json, "--csv": args.csv, "--plot": args.plot}).values())
+    outputs = list(
+        check_paths(
+            {"ORIGINAL": args.original, "OPTIMIZED": args.optimized},
+            {"--json": args.json, "--csv": args.csv, "--plot": args.plot},
+        ).values()
+    )
     if args.plot and not args.plot.lower().endswith(".png"):
         raise InputError(f"{args.plot}: --plot draws a PNG; name the file *.png")
     sweep, points = None, [(args.batch, args.seq)]
@@ -50,15 +64,26 @@ def run(args: argparse.Namespace) -> int:
         sweep, values = parse_sweep(args.sweep)
         points = [(v, args.seq) if sweep == "batch" else (args.batch, v) for v in values]
     candidates = [Candidate("original", args.original), Candidate("optimized", args.optimized)]
-    report = run_benchmark(candidates, points, provider=args.provider, threads=args.threads, repeats=args.repeats,
-                           warmup=args.warmup, budget_s=args.budget, seed=args.seed, progress=not args.no_progress,
-                           sweep=sweep)
+    report = run_benchmark(
+        candidates,
+        points,
+        provider=args.provider,
+        threads=args.threads,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        budget_s=args.budget,
+        seed=args.seed,
+        progress=not args.no_progress,
+        sweep=sweep,
+    )
     print(f"{'batch':>5} {'seq':>6} {'original ms':>12} {'optimized ms':>13} {'ratio':>7}  quartiles of ratio  verdict")
     for point in report["points"]:
         base, cand = point["results"]["original"], point["results"]["optimized"]
-        verdict = ("faster" if cand["ratio_p75"] < 1 else "slower" if cand["ratio_p25"] > 1 else "within noise")
-        print(f"{point['batch']:>5} {point['seq']:>6} {base['median_ms']:>12.3f} {cand['median_ms']:>13.3f} "
-              f"{cand['ratio']:>7.3f}  {cand['ratio_p25']:.3f}–{cand['ratio_p75']:.3f}        {verdict}")
+        verdict = "faster" if cand["ratio_p75"] < 1 else "slower" if cand["ratio_p25"] > 1 else "within noise"
+        print(
+            f"{point['batch']:>5} {point['seq']:>6} {base['median_ms']:>12.3f} {cand['median_ms']:>13.3f} "
+            f"{cand['ratio']:>7.3f}  {cand['ratio_p25']:.3f}–{cand['ratio_p75']:.3f}        {verdict}"
+        )
     if args.json:
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.json)
     if args.csv:

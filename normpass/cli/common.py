@@ -14,7 +14,9 @@ from ..io import load_onnx
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="path of an .onnx model")
-    parser.add_argument("--builtin", metavar="NAME", help="use a built-in model from the registry (e.g. gpt2) instead of a file")
+    parser.add_argument(
+        "--builtin", metavar="NAME", help="use a built-in model from the registry (e.g. gpt2) instead of a file"
+    )
     parser.add_argument("--no-insert-centering", action="store_true", help="never insert an explicit x − mean(x)")
 
 
@@ -33,9 +35,13 @@ def model_source(args: argparse.Namespace) -> tuple[str | onnx.ModelProto, str]:
     try:
         from .. import models as builtin_models
     except ImportError as e:
-        raise InputError(f"--builtin needs the model registry's dependencies: pip install 'normpass[models]' ({e})") from e
+        raise InputError(
+            f"--builtin needs the model registry's dependencies: pip install 'normpass[models]' ({e})"
+        ) from e
     if args.builtin not in builtin_models.names():
-        raise InputError(f"--builtin {args.builtin!r}: unknown model; choose one of {', '.join(builtin_models.names())}")
+        raise InputError(
+            f"--builtin {args.builtin!r}: unknown model; choose one of {', '.join(builtin_models.names())}"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         path = builtin_models.export_onnx(args.builtin, Path(tmp) / f"{args.builtin}.onnx")
         return onnx.load(str(path)), f"builtin:{args.builtin}"

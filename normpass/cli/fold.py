@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from ..errors import InputError
-from ..onnx.rewrite import RMS_OPS
 from ..io import check_paths, data_path, write_text_atomic
 from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
+from ..onnx.rewrite import RMS_OPS
 from ..onnx.verify import parse_input_shapes
 from .common import add_model_arguments, model_source
 
@@ -23,29 +23,55 @@ def add_parser(sub) -> None:
     add_model_arguments(parser)
     parser.add_argument("-o", "--output", required=True, help="where to write the folded model")
     parser.add_argument("--report", help="write a JSON report here")
-    parser.add_argument("--target", choices=TARGETS, default="ort",
-                        help="ort: ONNX Runtime, contrib ops allowed (default); onnx: standard ops only, for other runtimes")
-    parser.add_argument("--provider", choices=PROVIDERS, default="cuda",
-                        help="with --target ort, the execution provider the model is for (default cuda); "
-                             "cpu: fp16 models keep residual Adds unfused (ORT's CPU fp16 Skip kernel is slower), and a "
-                             "norm ORT would fuse into its slow CPU SkipLayerNormalization folds even with a β Add")
-    parser.add_argument("--rms-op", choices=RMS_OPS,
-                        help="simplified: ORT SimplifiedLayerNormalization (default for --target ort); onnx: opset-23 "
-                             "RMSNormalization (default for --target onnx); decomposed: Mul/ReduceMean/Add/Sqrt/Div")
-    parser.add_argument("--no-migrate-affine", action="store_true",
-                        help="keep γ in the RMS op and β as an Add instead of moving them into the next linear layers")
-    parser.add_argument("--fold-with-beta-add", action="store_true",
-                        help="also fold norms whose β can move nowhere (an RMSNorm plus an Add costs more than a LayerNorm)")
-    parser.add_argument("--no-fuse-skip", action="store_true",
-                        help="never fuse residual Adds into SkipSimplifiedLayerNormalization")
+    parser.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="ort",
+        help="ort: ONNX Runtime, contrib ops allowed (default); onnx: standard ops only, for other runtimes",
+    )
+    parser.add_argument(
+        "--provider",
+        choices=PROVIDERS,
+        default="cuda",
+        help="with --target ort, the execution provider the model is for (default cuda); "
+        "cpu: fp16 models keep residual Adds unfused (ORT's CPU fp16 Skip kernel is slower), and a "
+        "norm ORT would fuse into its slow CPU SkipLayerNormalization folds even with a β Add",
+    )
+    parser.add_argument(
+        "--rms-op",
+        choices=RMS_OPS,
+        help="simplified: ORT SimplifiedLayerNormalization (default for --target ort); onnx: opset-23 "
+        "RMSNormalization (default for --target onnx); decomposed: Mul/ReduceMean/Add/Sqrt/Div",
+    )
+    parser.add_argument(
+        "--no-migrate-affine",
+        action="store_true",
+        help="keep γ in the RMS op and β as an Add instead of moving them into the next linear layers",
+    )
+    parser.add_argument(
+        "--fold-with-beta-add",
+        action="store_true",
+        help="also fold norms whose β can move nowhere (an RMSNorm plus an Add costs more than a LayerNorm)",
+    )
+    parser.add_argument(
+        "--no-fuse-skip", action="store_true", help="never fuse residual Adds into SkipSimplifiedLayerNormalization"
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip the numerical check against the original")
-    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS",
-                        help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)")
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="NAME:DIMS",
+        help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
-    parser.add_argument("--torch", metavar="PACKAGE.MODULE:FACTORY",
-                        help="fold a PyTorch model instead: FACTORY() returns (module, example_inputs); the folded "
-                             "module is exported to ONNX at -o (--target, --provider, --rms-op, --fold-with-beta-add, "
-                             "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, verification uses the example inputs)")
+    parser.add_argument(
+        "--torch",
+        metavar="PACKAGE.MODULE:FACTORY",
+        help="fold a PyTorch model instead: FACTORY() returns (module, example_inputs); the folded "
+        "module is exported to ONNX at -o (--target, --provider, --rms-op, --fold-with-beta-add, "
+        "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, verification uses the example inputs)",
+    )
 
 
 def _check_outputs(args: argparse.Namespace) -> Path:
@@ -96,9 +122,13 @@ def _run_torch(args: argparse.Namespace) -> int:
     out = _check_outputs(args)
     label = f"torch:{args.torch}"
     module, inputs = load_factory(args.torch)
-    folded, report = fold(module, inputs, migrate_affine=not args.no_migrate_affine, verify=not args.no_verify, name=label)
+    folded, report = fold(
+        module, inputs, migrate_affine=not args.no_migrate_affine, verify=not args.no_verify, name=label
+    )
     export_onnx(folded, inputs, out)
     if args.report:
-        write_text_atomic(json.dumps({"model": label, "output": str(out), **report.to_json()}, indent=2) + "\n", args.report)
+        write_text_atomic(
+            json.dumps({"model": label, "output": str(out), **report.to_json()}, indent=2) + "\n", args.report
+        )
     _print_summary(label, report.plan, report.comparison, out, f"; captured with {report.capture}")
     return 0

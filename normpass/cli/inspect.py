@@ -24,12 +24,12 @@ import re
 import sys
 
 from ..core.analysis import plan as make_plan
-from ..onnx.frontend import build_zero_mean_graph
-from ..onnx.passes import open_graph
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan, NormDecision
 from ..errors import InputError
 from ..io import check_paths, write_text_atomic
+from ..onnx.frontend import build_zero_mean_graph
+from ..onnx.passes import open_graph
 from .common import add_model_arguments, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
@@ -40,7 +40,9 @@ def add_parser(sub) -> None:
     parser = sub.add_parser("inspect", help="explain which norms fold and why")
     add_model_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
-    parser.add_argument("--graph", metavar="OUT", help="also write the zero-mean graph: OUT.graphml or OUT.json (node-link)")
+    parser.add_argument(
+        "--graph", metavar="OUT", help="also write the zero-mean graph: OUT.graphml or OUT.json (node-link)"
+    )
 
 
 def block_of(name: str) -> str:
@@ -85,8 +87,11 @@ def headline(plan: FoldPlan, label: str) -> str:
 def render_plain(plan: FoldPlan, label: str, block: dict[str, str]) -> str:
     """Aligned text: the block on its group's first row, a blank line between groups."""
     groups = grouped(plan, block)
-    rows = [[(name if i == 0 else ""), d.name, d.op, "fold" if d.foldable else "keep", why(d)]
-            for name, decisions in groups for i, d in enumerate(decisions)]
+    rows = [
+        [(name if i == 0 else ""), d.name, d.op, "fold" if d.foldable else "keep", why(d)]
+        for name, decisions in groups
+        for i, d in enumerate(decisions)
+    ]
     widths = [max(len(row[i]) for row in rows + [list(HEADER)]) for i in range(len(HEADER) - 1)]
 
     def line(row):
@@ -105,8 +110,9 @@ def print_rich(plan: FoldPlan, label: str, block: dict[str, str], console) -> No
     from rich import box
     from rich.table import Table
 
-    table = Table(title=headline(plan, label), title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
-                  header_style="bold")
+    table = Table(
+        title=headline(plan, label), title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, header_style="bold"
+    )
     for name in HEADER[1:-1]:
         table.add_column(name, no_wrap=True)
     table.add_column(HEADER[-1], overflow="fold")

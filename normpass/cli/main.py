@@ -10,7 +10,6 @@ import argparse
 import os
 import sys
 
-
 from .. import __version__
 from ..errors import NormpassError
 from . import bench, fold, inspect, replace, viz
@@ -23,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="normpass", description="Fold LayerNorms into RMSNorms, exactly, with proof.")
     parser.add_argument("--version", action="version", version=f"normpass {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in COMMANDS.items():
+    for _name, module in COMMANDS.items():
         module.add_parser(sub)
     return parser
 
@@ -45,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("NORMPASS_DEBUG") == "1":
             raise
         first = str(e).splitlines()[0] if str(e) else ""
-        print(f"normpass {args.command}: internal error: {type(e).__name__}: {first} (a bug in normpass; "
-              "re-run with NORMPASS_DEBUG=1 for the traceback and report it)", file=sys.stderr)
+        print(
+            f"normpass {args.command}: internal error: {type(e).__name__}: {first} (a bug in normpass; "
+            "re-run with NORMPASS_DEBUG=1 for the traceback and report it)",
+            file=sys.stderr,
+        )
         return INTERNAL_ERROR
 
 

@@ -11,47 +11,91 @@ import argparse
 import json
 import sys
 
-from ..surrogate.calibrate import Budget
 from ..errors import InputError
-from ..onnx.rewrite import RMS_OPS
 from ..io import check_paths, data_path, save_onnx_atomic, write_text_atomic
-from ..surrogate.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions, replace_onnx
+from ..onnx.rewrite import RMS_OPS
+from ..surrogate.calibrate import Budget
 from ..surrogate.fit import KINDS
+from ..surrogate.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions, replace_onnx
 from .common import add_model_arguments, load_model
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("replace", help="replace norms that do not fold exactly by calibrated surrogates, under a budget")
+    parser = sub.add_parser(
+        "replace", help="replace norms that do not fold exactly by calibrated surrogates, under a budget"
+    )
     add_model_arguments(parser)
     parser.add_argument("-o", "--output", required=True, help="where to write the model")
-    parser.add_argument("--with", dest="kind", default="auto", choices=("auto",) + KINDS,
-                        help="surrogate kind: auto (per norm, the cheapest that keeps the budget; default), rms "
-                             "(calibrated RMSNorm of x − c), affine (DaMN), dyt (γ·tanh(αx)+β), derf (γ·erf(αx+s)+β)")
-    parser.add_argument("--calib", required=True, metavar="DATA",
-                        help="calibration inputs: an .npz (one array per graph input, axis 0 = samples), a directory "
-                             "of NAME.npy files, or 'synthetic' (seeded random inputs, for demos and tests only)")
-    parser.add_argument("--budget", action="append", default=[], metavar="TERM=V",
-                        help="accuracy to keep, e.g. cos=0.999 (min per-sample cosine), rel=0.01 (max relative "
-                             "error), top1=0.99 (arg-max agreement); repeat or comma-separate (default cos=0.999)")
-    parser.add_argument("--holdout", metavar="DATA", help="held-out inputs for the final check (default: a split of --calib)")
-    parser.add_argument("--split", default="0.5,0.25,0.25", metavar="FIT,VAL,TEST",
-                        help="fractions of --calib for fitting, selection and the final check (default 0.5,0.25,0.25; "
-                             "with --holdout the third is ignored)")
-    parser.add_argument("--margin", type=float, default=0.8,
-                        help="share of the budget's allowance selection may use on the validation split (default 0.8)")
-    parser.add_argument("--orders", default="input,damage", help=f"greedy orders to try, best kept ({', '.join(ORDERS)})")
-    parser.add_argument("--policy", choices=POLICIES, default="count",
-                        help="count: most norms first, then cheaper swaps (default); cheapest: per norm the cheapest that fits")
-    parser.add_argument("--parallel", action="store_true",
-                        help="calibrate every norm on the original model (ablation) instead of sequentially")
+    parser.add_argument(
+        "--with",
+        dest="kind",
+        default="auto",
+        choices=("auto",) + KINDS,
+        help="surrogate kind: auto (per norm, the cheapest that keeps the budget; default), rms "
+        "(calibrated RMSNorm of x − c), affine (DaMN), dyt (γ·tanh(αx)+β), derf (γ·erf(αx+s)+β)",
+    )
+    parser.add_argument(
+        "--calib",
+        required=True,
+        metavar="DATA",
+        help="calibration inputs: an .npz (one array per graph input, axis 0 = samples), a directory "
+        "of NAME.npy files, or 'synthetic' (seeded random inputs, for demos and tests only)",
+    )
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="TERM=V",
+        help="accuracy to keep, e.g. cos=0.999 (min per-sample cosine), rel=0.01 (max relative "
+        "error), top1=0.99 (arg-max agreement); repeat or comma-separate (default cos=0.999)",
+    )
+    parser.add_argument(
+        "--holdout", metavar="DATA", help="held-out inputs for the final check (default: a split of --calib)"
+    )
+    parser.add_argument(
+        "--split",
+        default="0.5,0.25,0.25",
+        metavar="FIT,VAL,TEST",
+        help="fractions of --calib for fitting, selection and the final check (default 0.5,0.25,0.25; "
+        "with --holdout the third is ignored)",
+    )
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=0.8,
+        help="share of the budget's allowance selection may use on the validation split (default 0.8)",
+    )
+    parser.add_argument(
+        "--orders", default="input,damage", help=f"greedy orders to try, best kept ({', '.join(ORDERS)})"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="count",
+        help="count: most norms first, then cheaper swaps (default); cheapest: per norm the cheapest that fits",
+    )
+    parser.add_argument(
+        "--parallel",
+        action="store_true",
+        help="calibrate every norm on the original model (ablation) instead of sequentially",
+    )
     parser.add_argument("--norm", action="append", metavar="NAME", help="only consider these norms (repeatable)")
     centring = parser.add_mutually_exclusive_group()
-    centring.add_argument("--centre-inputs", dest="centre_inputs", action="store_true", default=None,
-                          help="centre the layers summed into LayerNorm inputs (exact; default: when rms is allowed)")
+    centring.add_argument(
+        "--centre-inputs",
+        dest="centre_inputs",
+        action="store_true",
+        default=None,
+        help="centre the layers summed into LayerNorm inputs (exact; default: when rms is allowed)",
+    )
     centring.add_argument("--no-centre-inputs", dest="centre_inputs", action="store_false", help="do not")
     parser.add_argument("--no-refit", action="store_true", help="rms: keep the norm's γ/β and the mean shift")
-    parser.add_argument("--rms-op", choices=RMS_OPS, default="simplified", help="RMS op for exact folds and rms surrogates")
-    parser.add_argument("--mask-input", metavar="NAME", help="attention-mask input (default: the rank-2 input named *mask*)")
+    parser.add_argument(
+        "--rms-op", choices=RMS_OPS, default="simplified", help="RMS op for exact folds and rms surrogates"
+    )
+    parser.add_argument(
+        "--mask-input", metavar="NAME", help="attention-mask input (default: the rank-2 input named *mask*)"
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch for .npz data (default 16)")
     parser.add_argument("--samples", type=int, default=64, help="samples of synthetic data (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the splits, sampling and synthetic data")
@@ -116,14 +160,18 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
     test = report["test"]
-    print(f"{label}: {report['exact']} of {report['total']} norms folded exactly, {report['replaced']} replaced by "
-          f"surrogates, {report['kept']} kept; held-out ({test['samples']} samples): cos min {test['cos_min']:.6f}, "
-          f"rel max {test['rel_max']:.3g}; budget {options.budget}; wrote {out}")
+    print(
+        f"{label}: {report['exact']} of {report['total']} norms folded exactly, {report['replaced']} replaced by "
+        f"surrogates, {report['kept']} kept; held-out ({test['samples']} samples): cos min {test['cos_min']:.6f}, "
+        f"rel max {test['rel_max']:.3g}; budget {options.budget}; wrote {out}"
+    )
     for norm in report["norms"]:
         if norm["decision"] == "replaced":
             ops = ", ".join(f"{op}×{n}" for op, n in norm["emission"]["ops"].items()) or "no op"
-            print(f"  {norm['name']}: {norm['surrogate']} ({ops}; cost {norm['emission']['cost']:.2f} vs "
-                  f"{norm['original_cost']:.2f})")
+            print(
+                f"  {norm['name']}: {norm['surrogate']} ({ops}; cost {norm['emission']['cost']:.2f} vs "
+                f"{norm['original_cost']:.2f})"
+            )
         elif norm["decision"] != "exact":
             print(f"  kept {norm['name']}: {norm['reason']}")
     return 0

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from ..core.analysis import plan as make_plan
 from ..errors import InputError
+from ..io import check_paths, write_text_atomic
 from ..onnx.frontend import build_zero_mean_graph
 from ..onnx.passes import open_graph
-from ..io import check_paths, write_text_atomic
 from .common import add_model_arguments, model_source
 
 FORMATS = ("html", "svg", "dot")  # normpass.viz.FORMATS, named here so that other commands start without networkx
@@ -24,8 +24,9 @@ def add_parser(sub) -> None:
     add_model_arguments(parser)
     parser.add_argument("-o", "--output", required=True, help="where to write it: OUT.html, OUT.svg or OUT.dot")
     parser.add_argument("--format", choices=FORMATS, help="output format (default: from the suffix of -o)")
-    parser.add_argument("--full", action="store_true",
-                        help="draw every node instead of collapsing what no decision depends on")
+    parser.add_argument(
+        "--full", action="store_true", help="draw every node instead of collapsing what no decision depends on"
+    )
     parser.add_argument("--norm", metavar="NAME", help="focus on one norm (names as printed by `normpass inspect`)")
 
 
@@ -35,8 +36,10 @@ def run(args: argparse.Namespace) -> int:
     out = check_paths({"the input model": args.model}, {"-o": args.output})["-o"]
     fmt = args.format or out.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
-        raise InputError(f"{out}: cannot tell the format from the suffix {Path(out).suffix!r}; "
-                         f"use .html, .svg or .dot, or pass --format")
+        raise InputError(
+            f"{out}: cannot tell the format from the suffix {Path(out).suffix!r}; "
+            f"use .html, .svg or .dot, or pass --format"
+        )
     model, label = model_source(args)
     zmg = build_zero_mean_graph(open_graph(model, label))
     fold_plan = make_plan(zmg, not args.no_insert_centering)

@@ -46,7 +46,9 @@ def migrate_affine(
         shift = (beta.astype(work) @ to_in.astype(work, copy=False)).astype(np.float64) * shift_scale
         new_bias = shift if new_bias is None else new_bias + shift
     # diag(γ)·W: one correctly rounded product per element, in the weights' dtype.
-    new_weight = weight.copy() if gamma is None else np.moveaxis(to_in * gamma.astype(weight.dtype)[:, None], 0, in_axis)
+    new_weight = (
+        weight.copy() if gamma is None else np.moveaxis(to_in * gamma.astype(weight.dtype)[:, None], 0, in_axis)
+    )
     dtype = weight.dtype if bias is None else bias.dtype
     return np.ascontiguousarray(new_weight), None if new_bias is None else new_bias.astype(dtype)
 

@@ -111,15 +111,22 @@ class Prover:
     def _step(self, tensor: str, axis: int) -> _Step:
         node = self.zmg.producer_of(tensor)
         if node is None:
-            return _Step(blocker=Blocker(tensor, f"graph input {tensor} carries arbitrary data", (tensor,), tensor, axis))
+            return _Step(
+                blocker=Blocker(tensor, f"graph input {tensor} carries arbitrary data", (tensor,), tensor, axis)
+            )
         result = node.rule.backward(self.zmg, node, tensor, axis)
         if isinstance(result, Centring):
             return _Step(centrings=(result,))
         if isinstance(result, str):
             return _Step(blocker=Blocker(node.name, result, (node.name,), tensor, axis))
-        centrings = tuple(Centring(node.name, in_axis, index, source, stream_axis=axis)
-                          for index, source, in_axis in result if self.zmg.is_constant(source))
-        needs = tuple(dict.fromkeys((source, in_axis) for _, source, in_axis in result if not self.zmg.is_constant(source)))
+        centrings = tuple(
+            Centring(node.name, in_axis, index, source, stream_axis=axis)
+            for index, source, in_axis in result
+            if self.zmg.is_constant(source)
+        )
+        needs = tuple(
+            dict.fromkeys((source, in_axis) for _, source, in_axis in result if not self.zmg.is_constant(source))
+        )
         return _Step(centrings, node=node.name, needs=needs)
 
     def _merge(self, state: State, step: _Step) -> _Found:
@@ -277,7 +284,7 @@ def safe_centrings(zmg: ZeroMeanGraph, norm: NormInfo, checker: ShiftChecker | N
 def _plan_insertions(checker: ShiftChecker, decisions: list[NormDecision], pending) -> None:
     """Insert x − mean(x) at blocked tensors whose shift is removed downstream, where it pays."""
     candidates: dict[Insertion, set[str]] = {}
-    for name, (norm, proof) in pending.items():
+    for name, (_norm, proof) in pending.items():
         insertions = set()
         for blocker in proof.blockers:
             if blocker.tensor is None or blocker.axis is None or checker.removed(blocker.tensor, blocker.axis):

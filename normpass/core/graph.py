@@ -17,8 +17,9 @@ even the rank is unknown.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from .rules import Rule, describe
 
 if TYPE_CHECKING:
     import networkx as nx
+
     from .plan import FoldPlan
 
 Shape = tuple  # tuple[int | str | None, ...]

@@ -53,7 +53,7 @@ from .plan import Centring
 if TYPE_CHECKING:
     from .graph import NormInfo, ZeroMeanGraph, ZNode
 
-Required = list[tuple[int, str, Union[int, None]]]  # (input index, input tensor, its axis or None)
+Required = list[tuple[int, str, int | None]]  # (input index, input tensor, its axis or None)
 Backward = Union[Required, Centring, str]  # inputs that must be zero-mean, a centring, or why not
 Forward = Union[list[tuple[str, int]], str]  # (output, axis) states that carry the shift on, or why not
 
@@ -66,8 +66,8 @@ class Shift:
     normalized axis, which is then `out_axis` of the output.
     """
 
-    zmg: "ZeroMeanGraph"
-    node: "ZNode"
+    zmg: ZeroMeanGraph
+    node: ZNode
     index: int
     axis: int | None
     out_axis: int | None = None
@@ -93,7 +93,7 @@ class Shift:
 class Rule(Protocol):
     """The algebra of one node: see the module docstring."""
 
-    def backward(self, zmg: "ZeroMeanGraph", node: "ZNode", tensor: str, axis: int) -> Backward:
+    def backward(self, zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int) -> Backward:
         """What makes output `tensor` of `node` zero-mean along `axis`."""
         ...
 
@@ -189,7 +189,7 @@ def _solve_unknown_dim(from_shape: tuple, to_shape: tuple) -> tuple[tuple, tuple
     return tuple(shapes[0]), tuple(shapes[1])
 
 
-def _broadcast_inputs(zmg: "ZeroMeanGraph", node: "ZNode", tensor: str, axis: int, indices) -> Required | str:
+def _broadcast_inputs(zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int, indices) -> Required | str:
     """Inputs `indices` of an elementwise node, each with the axis that `axis` of its output maps to.
 
     An input broadcast along the axis is allowed only if it is a constant (it is then centred,
@@ -208,7 +208,7 @@ def _broadcast_inputs(zmg: "ZeroMeanGraph", node: "ZNode", tensor: str, axis: in
     return required
 
 
-def _along_rows(zmg: "ZeroMeanGraph", node: "ZNode", axis: int) -> bool:
+def _along_rows(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> bool:
     """Whether a Where's condition is constant along output axis `axis` (it picks whole rows)."""
     cond_axis, why = broadcast_axis(zmg.shape(node.outputs[0]), zmg.shape(node.inputs[0]), axis)
     return cond_axis is None and why is None
@@ -504,7 +504,7 @@ class Opaque(_Flow):
 
 @dataclass(frozen=True)
 class NormRule(_Flow):
-    norm: "NormInfo"
+    norm: NormInfo
 
     def pull(self, zmg, node, tensor, axis) -> Backward:
         if self.norm.output_centred and self.norm.axis == axis:
@@ -526,7 +526,7 @@ class NormRule(_Flow):
 ABSORBING_OPS = ("MatMul", "Gemm", "Conv")  # linear layers a LayerScale can be absorbed into
 
 
-def layer_scale(zmg: "ZeroMeanGraph", node: "ZNode", axis: int) -> tuple[int, "ZNode", "ZNode | None"] | None:
+def layer_scale(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, ZNode, ZNode | None] | None:
     """(factor index, linear layer, bias Add or None) if `node` is a LayerScale, else None.
 
     A LayerScale multiplies the output of a linear layer (with or without a bias Add) by a
@@ -537,7 +537,11 @@ def layer_scale(zmg: "ZeroMeanGraph", node: "ZNode", axis: int) -> tuple[int, "Z
         return None
     factors = [i for i, t in enumerate(node.inputs) if zmg.is_constant(t)]
     out_shape = zmg.shape(node.outputs[0])
-    if len(factors) != 1 or out_shape is None or not _per_channel(zmg.shape(node.inputs[factors[0]]), len(out_shape), axis):
+    if (
+        len(factors) != 1
+        or out_shape is None
+        or not _per_channel(zmg.shape(node.inputs[factors[0]]), len(out_shape), axis)
+    ):
         return None
     stream = node.inputs[1 - factors[0]]
     add = None
@@ -548,7 +552,12 @@ def layer_scale(zmg: "ZeroMeanGraph", node: "ZNode", axis: int) -> tuple[int, "Z
         if len(biases) != 1 or len(linear) != 1:
             return None
         add, producer = producer, _private_producer(zmg, linear[0])
-    if producer is None or not isinstance(producer.rule, Linear) or producer.rule.axis != axis or producer.op not in ABSORBING_OPS:
+    if (
+        producer is None
+        or not isinstance(producer.rule, Linear)
+        or producer.rule.axis != axis
+        or producer.op not in ABSORBING_OPS
+    ):
         return None
     return factors[0], producer, add
 
@@ -561,7 +570,7 @@ def _per_channel(shape, rank: int, axis: int) -> bool:
     return all(d == 1 for j, d in enumerate(padded) if j != axis)
 
 
-def _private_producer(zmg: "ZeroMeanGraph", tensor: str) -> "ZNode | None":
+def _private_producer(zmg: ZeroMeanGraph, tensor: str) -> ZNode | None:
     """The producer of `tensor` if `tensor` has one reader and is not a graph output."""
     if tensor in zmg.graph_outputs or len(zmg.consumers_of(tensor)) != 1:
         return None

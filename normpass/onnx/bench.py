@@ -26,6 +26,7 @@ on a GPU yet.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -45,11 +46,23 @@ from .. import __version__
 from ..errors import InputError, VerificationError
 from .verify import compare_outputs, fixed_dim, make_inputs, ort_session
 
-
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 SWEEP_AXES = ("batch", "seq")
-CSV_FIELDS = ("batch", "seq", "model", "median_ms", "p25_ms", "p75_ms", "min_ms", "runs",
-              "ratio", "ratio_p25", "ratio_p75", "max_rel_error", "checked")
+CSV_FIELDS = (
+    "batch",
+    "seq",
+    "model",
+    "median_ms",
+    "p25_ms",
+    "p75_ms",
+    "min_ms",
+    "runs",
+    "ratio",
+    "ratio_p25",
+    "ratio_p75",
+    "max_rel_error",
+    "checked",
+)
 
 
 @dataclass
@@ -75,9 +88,7 @@ def point_shapes(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, tupl
         if graph_input.name in initializers:
             continue
         dims = graph_input.type.tensor_type.shape.dim
-        shapes[graph_input.name] = tuple(
-            fixed_dim(d) or (batch if axis == 0 else seq) for axis, d in enumerate(dims)
-        )
+        shapes[graph_input.name] = tuple(fixed_dim(d) or (batch if axis == 0 else seq) for axis, d in enumerate(dims))
     return shapes
 
 
@@ -85,8 +96,9 @@ def make_feeds(model: onnx.ModelProto, batch: int, seq: int, seed: int = 0) -> d
     return make_inputs(model, point_shapes(model, batch, seq), seed)
 
 
-def open_session(model: str | bytes, provider: str = "cpu", threads: int = 0,
-                 optimized_model_path: str | None = None) -> ort.InferenceSession:
+def open_session(
+    model: str | bytes, provider: str = "cpu", threads: int = 0, optimized_model_path: str | None = None
+) -> ort.InferenceSession:
     """An ORT session for a model path (or serialized model) with every graph optimization on.
 
     `threads` 0 leaves ORT's default; `optimized_model_path` saves the graph ORT actually runs.
@@ -94,9 +106,11 @@ def open_session(model: str | bytes, provider: str = "cpu", threads: int = 0,
     if provider not in PROVIDERS:
         raise InputError(f"provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
     if PROVIDERS[provider] not in ort.get_available_providers():
-        raise InputError(f"provider {provider}: this onnxruntime build has no {PROVIDERS[provider]} "
-                         f"(available: {', '.join(ort.get_available_providers())}); "
-                         "for CUDA: pip install 'normpass[gpu]'")
+        raise InputError(
+            f"provider {provider}: this onnxruntime build has no {PROVIDERS[provider]} "
+            f"(available: {', '.join(ort.get_available_providers())}); "
+            "for CUDA: pip install 'normpass[gpu]'"
+        )
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
@@ -113,14 +127,17 @@ class Runner:
         self.session = session
         self.device = provider  # OrtValue device names are the provider keys: "cpu", "cuda"
         names = [o.name for o in session.get_outputs()]
-        self.outputs = dict(zip(names, session.run(names, feeds)))  # the reference run
+        self.outputs = dict(zip(names, session.run(names, feeds), strict=False))  # the reference run
         self.binding = session.io_binding()
         self._bound = []  # keeps the bound OrtValues (and the NumPy buffers under CPU ones) alive
         for name, value in feeds.items():
             self._bind(self.binding.bind_ortvalue_input, name, ort.OrtValue.ortvalue_from_numpy(value, self.device, 0))
         for name, value in self.outputs.items():
-            self._bind(self.binding.bind_ortvalue_output, name,
-                       ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, self.device, 0))
+            self._bind(
+                self.binding.bind_ortvalue_output,
+                name,
+                ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, self.device, 0),
+            )
 
     def _bind(self, bind, name: str, value: ort.OrtValue) -> None:
         self._bound.append(value)
@@ -143,16 +160,21 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 
 def _check_signatures(candidates: list[Candidate]) -> None:
     """All models must take the same inputs and give the same outputs as the baseline."""
+
     def signature(model):
         initializers = {i.name for i in model.graph.initializer}
-        return ([(i.name, i.type.tensor_type.elem_type) for i in model.graph.input if i.name not in initializers],
-                [(o.name, o.type.tensor_type.elem_type) for o in model.graph.output])
+        return (
+            [(i.name, i.type.tensor_type.elem_type) for i in model.graph.input if i.name not in initializers],
+            [(o.name, o.type.tensor_type.elem_type) for o in model.graph.output],
+        )
 
     base = candidates[0]
     for other in candidates[1:]:
         if signature(other.graph()) != signature(base.graph()):
-            raise InputError(f"{other.path}: its inputs/outputs {signature(other.graph())} differ from those of "
-                             f"{base.path} {signature(base.graph())}; compare two versions of the same model")
+            raise InputError(
+                f"{other.path}: its inputs/outputs {signature(other.graph())} differ from those of "
+                f"{base.path} {signature(base.graph())}; compare two versions of the same model"
+            )
 
 
 def parse_sweep(spec: str) -> tuple[str, list[int]]:
@@ -163,23 +185,30 @@ def parse_sweep(spec: str) -> tuple[str, list[int]]:
     except ValueError:
         points = []
     if axis not in SWEEP_AXES or not points or min(points) < 1:
-        raise InputError(f"sweep {spec!r}: expected AXIS=N,N,... with AXIS one of {', '.join(SWEEP_AXES)}, "
-                         "e.g. seq=64,256,1024")
+        raise InputError(
+            f"sweep {spec!r}: expected AXIS=N,N,... with AXIS one of {', '.join(SWEEP_AXES)}, e.g. seq=64,256,1024"
+        )
     return axis, points
 
 
 def machine() -> dict:
     """Where and with what the figures were taken."""
     cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     return {
-        "platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-        "python": platform.python_version(), "normpass": __version__, "onnxruntime": ort.__version__,
-        "onnx": onnx.__version__, "numpy": np.__version__,
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "normpass": __version__,
+        "onnxruntime": ort.__version__,
+        "onnx": onnx.__version__,
+        "numpy": np.__version__,
     }
 
 
@@ -198,19 +227,24 @@ class _NoBar:
         pass
 
 
-def finish_tool_run(points: list, settings: dict, started: float, load_before, machine_info: dict,
-                    table: str, json_path: str | None) -> None:
+def finish_tool_run(
+    points: list, settings: dict, started: float, load_before, machine_info: dict, table: str, json_path: str | None
+) -> None:
     """Record a benchmark tool's run (machine, settings, load, points) as JSON and print its table."""
     load_after = os.getloadavg()
-    report = {"machine": machine_info,
-              "settings": settings | {"load_average_before": load_before, "load_average_after": load_after,
-                                      "seconds": time.time() - started},
-              "points": points}
+    report = {
+        "machine": machine_info,
+        "settings": settings
+        | {"load_average_before": load_before, "load_average_after": load_after, "seconds": time.time() - started},
+        "points": points,
+    }
     if json_path:
         with open(json_path, "w") as handle:
             json.dump(report, handle, indent=2)
     print(table)
-    print(f"\n{report['settings']['seconds']:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    print(
+        f"\n{report['settings']['seconds']:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}"
+    )
 
 
 def progress_bar(total: int, enabled: bool):
@@ -222,8 +256,9 @@ def progress_bar(total: int, enabled: bool):
     return tqdm(total=total, unit="run", leave=False, dynamic_ncols=True) if enabled else _NoBar()
 
 
-def interleave(runners: dict[str, Runner], repeats: int, warmup: int, bar=None,
-               budget_s: float = 0.0) -> dict[str, list[float]]:
+def interleave(
+    runners: dict[str, Runner], repeats: int, warmup: int, bar=None, budget_s: float = 0.0
+) -> dict[str, list[float]]:
     """`warmup` untimed then `repeats` timed rounds; each round runs every runner once, order rotated.
 
     With `budget_s` (and a warm-up to measure a round by), the timed rounds are raised to fill
@@ -259,17 +294,33 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
     results = {}
     for label, runs in times.items():
         p25, median, p75 = _quartiles(runs)
-        entry = {"median_ms": 1e3 * median, "p25_ms": 1e3 * p25, "p75_ms": 1e3 * p75, "min_ms": 1e3 * min(runs),
-                 "runs_ms": [1e3 * t for t in runs]}
+        entry = {
+            "median_ms": 1e3 * median,
+            "p25_ms": 1e3 * p25,
+            "p75_ms": 1e3 * p75,
+            "min_ms": 1e3 * min(runs),
+            "runs_ms": [1e3 * t for t in runs],
+        }
         if label != baseline:
-            r25, _, r75 = _quartiles([t / b for t, b in zip(runs, base)])
+            r25, _, r75 = _quartiles([t / b for t, b in zip(runs, base, strict=False)])
             entry |= {"ratio": median / statistics.median(base), "ratio_p25": r25, "ratio_p75": r75}
         results[label] = entry
     return results
 
 
-def bench_point(candidates: list[Candidate], batch: int, seq: int, *, provider: str = "cpu", threads: int = 0,
-                repeats: int = 10, warmup: int = 2, budget_s: float = 0.0, seed: int = 0, bar=None) -> dict:
+def bench_point(
+    candidates: list[Candidate],
+    batch: int,
+    seq: int,
+    *,
+    provider: str = "cpu",
+    threads: int = 0,
+    repeats: int = 10,
+    warmup: int = 2,
+    budget_s: float = 0.0,
+    seed: int = 0,
+    bar=None,
+) -> dict:
     """Time every candidate at one point (see the module docstring); the first is the baseline."""
     feeds = make_feeds(candidates[0].graph(), batch, seq, seed)
     shapes = {k: list(v.shape) for k, v in feeds.items()}
@@ -279,8 +330,10 @@ def bench_point(candidates: list[Candidate], batch: int, seq: int, *, provider: 
     for candidate in candidates[1:]:
         comparison = compare_outputs(runners[base.label].outputs, runners[candidate.label].outputs, shapes)
         if candidate.check and not comparison.passed:
-            raise VerificationError(f"{candidate.path} at batch {batch}, seq {seq}: outputs differ from "
-                                    f"{base.path}: {comparison.failures()}; not comparing their speed")
+            raise VerificationError(
+                f"{candidate.path} at batch {batch}, seq {seq}: outputs differ from "
+                f"{base.path}: {comparison.failures()}; not comparing their speed"
+            )
         checks[candidate.label] = {"max_rel_error": comparison.max_rel_error, "checked": candidate.check}
     results = summarize(interleave(runners, repeats, warmup, bar, budget_s), base.label)
     for label, check in checks.items():
@@ -288,15 +341,24 @@ def bench_point(candidates: list[Candidate], batch: int, seq: int, *, provider: 
     return {"batch": batch, "seq": seq, "input_shapes": shapes, "results": results}
 
 
-def run_benchmark(candidates: list[Candidate], points: list[tuple[int, int]], *, provider: str = "cpu",
-                  threads: int = 0, repeats: int = 10, warmup: int = 2, budget_s: float = 0.0, seed: int = 0,
-                  progress: bool = True, sweep: str | None = None) -> dict:
+def run_benchmark(
+    candidates: list[Candidate],
+    points: list[tuple[int, int]],
+    *,
+    provider: str = "cpu",
+    threads: int = 0,
+    repeats: int = 10,
+    warmup: int = 2,
+    budget_s: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+    sweep: str | None = None,
+) -> dict:
     """`bench_point` at every (batch, seq) point; returns the JSON report."""
     if len(candidates) < 2:
         raise InputError("give at least two models: a baseline and a candidate")
     if repeats < 1 or warmup < 0:
-        raise InputError(f"repeats {repeats} / warmup {warmup}: "
-                         "need at least one timed run and no negative warm-up")
+        raise InputError(f"repeats {repeats} / warmup {warmup}: need at least one timed run and no negative warm-up")
     _check_signatures(candidates)
     bar = progress_bar(len(points) * len(candidates) * (repeats + warmup), progress)
     load_before = os.getloadavg()
@@ -304,24 +366,46 @@ def run_benchmark(candidates: list[Candidate], points: list[tuple[int, int]], *,
         results = []
         for batch, seq in points:
             bar.set_postfix_str(f"batch {batch} seq {seq}")
-            results.append(bench_point(candidates, batch, seq, provider=provider, threads=threads, repeats=repeats,
-                                       warmup=warmup, budget_s=budget_s, seed=seed, bar=bar))
+            results.append(
+                bench_point(
+                    candidates,
+                    batch,
+                    seq,
+                    provider=provider,
+                    threads=threads,
+                    repeats=repeats,
+                    warmup=warmup,
+                    budget_s=budget_s,
+                    seed=seed,
+                    bar=bar,
+                )
+            )
     finally:
         bar.close()
     return {
         "machine": machine(),
-        "settings": {"provider": provider, "threads": threads, "repeats": repeats, "warmup": warmup,
-                     "budget_s": budget_s, "seed": seed,
-                     "sweep": sweep, "io_binding": True, "graph_optimization": "ORT_ENABLE_ALL",
-                     "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
+        "settings": {
+            "provider": provider,
+            "threads": threads,
+            "repeats": repeats,
+            "warmup": warmup,
+            "budget_s": budget_s,
+            "seed": seed,
+            "sweep": sweep,
+            "io_binding": True,
+            "graph_optimization": "ORT_ENABLE_ALL",
+            "load_average_before": list(load_before),
+            "load_average_after": list(os.getloadavg()),
+        },
         "models": {c.label: {"path": str(c.path), "checked": c.check} for c in candidates},
         "baseline": candidates[0].label,
         "points": results,
     }
 
 
-def profile_ops(paths: dict[str, str], feeds: dict[str, np.ndarray], provider: str = "cpu", threads: int = 0,
-                runs: int = 3) -> dict[str, dict[str, float]]:
+def profile_ops(
+    paths: dict[str, str], feeds: dict[str, np.ndarray], provider: str = "cpu", threads: int = 0, runs: int = 3
+) -> dict[str, dict[str, float]]:
     """ORT's profiler: kernel milliseconds per run by op type, for each labelled model.
 
     Less sensitive to other load on the machine than wall time, since it counts only the time
@@ -381,6 +465,7 @@ def plot(report: dict, path: str | os.PathLike) -> None:
     """PNG: median time per model (left) and each candidate's ratio with its quartiles (right)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
@@ -392,14 +477,28 @@ def plot(report: dict, path: str | os.PathLike) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for index, label in enumerate(labels):
         results = [p["results"][label] for p in points]
-        left.errorbar(xs, [r["median_ms"] for r in results], marker="o", label=label, color=f"C{index}",
-                      yerr=[[r["median_ms"] - r["p25_ms"] for r in results],
-                            [r["p75_ms"] - r["median_ms"] for r in results]])
+        left.errorbar(
+            xs,
+            [r["median_ms"] for r in results],
+            marker="o",
+            label=label,
+            color=f"C{index}",
+            yerr=[[r["median_ms"] - r["p25_ms"] for r in results], [r["p75_ms"] - r["median_ms"] for r in results]],
+        )
     for index, label in enumerate(labels[1:], start=1):
         ratios = [p["results"][label]["ratio"] for p in points]
-        right.errorbar(xs, ratios, marker="o", label=f"{label} / {labels[0]}", capsize=3, color=f"C{index}",
-                       yerr=[[max(r - p["results"][label]["ratio_p25"], 0) for r, p in zip(ratios, points)],
-                             [max(p["results"][label]["ratio_p75"] - r, 0) for r, p in zip(ratios, points)]])
+        right.errorbar(
+            xs,
+            ratios,
+            marker="o",
+            label=f"{label} / {labels[0]}",
+            capsize=3,
+            color=f"C{index}",
+            yerr=[
+                [max(r - p["results"][label]["ratio_p25"], 0) for r, p in zip(ratios, points, strict=False)],
+                [max(p["results"][label]["ratio_p75"] - r, 0) for r, p in zip(ratios, points, strict=False)],
+            ],
+        )
     right.axhline(1.0, color="grey", linewidth=1)
     for ax in (left, right):
         ax.set_xscale("log", base=2)
@@ -411,8 +510,11 @@ def plot(report: dict, path: str | os.PathLike) -> None:
     left.set_ylabel("median ms per run (quartiles)")
     right.set_ylabel("time ratio (per-round quartiles); < 1 is faster")
     settings = report["settings"]
-    fig.suptitle(f"{settings['provider']}, at least {settings['repeats']} interleaved runs per point, "
-                 f"onnxruntime {report['machine']['onnxruntime']}", fontsize=10)
+    fig.suptitle(
+        f"{settings['provider']}, at least {settings['repeats']} interleaved runs per point, "
+        f"onnxruntime {report['machine']['onnxruntime']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

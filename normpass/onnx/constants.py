@@ -24,12 +24,24 @@ from .values import attr, input_at, is_initializer
 
 MAX_CONSTANT_NODES = 256  # a constant subgraph larger than this is not recognised as one
 CAST_DTYPES = {
-    onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BOOL,
-    onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32, onnx.TensorProto.INT64,
-    onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64,
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.BOOL,
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.INT16,
+    onnx.TensorProto.INT32,
+    onnx.TensorProto.INT64,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.UINT16,
+    onnx.TensorProto.UINT32,
+    onnx.TensorProto.UINT64,
 }
 CONSTANT_ATTRS = {  # Constant node attribute → NumPy dtype of its value
-    "value_float": np.float32, "value_floats": np.float32, "value_int": np.int64, "value_ints": np.int64,
+    "value_float": np.float32,
+    "value_floats": np.float32,
+    "value_int": np.int64,
+    "value_ints": np.int64,
 }
 
 
@@ -157,7 +169,7 @@ def constant_values(tensor: ir.Value | None) -> np.ndarray | None:
         return None
     node = tensor.producer()
     inputs = [None if t is None else constant_values(t) for t in node.inputs]
-    if any(value is None for value, t in zip(inputs, node.inputs) if t is not None):
+    if any(value is None for value, t in zip(inputs, node.inputs, strict=False) if t is not None):
         return None
     try:
         return np.asarray(EVALUATORS[node.op_type](node, inputs))

@@ -16,15 +16,14 @@ reason they are not rewritten.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..errors import UnsupportedModelError
 from ..core.graph import NodeKind, NormInfo, ZeroMeanGraph, ZNode
 from ..core.rules import (
     Broadcast,
@@ -44,6 +43,7 @@ from ..core.rules import (
     Sum,
     Take,
 )
+from ..errors import UnsupportedModelError
 from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
 from .constants import constant_values, is_constant
 from .patterns import match_decomposed, match_single_op, norm_info
@@ -117,7 +117,8 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
             dtypes[info.name] = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
         if tensor_type.HasField("shape"):
             shapes[info.name] = tuple(
-                d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None) for d in tensor_type.shape.dim
+                d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
+                for d in tensor_type.shape.dim
             )
     for init in model.graph.initializer:
         shapes[init.name] = tuple(init.dims)
@@ -145,11 +146,11 @@ def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
 
         try:
             return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
-        except Exception:  # noqa: BLE001 - fall back to ONNX's inference
+        except Exception:
             pass
     try:
         return onnx.shape_inference.infer_shapes(light, data_prop=True)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return light
 
 
@@ -166,7 +167,9 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
         try:
             model = ir.from_proto(model)
         except Exception as e:  # onnx-ir rejects graphs it cannot represent
-            raise UnsupportedModelError(f"{name}: cannot be analysed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+            raise UnsupportedModelError(
+                f"{name}: cannot be analysed: {type(e).__name__}: {str(e).splitlines()[0]}"
+            ) from e
     structure = skeleton(model)
     graph = model.graph
     seen: set[str] = set()
@@ -246,7 +249,9 @@ def _matmul(ctx, node):
     if not is_constant(weight):
         return NodeKind.OTHER, Opaque(f"its weight {_runtime(weight)}")
     ok = not is_constant(node.inputs[0]) and len(ctx.shapes.get(weight.name) or ()) >= 2
-    return _linear_or("multiplies by a constant on the left, or by a weight of rank < 2", ok, None if rank is None else rank - 1)
+    return _linear_or(
+        "multiplies by a constant on the left, or by a weight of rank < 2", ok, None if rank is None else rank - 1
+    )
 
 
 def _gemm(ctx, node):
@@ -267,7 +272,9 @@ def _gather(ctx, node):
     if is_constant(data):
         rank = _rank(ctx, node.outputs[0])
         ok = len(ctx.shapes.get(data.name) or ()) == 2 and _axis(axis, 2) == 0
-        return _linear_or("gathers from a constant that is not an embedding table", ok, None if rank is None else rank - 1)
+        return _linear_or(
+            "gathers from a constant that is not an embedding table", ok, None if rank is None else rank - 1
+        )
     data_axis = _axis(axis, _rank(ctx, data))
     if data_axis is None:
         return NodeKind.OTHER, Opaque("a Gather along a negative axis of unknown rank")
@@ -286,7 +293,7 @@ def _slice(ctx, node):
         values = constant_values(starts)
         count = (ctx.shapes.get(starts.name) or [None])[0] if values is None else values.size
         axes = list(range(count)) if isinstance(count, int) else None
-    if axes is None or rank is None and any(a < 0 for a in axes):
+    if axes is None or (rank is None and any(a < 0 for a in axes)):
         return NodeKind.LAYOUT, Select(None)
     return NodeKind.LAYOUT, Select(tuple(_axis(a, rank) for a in axes))
 
@@ -336,7 +343,12 @@ def _sub(ctx, node):
         return NodeKind.OTHER, Opaque("a Sub without two inputs")
     x, mean = node.inputs
     producer = None if mean is None else mean.producer()
-    if producer is not None and producer.op_type == "ReduceMean" and producer.inputs[0] is x and attr(producer, "keepdims", 1):
+    if (
+        producer is not None
+        and producer.op_type == "ReduceMean"
+        and producer.inputs[0] is x
+        and attr(producer, "keepdims", 1)
+    ):
         axes = attr(producer, "axes")
         if axes is None and input_at(producer, 1) is not None:
             axes = constant_values(producer.inputs[1])
@@ -368,14 +380,18 @@ def _resize(ctx, node):
     if attr(node, "coordinate_transformation_mode") == "tf_crop_and_resize":
         return NodeKind.OTHER, Opaque("crop-and-resize shifts even the axes it does not scale")
     axes = attr(node, "axes")
-    scales = attr(node, "scales") if "scales" in node.attributes else _input_values(node, 1 if node.op_type == "Upsample" or ctx.opset < 11 else 2)
+    scales = (
+        attr(node, "scales")
+        if "scales" in node.attributes
+        else _input_values(node, 1 if node.op_type == "Upsample" or ctx.opset < 11 else 2)
+    )
     if scales is not None and np.size(scales):
         return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, scales, 1)))
     sizes, in_shape = _input_values(node, 3), ctx.shapes.get(node.inputs[0].name)
     if sizes is None or attr(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
         return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, None, 1)))
     in_dims = [in_shape[a] for a in (range(rank) if axes is None else [_axis(int(a), rank) for a in axes])]
-    resized = [int(size != dim) for size, dim in zip(np.ravel(sizes), in_dims)]
+    resized = [int(size != dim) for size, dim in zip(np.ravel(sizes), in_dims, strict=False)]
     return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, resized, 0)))
 
 
@@ -490,8 +506,10 @@ def _opaque(reason: str):
 CONTRIB_TABLE = {  # com.microsoft ops that ONNX Runtime's transformers optimizer emits
     "BiasAdd": lambda ctx, node: (NodeKind.RESIDUAL, Sum()),  # x + bias + skip
     **{op: _opaque("a GELU is nonlinear") for op in ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasFastGelu")},
-    **{op: _opaque("fused attention: a linear projection of its input, so a shift changes its output")
-       for op in ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")},
+    **{
+        op: _opaque("fused attention: a linear projection of its input, so a shift changes its output")
+        for op in ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")
+    },
     "SkipGroupNorm": _opaque("a GroupNorm fused with a residual add is not analysed"),
 }
 DOMAINS = {"": OP_TABLE, "ai.onnx": OP_TABLE, "com.microsoft": CONTRIB_TABLE}
@@ -539,7 +557,9 @@ def _nested_norms(node: ir.Node) -> list[NormInfo]:
 def _control_flow(node: ir.Node) -> tuple[NodeKind, Opaque, list[str]]:
     """A control-flow node reads its inputs and every outer-scope tensor of its bodies."""
     reads = [t.name for t in outer_reads(node)]
-    reason = "control flow: a shift reaching its inputs" + (f" or what its bodies read ({', '.join(reads)})" if reads else "")
+    reason = "control flow: a shift reaching its inputs" + (
+        f" or what its bodies read ({', '.join(reads)})" if reads else ""
+    )
     return NodeKind.OTHER, Opaque(reason + " changes its outputs"), reads
 
 
@@ -585,7 +605,11 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
 def graph_values(graph: ir.Graph) -> Iterator[ir.Value]:
     """Every named tensor of the top-level graph, once: inputs, initializers, node inputs and outputs."""
     seen: set[int] = set()
-    for value in [*graph.inputs, *graph.initializers.values(), *(t for node in graph for t in (*node.inputs, *node.outputs))]:
+    for value in [
+        *graph.inputs,
+        *graph.initializers.values(),
+        *(t for node in graph for t in (*node.inputs, *node.outputs)),
+    ]:
         if value is not None and value.name and id(value) not in seen:
             seen.add(id(value))
             yield value
@@ -599,4 +623,6 @@ def _add_skip_sum(ctx: OnnxGraph, zmg: ZeroMeanGraph, node: ir.Node, norm) -> No
     match = norm.ref
     operands = [t.name for t in (match.x, match.skip, match.skip_bias) if t is not None]
     ctx.shapes.setdefault(norm.input, ctx.shapes.get(match.x.name))
-    zmg.add_node(ZNode(f"{node.name}.sum", f"{node.op_type} (sum)", NodeKind.RESIDUAL, Sum(), operands, [norm.input], node))
+    zmg.add_node(
+        ZNode(f"{node.name}.sum", f"{node.op_type} (sum)", NodeKind.RESIDUAL, Sum(), operands, [norm.input], node)
+    )

@@ -32,14 +32,19 @@ def ort_fuses_into_skip_layer_norm(x: ir.Value, shapes: dict[str, tuple | None],
         return False
     first, second = add.inputs
     shape = shapes.get(first.name)
-    return (not is_initializer(first) and not is_initializer(second) and shape is not None
-            and shapes.get(second.name) == shape and len(shape) in (2, 3))
+    return (
+        not is_initializer(first)
+        and not is_initializer(second)
+        and shape is not None
+        and shapes.get(second.name) == shape
+        and len(shape) in (2, 3)
+    )
 
 
 def _is_constant(value: ir.Value) -> bool:
     """An initializer (overridable ones too) or a `Constant` node's output."""
     producer = value.producer()
-    return value.is_initializer() or producer is not None and producer.op_type == "Constant"
+    return value.is_initializer() or (producer is not None and producer.op_type == "Constant")
 
 
 def _vector_dims(value: ir.Value) -> tuple | None:
@@ -56,7 +61,11 @@ def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
     fused: set[int] = set()  # ids of the Adds fused (each fused once)
     count = 0
     for norm in list(graph):
-        add = norm.inputs[0].producer() if norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx") else None
+        add = (
+            norm.inputs[0].producer()
+            if norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx")
+            else None
+        )
         if add is None or add.op_type != "Add" or id(add) in fused or len(add.inputs) != 2 or add.graph is not graph:
             continue
         gamma = input_at(norm, 1)
@@ -64,7 +73,13 @@ def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
             continue
         first, second = add.inputs
         shape = shapes.get(first.name)
-        if _is_constant(first) or _is_constant(second) or shape is None or shapes.get(second.name) != shape or len(shape) not in (2, 3):
+        if (
+            _is_constant(first)
+            or _is_constant(second)
+            or shape is None
+            or shapes.get(second.name) != shape
+            or len(shape) not in (2, 3)
+        ):
             continue
         if attr(norm, "axis", -1) not in (-1, len(shape) - 1):
             continue
@@ -84,10 +99,15 @@ def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
         y = norm.outputs[0]
         taken_over = [(y, _like(y))] + ([(total, _like(total))] if keep_sum else [])
         outputs = [new for _, new in taken_over]
-        skip = ir.node("SkipSimplifiedLayerNormalization", inputs, {"epsilon": attr(norm, "epsilon", 1e-5)},
-                       outputs=outputs[:1] + [ir.Value(name=""), ir.Value(name="")] + outputs[1:] if keep_sum else outputs,
-                       domain=MS_DOMAIN, name=norm.name,
-                       doc_string=(norm.doc_string + "\n" if norm.doc_string else "") + note)
+        skip = ir.node(
+            "SkipSimplifiedLayerNormalization",
+            inputs,
+            {"epsilon": attr(norm, "epsilon", 1e-5)},
+            outputs=outputs[:1] + [ir.Value(name=""), ir.Value(name="")] + outputs[1:] if keep_sum else outputs,
+            domain=MS_DOMAIN,
+            name=norm.name,
+            doc_string=(norm.doc_string + "\n" if norm.doc_string else "") + note,
+        )
         graph.insert_before(add, skip)  # the Add's place: everything that read the sum comes after it
         for old, new in taken_over:  # the fused node's outputs replace the norm's and the sum
             take_over(old, new)

@@ -39,13 +39,13 @@ import onnx_ir as ir
 
 from .. import __version__
 from ..core.analysis import plan as make_plan
+from ..core.plan import FoldPlan
 from ..errors import InputError, UnsupportedModelError, VerificationError
-from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
+from ..io import checked_model, interface, load_ir, save_onnx_atomic
 from .export import export_model
+from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .rewrite import RMS_OPS, Rewriter
-from ..io import checked_model, interface, load_ir, save_onnx_atomic
-from ..core.plan import FoldPlan
 from .verify import Comparison, check_input_shapes, check_signature, verify
 
 RMS_OPSET = 23  # RMSNormalization
@@ -79,8 +79,10 @@ class FoldOptions:
         if rms_op not in RMS_OPS:
             raise InputError(f"rms_op {rms_op!r}: choose one of {', '.join(RMS_OPS)}")
         if self.target == "onnx" and (rms_op == "simplified" or self.fuse_skip):
-            raise InputError("target onnx emits standard ops only: SimplifiedLayerNormalization and its Skip fusion are "
-                             "ONNX Runtime contrib ops; choose the rms_op onnx or decomposed, or the target ort")
+            raise InputError(
+                "target onnx emits standard ops only: SimplifiedLayerNormalization and its Skip fusion are "
+                "ONNX Runtime contrib ops; choose the rms_op onnx or decomposed, or the target ort"
+            )
         fuse_skip = False if rms_op != "simplified" or self.target == "onnx" else self.fuse_skip
         return rms_op, fuse_skip
 
@@ -142,7 +144,11 @@ def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], second
 def in_memory_proto(model: ir.Model) -> onnx.ModelProto:
     """`model` as a ModelProto with every weight inside it (external data read in)."""
     proto = ir.to_proto(model)
-    base_dirs = {v.const_value.base_dir for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
+    base_dirs = {
+        v.const_value.base_dir
+        for v in model.graph.initializers.values()
+        if isinstance(v.const_value, ir.ExternalTensor)
+    }
     for base_dir in base_dirs:
         onnx.external_data_helper.load_external_data_for_model(proto, str(base_dir))
     return proto
@@ -180,7 +186,9 @@ def inspect_onnx(model: onnx.ModelProto | str, insert_centering: bool = True, na
     return make_plan(build_zero_mean_graph(open_graph(model, name)), insert_centering)
 
 
-def fold_onnx(model: onnx.ModelProto | str | os.PathLike, options: FoldOptions | None = None, name: str = "model") -> FoldResult:
+def fold_onnx(
+    model: onnx.ModelProto | str | os.PathLike, options: FoldOptions | None = None, name: str = "model"
+) -> FoldResult:
     """Fold every provable LayerNorm of `model` (a ModelProto, not modified, or an .onnx path, read
     lazily) into an RMSNorm; verify unless told not to."""
     options = options or FoldOptions()
@@ -199,8 +207,11 @@ def fold_onnx(model: onnx.ModelProto | str | os.PathLike, options: FoldOptions |
     if options.migrate_affine and not options.fold_with_beta_add:
         stranded = rewriter.stranded_beta(fold_plan)
         if options.target == "ort" and options.provider == "cpu":
-            stranded = {name: why for name, why in stranded.items()
-                        if not ort_fuses_into_skip_layer_norm(zmg.norm_by_name(name).ref.x, ctx.shapes, zmg.graph_outputs)}
+            stranded = {
+                name: why
+                for name, why in stranded.items()
+                if not ort_fuses_into_skip_layer_norm(zmg.norm_by_name(name).ref.x, ctx.shapes, zmg.graph_outputs)
+            }
         if stranded:
             fold_plan = make_plan(zmg, options.insert_centering, keep=stranded)
     if fuse_skip is None:
@@ -219,19 +230,25 @@ def fold_onnx(model: onnx.ModelProto | str | os.PathLike, options: FoldOptions |
         try:
             comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
         except UnsupportedModelError as e:
-            raise UnsupportedModelError(f"{name}: {len(fold_plan.folded)} of {fold_plan.total} norms folded, but the result "
-                                        f"could not be verified ({e}); nothing written; fold without verification "
-                                        "to write it unverified") from e
+            raise UnsupportedModelError(
+                f"{name}: {len(fold_plan.folded)} of {fold_plan.total} norms folded, but the result "
+                f"could not be verified ({e}); nothing written; fold without verification "
+                "to write it unverified"
+            ) from e
         seconds["verify"] = time.perf_counter() - start
         if not comparison.passed:
-            raise VerificationError(f"{name}: folded model does not match the original: {comparison.failures()}; nothing written")
+            raise VerificationError(
+                f"{name}: folded model does not match the original: {comparison.failures()}; nothing written"
+            )
     emitted = {"target": options.target, "provider": options.provider, "rms_op": rms_op, "skip_fused": fused}
     return FoldResult(rewritten, fold_plan, comparison, notes, seconds, emitted)
 
 
 def _is_half(ctx, zmg, fold_plan: FoldPlan) -> bool:
     """Whether the folded norms compute in fp16."""
-    return any(np.dtype(ctx.dtypes.get(zmg.norm_by_name(d.name).input) or np.float32) == np.float16 for d in fold_plan.folded)
+    return any(
+        np.dtype(ctx.dtypes.get(zmg.norm_by_name(d.name).input) or np.float32) == np.float16 for d in fold_plan.folded
+    )
 
 
 def _annotate(ctx: OnnxGraph, fold_plan: FoldPlan, docs: dict[str, str]) -> ir.Model:

@@ -217,7 +217,9 @@ def _match_root_divide(var: ir.Value, d: ir.Value, nodes: list[ir.Node]) -> tupl
     return divider.outputs[0], eps, outside
 
 
-def _match_rms_core(d: ir.Value, square_users: list[ir.Node]) -> tuple[list[ir.Node], ir.Value, float, int, bool] | None:
+def _match_rms_core(
+    d: ir.Value, square_users: list[ir.Node]
+) -> tuple[list[ir.Node], ir.Value, float, int, bool] | None:
     """From d: `d / Sqrt(ReduceMean(d²) + ε)`. Returns (nodes, normalized tensor, ε, axis, ε outside the root)."""
     squares = [n for n in square_users if _is_square_of(n, d)]
     if len(squares) != 1:
@@ -269,8 +271,9 @@ def _casts_to(tensor: ir.Value, elem_type: int | None) -> list[ir.Node]:
     return chain
 
 
-def _match_affine(x: ir.Value, y: ir.Value, nodes: list[ir.Node],
-                  scope: set[int] | None) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
+def _match_affine(
+    x: ir.Value, y: ir.Value, nodes: list[ir.Node], scope: set[int] | None
+) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
     """Optional `⊙ γ` then `+ β` with constant operands after the normalized tensor `y` of input `x`.
 
     Casts before γ belong to the norm only if they cast to x's own (stated) type, so that the norm
@@ -313,7 +316,9 @@ def _internal_tensors_private(nodes: list[ir.Node], y: ir.Value, graph_outputs: 
     return True
 
 
-def match_decomposed(node: ir.Node, graph_outputs: set[str], scope: set[int] | None = None) -> tuple[NormType, NormMatch] | None:
+def match_decomposed(
+    node: ir.Node, graph_outputs: set[str], scope: set[int] | None = None
+) -> tuple[NormType, NormMatch] | None:
     """Match a decomposed LayerNorm anchored at its first ReduceMean, or an RMSNorm at its square.
 
     `scope`: ids of the nodes of the graph being matched (see `_match_affine`).
@@ -334,7 +339,9 @@ def match_decomposed(node: ir.Node, graph_outputs: set[str], scope: set[int] | N
         norm_type = NormType.LAYER
     elif node.op_type in ("Pow", "Mul"):
         x = node.inputs[0]
-        if any(c.op_type == "Sub" and c.inputs[0] is x and _producer_op(input_at(c, 1)) == "ReduceMean" for c in readers(x)):
+        if any(
+            c.op_type == "Sub" and c.inputs[0] is x and _producer_op(input_at(c, 1)) == "ReduceMean" for c in readers(x)
+        ):
             return None
         core = _match_rms_core(x, [node])
         if core is None:
@@ -349,12 +356,22 @@ def match_decomposed(node: ir.Node, graph_outputs: set[str], scope: set[int] | N
         nodes, y, gamma, beta = core_nodes, core[1], None, None
         if not _internal_tensors_private(nodes, y, graph_outputs):
             return None
-    runtime = (["ε"] * math.isnan(core[2]) + ["axes"] * (core[3] == RUNTIME_AXIS)
-               + [f"exponent {n.inputs[1].name}" for n in nodes if n.op_type == "Pow" and _scalar(n.inputs[1]) is None])
-    unsupported = None if not runtime else (
-        f"its {' and '.join(runtime)} {'are' if len(runtime) > 1 else 'is'} given at run time (an initializer listed as a graph input), so its algebra is not fixed")
+    runtime = (
+        ["ε"] * math.isnan(core[2])
+        + ["axes"] * (core[3] == RUNTIME_AXIS)
+        + [f"exponent {n.inputs[1].name}" for n in nodes if n.op_type == "Pow" and _scalar(n.inputs[1]) is None]
+    )
+    unsupported = (
+        None
+        if not runtime
+        else (
+            f"its {' and '.join(runtime)} {'are' if len(runtime) > 1 else 'is'} given at run time (an initializer listed as a graph input), so its algebra is not fixed"
+        )
+    )
     axis = -1 if core[3] == RUNTIME_AXIS else core[3]
-    return norm_type, NormMatch(nodes, x, y, axis, core[2], gamma, beta, eps_outside_root=core[4], unsupported=unsupported)
+    return norm_type, NormMatch(
+        nodes, x, y, axis, core[2], gamma, beta, eps_outside_root=core[4], unsupported=unsupported
+    )
 
 
 def _used(tensor: ir.Value, graph_outputs: set[str]) -> bool:
@@ -362,9 +379,16 @@ def _used(tensor: ir.Value, graph_outputs: set[str]) -> bool:
 
 
 def _single(node: ir.Node, gamma: int | None, beta: int | None, eps: float, axis: int = -1, **extra) -> NormMatch:
-    return NormMatch([node], node.inputs[0], node.outputs[0], int(attr(node, "axis", axis)),
-                     float(attr(node, "epsilon", eps)), None if gamma is None else input_at(node, gamma),
-                     None if beta is None else input_at(node, beta), **extra)
+    return NormMatch(
+        [node],
+        node.inputs[0],
+        node.outputs[0],
+        int(attr(node, "axis", axis)),
+        float(attr(node, "epsilon", eps)),
+        None if gamma is None else input_at(node, gamma),
+        None if beta is None else input_at(node, beta),
+        **extra,
+    )
 
 
 def _skip_parts(node: ir.Node, graph_outputs: set[str]) -> dict:
@@ -379,15 +403,24 @@ def match_single_op(node: ir.Node, graph_outputs: set[str]) -> tuple[NormType, N
     if node.op_type == "LayerNormalization":  # ONNX (opset ≥ 17) and com.microsoft: same inputs and outputs
         return NormType.LAYER, _single(node, 1, 2, 1e-5, extra_outputs_used=stats_used)
     if node.op_type == "SkipLayerNormalization":
-        return NormType.LAYER, _single(node, 2, 3, 1e-12, extra_outputs_used=stats_used, **_skip_parts(node, graph_outputs))
+        return NormType.LAYER, _single(
+            node, 2, 3, 1e-12, extra_outputs_used=stats_used, **_skip_parts(node, graph_outputs)
+        )
     if node.op_type == "SkipSimplifiedLayerNormalization":
         return NormType.RMS, _single(node, 2, None, 1e-12, **_skip_parts(node, graph_outputs))
     if node.op_type in ("SimplifiedLayerNormalization", "RMSNormalization"):
         return NormType.RMS, _single(node, 1, None, 1e-5)
     if node.op_type == "EmbedLayerNormalization":
-        return NormType.LAYER, _single(node, 5, 6, 1e-12, unsupported=(
-            "EmbedLayerNormalization normalizes a sum of embedding lookups made inside the op, and "
-            "ONNX Runtime has no RMS variant of it; not rewritten"))
+        return NormType.LAYER, _single(
+            node,
+            5,
+            6,
+            1e-12,
+            unsupported=(
+                "EmbedLayerNormalization normalizes a sum of embedding lookups made inside the op, and "
+                "ONNX Runtime has no RMS variant of it; not rewritten"
+            ),
+        )
     if node.op_type == "GroupNormalization":
         return NormType.GROUP, _single(node, 1, 2, 1e-5, axis=1)
     if node.op_type in ("SkipGroupNorm", "GroupNorm"):  # com.microsoft, channels-last
@@ -422,10 +455,12 @@ def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: i
     beta = None if match.beta is None else constant_values(match.beta)
     output_centred = (
         norm_type is NormType.LAYER
-        and (match.gamma is None or gamma is not None and is_uniform(gamma))
-        and (match.beta is None or beta is not None and has_zero_mean(beta))
+        and (match.gamma is None or (gamma is not None and is_uniform(gamma)))
+        and (match.beta is None or (beta is not None and has_zero_mean(beta)))
     )
-    if norm_type is NormType.LAYER and (match.gamma is not None and gamma is None or match.beta is not None and beta is None):
+    if norm_type is NormType.LAYER and (
+        (match.gamma is not None and gamma is None) or (match.beta is not None and beta is None)
+    ):
         unsupported = unsupported or "its γ or β is computed at run time, not a constant"
     return NormInfo(
         name=name,

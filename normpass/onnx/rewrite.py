@@ -32,8 +32,8 @@ from ..core.algebra import centre
 from ..core.analysis import layer_scale
 from ..core.graph import NormInfo, ZeroMeanGraph
 from ..core.plan import Centring, FoldPlan, Insertion
-from .frontend import OnnxGraph, einsum_weight_axis, graph_values
 from .constants import constant_values, is_constant
+from .frontend import OnnxGraph, einsum_weight_axis, graph_values
 from .patterns import SKIP_BIAS_INPUT
 from .targets import AffinePlan, Namer, affine_plan, derived_initializer, move_affine, new_initializer, set_input
 from .values import attr, input_at, take_over
@@ -55,7 +55,9 @@ def new_value(unique: Namer, name: str, dtype: np.dtype | None) -> ir.Value:
     return ir.Value(name=unique(name), type=kind)
 
 
-def reduce_mean(graph: ir.Graph, unique: Namer, opset: int, tensor: ir.Value, axis: int, out: ir.Value, name: str) -> ir.Node:
+def reduce_mean(
+    graph: ir.Graph, unique: Namer, opset: int, tensor: ir.Value, axis: int, out: ir.Value, name: str
+) -> ir.Node:
     """ReduceMean of `tensor` over `axis`, keeping dims (axes an input from opset 18, an attribute before)."""
     if opset >= 18:
         axes = new_initializer(graph, unique(f"{name}.axes"), np.array([axis], dtype=np.int64))
@@ -63,8 +65,20 @@ def reduce_mean(graph: ir.Graph, unique: Namer, opset: int, tensor: ir.Value, ax
     return ir.node("ReduceMean", [tensor], {"axes": [axis], "keepdims": 1}, outputs=[out], name=unique(name))
 
 
-def rms_nodes(graph: ir.Graph, unique: Namer, opset: int, rms_op: str, name: str, x: ir.Value, scale: ir.Value | None,
-              out: ir.Value, axis: int, epsilon: float, dtype: np.dtype, eps_outside_root: bool = False) -> list[ir.Node]:
+def rms_nodes(
+    graph: ir.Graph,
+    unique: Namer,
+    opset: int,
+    rms_op: str,
+    name: str,
+    x: ir.Value,
+    scale: ir.Value | None,
+    out: ir.Value,
+    axis: int,
+    epsilon: float,
+    dtype: np.dtype,
+    eps_outside_root: bool = False,
+) -> list[ir.Node]:
     """The nodes computing out = x / √(mean(x²) + ε) ⊙ scale over `axis` (`rms_op`, see the module docstring).
 
     `eps_outside_root`: x / (√mean(x²) + ε), which only the decomposed chain computes. `scale`
@@ -79,11 +93,15 @@ def rms_nodes(graph: ir.Graph, unique: Namer, opset: int, rms_op: str, name: str
     normed = out if scale is None else new_value(unique, f"{name}.xhat", dtype)
     eps = new_initializer(graph, unique(f"{name}.eps"), np.array(epsilon, dtype=dtype))
     if eps_outside_root:  # √mean + ε
-        root_nodes = [ir.node("Sqrt", [mean], outputs=[inner], name=unique(f"{name}.sqrt")),
-                      ir.node("Add", [inner, eps], outputs=[root], name=unique(f"{name}.add_eps"))]
+        root_nodes = [
+            ir.node("Sqrt", [mean], outputs=[inner], name=unique(f"{name}.sqrt")),
+            ir.node("Add", [inner, eps], outputs=[root], name=unique(f"{name}.add_eps")),
+        ]
     else:  # √(mean + ε)
-        root_nodes = [ir.node("Add", [mean, eps], outputs=[inner], name=unique(f"{name}.add_eps")),
-                      ir.node("Sqrt", [inner], outputs=[root], name=unique(f"{name}.sqrt"))]
+        root_nodes = [
+            ir.node("Add", [mean, eps], outputs=[inner], name=unique(f"{name}.add_eps")),
+            ir.node("Sqrt", [inner], outputs=[root], name=unique(f"{name}.sqrt")),
+        ]
     nodes = [
         ir.node("Mul", [x, x], outputs=[square], name=unique(f"{name}.square")),
         reduce_mean(graph, unique, opset, square, axis, mean, f"{name}.mean_square"),
@@ -127,8 +145,9 @@ class Rewriter:
             index = next(i for i, t in enumerate(node.inputs) if t is not None and t.name == centring.tensor)
             self._replace_input(node, index, f"centred:{centring.axis}", lambda v: centre(v, centring.axis))
         elif node.op_type == "Gemm":
-            self._replace_input(node, 1, f"centred:{1 - attr(node, 'transB', 0)}",
-                                lambda v: centre(v, 1 - attr(node, "transB", 0)))
+            self._replace_input(
+                node, 1, f"centred:{1 - attr(node, 'transB', 0)}", lambda v: centre(v, 1 - attr(node, "transB", 0))
+            )
             if input_at(node, 2) is not None:
                 self._replace_input(node, 2, "centred:bias", lambda v: _bias_centred(v, 2, 1))
         elif node.op_type == "MatMul":
@@ -169,7 +188,12 @@ class Rewriter:
             index = next(i for i, t in enumerate(add.inputs) if self.zmg.is_constant(t))
             out_rank = len(self.zmg.shape(add.outputs[0]))
             factor = self._values(mul.ref.inputs[factor_index])
-            self._replace_input(add.ref, index, tag, lambda v: _bias_centred(np.asarray(v * factor, dtype=v.dtype), out_rank, centring.axis))
+            self._replace_input(
+                add.ref,
+                index,
+                tag,
+                lambda v: _bias_centred(np.asarray(v * factor, dtype=v.dtype), out_rank, centring.axis),
+            )
         self.centre_layer(Centring(linear.name, centring.axis), norms)
         self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like)
         self._note(mul.name, f"LayerScale absorbed into {linear.name} for {', '.join(norms)}")
@@ -184,7 +208,11 @@ class Rewriter:
         mean = self._new_value(f"{tensor.name}.mean", dtype)
         centred = self._new_value(f"{tensor.name}.centred", dtype)
         centred.shape = tensor.shape
-        graph.append(reduce_mean(graph, self._unique, self.ctx.opset, tensor, insertion.axis, mean, f"{tensor.name}.centring_mean"))
+        graph.append(
+            reduce_mean(
+                graph, self._unique, self.ctx.opset, tensor, insertion.axis, mean, f"{tensor.name}.centring_mean"
+            )
+        )
         sub = ir.node("Sub", [tensor, mean], outputs=[centred], name=self._unique(f"{tensor.name}.centring"))
         self._note(sub.name, "inserted centring x − mean(x)")
         graph.append(sub)
@@ -219,8 +247,9 @@ class Rewriter:
     def affine_plan(self, norm: NormInfo) -> AffinePlan:
         """Where the folded norm's γ/β can go, decided once, on the graph before any rewrite."""
         if norm.name not in self._affines:
-            self._affines[norm.name] = affine_plan(self.ctx, self.zmg.graph_outputs, norm.ref.y, self._width(norm),
-                                                   self._beta(norm) is not None)
+            self._affines[norm.name] = affine_plan(
+                self.ctx, self.zmg.graph_outputs, norm.ref.y, self._width(norm), self._beta(norm) is not None
+            )
         return self._affines[norm.name]
 
     def stranded_beta(self, plan: FoldPlan) -> dict[str, str]:
@@ -232,7 +261,8 @@ class Rewriter:
             if self._beta(norm) is not None and affine.full is None and affine.beta is None:
                 stranded[decision.name] = (
                     "proven foldable, kept as a LayerNorm: its β has no linear layer or residual bias to move into, "
-                    "and RMSNorm plus a separate β Add costs more than the LayerNorm (--fold-with-beta-add folds it anyway)")
+                    "and RMSNorm plus a separate β Add costs more than the LayerNorm (--fold-with-beta-add folds it anyway)"
+                )
         return stranded
 
     def replace_norm(self, norm: NormInfo, affine: AffinePlan | None) -> str:
@@ -257,12 +287,16 @@ class Rewriter:
             note = "γ kept in the RMS op" + (", β migrated into " + ", ".join(moved_to) if moved_to else "")
             note += ", β kept as an Add" if beta is not None else ""
         original_gamma = self._feature_vector(norm, match.gamma)
-        dtype = original_gamma.dtype if original_gamma is not None else self._dtype(match.x)  # x may be an inserted centring
+        dtype = (
+            original_gamma.dtype if original_gamma is not None else self._dtype(match.x)
+        )  # x may be an inserted centring
         scale = gamma if gamma is not None else np.ones(self._width(norm), dtype=dtype)
         out = self._new_value(y.name, self._dtype(y))
         rms_out = out if beta is None else self._new_value(f"{y.name}.rms", self._dtype(y))
         doc = f"LayerNorm {norm.name} folded into an RMSNorm (input proven zero-mean); {note}"
-        scale_const = new_initializer(self.ctx.graph, self._unique(f"{norm.name}.rms_scale"), np.asarray(scale, dtype=dtype))
+        scale_const = new_initializer(
+            self.ctx.graph, self._unique(f"{norm.name}.rms_scale"), np.asarray(scale, dtype=dtype)
+        )
         nodes = self._rms_nodes(norm, x, scale_const, rms_out, skip)
         if beta is not None:
             add_name = self._unique(f"{norm.name}.beta")  # the Add is named X.beta, its constant after it
@@ -292,8 +326,16 @@ class Rewriter:
             operands, _, total = skip
             if self.rms_op == "simplified":
                 outputs = [out] + ([ir.Value(name=""), ir.Value(name=""), total] if total is not None else [])
-                return [ir.node("SkipSimplifiedLayerNormalization", [x, operands[0], scale] + operands[1:], {"epsilon": norm.epsilon},
-                                outputs=outputs, domain=MS_DOMAIN, name=self._unique(norm.name))]
+                return [
+                    ir.node(
+                        "SkipSimplifiedLayerNormalization",
+                        [x, operands[0], scale] + operands[1:],
+                        {"epsilon": norm.epsilon},
+                        outputs=outputs,
+                        domain=MS_DOMAIN,
+                        name=self._unique(norm.name),
+                    )
+                ]
             adds = []
             for index, operand in enumerate(operands):
                 last = index == len(operands) - 1
@@ -302,8 +344,20 @@ class Rewriter:
                 x = summed
             return adds + self._rms_nodes(norm, x, scale, out)
         # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
-        return rms_nodes(self.ctx.graph, self._unique, self.ctx.opset, self.rms_op, norm.name, x, scale, out, norm.axis,
-                         norm.epsilon, self._dtype(norm.ref.x), norm.ref.eps_outside_root)
+        return rms_nodes(
+            self.ctx.graph,
+            self._unique,
+            self.ctx.opset,
+            self.rms_op,
+            norm.name,
+            x,
+            scale,
+            out,
+            norm.axis,
+            norm.epsilon,
+            self._dtype(norm.ref.x),
+            norm.ref.eps_outside_root,
+        )
 
     def _values(self, tensor: ir.Value) -> np.ndarray | None:
         """A constant's values, loaded once per rewrite (read-only)."""
@@ -313,7 +367,9 @@ class Rewriter:
 
     def _dtype(self, tensor: ir.Value) -> np.dtype:
         known = self.ctx.dtypes.get(tensor.name)
-        return np.dtype(known if known is not None else tensor.dtype.numpy() if tensor.dtype is not None else np.float32)
+        return np.dtype(
+            known if known is not None else tensor.dtype.numpy() if tensor.dtype is not None else np.float32
+        )
 
     def _note(self, name: str, text: str) -> None:
         previous = self.docs.get(name)

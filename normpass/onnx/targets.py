@@ -26,8 +26,8 @@ import onnx_ir as ir
 from ..core.algebra import migrate_affine
 from ..core.analysis import regroup_axis
 from ..io import drop_pages
-from .frontend import SHAPE_READERS, OnnxGraph
 from .constants import constant_values, is_constant
+from .frontend import SHAPE_READERS, OnnxGraph
 from .patterns import SKIP_BIAS_INPUT
 from .values import attr, input_at, is_initializer, readers
 
@@ -98,7 +98,9 @@ class AffinePlan:
     beta: list[LinearTarget | SumTarget] | None  # targets taking β alone (γ stays in the norm)
 
 
-def affine_plan(ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int | None, needs_bias: bool) -> AffinePlan:
+def affine_plan(
+    ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int | None, needs_bias: bool
+) -> AffinePlan:
     """Where the affine of a norm writing `y` (`width` features) can go; β-only only if `needs_bias`."""
     full = migration_targets(ctx, graph_outputs, y, needs_bias)
     if full is not None or not needs_bias or width is None:
@@ -106,7 +108,9 @@ def affine_plan(ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int
     return AffinePlan(None, migration_targets(ctx, graph_outputs, y, True, _sum_claim(ctx, width, graph_outputs)))
 
 
-def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: ir.Value, needs_bias: bool, other=None) -> list | None:
+def migration_targets(
+    ctx: OnnxGraph, graph_outputs: set[str], tensor: ir.Value, needs_bias: bool, other=None
+) -> list | None:
     """Where a per-feature affine on `tensor` (its last axis) can go, or None.
 
     Every path from `tensor` must reach, through reshapes that keep the feature axis, the input of
@@ -140,7 +144,9 @@ def migration_targets(ctx: OnnxGraph, graph_outputs: set[str], tensor: ir.Value,
     return targets
 
 
-def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: ir.Node, axis: int, needs_bias: bool) -> LinearTarget | None:
+def linear_target(
+    ctx: OnnxGraph, graph_outputs: set[str], consumer: ir.Node, axis: int, needs_bias: bool
+) -> LinearTarget | None:
     """The target if `consumer` is a linear layer contracting over `axis` (and can take a bias if needed)."""
     rank = len(ctx.shapes.get(consumer.inputs[0].name) or ())
     weight = consumer.inputs[1] if len(consumer.inputs) > 1 else None
@@ -148,7 +154,12 @@ def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: ir.Node, ax
     if weight is None or not is_constant(weight) or weight_shape is None or len(weight_shape) != 2 or axis != rank - 1:
         return None
     if consumer.op_type == "Gemm" and not attr(consumer, "transA", 0):
-        if input_at(consumer, 2) is not None and not is_constant(consumer.inputs[2]) or needs_bias and attr(consumer, "beta", 1.0) == 0:
+        if (
+            (input_at(consumer, 2) is not None
+            and not is_constant(consumer.inputs[2]))
+            or (needs_bias
+            and attr(consumer, "beta", 1.0) == 0)
+        ):
             return None
         return LinearTarget(consumer, attr(consumer, "transB", 0), consumer, 2)
     if consumer.op_type == "Attention" and consumer.domain == "com.microsoft":  # QKV = x·W + b, W packed [d, 3d]
@@ -160,7 +171,9 @@ def linear_target(ctx: OnnxGraph, graph_outputs: set[str], consumer: ir.Node, ax
     product = consumer.outputs[0]
     readers = ctx.readers(product)
     add = readers[0] if len(readers) == 1 and product.name not in graph_outputs else None
-    if add is not None and (add.op_type == "Add" or add.op_type in BIASED_ACTIVATIONS and len(add.inputs) > 1 and add.inputs[0] is product):
+    if add is not None and (
+        add.op_type == "Add" or (add.op_type in BIASED_ACTIVATIONS and len(add.inputs) > 1 and add.inputs[0] is product)
+    ):
         other = 1 if add.inputs[0] is product else 0
         bias = constant_values(add.inputs[other])
         if bias is not None and bias.shape[-1:] == (weight_shape[1],) and bias.size == weight_shape[1]:
@@ -179,7 +192,13 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
         if tensor not in consumer.inputs:
             return None
         in_shape, out_shape = ctx.shapes.get(tensor.name), ctx.shapes.get(consumer.outputs[0].name)
-        if not in_shape or not out_shape or in_shape[-1] != width or out_shape[-1] != width or axis != len(in_shape) - 1:
+        if (
+            not in_shape
+            or not out_shape
+            or in_shape[-1] != width
+            or out_shape[-1] != width
+            or axis != len(in_shape) - 1
+        ):
             return None
         other_index = 1 if consumer.inputs[0] is tensor else 0
         other = consumer.inputs[other_index]
@@ -209,7 +228,11 @@ class Namer:
 
     def __init__(self, graph: ir.Graph):
         nodes = list(graph.all_nodes())
-        values = [*graph.inputs, *graph.initializers.values(), *(t for node in nodes for t in (*node.inputs, *node.outputs))]
+        values = [
+            *graph.inputs,
+            *graph.initializers.values(),
+            *(t for node in nodes for t in (*node.inputs, *node.outputs)),
+        ]
         self.names = {t.name for t in values if t is not None} | {node.name for node in nodes}
 
     def __call__(self, base: str) -> str:
@@ -249,7 +272,9 @@ def derived_initializer(graph: ir.Graph, name: str, source: ir.Value, make) -> i
         return ir.Tensor(values, name=name)
 
     lazy = ir.LazyTensor(compute, dtype=tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name)
-    value = ir.Value(name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=lazy)
+    value = ir.Value(
+        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=lazy
+    )
     graph.register_initializer(value)
     return value
 
@@ -261,7 +286,9 @@ def set_input(node: ir.Node, index: int, value: ir.Value) -> None:
     node.replace_input_with(index, value)
 
 
-def move_affine(graph: ir.Graph, targets: list, gamma: np.ndarray | None, beta: np.ndarray | None, unique: Namer) -> list[str]:
+def move_affine(
+    graph: ir.Graph, targets: list, gamma: np.ndarray | None, beta: np.ndarray | None, unique: Namer
+) -> list[str]:
     """Move γ/β into linear targets and β into sum targets (new initializers of `graph`); returns the
     names of the nodes changed.
 
@@ -291,10 +318,18 @@ def move_affine(graph: ir.Graph, targets: list, gamma: np.ndarray | None, beta: 
         shift_scale = attr(linear, "alpha", 1.0) / attr(linear, "beta", 1.0) if linear.op_type == "Gemm" else 1.0
         weight = linear.inputs[1]
         if gamma is not None:  # diag(γ)·W, computed when written where W is large
-            scaled = derived_initializer(graph, name_for(linear, 1, "affine"), weight,
-                                         lambda w: migrate_affine(w, None, gamma, None, target.in_axis)[0])
+            scaled = derived_initializer(
+                graph,
+                name_for(linear, 1, "affine"),
+                weight,
+                lambda w: migrate_affine(w, None, gamma, None, target.in_axis)[0],
+            )
             set_input(linear, 1, scaled)
-        new_bias = bias if beta is None else migrate_affine(constant_values(weight), bias, None, beta, target.in_axis, shift_scale)[1]
+        new_bias = (
+            bias
+            if beta is None
+            else migrate_affine(constant_values(weight), bias, None, beta, target.in_axis, shift_scale)[1]
+        )
         drop_pages(weight.const_value)
         if new_bias is not None and target.bias_node is not None:
             renew(target.bias_node, target.bias_index, new_bias, "affine")

@@ -39,8 +39,11 @@ def is_initializer(value: ir.Value | None) -> bool:
 
 def bodies(node: ir.Node) -> list[tuple[str, ir.Graph]]:
     """The subgraphs of a control-flow node, with the attribute that holds each."""
-    return [(name, a.value) for name, a in node.attributes.items()
-            if isinstance(a, ir.Attr) and a.type == ir.AttributeType.GRAPH]
+    return [
+        (name, a.value)
+        for name, a in node.attributes.items()
+        if isinstance(a, ir.Attr) and a.type == ir.AttributeType.GRAPH
+    ]
 
 
 def take_over(old: ir.Value, new: ir.Value) -> None:

@@ -117,7 +117,9 @@ class Comparison:
         fills: dict[str, list] = {}
         for run in done:
             fills.setdefault(run.sizes(), []).append(run.bools)
-        parts = [sizes + ("" if None in bools else f" with booleans {', '.join(bools)}") for sizes, bools in fills.items()]
+        parts = [
+            sizes + ("" if None in bools else f" with booleans {', '.join(bools)}") for sizes, bools in fills.items()
+        ]
         parts += [f"{run.sizes()} not run ({run.skipped})" for run in self.runs if run.skipped is not None]
         return f"{len(done)} run{'s' if len(done) != 1 else ''}: " + "; ".join(parts)
 
@@ -126,7 +128,9 @@ class Comparison:
         return f"{text} over {self.exercised()}" if self.runs else text
 
 
-def session(model: onnx.ModelProto, optimize: bool = False, providers=("CPUExecutionProvider",)) -> ort.InferenceSession:
+def session(
+    model: onnx.ModelProto, optimize: bool = False, providers=("CPUExecutionProvider",)
+) -> ort.InferenceSession:
     """An ORT session for an in-memory model (never serialized whole when it may exceed 2 GB).
 
     Duplicate node names, which ORT rejects, are renamed in a copy; a model ORT cannot load
@@ -207,10 +211,14 @@ def check_input_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]
         if tensor_type.HasField("shape"):
             dims = tensor_type.shape.dim
             if len(dims) != len(shape):
-                raise InputError(f"{where} {name}: {list(shape)} has rank {len(shape)}, the model declares rank {len(dims)}")
-            for axis, (dim, size) in enumerate(zip(dims, shape)):
+                raise InputError(
+                    f"{where} {name}: {list(shape)} has rank {len(shape)}, the model declares rank {len(dims)}"
+                )
+            for axis, (dim, size) in enumerate(zip(dims, shape, strict=False)):
                 if fixed_dim(dim) not in (None, size):
-                    raise InputError(f"{where} {name}: dimension {axis} is {size}, the model fixes it to {dim.dim_value}")
+                    raise InputError(
+                        f"{where} {name}: dimension {axis} is {size}, the model fixes it to {dim.dim_value}"
+                    )
         total += int(np.prod(shape, dtype=object))
     if total > MAX_INPUT_ELEMENTS:
         raise InputError(f"{where}: {total} elements in all, more than {MAX_INPUT_ELEMENTS}; choose smaller shapes")
@@ -233,10 +241,12 @@ def _index_bounds(model: onnx.ModelProto) -> dict[str, int]:
                     axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
                     size = tables[node.input[0]][axis]
                     bounds[graph_input.name] = min(bounds.get(graph_input.name, size), size)
-                elif node.op_type in ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand") and node.input[0] == name:
-                    if node.output[0] not in seen:
-                        seen.add(node.output[0])
-                        frontier.append(node.output[0])
+                elif (
+                    node.op_type in ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand")
+                    and node.input[0] == name
+                ) and node.output[0] not in seen:
+                    seen.add(node.output[0])
+                    frontier.append(node.output[0])
     return bounds
 
 
@@ -252,8 +262,13 @@ def _input_shape(graph_input: onnx.ValueInfoProto, dims: tuple[int, int], named:
     return tuple(shape)
 
 
-def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | None = None, seed: int = 0,
-                bools: str = "true", dims: tuple[int, int] = (DEFAULT_BATCH, DEFAULT_DIM)) -> dict[str, np.ndarray]:
+def make_inputs(
+    model: onnx.ModelProto,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    seed: int = 0,
+    bools: str = "true",
+    dims: tuple[int, int] = (DEFAULT_BATCH, DEFAULT_DIM),
+) -> dict[str, np.ndarray]:
     """Seeded inputs for every graph input: randn floats, in-range indices, all-ones integer masks.
 
     Boolean inputs are all true, all false or random (`bools`). A named dynamic dim takes its size
@@ -267,8 +282,13 @@ def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | Non
     unknown = set(shapes) - {i.name for i in model.graph.input}
     if unknown:
         raise InputError(f"input shapes given for no graph input: {', '.join(sorted(unknown))}")
-    named = {d.dim_param: value for i in model.graph.input if i.name in shapes
-             for d, value in zip(i.type.tensor_type.shape.dim, shapes[i.name]) if d.dim_param}
+    named = {
+        d.dim_param: value
+        for i in model.graph.input
+        if i.name in shapes
+        for d, value in zip(i.type.tensor_type.shape.dim, shapes[i.name], strict=False)
+        if d.dim_param
+    }
     feeds = {}
     for graph_input in model.graph.input:
         if graph_input.name in initializers:
@@ -278,7 +298,9 @@ def make_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]] | Non
         if dtype.kind == "f":
             feeds[graph_input.name] = rng.standard_normal(shape).astype(dtype)
         elif dtype.kind == "b":
-            feeds[graph_input.name] = rng.integers(0, 2, size=shape).astype(bool) if bools == "random" else np.full(shape, bools == "true")
+            feeds[graph_input.name] = (
+                rng.integers(0, 2, size=shape).astype(bool) if bools == "random" else np.full(shape, bools == "true")
+            )
         elif "mask" in graph_input.name.lower():
             feeds[graph_input.name] = np.ones(shape, dtype=dtype)
         else:
@@ -293,10 +315,12 @@ def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.nd
         declared = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
         feeds = {k: v.astype(np.float32) if v.dtype == BFLOAT16 else v for k, v in feeds.items()}
         outputs = run(wide, feeds)
-        return {k: v.astype(BFLOAT16) if declared.get(k) == onnx.TensorProto.BFLOAT16 else v for k, v in outputs.items()}
+        return {
+            k: v.astype(BFLOAT16) if declared.get(k) == onnx.TensorProto.BFLOAT16 else v for k, v in outputs.items()
+        }
     sess = session(model)
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
+    return dict(zip(names, sess.run(names, feeds), strict=False))
 
 
 def _errors(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
@@ -317,7 +341,9 @@ def _errors(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
     return abs_err, abs_err / scale if scale > 0 else abs_err
 
 
-def compare_outputs(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray], input_shapes=None) -> Comparison:
+def compare_outputs(
+    reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray], input_shapes=None
+) -> Comparison:
     """Every output of `reference` against the same-named output of `candidate` (missing: infinite error)."""
     results = []
     for name, ref in reference.items():
@@ -343,13 +369,19 @@ def _same(a: tuple, b: tuple) -> bool:
 
 def check_signature(original: onnx.ModelProto, rewritten: onnx.ModelProto, name: str = "model") -> None:
     """Refuse a rewrite whose inputs or outputs differ from the original's (names, order, element types, ranks)."""
-    for kind, before, after in (("inputs", original.graph.input, rewritten.graph.input),
-                                ("outputs", original.graph.output, rewritten.graph.output)):
+    for kind, before, after in (
+        ("inputs", original.graph.input, rewritten.graph.input),
+        ("outputs", original.graph.output, rewritten.graph.output),
+    ):
         old, new = _signature(before), _signature(after)
         if len(old) != len(new) or not all(map(_same, old, new)):
-            changed = next((f"{a} became {b}" for a, b in zip(old, new) if not _same(a, b)), f"{len(old)} became {len(new)}")
-            raise VerificationError(f"{name}: the rewrite changed the model's {kind} (name, element type, rank): "
-                                    f"{changed}; the rewritten model is refused")
+            changed = next(
+                (f"{a} became {b}" for a, b in zip(old, new, strict=False) if not _same(a, b)), f"{len(old)} became {len(new)}"
+            )
+            raise VerificationError(
+                f"{name}: the rewrite changed the model's {kind} (name, element type, rank): "
+                f"{changed}; the rewritten model is refused"
+            )
 
 
 def verification_runs(model: onnx.ModelProto) -> list[tuple[str | None, tuple[int, int] | None]]:
@@ -404,7 +436,7 @@ class Runner:
                 save_ir(source, self.model)
         sess = ort_session(source if isinstance(source, bytes) else str(source), _options(), ("CPUExecutionProvider",))
         names = [o.name for o in sess.get_outputs()]
-        self.run = lambda feeds: dict(zip(names, sess.run(names, feeds)))
+        self.run = lambda feeds: dict(zip(names, sess.run(names, feeds), strict=False))
         return self
 
     def __exit__(self, *exc):
@@ -413,8 +445,14 @@ class Runner:
             self._tmp.cleanup()
 
 
-def verify(original: Model, rewritten: Model, shapes=None, seed: int = 0, name: str = "model",
-           original_structure: onnx.ModelProto | None = None) -> Comparison:
+def verify(
+    original: Model,
+    rewritten: Model,
+    shapes=None,
+    seed: int = 0,
+    name: str = "model",
+    original_structure: onnx.ModelProto | None = None,
+) -> Comparison:
     """Check the signature, then run both models on the same seeded inputs (see the module docstring) and compare.
 
     `original_structure`: `structure(original)` where the caller has it.
@@ -426,7 +464,9 @@ def verify(original: Model, rewritten: Model, shapes=None, seed: int = 0, name: 
     done, runs = [], []
     with Runner(original, before) as reference_runner:
         for index, (bools, dims) in enumerate(verification_runs(before)):
-            feeds = make_inputs(before, None if dims else shapes, seed + index, bools or "true", dims or (DEFAULT_BATCH, DEFAULT_DIM))
+            feeds = make_inputs(
+                before, None if dims else shapes, seed + index, bools or "true", dims or (DEFAULT_BATCH, DEFAULT_DIM)
+            )
             run_shapes = {k: list(v.shape) for k, v in feeds.items()}
             if dims and bools is None and run_shapes == runs[0].shapes:
                 runs.append(Run(run_shapes, bools, "the model has no dynamic dims"))
@@ -438,12 +478,20 @@ def verify(original: Model, rewritten: Model, shapes=None, seed: int = 0, name: 
                     sizes = ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in run_shapes.items())
                     raise UnsupportedModelError(
                         f"{name}: the original model does not run on the verification inputs ({sizes}): "
-                        f"{str(e).splitlines()[0][:200]}; give the input shapes the model expects") from e
-                runs.append(Run(run_shapes, bools, f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}"))
+                        f"{str(e).splitlines()[0][:200]}; give the input shapes the model expects"
+                    ) from e
+                runs.append(
+                    Run(run_shapes, bools, f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}")
+                )
                 continue
             done.append((feeds, reference, run_shapes))
             runs.append(Run(run_shapes, bools))
     with Runner(rewritten, after) as candidate_runner:
-        comparisons = [compare_outputs(reference, candidate_runner.run(feeds), run_shapes) for feeds, reference, run_shapes in done]
-    worst = [max(results, key=lambda o: (o.max_rel_error, o.max_abs_error)) for results in zip(*(c.outputs for c in comparisons))]
+        comparisons = [
+            compare_outputs(reference, candidate_runner.run(feeds), run_shapes) for feeds, reference, run_shapes in done
+        ]
+    worst = [
+        max(results, key=lambda o: (o.max_rel_error, o.max_abs_error))
+        for results in zip(*(c.outputs for c in comparisons), strict=False)
+    ]
     return Comparison(tuple(worst), comparisons[0].input_shapes, tuple(runs))

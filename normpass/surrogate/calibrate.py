@@ -25,16 +25,16 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 import onnx
 
 from ..errors import InputError, UnsupportedModelError
-from .fit import Reservoir, Welford
 from ..onnx.verify import fixed_dim, make_inputs, session
+from .fit import Reservoir, Welford
 
 Batch = dict  # graph input name -> np.ndarray, axis 0 = samples
 
@@ -50,7 +50,10 @@ def graph_inputs(model: onnx.ModelProto) -> dict[str, tuple[np.dtype, int]]:
         if value.name in initializers:
             continue
         tensor_type = value.type.tensor_type
-        out[value.name] = (np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)), len(tensor_type.shape.dim))
+        out[value.name] = (
+            np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)),
+            len(tensor_type.shape.dim),
+        )
     return out
 
 
@@ -60,7 +63,9 @@ def _checked(batch: dict, expected: dict[str, tuple[np.dtype, int]], where: str)
     missing = sorted(set(expected) - set(batch))
     unknown = sorted(set(batch) - set(expected))
     if missing or unknown:
-        parts = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"not graph inputs: {', '.join(unknown)}"] if unknown else [])
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"not graph inputs: {', '.join(unknown)}"] if unknown else []
+        )
         raise InputError(f"{where}: {'; '.join(parts)} (the model's inputs are {', '.join(expected)})")
     out = {}
     sizes = set()
@@ -84,8 +89,14 @@ def _rebatch(arrays: dict[str, np.ndarray], batch_size: int) -> list[Batch]:
     return [{k: v[i : i + batch_size] for k, v in arrays.items()} for i in range(0, count, batch_size)]
 
 
-def load_batches(source, model: onnx.ModelProto, batch_size: int = 16, samples: int = 64, seed: int = 0,
-                 input_shapes: dict | None = None) -> list[Batch]:
+def load_batches(
+    source,
+    model: onnx.ModelProto,
+    batch_size: int = 16,
+    samples: int = 64,
+    seed: int = 0,
+    input_shapes: dict | None = None,
+) -> list[Batch]:
     """Calibration batches from `source` (see the module docstring), checked against `model`."""
     expected = graph_inputs(model)
     if isinstance(source, str) and source == "synthetic":
@@ -93,7 +104,9 @@ def load_batches(source, model: onnx.ModelProto, batch_size: int = 16, samples: 
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.exists():
-            raise InputError(f"{path}: no such calibration data; pass an .npz file, a directory of .npy files or 'synthetic'")
+            raise InputError(
+                f"{path}: no such calibration data; pass an .npz file, a directory of .npy files or 'synthetic'"
+            )
         if path.is_dir():
             files = {p.stem: p for p in sorted(path.glob("*.npy"))}
             if not files:
@@ -121,19 +134,19 @@ def load_batches(source, model: onnx.ModelProto, batch_size: int = 16, samples: 
     return batches
 
 
-def synthetic_batches(model: onnx.ModelProto, samples: int = 64, batch_size: int = 16, seed: int = 0,
-                      input_shapes: dict | None = None) -> list[Batch]:
+def synthetic_batches(
+    model: onnx.ModelProto, samples: int = 64, batch_size: int = 16, seed: int = 0, input_shapes: dict | None = None
+) -> list[Batch]:
     """Seeded random inputs (randn floats, in-range indices, all-ones masks). Tests and demos only."""
     batches = []
     for index, start in enumerate(range(0, samples, batch_size)):
         size = min(batch_size, samples - start)
         shapes = dict(input_shapes or {})
-        for name, (dtype, rank) in graph_inputs(model).items():
+        for name, (_dtype, _rank) in graph_inputs(model).items():
             if name not in shapes:
                 value = next(v for v in model.graph.input if v.name == name)
                 dims = value.type.tensor_type.shape.dim
-                shapes[name] = tuple(fixed_dim(d) or (size if axis == 0 else 16)
-                                     for axis, d in enumerate(dims))
+                shapes[name] = tuple(fixed_dim(d) or (size if axis == 0 else 16) for axis, d in enumerate(dims))
             shapes[name] = (size,) + tuple(shapes[name][1:])
         batches.append(make_inputs(model, shapes, seed=seed * 100003 + index))
     return batches
@@ -144,8 +157,9 @@ def _uniform(batches: list[Batch]) -> bool:
     return all({k: v.shape[1:] for k, v in b.items()} == {k: v.shape[1:] for k, v in first.items()} for b in batches)
 
 
-def split_batches(batches: list[Batch], fractions: tuple[float, float, float], seed: int = 0,
-                  batch_size: int | None = None) -> tuple[list[Batch], list[Batch], list[Batch]]:
+def split_batches(
+    batches: list[Batch], fractions: tuple[float, float, float], seed: int = 0, batch_size: int | None = None
+) -> tuple[list[Batch], list[Batch], list[Batch]]:
     """(fit, validation, test) after a seeded shuffle; by sample when batches share shapes."""
     if len(fractions) != 3 or any(f < 0 for f in fractions) or not sum(fractions) > 0:
         raise InputError(f"split {fractions}: give three non-negative fractions fit,val,test")
@@ -156,14 +170,19 @@ def split_batches(batches: list[Batch], fractions: tuple[float, float, float], s
         count = next(iter(arrays.values())).shape[0]
         order = rng.permutation(count)
         size = batch_size or max(b[next(iter(b))].shape[0] for b in batches)
-        units, make = count, lambda idx: _rebatch({k: v[np.sort(idx)] for k, v in arrays.items()}, size) if len(idx) else []
+        units, make = (
+            count,
+            lambda idx: _rebatch({k: v[np.sort(idx)] for k, v in arrays.items()}, size) if len(idx) else [],
+        )
     else:
         order = rng.permutation(len(batches))
         units, make = len(batches), lambda idx: [batches[i] for i in sorted(idx)]
     needed = [f > 0 for f in fractions]
     if units < sum(needed):
-        raise InputError(f"calibration data: {units} {'samples' if _uniform(batches) else 'batches'} cannot be split into "
-                         f"{sum(needed)} non-empty parts; give more data")
+        raise InputError(
+            f"calibration data: {units} {'samples' if _uniform(batches) else 'batches'} cannot be split into "
+            f"{sum(needed)} non-empty parts; give more data"
+        )
     counts = [math.floor(units * f / total) for f in fractions]
     for i in range(3):  # every requested part gets at least one unit
         if needed[i] and counts[i] == 0:
@@ -237,7 +256,7 @@ class Runner:
 
     def run(self, batch: Batch, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         names = outputs or self.outputs
-        return dict(zip(names, self.session.run(names, {**batch, **self.weights})))
+        return dict(zip(names, self.session.run(names, {**batch, **self.weights}), strict=False))
 
 
 # --- budget -------------------------------------------------------------------------------------
@@ -256,8 +275,13 @@ class Metrics:
     rel_samples: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
-        return {"cos_min": self.cos_min, "cos_mean": self.cos_mean, "rel_max": self.rel_max, "top1": self.top1,
-                "samples": self.samples}
+        return {
+            "cos_min": self.cos_min,
+            "cos_mean": self.cos_mean,
+            "rel_max": self.rel_max,
+            "top1": self.top1,
+            "samples": self.samples,
+        }
 
 
 def _masked(values: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
@@ -266,12 +290,15 @@ def _masked(values: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     return values
 
 
-def compare(references: list[dict[str, np.ndarray]], candidates: list[dict[str, np.ndarray]],
-            masks: list[np.ndarray | None] | None = None) -> Metrics:
+def compare(
+    references: list[dict[str, np.ndarray]],
+    candidates: list[dict[str, np.ndarray]],
+    masks: list[np.ndarray | None] | None = None,
+) -> Metrics:
     """Per-sample cosine, relative error and arg-max agreement over every float output."""
     cosines, rels, agree, positions = [], [], 0, 0
     masks = masks or [None] * len(references)
-    for reference, candidate, mask in zip(references, candidates, masks):
+    for reference, candidate, mask in zip(references, candidates, masks, strict=False):
         for name, ref in reference.items():
             if ref.dtype.kind != "f":
                 continue
@@ -300,8 +327,15 @@ def compare(references: list[dict[str, np.ndarray]], candidates: list[dict[str, 
                 positions += int(keep.sum())
     cos_all = np.concatenate(cosines) if cosines else np.ones(1)
     rel_all = np.concatenate(rels) if rels else np.zeros(1)
-    return Metrics(float(cos_all.min()), float(cos_all.mean()), float(rel_all.max()),
-                   None if positions == 0 else agree / positions, int(sum(len(c) for c in cosines)), cos_all, rel_all)
+    return Metrics(
+        float(cos_all.min()),
+        float(cos_all.mean()),
+        float(rel_all.max()),
+        None if positions == 0 else agree / positions,
+        int(sum(len(c) for c in cosines)),
+        cos_all,
+        rel_all,
+    )
 
 
 @dataclass(frozen=True)
@@ -313,7 +347,7 @@ class Budget:
     top1: float | None = None
 
     @classmethod
-    def parse(cls, specs: str | list[str]) -> "Budget":
+    def parse(cls, specs: str | list[str]) -> Budget:
         """`"cos=0.999"`, `"cos=0.999,top1=0.99"` or a list of such strings."""
         if isinstance(specs, str):
             specs = [specs]
@@ -328,7 +362,13 @@ class Budget:
                     value = float(text)
                 except ValueError:
                     raise InputError(f"budget {part!r}: {text!r} is not a number") from None
-                if key in ("cos", "top1") and not 0 < value <= 1 or key == "rel" and not value >= 0 or not math.isfinite(value):
+                if (
+                    (key in ("cos", "top1")
+                    and not 0 < value <= 1)
+                    or (key == "rel"
+                    and not value >= 0)
+                    or not math.isfinite(value)
+                ):
                     raise InputError(f"budget {part!r}: {key} must be in {'(0, 1]' if key != 'rel' else '[0, ∞)'}")
                 values[key] = value
         if not values:
@@ -350,7 +390,9 @@ class Budget:
         return self.usage(metrics) <= margin
 
     def __str__(self) -> str:
-        return ",".join(f"{k}={v:g}" for k, v in (("cos", self.cos), ("rel", self.rel), ("top1", self.top1)) if v is not None)
+        return ",".join(
+            f"{k}={v:g}" for k, v in (("cos", self.cos), ("rel", self.rel), ("top1", self.top1)) if v is not None
+        )
 
 
 def _share(used: float, allowed: float) -> float:
@@ -379,9 +421,16 @@ class NormStats:
         return int(self.sample.nbytes) + 4 * 8 * self.sample.shape[1]
 
 
-def collect(runner: Runner, batches: list[Batch], tensors: dict[str, tuple[str, Callable, Callable[[np.ndarray], np.ndarray]]],
-            mask_input: str | None, reservoir: int, seed: int = 0, show: bool = False,
-            description: str = "calibrating") -> dict[str, NormStats]:
+def collect(
+    runner: Runner,
+    batches: list[Batch],
+    tensors: dict[str, tuple[str, Callable, Callable[[np.ndarray], np.ndarray]]],
+    mask_input: str | None,
+    reservoir: int,
+    seed: int = 0,
+    show: bool = False,
+    description: str = "calibrating",
+) -> dict[str, NormStats]:
     """Stream `batches` through `runner` and collect, per key, statistics of one tensor.
 
     `tensors[key] = (tensor name, to_input, norm)`: `to_input(rows)` maps the rows of the tensor

@@ -46,14 +46,14 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.graph import NormInfo, NormType
-from .fit import NormSpec, Surrogate
-from ..onnx.frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
-from ..onnx.export import export_model as annotate
 from ..onnx.constants import constant_values
+from ..onnx.export import export_model as annotate
+from ..onnx.frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
 from ..onnx.passes import in_memory_proto
 from ..onnx.rewrite import Rewriter, new_value, rms_nodes
 from ..onnx.targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
 from ..onnx.values import take_over
+from .fit import NormSpec, Surrogate
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 # Estimated cost of each op a surrogate may emit, relative to one LayerNormalization over the
@@ -116,9 +116,12 @@ def norm_spec(norm: NormInfo) -> NormSpec:
     match = norm.ref
     gamma = None if match.gamma is None else constant_values(match.gamma)
     beta = None if match.beta is None else constant_values(match.beta)
-    return NormSpec(norm.norm_type is NormType.LAYER, norm.epsilon,
-                    None if gamma is None else np.asarray(gamma).reshape(-1),
-                    None if beta is None else np.asarray(beta).reshape(-1))
+    return NormSpec(
+        norm.norm_type is NormType.LAYER,
+        norm.epsilon,
+        None if gamma is None else np.asarray(gamma).reshape(-1),
+        None if beta is None else np.asarray(beta).reshape(-1),
+    )
 
 
 def width_of(ctx: OnnxGraph, norm: NormInfo) -> int | None:
@@ -164,8 +167,14 @@ class Emission:
         return op_cost(self.ops)
 
     def to_json(self) -> dict:
-        return {"ops": dict(self.ops), "cost": self.cost, "shift": self.shift, "gamma": self.gamma, "beta": self.beta,
-                "rewritten_layers": sorted(set(self.changed))}
+        return {
+            "ops": dict(self.ops),
+            "cost": self.cost,
+            "shift": self.shift,
+            "gamma": self.gamma,
+            "beta": self.beta,
+            "rewritten_layers": sorted(set(self.changed)),
+        }
 
 
 class Emitter(Rewriter):
@@ -215,7 +224,7 @@ class Emitter(Rewriter):
             are counted apart (they cost ~0)."""
             reduced = False
             for node in new:
-                reduced = node.op_type == "ReduceMean" or reduced and node.op_type in ("Add", "Sqrt")
+                reduced = node.op_type == "ReduceMean" or (reduced and node.op_type in ("Add", "Sqrt"))
                 emission.ops["Add(ε)" if reduced and node.op_type == "Add" else node.op_type] += 1
             nodes.extend(new)
             return new[-1].outputs[0]
@@ -228,8 +237,12 @@ class Emitter(Rewriter):
         if surrogate.has_shift:
             if target is not None:
                 holder, index = target
-                self._replace_input(holder, index, f"shifted:{norm.name}",
-                                    lambda b: (b.astype(np.float64) - shift).reshape(b.shape).astype(b.dtype))
+                self._replace_input(
+                    holder,
+                    index,
+                    f"shifted:{norm.name}",
+                    lambda b: (b.astype(np.float64) - shift).reshape(b.shape).astype(b.dtype),
+                )
                 self._note(holder.name, f"absorbed the calibrated shift of {norm.name}")
                 emission.shift = f"migrated into {holder.name}"
                 emission.changed.append(holder.name)
@@ -246,11 +259,26 @@ class Emitter(Rewriter):
             unit = self.rms_op == "decomposed" and np.all(scale == 1)  # the chain needs no Mul by ones
             scale_const = None if unit else self._const(f"{norm.name}.rms_scale", scale.astype(dtype))
             out = new_value(self._unique, f"{norm.name}.rms", dtype)
-            current = emitted(rms_nodes(self.graph, self._unique, self.ctx.opset, self.rms_op, f"{norm.name}.rms", current, scale_const,
-                                        out, norm.axis, float(surrogate.epsilon), dtype))
+            current = emitted(
+                rms_nodes(
+                    self.graph,
+                    self._unique,
+                    self.ctx.opset,
+                    self.rms_op,
+                    f"{norm.name}.rms",
+                    current,
+                    scale_const,
+                    out,
+                    norm.axis,
+                    float(surrogate.epsilon),
+                    dtype,
+                )
+            )
             keep_gamma = False  # γ is the RMS op's scale
         elif surrogate.kind in ("dyt", "derf"):
-            current = add("Mul", [current, self._const(f"{norm.name}.alpha", np.array(surrogate.alpha, dtype=dtype))], "alpha")
+            current = add(
+                "Mul", [current, self._const(f"{norm.name}.alpha", np.array(surrogate.alpha, dtype=dtype))], "alpha"
+            )
             op = "Tanh" if surrogate.kind == "dyt" else "Erf"
             current = add(op, [current], op.lower())
         if keep_gamma:
@@ -260,11 +288,19 @@ class Emitter(Rewriter):
 
         moved_to = []
         if output.full is not None:
-            moved_to = move_affine(self.graph, output.full, None if np.all(gamma == 1) else gamma, beta if np.any(beta != 0) else None, self._unique)
+            moved_to = move_affine(
+                self.graph,
+                output.full,
+                None if np.all(gamma == 1) else gamma,
+                beta if np.any(beta != 0) else None,
+                self._unique,
+            )
             emission.gamma = emission.beta = "migrated into " + ", ".join(moved_to)
             emission.changed += moved_to
         else:
-            emission.gamma = ("in the RMS op's scale" if surrogate.kind == "rms" else "Mul") if not np.all(gamma == 1) else "none"
+            emission.gamma = (
+                ("in the RMS op's scale" if surrogate.kind == "rms" else "Mul") if not np.all(gamma == 1) else "none"
+            )
             if output.beta is not None and np.any(beta != 0):
                 moved_to = move_affine(self.graph, output.beta, None, beta, self._unique)
                 emission.beta = "migrated into " + ", ".join(moved_to)
@@ -291,8 +327,13 @@ class Emitter(Rewriter):
 # --- models -------------------------------------------------------------------------------------
 
 
-def light_model(ctx: OnnxGraph, source: onnx.ModelProto, extra_outputs: dict[str, np.dtype] | None = None,
-                cache: dict[str, np.ndarray] | None = None, limit: int = LIGHT_LIMIT) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def light_model(
+    ctx: OnnxGraph,
+    source: onnx.ModelProto,
+    extra_outputs: dict[str, np.dtype] | None = None,
+    cache: dict[str, np.ndarray] | None = None,
+    limit: int = LIGHT_LIMIT,
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The working graph as a model whose large constants are inputs; returns (model, their values).
 
     Consumes the working graph. `extra_outputs` (tensor name → dtype) become graph outputs;
@@ -332,10 +373,10 @@ def light_model(ctx: OnnxGraph, source: onnx.ModelProto, extra_outputs: dict[str
     return model, feeds
 
 
-def export_model(ctx: OnnxGraph, source: onnx.ModelProto, docs: dict[str, str], properties: dict[str, str]) -> onnx.ModelProto:
+def export_model(
+    ctx: OnnxGraph, source: onnx.ModelProto, docs: dict[str, str], properties: dict[str, str]
+) -> onnx.ModelProto:
     """The final model: every weight inside, `source`'s opsets and metadata plus `properties`."""
     RemoveUnusedNodesPass()(ctx.model)
     ctx.graph.sort()
     return in_memory_proto(annotate(ctx.model, docs, properties))
-
-

@@ -36,7 +36,6 @@ KINDS = ("rms", "affine", "dyt", "derf")
 TINY = 1e-30
 
 
-
 def erf(values: np.ndarray) -> np.ndarray:
     """The error function, elementwise, in float64: SciPy's (exact to rounding; imported when first
     needed, as it takes longer to import than the CLI to start) or, without SciPy, a rational
@@ -189,6 +188,7 @@ class Surrogate:
 
     def describe(self) -> dict:
         """Parameters for the report: scalars in full, vectors summarised."""
+
         def summary(v):
             v = np.asarray(v, dtype=np.float64)
             if v.ndim == 0:
@@ -239,7 +239,9 @@ def fit_affine(stats_x: Welford, stats_y: Welford) -> Surrogate:
     return Surrogate("affine", gamma, beta, variant="damn")
 
 
-def fit_rms(x: np.ndarray, y: np.ndarray, stats_x: Welford, epsilon: float, norm: NormSpec, refit: bool = True) -> Surrogate:
+def fit_rms(
+    x: np.ndarray, y: np.ndarray, stats_x: Welford, epsilon: float, norm: NormSpec, refit: bool = True
+) -> Surrogate:
     """Calibrated RMS: c = mean of x over tokens and features; γ, β the norm's own or refitted."""
     shift = float(stats_x.mean.mean())
     width = stats_x.mean.shape[0]
@@ -292,8 +294,15 @@ def _subsample(rng: np.random.Generator, rows: int, limit: int) -> np.ndarray:
     return np.arange(rows) if rows <= limit else np.sort(rng.choice(rows, limit, replace=False))
 
 
-def fit_pointwise(kind: str, x: np.ndarray, y: np.ndarray, stats_x: Welford, shift: str = "none",
-                  search_rows: int = 1024, seed: int = 0) -> Surrogate:
+def fit_pointwise(
+    kind: str,
+    x: np.ndarray,
+    y: np.ndarray,
+    stats_x: Welford,
+    shift: str = "none",
+    search_rows: int = 1024,
+    seed: int = 0,
+) -> Surrogate:
     """Fit DyT (`kind="dyt"`) or Derf (`"derf"`) to y ≈ γ ⊙ f(α(x − c)) + β.
 
     `shift="none"`: c = 0 for DyT (the paper's form); for Derf, c = −s/α with the scalar s

@@ -29,6 +29,7 @@
 6. **Final check** on the test split: a model missing the budget there raises `BudgetMissed`
    (a `VerificationError`) and nothing is returned to write.
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,6 +42,14 @@ import numpy as np
 import onnx
 
 from .. import __version__
+from ..core.graph import NormInfo, NormType
+from ..errors import InputError, VerificationError
+from ..io import checked_model
+from ..onnx.constants import constant_values
+from ..onnx.frontend import build_zero_mean_graph, load_graph
+from ..onnx.passes import FoldOptions, fold_onnx
+from ..onnx.patterns import ALREADY_RMS
+from ..onnx.verify import check_input_shapes
 from .calibrate import (
     Budget,
     Metrics,
@@ -53,10 +62,6 @@ from .calibrate import (
     progress,
     split_batches,
 )
-from ..errors import InputError, VerificationError
-from ..onnx.frontend import build_zero_mean_graph, load_graph
-from ..onnx.constants import constant_values
-from ..onnx.patterns import ALREADY_RMS
 from .emit import (
     Emission,
     Emitter,
@@ -67,11 +72,7 @@ from .emit import (
     open_graph,
     width_of,
 )
-from ..core.graph import NormInfo, NormType
-from ..io import checked_model
-from ..onnx.passes import FoldOptions, fold_onnx
 from .fit import KINDS, Surrogate, fit_affine, fit_pointwise, fit_rms, with_fit_error
-from ..onnx.verify import check_input_shapes
 
 ORDERS = ("input", "damage", "output")
 POLICIES = ("count", "cheapest")
@@ -96,7 +97,9 @@ class ReplaceOptions:
     margin_step: float = 0.6
     centre_inputs: bool | None = None  # default: on when rms surrogates are allowed (see docs/surrogates.md)
     refit: bool = True  # rms: least-squares γ/β against the norm's outputs
-    target: str = "original"  # least squares against the original model's norm outputs, or "local": N(x) of the modified model
+    target: str = (
+        "original"  # least squares against the original model's norm outputs, or "local": N(x) of the modified model
+    )
     only_cheaper: bool | None = None  # default: True for auto
     tries: int = 2  # policy "count": candidates tried per norm, by individual damage
     norms: tuple[str, ...] | None = None  # restrict the candidates to these norms
@@ -132,9 +135,16 @@ class OrderResult:
     seconds: float
 
     def to_json(self) -> dict:
-        return {"order": self.order, "replaced": len(self.state), "surrogates": dict(self.state), "cost": self.cost,
-                "validation": self.metrics.to_json(), "budget_used": self.usage, "trials": self.trials,
-                "seconds": round(self.seconds, 2)}
+        return {
+            "order": self.order,
+            "replaced": len(self.state),
+            "surrogates": dict(self.state),
+            "cost": self.cost,
+            "validation": self.metrics.to_json(),
+            "budget_used": self.usage,
+            "trials": self.trials,
+            "seconds": round(self.seconds, 2),
+        }
 
 
 class BudgetMissed(VerificationError):
@@ -163,8 +173,19 @@ class ReplaceResult:
 class Search:
     """States of replaced norms, their sequentially calibrated models, and their validation metrics."""
 
-    def __init__(self, base: onnx.ModelProto, shapes: dict, dtypes: dict, name: str, candidates: list[NormInfo], fit,
-                 splits: dict[str, tuple[list, list]], mask_input: str | None, budget: Budget, options: ReplaceOptions):
+    def __init__(
+        self,
+        base: onnx.ModelProto,
+        shapes: dict,
+        dtypes: dict,
+        name: str,
+        candidates: list[NormInfo],
+        fit,
+        splits: dict[str, tuple[list, list]],
+        mask_input: str | None,
+        budget: Budget,
+        options: ReplaceOptions,
+    ):
         self.base, self.shapes, self.dtypes, self.name = base, shapes, dtypes, name
         self.order = [n.name for n in candidates]
         self.index = {name: i for i, name in enumerate(self.order)}
@@ -206,8 +227,16 @@ class Search:
         runner = Runner(model, feeds)
         tensors = {m: (self.norms[m].input, _identity, self.specs[m]) for m in wanted}
         label = f"calibrating after {len(upstream)} replacement(s)" if upstream else "calibrating"
-        found = collect(runner, self.fit, tensors, self.mask_input, self.options.reservoir, self.options.seed,
-                        self.options.progress, label)
+        found = collect(
+            runner,
+            self.fit,
+            tensors,
+            self.mask_input,
+            self.options.reservoir,
+            self.options.seed,
+            self.options.progress,
+            label,
+        )
         self.passes += 1
         for m, stats in found.items():
             self._remember((m, upstream), stats)
@@ -306,7 +335,10 @@ def fit_surrogate(kind: str, stats: NormStats, norm: NormInfo, spec, options: Re
     elif kind == "rms":
         surrogate = fit_rms(x, y, stats.x, norm.epsilon, spec, refit=options.refit)
     else:
-        fits = [with_fit_error(fit_pointwise(kind, x, y, stats.x, shift, seed=options.seed), x, y) for shift in ("none", "feature")]
+        fits = [
+            with_fit_error(fit_pointwise(kind, x, y, stats.x, shift, seed=options.seed), x, y)
+            for shift in ("none", "feature")
+        ]
         return min(fits, key=lambda s: s.fit_error)
     return with_fit_error(surrogate, x, y)
 
@@ -368,12 +400,14 @@ class Prepared:
     ctx: object
     docs: dict
     output_names: list
-    search: "Search"
+    search: Search
     seconds: dict
     started: float
 
 
-def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model") -> Prepared:
+def prepare(
+    model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model"
+) -> Prepared:
     """Steps 1–2 of the pass: data, exact fold, input centring, references, and the `Search`."""
     model = checked_model(model, name)
     options = options or ReplaceOptions()
@@ -394,20 +428,35 @@ def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions |
     # data
     batches = load_batches(calibration, model, options.batch_size, options.samples, options.seed, options.input_shapes)
     if options.holdout is not None:
-        test = load_batches(options.holdout, model, options.batch_size, options.samples, options.seed + 1, options.input_shapes)
-        fit, val, _ = split_batches(batches, (options.split[0], options.split[1], 0.0), options.seed, options.batch_size)
+        test = load_batches(
+            options.holdout, model, options.batch_size, options.samples, options.seed + 1, options.input_shapes
+        )
+        fit, val, _ = split_batches(
+            batches, (options.split[0], options.split[1], 0.0), options.seed, options.batch_size
+        )
     else:
         fit, val, test = split_batches(batches, options.split, options.seed, options.batch_size)
     for index, batch in enumerate(batches + (test if options.holdout is not None else [])):
         check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
     select, check = val, []
     if options.check > 0 and options.retries > 0 and _count(val) >= 2:
-        select, check, _ = split_batches(val, (1 - options.check, options.check, 0.0), options.seed + 7, options.batch_size)
+        select, check, _ = split_batches(
+            val, (1 - options.check, options.check, 0.0), options.seed + 7, options.batch_size
+        )
     mask_input = find_mask_input(model, options.mask_input)
 
     # exact fold, then input centring
-    folded = fold_onnx(model, FoldOptions(rms_op=options.rms_op, insert_centering=options.insert_centering, verify=True,
-                                          input_shapes=options.input_shapes, seed=options.seed), name=name)
+    folded = fold_onnx(
+        model,
+        FoldOptions(
+            rms_op=options.rms_op,
+            insert_centering=options.insert_centering,
+            verify=True,
+            input_shapes=options.input_shapes,
+            seed=options.seed,
+        ),
+        name=name,
+    )
     exact = {d.name for d in folded.plan.folded}
     original_norms = {n.name: n for n in build_zero_mean_graph(load_graph(model, name)).norms}
     unfolded_outputs = {n.output for n in original_norms.values() if n.name not in exact}
@@ -418,7 +467,9 @@ def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions |
     if options.norms is not None:
         unknown = sorted(set(options.norms) - {n.name for n in norms} - exact)
         if unknown:
-            raise InputError(f"{name}: no norm {', '.join(unknown)} among those the exact pass leaves ({', '.join(n.name for n in norms)})")
+            raise InputError(
+                f"{name}: no norm {', '.join(unknown)} among those the exact pass leaves ({', '.join(n.name for n in norms)})"
+            )
         norms = [n for n in norms if n.name in options.norms]
     declined: dict[str, str] = {}
     candidates: list[NormInfo] = []
@@ -444,23 +495,56 @@ def prepare(model: onnx.ModelProto | str, calibration, options: ReplaceOptions |
     output_names = reference_runner.outputs
     splits = {}
     for split, data in (("select", select), ("check", check), ("test", test)):
-        splits[split] = (data, [reference_runner.run(b) for b in progress(data, f"original model ({split})", options.progress)])
+        splits[split] = (
+            data,
+            [reference_runner.run(b) for b in progress(data, f"original model ({split})", options.progress)],
+        )
     if centred:
         base_runner = Runner(base)
         first = select[0]
-        centring = compare(splits["select"][1][:1], [base_runner.run(first, output_names)], [first.get(mask_input) if mask_input else None])
+        centring = compare(
+            splits["select"][1][:1],
+            [base_runner.run(first, output_names)],
+            [first.get(mask_input) if mask_input else None],
+        )
         if centring.rel_max > CENTRING_TOLERANCE:
-            raise VerificationError(f"{name}: input centring changed the outputs (relative error {centring.rel_max:.3g}); "
-                                    "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model")
+            raise VerificationError(
+                f"{name}: input centring changed the outputs (relative error {centring.rel_max:.3g}); "
+                "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model"
+            )
     seconds["references"] = time.perf_counter() - start
 
     search = Search(base, shapes, ctx.dtypes, name, candidates, fit, splits, mask_input, budget, options)
-    return Prepared(options, budget, kinds, only_cheaper, model, name, fit, select, check, test, mask_input, folded,
-                    exact, original_norms, declined, candidates, centred, ctx, emitter.docs, output_names, search,
-                    seconds, started)
+    return Prepared(
+        options,
+        budget,
+        kinds,
+        only_cheaper,
+        model,
+        name,
+        fit,
+        select,
+        check,
+        test,
+        mask_input,
+        folded,
+        exact,
+        original_norms,
+        declined,
+        candidates,
+        centred,
+        ctx,
+        emitter.docs,
+        output_names,
+        search,
+        seconds,
+        started,
+    )
 
 
-def replace_onnx(model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model") -> ReplaceResult:
+def replace_onnx(
+    model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model"
+) -> ReplaceResult:
     """Replace the norms of `model` that do not fold exactly by surrogates, under `options.budget`."""
     p = prepare(model, calibration, options, name)
     options, budget, search, seconds, ctx = p.options, p.budget, p.search, p.seconds, p.ctx
@@ -470,20 +554,36 @@ def replace_onnx(model: onnx.ModelProto | str, calibration, options: ReplaceOpti
     seconds["individual"] = time.perf_counter() - start
     attempts = []
     start = time.perf_counter()
-    for attempt in range(options.retries + 1 if check else 1):
+    for _attempt in range(options.retries + 1 if check else 1):
         results = []
         for order in options.orders:
             begin = time.perf_counter()
             before = search.evaluations
             state = _greedy(search, _ordered(order, search, pool), pool, options)
             metrics = search.evaluate(state)
-            results.append(OrderResult(order, state, metrics, budget.usage(metrics), search.cost(state),
-                                       search.evaluations - before, time.perf_counter() - begin))
+            results.append(
+                OrderResult(
+                    order,
+                    state,
+                    metrics,
+                    budget.usage(metrics),
+                    search.cost(state),
+                    search.evaluations - before,
+                    time.perf_counter() - begin,
+                )
+            )
         best = min(results, key=lambda r: (-len(r.state), _cost_class(r.cost), r.usage))
         checked = search.evaluate(best.state, "check") if check else None
-        attempts.append({"margin": search.margin, "orders": [r.to_json() for r in results], "chosen_order": best.order,
-                         "replaced": len(best.state), "check": None if checked is None else checked.to_json(),
-                         "check_holds": None if checked is None else budget.holds(checked)})
+        attempts.append(
+            {
+                "margin": search.margin,
+                "orders": [r.to_json() for r in results],
+                "chosen_order": best.order,
+                "replaced": len(best.state),
+                "check": None if checked is None else checked.to_json(),
+                "check_holds": None if checked is None else budget.holds(checked),
+            }
+        )
         if checked is None or budget.holds(checked) or not best.state:
             break
         search.margin *= options.margin_step
@@ -507,14 +607,40 @@ def replace_onnx(model: onnx.ModelProto | str, calibration, options: ReplaceOpti
     seconds["total"] = time.perf_counter() - p.started
     passed = budget.holds(test_metrics)
 
-    report = _report(name, options, budget, p.kinds, p.original_norms, p.exact, p.declined, p.candidates, p.centred, pool,
-                     best, attempts, dict(surrogates), emissions, search, test_metrics, passed, p.fit, p.select, check, test,
-                     seconds, model, final)
+    report = _report(
+        name,
+        options,
+        budget,
+        p.kinds,
+        p.original_norms,
+        p.exact,
+        p.declined,
+        p.candidates,
+        p.centred,
+        pool,
+        best,
+        attempts,
+        dict(surrogates),
+        emissions,
+        search,
+        test_metrics,
+        passed,
+        p.fit,
+        p.select,
+        check,
+        test,
+        seconds,
+        model,
+        final,
+    )
     if not passed:
-        raise BudgetMissed(report, final,
+        raise BudgetMissed(
+            report,
+            final,
             f"{name}: the replaced model misses the budget {budget} on the held-out split "
             f"({_figures(test_metrics)}; validation: {_figures(best.metrics)}); nothing written. "
-            "Give more calibration data, a smaller margin (ReplaceOptions.margin), or a looser budget")
+            "Give more calibration data, a smaller margin (ReplaceOptions.margin), or a looser budget",
+        )
     return ReplaceResult(final, report, passed)
 
 
@@ -531,7 +657,9 @@ def _kinds(kind: str) -> tuple[str, ...]:
     return (kind,)
 
 
-def _individual(search: Search, candidates: list[NormInfo], kinds, only_cheaper: bool, ctx) -> dict[str, list[Candidate]]:
+def _individual(
+    search: Search, candidates: list[NormInfo], kinds, only_cheaper: bool, ctx
+) -> dict[str, list[Candidate]]:
     """Every allowed (norm, kind) alone on the model: its damage, cost and fit error."""
     pool: dict[str, list[Candidate]] = {}
     for norm in candidates:
@@ -600,15 +728,39 @@ def _greedy(search: Search, order: list[str], pool, options: ReplaceOptions) -> 
 
 
 def _cost_class(cost: float) -> int:
-    return int(round(cost / COST_RESOLUTION))
+    return round(cost / COST_RESOLUTION)
 
 
 def _count_ops(model: onnx.ModelProto) -> dict[str, int]:
     return dict(sorted(collections.Counter(n.op_type for n in model.graph.node).items()))
 
 
-def _report(name, options, budget, kinds, original_norms, exact, declined, candidates, centred, pool, best, attempts,
-            surrogates, emissions, search: Search, test_metrics, passed, fit, select, check, test, seconds, model, final) -> dict:
+def _report(
+    name,
+    options,
+    budget,
+    kinds,
+    original_norms,
+    exact,
+    declined,
+    candidates,
+    centred,
+    pool,
+    best,
+    attempts,
+    surrogates,
+    emissions,
+    search: Search,
+    test_metrics,
+    passed,
+    fit,
+    select,
+    check,
+    test,
+    seconds,
+    model,
+    final,
+) -> dict:
     chosen = dict(best.state)
     rows = []
     for norm_name, norm in original_norms.items():
@@ -624,21 +776,35 @@ def _report(name, options, budget, kinds, original_norms, exact, declined, candi
             row["original_cost"] = own
             row["input_centring"] = centred.get(norm_name, [])
             row["candidates"] = [
-                {"kind": c.kind, "cost": c.cost, "fit_error": c.fit_error,
-                 "alone": None if c.alone is None else {**c.alone.to_json(), "budget_used": c.usage},
-                 "skipped": None if c.alone is not None else "not cheaper than the norm it would replace"}
+                {
+                    "kind": c.kind,
+                    "cost": c.cost,
+                    "fit_error": c.fit_error,
+                    "alone": None if c.alone is None else {**c.alone.to_json(), "budget_used": c.usage},
+                    "skipped": None if c.alone is not None else "not cheaper than the norm it would replace",
+                }
                 for c in pool.get(norm_name, [])
             ]
             if norm_name in chosen:
                 surrogate = surrogates[norm_name]
                 emission = emissions[norm_name]
-                row.update(decision="replaced", kept=False, surrogate=chosen[norm_name], parameters=surrogate.describe(),
-                           emission=emission.to_json(), cost_change=emission.cost - own,
-                           reason=f"{chosen[norm_name]} surrogate keeps the budget")
+                row.update(
+                    decision="replaced",
+                    kept=False,
+                    surrogate=chosen[norm_name],
+                    parameters=surrogate.describe(),
+                    emission=emission.to_json(),
+                    cost_change=emission.cost - own,
+                    reason=f"{chosen[norm_name]} surrogate keeps the budget",
+                )
             else:
                 usable = _usable(pool, norm_name)
                 if not usable:
-                    reason = "no surrogate kind is cheaper than this norm" if pool.get(norm_name) else "no applicable surrogate"
+                    reason = (
+                        "no surrogate kind is cheaper than this norm"
+                        if pool.get(norm_name)
+                        else "no applicable surrogate"
+                    )
                 elif all(c.usage > search.margin for c in usable):
                     reason = "every surrogate alone already breaks the budget on validation"
                 else:
@@ -666,8 +832,11 @@ def _report(name, options, budget, kinds, original_norms, exact, declined, candi
         "check": attempts[-1]["check"],
         "test": test_metrics.to_json(),
         "passed": passed,
-        "norm_cost": {"replaced_norms_before": original_cost, "replaced_norms_after": replaced_cost,
-                      "unit": "one LayerNormalization over the same tensor (estimated, see OP_COST)"},
+        "norm_cost": {
+            "replaced_norms_before": original_cost,
+            "replaced_norms_after": replaced_cost,
+            "unit": "one LayerNormalization over the same tensor (estimated, see OP_COST)",
+        },
         "ops": {"before": _count_ops(model), "after": _count_ops(final)},
         "norms": rows,
         "calibration_passes": search.passes,

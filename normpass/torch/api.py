@@ -27,14 +27,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..onnx.passes import fold_report
 from ..core.analysis import plan as make_plan
-from ..errors import InputError, UnsupportedModelError, VerificationError
-from .fx import TorchGraph, build_zero_mean_graph, to_numpy
-from .capture import capture
-from .rewrite import apply, restrict
 from ..core.plan import FoldPlan
+from ..errors import InputError, UnsupportedModelError, VerificationError
+from ..onnx.passes import fold_report
 from ..onnx.verify import BFLOAT16_TOLERANCE, Comparison, compare_outputs
+from .capture import capture
+from .fx import TorchGraph, build_zero_mean_graph, to_numpy
+from .rewrite import apply, restrict
 
 FLOAT64_PARAMETER_LIMIT = 50_000_000  # above this, the float64 reference is skipped (memory)
 
@@ -79,26 +79,37 @@ def _arguments(model, example_inputs, example_kwargs) -> tuple[tuple, dict]:
         raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
     if model.training:
         raise InputError(
-            f"{type(model).__name__} is in training mode; folding is an inference rewrite: call model.eval() first")
+            f"{type(model).__name__} is in training mode; folding is an inference rewrite: call model.eval() first"
+        )
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     if not isinstance(example_inputs, (tuple, list)):
         raise InputError(
-            f"example_inputs must be a tensor or a tuple of arguments, got {type(example_inputs).__name__}")
+            f"example_inputs must be a tensor or a tuple of arguments, got {type(example_inputs).__name__}"
+        )
     return tuple(example_inputs), dict(example_kwargs or {})
 
 
 def _analyse(model, args, kwargs, dynamic_shapes, name) -> tuple[TorchGraph, FoldPlan]:
     captured = capture(model, args, kwargs, dynamic_shapes)
     if captured.export_error:
-        warnings.warn(f"{name}: torch.export failed ({captured.export_error}); captured with "
-                      "torch.fx.symbolic_trace instead", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{name}: torch.export failed ({captured.export_error}); captured with torch.fx.symbolic_trace instead",
+            UserWarning,
+            stacklevel=3,
+        )
     tg = build_zero_mean_graph(model, captured, name)
     return tg, restrict(tg, make_plan(tg.zmg, insert_centering=False))
 
 
-def inspect(model: nn.Module, example_inputs, *, example_kwargs: dict | None = None, dynamic_shapes=None,
-            name: str | None = None) -> FoldPlan:
+def inspect(
+    model: nn.Module,
+    example_inputs,
+    *,
+    example_kwargs: dict | None = None,
+    dynamic_shapes=None,
+    name: str | None = None,
+) -> FoldPlan:
     """Which LayerNorms of `model` fold exactly into RMSNorms, and why the others do not.
 
     `example_inputs` (a tensor or a tuple) and `example_kwargs` are what `model(...)` is called with;
@@ -140,7 +151,8 @@ def fold(
         seconds["verify"] = time.perf_counter() - start
         if not report.comparison.passed:
             raise VerificationError(
-                f"{name}: folded module does not match the original: {report.comparison.failures()}")
+                f"{name}: folded module does not match the original: {report.comparison.failures()}"
+            )
     return folded, report
 
 
@@ -152,14 +164,16 @@ def _outputs(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Te
     with torch.no_grad():
         result = module(*args, **kwargs)
     leaves, _ = pytree.tree_flatten_with_path(result)
-    return {pytree.keystr(path) or "output": leaf.detach().cpu() for path, leaf in leaves
-            if isinstance(leaf, torch.Tensor)}
+    return {
+        pytree.keystr(path) or "output": leaf.detach().cpu() for path, leaf in leaves if isinstance(leaf, torch.Tensor)
+    }
 
 
 def _compare(reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor], shapes=None) -> Comparison:
     """`verify.compare_outputs` on NumPy copies; bfloat16 outputs (widened for NumPy) keep their tolerance."""
     comparison = compare_outputs(
-        {k: to_numpy(v) for k, v in reference.items()}, {k: to_numpy(v) for k, v in candidate.items()}, shapes)
+        {k: to_numpy(v) for k, v in reference.items()}, {k: to_numpy(v) for k, v in candidate.items()}, shapes
+    )
     outputs = [
         replace(o, dtype="bfloat16", tolerance=BFLOAT16_TOLERANCE) if reference[o.name].dtype == torch.bfloat16 else o
         for o in comparison.outputs
@@ -212,7 +226,8 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple]:
         raise InputError(f"factory {spec!r}: the factory raised {type(e).__name__}: {e}") from e
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise InputError(
-            f"factory {spec!r}: the factory must return (module, example_inputs), got {type(built).__name__}")
+            f"factory {spec!r}: the factory must return (module, example_inputs), got {type(built).__name__}"
+        )
     module, inputs = built
     return module, (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 
@@ -222,9 +237,12 @@ def export_onnx(module: nn.Module, example_inputs: tuple, path, dynamic_shapes=N
     from ..io import save_onnx_atomic
 
     try:
-        program = torch.onnx.export(module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes,
-                                    verbose=False)
+        program = torch.onnx.export(
+            module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False
+        )
     except Exception as e:
-        raise UnsupportedModelError(f"torch.onnx.export failed on the folded module: {type(e).__name__}: "
-                                    f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        raise UnsupportedModelError(
+            f"torch.onnx.export failed on the folded module: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
     save_onnx_atomic(program.model_proto, path)

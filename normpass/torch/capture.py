@@ -144,8 +144,11 @@ def _describe_failure(error: BaseException) -> str:
     message = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
     if len(message) > 240:
         message = message[:237] + "..."
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.startswith((TORCH_DIR + os.sep, NORMPASS_DIR + os.sep))]
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith((TORCH_DIR + os.sep, NORMPASS_DIR + os.sep))
+    ]
     where = ""
     if frames:
         frame = frames[-1]
@@ -360,7 +363,9 @@ FUNCTIONS = {
     torch.matmul: lambda input, other, *, out=None: ("matmul", {"self": input, "other": other}),
     torch.cat: lambda tensors, dim=0, *, out=None: ("cat", {"tensors": list(tensors), "dim": dim}),
     torch.flatten: lambda input, start_dim=0, end_dim=-1: (
-        "flatten", {"self": input, "start_dim": start_dim, "end_dim": end_dim}),
+        "flatten",
+        {"self": input, "start_dim": start_dim, "end_dim": end_dim},
+    ),
     torch.reshape: lambda input, shape: ("reshape", {"self": input, "shape": list(shape)}),
     torch.permute: lambda input, dims: ("permute", {"self": input, "dims": list(dims)}),
     torch.transpose: lambda input, dim0, dim1: ("transpose", {"self": input, "dim0": dim0, "dim1": dim1}),
@@ -373,28 +378,43 @@ FUNCTIONS = {
     F.embedding: _embedding,
     F.layer_norm: lambda input, normalized_shape, weight=None, bias=None, eps=1e-5: (
         "layer_norm",
-        {"input": input, "normalized_shape": list(normalized_shape), "weight": weight, "bias": bias, "eps": eps}),
+        {"input": input, "normalized_shape": list(normalized_shape), "weight": weight, "bias": bias, "eps": eps},
+    ),
     F.group_norm: lambda input, num_groups, weight=None, bias=None, eps=1e-5: (
-        "group_norm", {"input": input, "num_groups": num_groups, "weight": weight, "bias": bias, "eps": eps}),
+        "group_norm",
+        {"input": input, "num_groups": num_groups, "weight": weight, "bias": bias, "eps": eps},
+    ),
     F.rms_norm: lambda input, normalized_shape, weight=None, eps=None: (
-        "rms_norm", {"input": input, "normalized_shape": list(normalized_shape), "weight": weight, "eps": eps}),
+        "rms_norm",
+        {"input": input, "normalized_shape": list(normalized_shape), "weight": weight, "eps": eps},
+    ),
     F.dropout: lambda input, p=0.5, training=True, inplace=False: (
-        "dropout", {"input": input, "p": p, "train": training}),
+        "dropout",
+        {"input": input, "p": p, "train": training},
+    ),
     F.softmax: lambda input, dim=None, _stacklevel=3, dtype=None: ("softmax", {"self": input, "dim": dim}),
     torch.softmax: lambda input, dim, dtype=None: ("softmax", {"self": input, "dim": dim}),
     F.pad: lambda input, pad, mode="constant", value=None: (
-        "pad", {"self": input, "pad": list(pad), "mode": mode, "value": value}),
+        "pad",
+        {"self": input, "pad": list(pad), "mode": mode, "value": value},
+    ),
     F.conv1d: lambda input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1: (
-        "convolution", {"input": input, "weight": weight, "bias": bias, "transposed": False, "groups": groups}),
+        "convolution",
+        {"input": input, "weight": weight, "bias": bias, "transposed": False, "groups": groups},
+    ),
     F.conv2d: lambda input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1: (
-        "convolution", {"input": input, "weight": weight, "bias": bias, "transposed": False, "groups": groups}),
+        "convolution",
+        {"input": input, "weight": weight, "bias": bias, "transposed": False, "groups": groups},
+    ),
 }
 
 METHODS = {
     "view": lambda self, *shape: ("view", {"self": self, "size": _as_list(shape)}),
     "reshape": lambda self, *shape: ("reshape", {"self": self, "shape": _as_list(shape)}),
     "flatten": lambda self, start_dim=0, end_dim=-1: (
-        "flatten", {"self": self, "start_dim": start_dim, "end_dim": end_dim}),
+        "flatten",
+        {"self": self, "start_dim": start_dim, "end_dim": end_dim},
+    ),
     "permute": lambda self, *dims: ("permute", {"self": self, "dims": _as_list(dims)}),
     "transpose": lambda self, dim0, dim1: ("transpose", {"self": self, "dim0": dim0, "dim1": dim1}),
     "t": lambda self: ("t", {"self": self}),
@@ -409,7 +429,9 @@ METHODS = {
     "div": _div,
     "neg": lambda self: ("neg", {"self": self}),
     "mean": lambda self, dim=None, keepdim=False, *, dtype=None: (
-        "mean", {"self": self, "dim": dim, "keepdim": keepdim}),
+        "mean",
+        {"self": self, "dim": dim, "keepdim": keepdim},
+    ),
     "roll": lambda self, shifts, dims=None: ("roll", {"self": self, "shifts": shifts, "dims": dims}),
     "split": lambda self, split_size, dim=0: ("split", {"self": self, "dim": dim}),
     "chunk": lambda self, chunks, dim=0: ("split", {"self": self, "dim": dim}),
@@ -431,19 +453,38 @@ def _module_call(module: nn.Module, path: str, args: tuple, kwargs: dict) -> tup
     if kind is nn.Linear:
         return "linear", {"input": x, "weight": param("weight"), "bias": param("bias")}
     if kind in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-        return "convolution", {"input": x, "weight": param("weight"), "bias": param("bias"), "transposed": False,
-                               "groups": module.groups}
+        return "convolution", {
+            "input": x,
+            "weight": param("weight"),
+            "bias": param("bias"),
+            "transposed": False,
+            "groups": module.groups,
+        }
     if kind is nn.Embedding and module.max_norm is None:
         return "embedding", {"weight": param("weight"), "indices": x}
     if kind is nn.LayerNorm:
-        return "layer_norm", {"input": x, "normalized_shape": list(module.normalized_shape), "weight": param("weight"),
-                              "bias": param("bias"), "eps": module.eps}
+        return "layer_norm", {
+            "input": x,
+            "normalized_shape": list(module.normalized_shape),
+            "weight": param("weight"),
+            "bias": param("bias"),
+            "eps": module.eps,
+        }
     if kind is nn.GroupNorm:
-        return "group_norm", {"input": x, "num_groups": module.num_groups, "weight": param("weight"),
-                              "bias": param("bias"), "eps": module.eps}
+        return "group_norm", {
+            "input": x,
+            "num_groups": module.num_groups,
+            "weight": param("weight"),
+            "bias": param("bias"),
+            "eps": module.eps,
+        }
     if kind is nn.RMSNorm:
-        return "rms_norm", {"input": x, "normalized_shape": list(module.normalized_shape), "weight": param("weight"),
-                            "eps": module.eps}
+        return "rms_norm", {
+            "input": x,
+            "normalized_shape": list(module.normalized_shape),
+            "weight": param("weight"),
+            "eps": module.eps,
+        }
     if kind in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
         return "dropout", {"input": x, "p": module.p, "train": module.training}
     if kind is nn.Identity:
@@ -479,14 +520,20 @@ def _check_no_visible_mutation(graph_module: torch.fx.GraphModule) -> None:
     for node in graph_module.graph.nodes:
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
         inplace = (
-            node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
-            or node.op == "call_function" and (node.target is operator.setitem or node.kwargs.get("inplace"))
-            or node.op == "call_module" and getattr(modules.get(node.target), "inplace", False)
+            (node.op in ("call_method", "call_function")
+            and name.endswith("_")
+            and not name.endswith("__"))
+            or (node.op == "call_function"
+            and (node.target is operator.setitem or node.kwargs.get("inplace")))
+            or (node.op == "call_module"
+            and getattr(modules.get(node.target), "inplace", False))
         )
         target = node.args[0] if node.args else None
         if inplace and isinstance(target, torch.fx.Node) and len(target.users) > 1:
-            raise TypeError(f"in-place {name or node.target} at node {node.name} changes {target.name}, which is "
-                            "read again; symbolic_trace graphs do not track mutation")
+            raise TypeError(
+                f"in-place {name or node.target} at node {node.name} changes {target.name}, which is "
+                "read again; symbolic_trace graphs do not track mutation"
+            )
 
 
 def _from_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) -> Capture:
@@ -505,7 +552,7 @@ def _from_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) -> Capture
         result.constants[name], result.shapes[name], fqns[name] = tensor, tuple(tensor.shape), fqn
         return name
 
-    for node, value in zip(placeholders, values):
+    for node, value in zip(placeholders, values, strict=False):
         if isinstance(value, torch.Tensor):
             names[node.name] = node.name
             result.inputs.append(node.name)
@@ -518,13 +565,17 @@ def _from_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) -> Capture
                 names[node.name] = add_constant(node.target)
         elif node.op == "output":
             result.outputs = [names[n.name] for n in node.all_input_nodes if n.name in names]
-        elif node.op == "call_function" and node.target is operator.getitem and isinstance(
-                node.args[0].meta.get("tensor_meta"), (list, tuple)):
+        elif (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and isinstance(node.args[0].meta.get("tensor_meta"), (list, tuple))
+        ):
             if hasattr(meta, "shape"):  # an item of a tuple-valued call, named by the call's outputs
                 names[node.name] = node.name
                 result.shapes[node.name] = tuple(meta.shape)
         elif node.op in ("call_function", "call_method", "call_module") and (
-                hasattr(meta, "shape") or isinstance(meta, (list, tuple))):
+            hasattr(meta, "shape") or isinstance(meta, (list, tuple))
+        ):
             if node.op == "call_module":
                 module = modules[node.target]
                 for attr, held in list(module._parameters.items()) + list(module._buffers.items()):

@@ -161,7 +161,7 @@ def _axis(dim, rank: int | None) -> int | None:
 
 
 def _general_linear(ctx, call, x, weight, bias, out_axis, in_axis, rule_axis, bias_axis, migratable=True) -> Classified:
-    if not ctx.is_constant(weight) or bias is not None and not ctx.is_constant(bias):
+    if not ctx.is_constant(weight) or (bias is not None and not ctx.is_constant(bias)):
         return _opaque("its weight or bias is computed at run time")
     if ctx.rank(weight) != 2 or rule_axis is None:
         return _opaque("its weight is not a matrix, or its output rank is unknown")
@@ -184,8 +184,18 @@ def _linear(ctx, call):  # F.linear / nn.Linear: y = x·Wᵀ + b, W [out, in]
 
 def _addmm(ctx, call):  # HF Conv1D: y = β·b + α·x·W, W [in, out]
     a = call.args
-    return _general_linear(ctx, call, a["mat1"], a["mat2"], a["self"], 1, 0, _last_axis(ctx, call), -1,
-                           a.get("alpha", 1) == 1 and a.get("beta", 1) == 1)
+    return _general_linear(
+        ctx,
+        call,
+        a["mat1"],
+        a["mat2"],
+        a["self"],
+        1,
+        0,
+        _last_axis(ctx, call),
+        -1,
+        a.get("alpha", 1) == 1 and a.get("beta", 1) == 1,
+    )
 
 
 def _mm(ctx, call):  # x·W, W [in, out]
@@ -210,7 +220,7 @@ def _convolution(ctx, call):  # W [Cout, Cin/groups, k…]; output channels on a
         return _opaque("a transposed convolution is not centred by normpass")
     if a.get("groups", 1) != 1:
         return _opaque("a grouped or depthwise convolution cannot be centred (seed 003 §3)")
-    if not ctx.is_constant(a["weight"]) or a.get("bias") is not None and not ctx.is_constant(a["bias"]):
+    if not ctx.is_constant(a["weight"]) or (a.get("bias") is not None and not ctx.is_constant(a["bias"])):
         return _opaque("its weight is computed at run time")
     bias = a.get("bias")
     params = LinearParams(a["weight"], 0, None, bias, 0 if bias else None)
@@ -261,7 +271,7 @@ def _same(ctx, call):  # alias, clone, contiguous, …: the same values
 
 def _cast(ctx, call):  # a float → float cast is linear up to rounding
     dtype = call.args.get("dtype")
-    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         return Classified(NodeKind.SCALAR, Scale(0, None), [call.args["self"]], identity=True)
     return _opaque("casts to a non-float type")
 
@@ -493,13 +503,21 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
         unsupported = "its mean/rstd outputs are used"
     elif any(t is not None and not ctx.is_constant(t) for t in (gamma, beta)):
         unsupported = "its γ or β is computed at run time, not a parameter"
-    output_centred = norm_type is NormType.LAYER and not unsupported and (
-        (gamma is None or is_uniform(to_numpy(tg.capture.constants[gamma])))
-        and (beta is None or has_zero_mean(to_numpy(tg.capture.constants[beta])))
+    output_centred = (
+        norm_type is NormType.LAYER
+        and not unsupported
+        and (
+            (gamma is None or is_uniform(to_numpy(tg.capture.constants[gamma])))
+            and (beta is None or has_zero_mean(to_numpy(tg.capture.constants[beta])))
+        )
     )
-    blocked = None if own else (
-        f"{call.target} is called inside {type(module).__name__} {call.module or '(root)'}.forward, not by an "
-        "nn.LayerNorm module: the PyTorch rewrite replaces nn.LayerNorm modules only (the ONNX front end can fold it)"
+    blocked = (
+        None
+        if own
+        else (
+            f"{call.target} is called inside {type(module).__name__} {call.module or '(root)'}.forward, not by an "
+            "nn.LayerNorm module: the PyTorch rewrite replaces nn.LayerNorm modules only (the ONNX front end can fold it)"
+        )
     )
     info = NormInfo(
         name=name,
@@ -535,7 +553,7 @@ def _rms_regions(tg: TorchGraph) -> dict[str, list[Call]]:
     for call in tg.capture.calls:
         if call.call and _is_rms_module(tg.model.get_submodule(call.module)):
             regions.setdefault(call.call, []).append(call)
-    for key, calls in regions.items():
+    for _key, calls in regions.items():
         while calls and calls[0].op in ("to", "_to_copy", "alias", "contiguous"):
             calls.pop(0)
     return {key: calls for key, calls in regions.items() if calls and not any(c.op in NORM_OPS for c in calls)}

@@ -32,8 +32,8 @@ from torch import nn
 from ..core.algebra import centre, migrate_affine
 from ..core.analysis import ShiftChecker
 from ..core.plan import Blocker, Centring, FoldPlan, NormDecision
-from .fx import NodeRef, NormSite, TorchGraph, to_numpy
 from .capture import Attr
+from .fx import NodeRef, NormSite, TorchGraph, to_numpy
 
 
 class RMSNormWithBias(nn.RMSNorm):
@@ -113,8 +113,12 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
                 reader = affine_readers[site.module][0]
                 decline(decision, reader, f"{reader} also reads the γ or β of {site.module}, which the swap removes")
             elif kept:
-                decline(decision, kept[0].name, f"module {site.module} is also called as {kept[0].name}, which "
-                                                "does not fold, and a module swap replaces every call")
+                decline(
+                    decision,
+                    kept[0].name,
+                    f"module {site.module} is also called as {kept[0].name}, which "
+                    "does not fold, and a module swap replaces every call",
+                )
         edits, needs = _planned_edits(tg, decisions, decline)
         for attr, reads in edits.items():
             reason = _conflict(tg, checker, attr, reads, uses.get(attr, []))
@@ -165,7 +169,8 @@ class _Editor:
         self.module = module
         self.holders: dict[int, list[str]] = {}
         for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
-                module.named_buffers(remove_duplicate=False)):
+            module.named_buffers(remove_duplicate=False)
+        ):
             self.holders.setdefault(id(tensor), []).append(name)
         self.untied: dict[str, list[str]] = {}  # attribute → the other attributes that shared its tensor
 
@@ -262,8 +267,12 @@ def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, targets) -> str:
             bias_attr = None if linear.bias is None else tg.attr(node.name, linear.bias)
             bias = None if bias_attr is None else _wide(editor.get(bias_attr))
             new_weight, new_bias = migrate_affine(
-                _wide(editor.get(weight_attr)), bias, None if gamma is None else _wide(gamma),
-                None if beta is None else _wide(beta), linear.in_axis)
+                _wide(editor.get(weight_attr)),
+                bias,
+                None if gamma is None else _wide(gamma),
+                None if beta is None else _wide(beta),
+                linear.in_axis,
+            )
             editor.set(weight_attr, new_weight)
             if bias_attr is not None:
                 editor.set(bias_attr, new_bias)
