@@ -6,29 +6,57 @@ Public API:
 * PyTorch: `inspect(module, example_inputs)` → `FoldPlan`; `fold(module, example_inputs)` →
   `(folded module, TorchFoldReport)`. These import torch on first use only, so the ONNX path
   never loads it.
+* Surrogates for the norms that do not fold exactly, under an accuracy budget:
+  `replace_onnx(model, calibration, ReplaceOptions(...))` → `ReplaceResult` (`.model`, `.report`);
+  `replace(module, calibration, ReplaceOptions(...))` → `(module, ReplaceReport)`, whose norms are
+  surrogate modules (`Affine`, `ScaleBias`, `DyT`, `Derf`, `ShiftedRMSNorm`; `SmoothRemoval`
+  blends a norm into its surrogate for training).
 """
 
 __version__ = "0.1.0"
 
+from .core.replace import BudgetMissed, ReplaceOptions, ReplaceReport
 from .errors import InputError, NormpassError, UnsupportedModelError, VerificationError
 from .onnx.passes import FoldOptions, FoldResult, fold_onnx, inspect_onnx
+from .onnx.replace import ReplaceResult, replace_onnx
 
-TORCH_API = ("fold", "inspect", "TorchFoldReport")
+TORCH_API = {
+    "fold": "api",
+    "inspect": "api",
+    "TorchFoldReport": "api",
+    "replace": "replace",
+    "Affine": "surrogates",
+    "ScaleBias": "surrogates",
+    "DyT": "surrogates",
+    "Derf": "surrogates",
+    "ShiftedRMSNorm": "surrogates",
+    "SmoothRemoval": "surrogates",
+}
 
 
 def __getattr__(name):  # PEP 562: the PyTorch API is imported when first used
     if name in TORCH_API:
-        from .torch import api as torch_api
+        import importlib
 
-        return getattr(torch_api, name)
+        return getattr(importlib.import_module(f".torch.{TORCH_API[name]}", __name__), name)
     raise AttributeError(f"module 'normpass' has no attribute {name!r}")
 
 
 __all__ = [
+    "Affine",
+    "BudgetMissed",
+    "Derf",
+    "DyT",
     "FoldOptions",
     "FoldResult",
     "InputError",
     "NormpassError",
+    "ReplaceOptions",
+    "ReplaceReport",
+    "ReplaceResult",
+    "ScaleBias",
+    "ShiftedRMSNorm",
+    "SmoothRemoval",
     "TorchFoldReport",
     "UnsupportedModelError",
     "VerificationError",
@@ -36,4 +64,6 @@ __all__ = [
     "fold_onnx",
     "inspect",
     "inspect_onnx",
+    "replace",
+    "replace_onnx",
 ]

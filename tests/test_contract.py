@@ -23,7 +23,7 @@ from normpass import FoldOptions, fold_onnx, inspect_onnx, io
 from normpass.cli.main import main
 from normpass.errors import InputError, NormpassError
 from normpass.onnx import frontend as onnx_frontend
-from normpass.surrogate.replace import ReplaceOptions, replace_onnx
+from normpass import ReplaceOptions, replace_onnx
 
 D = 8
 

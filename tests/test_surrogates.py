@@ -1,4 +1,5 @@
-"""Surrogate maths (normpass/surrogate/fit.py) and their ONNX emission (normpass/surrogate/emit.py).
+"""Surrogate maths (normpass/core/surrogates.py, core/stats.py, core/budget.py) and their ONNX emission
+(normpass/onnx/surrogates.py).
 
 The emission tests build small post-LN-shaped graphs with `onnx.parser`, emit a surrogate with
 hand-set parameters, and check exactly (in float64 arithmetic, to float32 rounding) the new
@@ -17,15 +18,12 @@ import pytest
 from conftest import build, check_structure, initializers, op_counts, randn, run_ort
 
 from normpass.core.analysis import prove, safe_centrings
+from normpass.core.budget import Budget, Metrics, compare
 from normpass.core.plan import Centring
-from normpass.onnx.frontend import build_zero_mean_graph, load_graph
-from normpass.surrogate.calibrate import Budget, Metrics, compare, token_rows
-from normpass.surrogate.emit import Emitter, export_model, light_model, open_graph
-from normpass.surrogate.fit import (
+from normpass.core.stats import Reservoir, Welford, token_rows
+from normpass.core.surrogates import (
     NormSpec,
-    Reservoir,
     Surrogate,
-    Welford,
     erf,
     fit_affine,
     fit_pointwise,
@@ -33,6 +31,9 @@ from normpass.surrogate.fit import (
     least_squares,
     relative_error,
 )
+from normpass.onnx.frontend import build_zero_mean_graph, load_graph
+from normpass.onnx.replace import Runner
+from normpass.onnx.surrogates import Emitter, export_model, light_model, open_graph
 
 D = 8
 
@@ -157,7 +158,7 @@ def test_budget_parse_and_usage():
     assert budget.usage(metrics) == pytest.approx(0.5)
     assert budget.holds(metrics) and not budget.holds(metrics, margin=0.4)
     for bad in ("cos", "cos=2", "acc=0.9", "rel=-1", "cos=x"):
-        with pytest.raises(Exception, match="^budget "):
+        with pytest.raises(Exception, match=r"^budget "):
             Budget.parse(bad)
 
 
@@ -410,8 +411,6 @@ def test_safe_centrings_of_an_unprovable_norm_leave_out_the_unsafe_ones(gen):
 
 
 def test_light_model_runs_like_the_full_one(gen):
-    from normpass.surrogate.calibrate import Runner
-
     w = _weights(gen, "W1", "b1", "g", "bb", "Wq", "bq", "W3", "b3")
     w["W1"] = randn(gen, D, D)  # 64 elements: make it "large" with a small limit
     model = build(BLOCK, **w)
@@ -429,8 +428,6 @@ def test_light_model_runs_like_the_full_one(gen):
 def test_light_models_sharing_a_cache_take_each_trial_s_own_migrated_weights(gen):
     """γ migrated into a 1 MiB weight is computed when written (a lazy tensor, named alike in
     every trial): the cache of source weights must not hand one trial's weight to the next."""
-    from normpass.surrogate.calibrate import Runner
-
     width = 512  # Wq: 512 × 512 float32 = 1 MiB
     text = LINEAR_ONLY.replace("2, 5, 8", f"2, 5, {width}")
     w = {n: randn(gen, width, width, scale=0.05) for n in ("W1", "Wq", "Wk")}

@@ -1,8 +1,10 @@
 """`normpass replace MODEL --with KIND --calib DATA --budget cos=0.999 -o OUT [--report R.json]`.
 
 Folds what folds exactly, then replaces the remaining norms by fitted surrogates while the
-budget holds on validation data, checks the result on held-out data, and writes it atomically
-only if the budget holds there too (else exit 1, nothing written). The input is never modified.
+budget holds on the selection split, backs off to what the check split confirms, judges the
+result on the test split, and writes it atomically only if the budget holds there too (else exit
+1, nothing written unless `--write-best`). The report is written either way. The input is never
+modified.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import argparse
 import json
 import sys
 
+from ..core.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions
+from ..core.surrogates import KINDS
 from ..errors import InputError
 from ..io import check_paths, data_path, save_onnx_atomic, write_text_atomic
+from ..onnx.replace import replace_onnx
 from ..onnx.rewrite import RMS_OPS
-from ..surrogate.calibrate import Budget
-from ..surrogate.fit import KINDS
-from ..surrogate.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions, replace_onnx
 from .common import add_model_arguments, load_model
 
 
@@ -32,14 +34,25 @@ def add_parser(sub) -> None:
         default="auto",
         choices=("auto",) + KINDS,
         help="surrogate kind: auto (per norm, the cheapest that keeps the budget; default), rms "
-        "(calibrated RMSNorm of x − c), affine (DaMN), dyt (γ·tanh(αx)+β), derf (γ·erf(αx+s)+β)",
+        "(calibrated RMSNorm of x − c), affine (DaMN), scalebias (α·x+β, α a scalar), dyt (γ·tanh(αx)+β), "
+        "derf (γ·erf(αx+s)+β)",
     )
     parser.add_argument(
         "--calib",
         required=True,
         metavar="DATA",
         help="calibration inputs: an .npz (one array per graph input, axis 0 = samples), a directory "
-        "of NAME.npy files, or 'synthetic' (seeded random inputs, for demos and tests only)",
+        'of NAME.npy files, a .txt (one sentence per line) or .jsonl (a "text" field per line) file with '
+        "--tokenizer, or 'synthetic' (seeded random inputs, for demos and tests only)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="the model's tokenizer.json (the tokenizers library) for .txt/.jsonl calibration text; it makes "
+        "the inputs the model has among input_ids, attention_mask, token_type_ids",
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=128, help="tokens per sentence of calibration text (default 128)"
     )
     parser.add_argument(
         "--budget",
@@ -54,16 +67,29 @@ def add_parser(sub) -> None:
     )
     parser.add_argument(
         "--split",
-        default="0.5,0.25,0.25",
+        default="0.4,0.4,0.2",
         metavar="FIT,VAL,TEST",
-        help="fractions of --calib for fitting, selection and the final check (default 0.5,0.25,0.25; "
-        "with --holdout the third is ignored)",
+        help="fractions of --calib for fitting, validation (selection and its check) and the final test "
+        "(default 0.4,0.4,0.2; with --holdout the third is ignored)",
+    )
+    parser.add_argument(
+        "--check",
+        type=float,
+        default=0.5,
+        help="share of the validation split held back to check the selection, which backs off to the "
+        "largest selection the check confirms (default 0.5; 0: decide on the selection split alone)",
     )
     parser.add_argument(
         "--margin",
         type=float,
         default=0.8,
-        help="share of the budget's allowance selection may use on the validation split (default 0.8)",
+        help="share of the budget's allowance the selection and check splits may use (default 0.8)",
+    )
+    parser.add_argument(
+        "--write-best",
+        action="store_true",
+        help="when the selection misses the budget on the test split, write the largest selection on the way "
+        "that meets it there (exit 0) instead of writing nothing (exit 1)",
     )
     parser.add_argument(
         "--orders", default="input,damage", help=f"greedy orders to try, best kept ({', '.join(ORDERS)})"
@@ -115,55 +141,63 @@ def _fractions(text: str) -> tuple[float, float, float]:
     return parts  # type: ignore[return-value]
 
 
-def _budget(specs: list[str]) -> Budget:
-    try:
-        return Budget.parse(specs)
-    except InputError as e:
-        raise InputError(f"--{e}") from None  # the library's message names the budget
-
-
 def run(args: argparse.Namespace) -> int:
-    inputs = {"the input model": args.model, "--calib": args.calib, "--holdout": args.holdout}
+    inputs = {
+        "the input model": args.model,
+        "--calib": args.calib,
+        "--holdout": args.holdout,
+        "--tokenizer": args.tokenizer,
+    }
     outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
     out = check_paths(inputs, outputs)["-o"]
-    if args.batch_size < 1 or args.samples < 1:
-        raise InputError("--batch-size and --samples must be at least 1")
+    if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
+        raise InputError("--batch-size, --samples and --max-length must be at least 1")
     options = ReplaceOptions(
         kind=args.kind,
-        budget=_budget(args.budget or ["cos=0.999"]),
+        budget=",".join(args.budget or ["cos=0.999"]),
         sequential=not args.parallel,
         orders=tuple(o.strip() for o in args.orders.split(",") if o.strip()),
         policy=args.policy,
         split=_fractions(args.split),
+        check=args.check,
         holdout=args.holdout,
         margin=args.margin,
+        write_best=args.write_best,
         centre_inputs=args.centre_inputs,
         refit=not args.no_refit,
         insert_centering=not args.no_insert_centering,
         norms=tuple(args.norm) if args.norm else None,
         rms_op=args.rms_op,
         batch_size=args.batch_size,
+        tokenizer=args.tokenizer,
+        max_length=args.max_length,
         samples=args.samples,
         mask_input=args.mask_input,
         seed=args.seed,
         progress=sys.stderr.isatty() if args.progress is None else args.progress,
     )
+    try:
+        options.budget = options.checked()[0]
+    except InputError as e:
+        raise InputError(f"--{e}") from None  # the library's message names the option
     model, label = load_model(args)
     try:
         result = replace_onnx(model, args.calib, options, name=label)
     except BudgetMissed as e:
         if args.report:
-            write_text_atomic(json.dumps({"output": None, **e.report}, indent=2) + "\n", args.report)
+            write_text_atomic(json.dumps({"output": None, **e.report.to_json()}, indent=2) + "\n", args.report)
         raise
     save_onnx_atomic(result.model, out)
-    report = {"output": str(out), **result.report()}
+    report = {"output": str(out), **result.report.to_json()}
     if args.report:
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
     test = report["test"]
+    fallback = " (the largest selection that meets the budget on the test split, --write-best)"
     print(
         f"{label}: {report['exact']} of {report['total']} norms folded exactly, {report['replaced']} replaced by "
-        f"surrogates, {report['kept']} kept; held-out ({test['samples']} samples): cos min {test['cos_min']:.6f}, "
-        f"rel max {test['rel_max']:.3g}; budget {options.budget}; wrote {out}"
+        f"surrogates{fallback if report['wrote_fallback'] else ''}, {report['kept']} kept; test "
+        f"({test['samples']} samples): cos min {test['cos_min']:.6f}, rel max {test['rel_max']:.3g}; "
+        f"budget {options.budget}; wrote {out}"
     )
     for norm in report["norms"]:
         if norm["decision"] == "replaced":

@@ -51,6 +51,9 @@ class NormType(enum.Enum):
     GROUP = "GroupNorm"
 
 
+ALREADY_RMS = "already an RMSNorm: there is no mean subtraction to remove"  # why an RMSNorm never folds
+
+
 # --- records -----------------------------------------------------------------------------------
 
 

@@ -42,12 +42,11 @@ import numpy as np
 import onnx_ir as ir
 
 from ..core.algebra import has_zero_mean, is_uniform
-from ..core.graph import NormInfo, NormType
+from ..core.graph import ALREADY_RMS, NormInfo, NormType
 from .constants import constant_values
 from .values import attr, input_at, readers
 
 TRANSPARENT_CASTS = {"Cast"}
-ALREADY_RMS = "already an RMSNorm: there is no mean subtraction to remove"  # why an RMSNorm never folds
 SKIP_BIAS_INPUT = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}  # com.microsoft: x + skip + bias
 
 

@@ -224,7 +224,7 @@ def check_input_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]
         raise InputError(f"{where}: {total} elements in all, more than {MAX_INPUT_ELEMENTS}; choose smaller shapes")
 
 
-def _index_bounds(model: onnx.ModelProto) -> dict[str, int]:
+def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
     """For integer inputs used (through shape-only ops) as Gather indices: the table size."""
     tables = {i.name: list(i.dims) for i in model.graph.initializer}
     consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -278,7 +278,7 @@ def make_inputs(
     rng = np.random.default_rng(seed)
     shapes = shapes or {}
     initializers = {i.name for i in model.graph.initializer}
-    bounds = _index_bounds(model)
+    bounds = index_bounds(model)
     unknown = set(shapes) - {i.name for i in model.graph.input}
     if unknown:
         raise InputError(f"input shapes given for no graph input: {', '.join(sorted(unknown))}")

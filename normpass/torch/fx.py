@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..core.algebra import has_zero_mean, is_uniform
-from ..core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
+from ..core.graph import ALREADY_RMS, NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
 from ..core.rules import (
     Broadcast,
     Centered,
@@ -491,7 +491,7 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
             "does not remove; not rewritten"
         )
     elif norm_type is NormType.RMS:
-        unsupported = "already an RMSNorm: there is no mean subtraction to remove"
+        unsupported = ALREADY_RMS
     elif rank is None:
         unsupported = f"the rank of {x} is unknown, so the normalized axis cannot be tracked"
     elif width != 1:
@@ -585,7 +585,7 @@ def _region_norm(tg: TorchGraph, ctx: _Context, calls: list[Call], taken: set[st
         axis=None if rank is None else rank - 1,
         epsilon=float(getattr(module, "variance_epsilon", getattr(module, "eps", 0.0)) or 0.0),
         scale=weight,
-        unsupported="already an RMSNorm: there is no mean subtraction to remove",
+        unsupported=ALREADY_RMS,
         ref=NormSite(first, first.module, "already an RMSNorm"),
     )
     return info, [x] + ([weight] if weight else []), [c.node for c in calls]

@@ -12,10 +12,10 @@ the original.
 * Copy-on-write: an edit assigns a new `nn.Parameter` to the one attribute the graph read it
   through, so a parameter tied elsewhere (GPT-2's LM head is the token table) keeps its value
   there; HF tying metadata is updated so `tie_weights()` will not tie them again.
-* Affine migration (algebra.migrate_affine): when every consumer of a folded norm is a linear
-  layer whose parameters nothing else reads, γ and β move into it (W' = diag(γ)·W, b' = b + β·W)
-  and the norm becomes an `nn.RMSNorm` without affine; otherwise it keeps γ, and β as a bias
-  (`RMSNormWithBias`).
+* Affine migration (algebra.migrate_affine; `torch/targets.py`): when every consumer of a folded
+  norm is a linear layer whose parameters nothing else reads, γ and β move into it
+  (W' = diag(γ)·W, b' = b + β·W) and the norm becomes an `nn.RMSNorm` without affine; otherwise
+  it keeps γ, and β as a bias (`RMSNormWithBias`).
 
 A module edit applies to every call of the module and every reader of the attribute, which the
 graph-level plan does not assume; `restrict` declines the folds a module rewrite cannot express.
@@ -34,6 +34,7 @@ from ..core.analysis import ShiftChecker
 from ..core.plan import Blocker, Centring, FoldPlan, NormDecision
 from .capture import Attr
 from .fx import NodeRef, NormSite, TorchGraph, to_numpy
+from .targets import migration_targets
 
 
 class RMSNormWithBias(nn.RMSNorm):
@@ -212,46 +213,6 @@ def _wide(tensor: torch.Tensor) -> np.ndarray:
     return to_numpy(tensor).astype(np.float64)
 
 
-def _migration_targets(tg: TorchGraph, norm_name: str, uses: dict) -> list | None:
-    """The linear nodes that read a folded norm's output, if γ/β can move into all of them.
-
-    Views that keep the last axis, aliases, casts and inference dropout may sit in between; each
-    target's parameters must be read by that node alone (so editing them changes nothing else).
-    """
-    zmg = tg.zmg
-    norm = zmg.norm_by_name(norm_name)
-    if sum(n.ref.module == norm.ref.module for n in zmg.norms) > 1:
-        return None
-    width = (zmg.shape(norm.output) or (None,))[-1]
-    frontier, targets = [norm.output], []
-    while frontier:
-        tensor = frontier.pop()
-        if tensor in zmg.graph_outputs:
-            return None
-        for node, index in zmg.consumers_of(tensor):
-            ref = node.ref if isinstance(node.ref, NodeRef) else None
-            out_shape = zmg.shape(node.outputs[0]) or (None,)
-            if ref is not None and ref.identity and index == 0 and out_shape[-1] == width:
-                frontier.append(node.outputs[0])
-                continue
-            linear = ref.linear if ref is not None else None
-            if linear is None or index != 0 or linear.in_axis is None or not linear.migratable:
-                return None
-            if linear.bias is not None and linear.bias_axis is None:
-                return None  # a broadcast bias cannot take β·W
-            targets.append(node)
-    for node in targets:
-        linear = node.ref.linear
-        for tensor in (linear.weight, linear.bias):
-            if tensor is not None and uses.get(tg.attr(node.name, tensor)) != [(node.name, tensor)]:
-                return None
-        if linear.bias is None and norm.bias is not None:
-            owner = tg.model.get_submodule(tg.attr(node.name, linear.weight).module)
-            if type(owner) is not nn.Linear:
-                return None  # nowhere to put β
-    return targets or None
-
-
 def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, targets) -> str:
     """Replace the folded nn.LayerNorm by an RMSNorm; returns a note on where γ/β went."""
     norm = tg.zmg.norm_by_name(norm_name)
@@ -307,7 +268,10 @@ def apply(
     uses = tg.uses()
     editor = _Editor(module)
     # Decide migrations on the original graph, before any parameter is rewritten.
-    targets = {d.name: _migration_targets(tg, d.name, uses) if migrate else None for d in plan.folded}
+    targets = {
+        d.name: migration_targets(tg, d.name, uses, tg.zmg.norm_by_name(d.name).bias is not None) if migrate else None
+        for d in plan.folded
+    }
     axes: dict[Attr, int | None] = {}
     for centring in plan.centrings:
         for node, tensor, axis in _edits_of(tg, centring):

@@ -3,16 +3,21 @@
 Every surrogate has one canonical form, with per-feature `γ`, `β` (vectors of the normalized
 width d) and a shift `c` (a scalar or a d-vector) subtracted from the input first::
 
-    rms     y = γ ⊙ u / sqrt(mean(u²) + ε) + β         u = x − c, c a calibrated scalar
-    affine  y = γ ⊙ x + β                                (DaMN, seed 000 App. C; c = 0)
-    dyt     y = γ ⊙ tanh(α u) + β                        (seed 002; α a scalar)
-    derf    y = γ ⊙ erf(α u) + β                         (seed 001: erf(α x + s) = erf(α (x − c)),
+    rms        y = γ ⊙ u / sqrt(mean(u²) + ε) + β      u = x − c, c a calibrated scalar
+    affine     y = γ ⊙ x + β                             (DaMN, seed 000 App. C; c = 0)
+    scalebias  y = α x + β                               (NoMorelization, seed 004: α a scalar;
+                                                          γ = α·1 so every γ rule applies)
+    dyt        y = γ ⊙ tanh(α u) + β                     (seed 002; α a scalar)
+    derf       y = γ ⊙ erf(α u) + β                      (seed 001: erf(α x + s) = erf(α (x − c)),
                                                           c = −s/α; `s` is reported, `c` is emitted)
 
-Fitting, against the original norm's outputs `y = N(x)` on calibration tokens:
+Fitting, against the original norm's outputs `y = N(x)` on calibration tokens (`core/stats.py`
+collects them):
 
-* **affine (DaMN)**: per-feature mean m and std s of x and of N(x) by Welford's algorithm in
-  float64, batches merged with Chan's formula; γ = s_N / s_x, β = m_N − γ ⊙ m_x.
+* **affine (DaMN)**: per-feature mean m and std s of x and of N(x) (Welford, float64);
+  γ = s_N / s_x, β = m_N − γ ⊙ m_x.
+* **scalebias**: least squares with one α for every feature and a per-feature β:
+  α = Σ_j cov(x_j, y_j) / Σ_j var(x_j), β_j = mean(y_j) − α·mean(x_j).
 * **rms**: c = the calibration mean of x over tokens and features (exact when the per-token mean
   of x is constant: then RMSNorm(x − c) = LayerNorm(x)). γ, β are either the norm's own or, with
   `refit`, the per-feature least-squares solution against N(x) (never worse on the fit data).
@@ -23,6 +28,8 @@ Fitting, against the original norm's outputs `y = N(x)` on calibration tokens:
 
 Least squares per feature j for y_j ≈ g_j u_j + h_j: g = cov(u_j, y_j) / var(u_j),
 h = mean(y_j) − g·mean(u_j); residual n·(var(y_j) − cov²/var(u_j)).
+
+`why_not` says which norms a kind cannot replace; the front ends add what only they can see.
 """
 
 from __future__ import annotations
@@ -32,7 +39,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KINDS = ("rms", "affine", "dyt", "derf")
+from .graph import ALREADY_RMS, NormInfo, NormType
+from .stats import NormStats, Welford
+
+KINDS = ("rms", "affine", "scalebias", "dyt", "derf")
 TINY = 1e-30
 
 
@@ -53,77 +63,6 @@ def erf(values: np.ndarray) -> np.ndarray:
     t = 1.0 / (1.0 + 0.3275911 * a)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
     return sign * (1.0 - poly * np.exp(-a * a))
-
-
-# --- statistics ----------------------------------------------------------------------------------
-
-
-class Welford:
-    """Per-feature count, mean and sum of squared deviations (M2), in float64.
-
-    `update(batch)` merges a whole batch at once (Chan et al.): with the batch's own mean and M2,
-    δ = mean_B − mean, n' = n + m, mean' = mean + δ·m/n', M2' = M2 + M2_B + δ²·n·m/n'.
-    """
-
-    def __init__(self, width: int):
-        self.count = 0
-        self.mean = np.zeros(width, dtype=np.float64)
-        self.m2 = np.zeros(width, dtype=np.float64)
-
-    def update(self, rows: np.ndarray) -> None:
-        rows = np.asarray(rows, dtype=np.float64)
-        if rows.shape[0] == 0:
-            return
-        batch_mean = rows.mean(axis=0)
-        batch_m2 = ((rows - batch_mean) ** 2).sum(axis=0)
-        self.merge(rows.shape[0], batch_mean, batch_m2)
-
-    def merge(self, count: int, mean: np.ndarray, m2: np.ndarray) -> None:
-        if count == 0:
-            return
-        total = self.count + count
-        delta = mean - self.mean
-        self.mean = self.mean + delta * (count / total)
-        self.m2 = self.m2 + m2 + delta**2 * (self.count * count / total)
-        self.count = total
-
-    @property
-    def var(self) -> np.ndarray:
-        """Population variance (M2 / n), as DaMN uses."""
-        return self.m2 / max(self.count, 1)
-
-    @property
-    def std(self) -> np.ndarray:
-        return np.sqrt(self.var)
-
-
-class Reservoir:
-    """A uniform sample of at most `capacity` rows from a stream (algorithm R, seeded)."""
-
-    def __init__(self, capacity: int, width: int, seed: int = 0, dtype=np.float32):
-        self.capacity = capacity
-        self.rows = np.empty((capacity, width), dtype=dtype)
-        self.filled = 0
-        self.seen = 0
-        self.rng = np.random.default_rng(seed)
-
-    def add(self, rows: np.ndarray) -> None:
-        rows = np.asarray(rows)
-        take = min(self.capacity - self.filled, rows.shape[0])
-        if take:
-            self.rows[self.filled : self.filled + take] = rows[:take]
-            self.filled += take
-        rest = rows[take:]
-        if rest.shape[0]:
-            seen = self.seen + take + np.arange(rest.shape[0])  # 0-based index of each row in the stream
-            slots = (self.rng.random(rest.shape[0]) * (seen + 1)).astype(np.int64)
-            keep = slots < self.capacity
-            self.rows[slots[keep]] = rest[keep]  # in stream order: later rows win a shared slot
-        self.seen += rows.shape[0]
-
-    @property
-    def sample(self) -> np.ndarray:
-        return self.rows[: self.filled]
 
 
 # --- the original norms ---------------------------------------------------------------------------
@@ -170,7 +109,7 @@ class Surrogate:
     def core(self, u: np.ndarray) -> np.ndarray:
         if self.kind == "rms":
             return u / np.sqrt((u * u).mean(axis=-1, keepdims=True) + self.epsilon)
-        if self.kind == "affine":
+        if self.kind in ("affine", "scalebias"):
             return u
         if self.kind == "dyt":
             return np.tanh(self.alpha * u)
@@ -196,7 +135,7 @@ class Surrogate:
             return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
 
         out = {"kind": self.kind, "variant": self.variant, "gamma": summary(self.gamma), "beta": summary(self.beta)}
-        if self.kind in ("dyt", "derf"):
+        if self.kind in ("dyt", "derf", "scalebias"):
             out["alpha"] = float(self.alpha)
         if self.kind == "rms":
             out["epsilon"] = float(self.epsilon)
@@ -272,6 +211,18 @@ def fit_rms(
     return Surrogate("rms", gamma, beta, shift=float(shift), epsilon=epsilon, variant=variant)
 
 
+def fit_scalebias(x: np.ndarray, y: np.ndarray) -> Surrogate:
+    """NoMorelization's inference form α·x + β: one α for all features, β per feature (least squares)."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    mean_x, mean_y = x.mean(axis=0), y.mean(axis=0)
+    dx = x - mean_x
+    var = float((dx * dx).sum())
+    alpha = float((dx * (y - mean_y)).sum()) / var if var > TINY else 0.0
+    width = x.shape[1]
+    return Surrogate("scalebias", np.full(width, alpha), mean_y - alpha * mean_x, alpha=alpha, variant="least squares")
+
+
 def _golden(f, lo: float, hi: float, iterations: int = 24) -> float:
     """Minimum of a unimodal f on [lo, hi] by golden-section search."""
     ratio = (math.sqrt(5) - 1) / 2
@@ -337,8 +288,8 @@ def fit_pointwise(
         log_alpha, s = grid[i], s_grid[j]
         s_step = s_grid[1] - s_grid[0]
         for _ in range(5):  # coordinate refinement
-            log_alpha = _golden(lambda a: loss(a, s), log_alpha - step, log_alpha + step, 16)
-            s = _golden(lambda t: loss(log_alpha, t), s - s_step, s + s_step, 16)
+            log_alpha = _golden(lambda a, s=s: loss(a, s), log_alpha - step, log_alpha + step, 16)
+            s = _golden(lambda t, a=log_alpha: loss(a, t), s - s_step, s + s_step, 16)
             step, s_step = step / 2, s_step / 2
     alpha = math.exp(log_alpha)
     gamma, beta, _ = least_squares(func(alpha * (x - base) + s), y)
@@ -355,3 +306,60 @@ def fit_pointwise(
 def with_fit_error(surrogate: Surrogate, x: np.ndarray, y: np.ndarray) -> Surrogate:
     surrogate.fit_error = relative_error(surrogate(x), y)
     return surrogate
+
+
+def fit_surrogate(
+    kind: str,
+    stats: NormStats,
+    spec: NormSpec,
+    epsilon: float,
+    target: np.ndarray | None = None,
+    refit: bool = True,
+    seed: int = 0,
+) -> Surrogate:
+    """Fit one kind of surrogate to the collected statistics of a norm.
+
+    `target`: the original model's outputs of this norm on the same sample of tokens (least-squares
+    fits then also absorb the systematic part of upstream replacements' errors); default N(x).
+    """
+    x = stats.sample.astype(np.float64)
+    y = spec(x) if target is None or target.shape != x.shape else target
+    if kind == "affine":
+        surrogate = fit_affine(stats.x, stats.y)
+    elif kind == "scalebias":
+        surrogate = fit_scalebias(x, y)
+    elif kind == "rms":
+        surrogate = fit_rms(x, y, stats.x, epsilon, spec, refit=refit)
+    elif kind in ("dyt", "derf"):
+        fits = [
+            with_fit_error(fit_pointwise(kind, x, y, stats.x, shift, seed=seed), x, y) for shift in ("none", "feature")
+        ]
+        return min(fits, key=lambda s: s.fit_error)
+    else:
+        raise ValueError(f"unknown surrogate kind {kind!r}")
+    return with_fit_error(surrogate, x, y)
+
+
+def why_not(norm: NormInfo, width: int | None, kind: str, front_end_reason: str | None = None) -> str | None:
+    """Why no surrogate of `kind` can replace `norm`, or None.
+
+    The front end's reason for never folding it (`NormInfo.unsupported`: its axes, used statistics,
+    run-time γ, β or ε, a control-flow body) rules a LayerNorm out; an RMSNorm, which it declines
+    for being one, is ruled out for the rms kind only. `front_end_reason` is what only the front end
+    can see (a fused Skip op, a norm it cannot swap); grouped norms and an unknown width are what the
+    surrogates do not implement.
+    """
+    if norm.norm_type is NormType.GROUP:
+        return "GroupNorm: surrogates for grouped norms are not implemented"
+    if norm.norm_type is NormType.RMS and norm.unsupported == ALREADY_RMS:
+        if kind == "rms":
+            return "already an RMSNorm"
+        if norm.axis is None:
+            return "does not normalize over one (last) axis"
+    elif norm.unsupported:
+        return norm.unsupported
+    if front_end_reason:
+        return front_end_reason
+    if width is None:
+        return "the normalized width is unknown"
+    return None

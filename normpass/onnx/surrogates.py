@@ -1,6 +1,6 @@
 """Emit surrogate norms into an ONNX graph (an onnx-ir `ir.Model`), moving constants where exact.
 
-A surrogate (`surrogates.Surrogate`) computes y = γ ⊙ core(x − c) + β. The norm's nodes are
+A surrogate (`core/surrogates.py` `Surrogate`) computes y = γ ⊙ core(x − c) + β. The norm's nodes are
 removed and the cheapest exact form of that formula is emitted:
 
 * **shift c** — when every consumer of x is the norm and x is a sum (Adds whose intermediate
@@ -9,11 +9,12 @@ removed and the cheapest exact form of that formula is emitted:
   then outputs x − c, exactly. Otherwise an explicit `Sub(x, c)`.
 * **core** — rms: `SimplifiedLayerNormalization` (ORT), opset-23 `RMSNormalization`, or the
   decomposed chain, emitted by the exact fold's `onnx/rewrite.py` `rms_nodes` (the chain ends at the
-  division when γ is ones); affine: nothing; dyt: `Mul(α)` → `Tanh`; derf:
+  division when γ is ones); affine, scalebias: nothing; dyt: `Mul(α)` → `Tanh`; derf:
   `Mul(α)` → `Erf` (Derf's s is part of the shift: erf(α u + s) = erf(α (u + s/α))).
 * **γ and β** — when every path from y reaches a linear layer that contracts over the features
   (through feature-preserving reshapes; `onnx/targets.py` `migration_targets`), both migrate into it:
-  W' = diag(γ)·W, b' = b + β·W. Otherwise γ stays (the RMS op's scale, else a `Mul`), and β
+  W' = diag(γ)·W, b' = b + β·W. Otherwise γ stays (the RMS op's scale, else a `Mul`; a scalar
+  one for scalebias), and β
   still migrates if every consumer is such a linear layer or a residual `Add` whose other
   summand carries a private bias: Add(y, s) = Add(y − β, s + β). Else an `Add(β)`.
 
@@ -31,13 +32,11 @@ working graph; the RMS core is the exact pass's `rms_nodes`.
 
 `light_model` turns a working graph into a model whose large constants are graph inputs (fed at
 run time), so that an ONNX Runtime session per trial costs milliseconds instead of serialising
-every weight; `export_model` writes the final model with every weight in it.
+every weight; `export_model` writes the final model with every weight in it. What an emission
+costs is `core/cost.py`'s table; `norm_cost` prices the norm it replaces.
 """
 
 from __future__ import annotations
-
-import collections
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -45,40 +44,18 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ..core.analysis import ShiftChecker, safe_centrings
+from ..core.cost import OP_COST, Emission
 from ..core.graph import NormInfo, NormType
-from ..onnx.constants import constant_values
-from ..onnx.export import export_model as annotate
-from ..onnx.frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
-from ..onnx.passes import in_memory_proto
-from ..onnx.rewrite import Rewriter, new_value, rms_nodes
-from ..onnx.targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
-from ..onnx.values import take_over
-from .fit import NormSpec, Surrogate
+from ..core.surrogates import NormSpec, Surrogate
+from .constants import constant_values
+from .export import export_model as annotate
+from .frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
+from .passes import in_memory_proto
+from .rewrite import Rewriter, new_value, rms_nodes
+from .targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
+from .values import take_over
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
-# Estimated cost of each op a surrogate may emit, relative to one LayerNormalization over the
-# same tensor (ONNX Runtime 1.31, CPU, 8192×384 fp32, one thread, 10th percentile of 300 runs
-# each, interleaved: LN 5.5 ms, SimplifiedLayerNormalization 3.0, Add/Sub/Mul 2.4–2.7,
-# Tanh 3.1, Erf 7.3). Memory-bound elementwise ops cost about half a LayerNorm each, so an
-# affine that keeps both a Mul and an Add saves nothing. Ops on reduced tensors cost ~0.
-OP_COST = {
-    "LayerNormalization": 1.0,
-    "SimplifiedLayerNormalization": 0.55,
-    "RMSNormalization": 0.55,
-    "Add": 0.5,
-    "Sub": 0.5,
-    "Mul": 0.5,
-    "Div": 0.5,
-    "Tanh": 0.6,
-    "Erf": 1.3,
-    "ReduceMean": 0.5,
-    "Sqrt": 0.05,
-    "Add(ε)": 0.05,
-}
-
-
-def op_cost(ops: dict[str, int]) -> float:
-    return float(sum(OP_COST.get(op, 0.5) * count for op, count in ops.items()))
 
 
 def norm_cost(norm: NormInfo) -> float:
@@ -124,8 +101,9 @@ def norm_spec(norm: NormInfo) -> NormSpec:
     )
 
 
-def width_of(ctx: OnnxGraph, norm: NormInfo) -> int | None:
-    shape = ctx.shapes.get(norm.input)
+def width_of(shapes: dict, norm: NormInfo) -> int | None:
+    """The normalized width: γ's length, else the input's static last dimension."""
+    shape = shapes.get(norm.input)
     gamma = None if norm.ref.gamma is None else constant_values(norm.ref.gamma)
     if gamma is not None:
         return int(np.asarray(gamma).shape[-1])
@@ -150,31 +128,6 @@ def shift_target(norm: NormInfo, width: int, graph_outputs: set[str]) -> tuple[i
 
 
 # --- emission -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Emission:
-    """What emitting one surrogate did."""
-
-    ops: collections.Counter = field(default_factory=collections.Counter)
-    shift: str = "none"  # "none" | "migrated into <node>" | "Sub"
-    gamma: str = ""
-    beta: str = ""
-    changed: list[str] = field(default_factory=list)  # nodes whose constants were rewritten
-
-    @property
-    def cost(self) -> float:
-        return op_cost(self.ops)
-
-    def to_json(self) -> dict:
-        return {
-            "ops": dict(self.ops),
-            "cost": self.cost,
-            "shift": self.shift,
-            "gamma": self.gamma,
-            "beta": self.beta,
-            "rewritten_layers": sorted(set(self.changed)),
-        }
 
 
 class Emitter(Rewriter):
@@ -208,7 +161,7 @@ class Emitter(Rewriter):
     def emit(self, norm: NormInfo, surrogate: Surrogate) -> Emission:
         """Replace `norm` by `surrogate` in the graph (see the module docstring)."""
         match = norm.ref
-        width = width_of(self.ctx, norm)
+        width = width_of(self.ctx.shapes, norm)
         dtype = self._dtype(match.x)
         emission = Emission()
         x, y = match.x, match.y
@@ -281,8 +234,9 @@ class Emitter(Rewriter):
             )
             op = "Tanh" if surrogate.kind == "dyt" else "Erf"
             current = add(op, [current], op.lower())
-        if keep_gamma:
-            current = add("Mul", [current, self._const(f"{norm.name}.gamma", gamma.astype(dtype))], "gamma")
+        if keep_gamma:  # NoMorelization's α·x: one scalar
+            factor = np.array(surrogate.alpha) if surrogate.kind == "scalebias" else gamma
+            current = add("Mul", [current, self._const(f"{norm.name}.gamma", factor.astype(dtype))], "gamma")
         if keep_beta:
             current = add("Add", [current, self._const(f"{norm.name}.beta", beta.astype(dtype))], "beta")
 

@@ -1,0 +1,348 @@
+"""Calibration data for the surrogate pass, whatever the front end: files, text, checks and splits.
+
+* **Sources** (`load_batches`): an `.npz` of input arrays (axis 0 = samples), a directory of
+  `.npy` files named after the inputs, a `.txt` (one sentence per line; blank lines and lines
+  starting with `#` skipped) or `.jsonl` (one JSON object per line with a `"text"` field) file
+  together with a tokenizer (`tokenizers`' `tokenizer.json`), a dict of arrays, or an iterable
+  (or a callable returning one) of input dicts, each one batch.
+* **Text**: each sentence is tokenized on its own (truncated at `max_length` tokens) into the
+  inputs the model has among `input_ids`, `attention_mask` and `token_type_ids`; sentences become
+  batches only after the split, padded with zeros to the longest sentence of their batch.
+* **Checks** (`InputSpec`): names, ranks and dtypes against the model's inputs (integer kinds are
+  cast), the same number of samples in every input of a batch, finite float values, token ids
+  inside the embedding table they index (`check_indices`), and at least `MIN_SAMPLES` samples. Each failure is an
+  `InputError` naming the file and what to do.
+* **Splits** (`split_batches`): a seeded shuffle of samples, then consecutive shares. Batches of
+  equal shapes are split by sample and rebatched; single sentences of different lengths by
+  sentence, then collated; other batches of different shapes (e.g. each padded to its own
+  length) by batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError
+
+Batch = dict  # input name -> np.ndarray, axis 0 = samples
+TOKENIZER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+TEXT_SUFFIXES = (".txt", ".jsonl")
+MIN_SAMPLES = 8  # fit, selection, check and test need two samples each
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a model takes: per input its dtype and rank (None where the front end cannot tell),
+    the inputs that may be left out (those with a default), and for integer inputs used as indices
+    into a table, the table's size."""
+
+    inputs: dict[str, tuple[np.dtype | None, int | None]]
+    index_bounds: dict[str, int] = field(default_factory=dict)
+    optional: frozenset = frozenset()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.inputs)
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def load_batches(
+    source,
+    spec: InputSpec,
+    batch_size: int = 16,
+    tokenizer: str | os.PathLike | None = None,
+    max_length: int = 128,
+) -> list[Batch]:
+    """Checked calibration batches from `source` (see the module docstring)."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.exists():
+            raise InputError(
+                f"{path}: no such calibration data; pass an .npz file, a directory of .npy files, "
+                "or a .txt/.jsonl file with a tokenizer"
+            )
+        if path.suffix.lower() in TEXT_SUFFIXES and path.is_file():
+            batches = tokenize(read_texts(path), tokenizer, spec, max_length, str(path))
+            check_indices(batches, spec.index_bounds, str(path), tokenizer)
+            return _enough(batches, str(path), "sentences")
+        if tokenizer is not None:
+            raise InputError(f"{path}: a tokenizer is only for .txt or .jsonl text files; this is not one")
+        batches = _rebatch(_checked(_read_arrays(path, spec), spec, str(path)), batch_size)
+        where = str(path)
+    elif isinstance(source, dict):
+        batches, where = _rebatch(_checked(source, spec, "calibration data"), batch_size), "calibration data"
+    else:
+        produced = source() if callable(source) else source
+        if not isinstance(produced, Iterable):
+            raise InputError("calibration data: expected a file, a dict of arrays or an iterable of input dicts")
+        batches, where = (
+            [_checked(b, spec, f"calibration batch {i}") for i, b in enumerate(produced)],
+            "calibration data",
+        )
+        if not batches:
+            raise InputError("calibration data: the source yielded no batches")
+    check_indices(batches, spec.index_bounds, where)
+    return _enough(batches, where, "samples")
+
+
+def _read_arrays(path: Path, spec: InputSpec) -> dict[str, np.ndarray]:
+    if path.is_dir():
+        files = {p.stem: p for p in sorted(path.glob("*.npy"))}
+        if not files:
+            raise InputError(f"{path}: no .npy files; name one file per model input ({', '.join(spec.names)})")
+        try:
+            return {name: np.load(p, allow_pickle=False) for name, p in files.items()}
+        except (OSError, ValueError) as e:
+            raise InputError(f"{path}: cannot read the .npy files ({e})") from e
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError, EOFError) as e:
+        raise InputError(
+            f"{path}: not a readable .npz file ({e}); pass .npz, a directory of .npy, .txt or .jsonl"
+        ) from e
+
+
+def sample_count(batches: list[Batch]) -> int:
+    """The number of samples (axis 0) in `batches`."""
+    return int(sum(next(iter(b.values())).shape[0] for b in batches if b))
+
+
+def _enough(batches: list[Batch], where: str, unit: str) -> list[Batch]:
+    count = sample_count(batches)
+    if count < MIN_SAMPLES:
+        raise InputError(
+            f"{where}: {count} {unit}; the pass needs at least {MIN_SAMPLES} (fitting, selection, its check "
+            "and the final test take a share each): give more"
+        )
+    return batches
+
+
+def _checked(batch, spec: InputSpec, where: str) -> Batch:
+    if not isinstance(batch, dict):
+        raise InputError(f"{where}: expected a dict of input arrays, got {type(batch).__name__}")
+    missing = sorted(set(spec.inputs) - spec.optional - set(batch))
+    unknown = sorted(set(batch) - set(spec.inputs))
+    if missing or unknown:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"not model inputs: {', '.join(unknown)}"] if unknown else []
+        )
+        raise InputError(f"{where}: {'; '.join(parts)} (the model's inputs are {', '.join(spec.inputs)})")
+    out = {}
+    sizes = set()
+    for name, (dtype, rank) in spec.inputs.items():
+        if name not in batch:
+            continue
+        value = np.asarray(batch[name])
+        if rank is not None and value.ndim != rank:
+            raise InputError(f"{where}: input {name} has rank {value.ndim}, the model expects {rank}")
+        if dtype is not None and value.dtype != dtype:
+            if value.dtype.kind != dtype.kind and not (value.dtype.kind in "iub" and dtype.kind in "iub"):
+                raise InputError(f"{where}: input {name} is {value.dtype}, the model expects {dtype}")
+            value = value.astype(dtype)
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            bad = int((~np.isfinite(value)).sum())
+            raise InputError(
+                f"{where}: input {name} has {bad} non-finite values (NaN or ±inf); remove those samples or fix the data"
+            )
+        out[name] = np.ascontiguousarray(value)
+        sizes.add(value.shape[0] if value.ndim else 1)
+    if len(sizes) > 1:
+        raise InputError(f"{where}: inputs disagree on the number of samples (axis 0): {sorted(sizes)}")
+    return out
+
+
+def _rebatch(arrays: dict[str, np.ndarray], batch_size: int) -> list[Batch]:
+    count = next(iter(arrays.values())).shape[0]
+    return [{k: v[i : i + batch_size] for k, v in arrays.items()} for i in range(0, count, batch_size)]
+
+
+# --- text ----------------------------------------------------------------------------------------
+
+
+def read_texts(path: str | os.PathLike) -> list[str]:
+    """Sentences of a `.txt` (one per line) or `.jsonl` (`"text"` fields) file."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read it as UTF-8 text ({e})") from e
+    texts = []
+    if path.suffix.lower() == ".jsonl":
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{number}: not a JSON object ({e.msg}); write one object per line") from None
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise InputError(f'{path}:{number}: no "text" field holding a string; write {{"text": "..."}} per line')
+            if text.strip():
+                texts.append(text.strip())
+    else:
+        texts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not texts:
+        raise InputError(f'{path}: no sentences in it; write one sentence per line (.txt) or a "text" field (.jsonl)')
+    return texts
+
+
+def tokenize(
+    texts: list[str], tokenizer: str | os.PathLike | None, spec: InputSpec, max_length: int = 128, where: str = "text"
+) -> list[Batch]:
+    """One batch of one sentence per text, with the inputs the model takes (see the module docstring)."""
+    if tokenizer is None:
+        raise InputError(
+            f"{where}: text needs a tokenizer: pass the model's tokenizer.json (--tokenizer, ReplaceOptions.tokenizer)"
+        )
+    path = Path(tokenizer)
+    if not path.is_file():
+        raise InputError(f"{path}: no such tokenizer file; pass the model's tokenizer.json")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise InputError(f"{where}: reading text needs the tokenizers library: pip install tokenizers") from None
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own exception type for malformed files
+        raise InputError(f"{path}: not a tokenizers tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from e
+    others = [name for name in spec.names if name not in TOKENIZER_INPUTS and name not in spec.optional]
+    if "input_ids" not in spec.inputs or others:
+        what = "has no input named input_ids" if "input_ids" not in spec.inputs else f"also needs {', '.join(others)}"
+        raise InputError(
+            f"{path}: the model {what} (its inputs: {', '.join(spec.names)}), so a tokenizer cannot feed it; "
+            "give the inputs as an .npz instead"
+        )
+    tok.no_padding()
+    tok.enable_truncation(max_length)
+    batches = []
+    for encoding in tok.encode_batch(texts):
+        made = {
+            "input_ids": encoding.ids,
+            "attention_mask": encoding.attention_mask,
+            "token_type_ids": encoding.type_ids,
+        }
+        arrays = {name: np.asarray([made[name]], dtype=np.int64) for name in spec.names if name in made}
+        batches.append(arrays)
+    return [_checked(b, spec, where) for b in batches]
+
+
+def check_indices(batches: list[Batch], bounds: dict[str, int], where: str, tokenizer=None) -> None:
+    """Refuse integer inputs that index outside the table they index (`bounds`: input → rows)."""
+    for name, bound in bounds.items():
+        values = [b[name] for b in batches if name in b and b[name].size and b[name].dtype.kind in "iu"]
+        if not values:
+            continue
+        low, high = min(int(v.min()) for v in values), max(int(v.max()) for v in values)
+        if low >= 0 and high < bound:
+            continue
+        bad = high if high >= bound else low
+        if tokenizer is not None:
+            raise InputError(
+                f"{tokenizer}: token id {bad} is outside the model's embedding table ({bound} rows): this tokenizer "
+                "does not fit the model; use the model's own tokenizer.json"
+            )
+        raise InputError(
+            f"{where}: input {name} holds index {bad}, outside the table of {bound} rows it indexes; "
+            "the data was made for another model"
+        )
+
+
+# --- splits --------------------------------------------------------------------------------------
+
+
+def _uniform(batches: list[Batch]) -> bool:
+    first = {k: v.shape[1:] for k, v in batches[0].items()}
+    return all({k: v.shape[1:] for k, v in b.items()} == first for b in batches)
+
+
+def _ragged_samples(batches: list[Batch]) -> bool:
+    """Single samples whose arrays differ only along axis 1 (sentences of different lengths)."""
+    return all(sample_count([b]) == 1 for b in batches) and all(
+        v.ndim == 2 and v.dtype.kind in "iub" for b in batches for v in b.values()
+    )
+
+
+def collate(samples: list[Batch], batch_size: int) -> list[Batch]:
+    """Single samples, sorted by length, in batches padded with zeros to their longest sample."""
+    order = sorted(range(len(samples)), key=lambda i: next(iter(samples[i].values())).shape[1])
+    batches = []
+    for start in range(0, len(order), batch_size):
+        group = [samples[i] for i in order[start : start + batch_size]]
+        width = max(next(iter(s.values())).shape[1] for s in group)
+        batch = {}
+        for name, first in group[0].items():
+            out = np.zeros((len(group), width), dtype=first.dtype)
+            for row, sample in enumerate(group):
+                out[row, : sample[name].shape[1]] = sample[name][0]
+            batch[name] = out
+        batches.append(batch)
+    return batches
+
+
+def split_batches(
+    batches: list[Batch], fractions: tuple[float, ...], seed: int = 0, batch_size: int | None = None
+) -> tuple[list[Batch], ...]:
+    """One list of batches per fraction, after a seeded shuffle (see the module docstring).
+
+    Every part with a positive fraction gets at least one unit (sample, sentence or batch).
+    """
+    if not fractions or any(f < 0 for f in fractions) or not sum(fractions) > 0:
+        raise InputError(f"split {tuple(fractions)}: give non-negative fractions, at least one positive")
+    total = sum(fractions)
+    rng = np.random.default_rng(seed)
+    size = batch_size or max(sample_count([b]) for b in batches)
+    if _uniform(batches):
+        arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+        units, unit = sample_count(batches), "samples"
+
+        def make(idx):
+            return _rebatch({k: v[np.sort(idx)] for k, v in arrays.items()}, size) if len(idx) else []
+
+    elif _ragged_samples(batches):
+        units, unit = len(batches), "sentences"
+
+        def make(idx):
+            return collate([batches[i] for i in sorted(idx)], size)
+
+    else:
+        units, unit = len(batches), "batches"
+
+        def make(idx):
+            return [batches[i] for i in sorted(idx)]
+
+    order = rng.permutation(units)
+    needed = [f > 0 for f in fractions]
+    if units < sum(needed):
+        raise InputError(
+            f"calibration data: {units} {unit} cannot be split into {sum(needed)} non-empty parts; give more data"
+        )
+    counts = [math.floor(units * f / total) for f in fractions]
+    for i, need in enumerate(needed):  # every requested part gets at least one unit
+        if need and counts[i] == 0:
+            counts[i] = 1
+    while sum(counts) > units:
+        counts[int(np.argmax(counts))] -= 1
+    counts[0] += units - sum(counts)
+    bounds = np.cumsum([0] + counts)
+    return tuple(make(order[bounds[i] : bounds[i + 1]]) for i in range(len(fractions)))
+
+
+def find_mask_input(spec: InputSpec, name: str | None = None) -> str | None:
+    """The attention-mask input: `name` if given, else the rank-2 input whose name contains 'mask'."""
+    if name is not None:
+        if name not in spec.inputs:
+            raise InputError(f"mask input {name!r} is not a model input ({', '.join(spec.inputs)})")
+        return name
+    found = [n for n, (_, rank) in spec.inputs.items() if "mask" in n.lower() and rank in (2, None)]
+    return found[0] if len(found) == 1 else None

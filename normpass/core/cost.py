@@ -1,0 +1,66 @@
+"""What an emitted surrogate costs: ops counted in units of one LayerNormalization (no ONNX import).
+
+Both front ends describe what replacing a norm leaves in the model as ONNX op types (the PyTorch
+front end as what `torch.onnx.export` makes of its modules), so one table prices both.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+# Estimated cost of each op a surrogate may emit, relative to one LayerNormalization over the
+# same tensor (ONNX Runtime 1.31, CPU, 8192×384 fp32, one thread, 10th percentile of 300 runs
+# each, interleaved: LN 5.5 ms, SimplifiedLayerNormalization 3.0, Add/Sub/Mul 2.4–2.7,
+# Tanh 3.1, Erf 7.3). Memory-bound elementwise ops cost about half a LayerNorm each, so an
+# affine that keeps both a Mul and an Add saves nothing. Ops on reduced tensors cost ~0.
+OP_COST = {
+    "LayerNormalization": 1.0,
+    "SimplifiedLayerNormalization": 0.55,
+    "RMSNormalization": 0.55,
+    "Add": 0.5,
+    "Sub": 0.5,
+    "Mul": 0.5,
+    "Div": 0.5,
+    "Tanh": 0.6,
+    "Erf": 1.3,
+    "ReduceMean": 0.5,
+    "Sqrt": 0.05,
+    "Add(ε)": 0.05,
+}
+# Costs closer than this (in LayerNorm units) are ties: op timings on a CPU are not more precise,
+# and swapping a surrogate for a slightly cheaper but less accurate one is not worth the budget.
+COST_RESOLUTION = 0.1
+
+
+def op_cost(ops: dict[str, int]) -> float:
+    return float(sum(OP_COST.get(op, 0.5) * count for op, count in ops.items()))
+
+
+def cost_class(cost: float) -> int:
+    return round(cost / COST_RESOLUTION)
+
+
+@dataclass
+class Emission:
+    """What emitting one surrogate did: the ops left where the norm was, and where c, γ and β went."""
+
+    ops: collections.Counter = field(default_factory=collections.Counter)
+    shift: str = "none"  # "none" | "migrated into <layer>" | "Sub"
+    gamma: str = ""
+    beta: str = ""
+    changed: list[str] = field(default_factory=list)  # layers whose constants were rewritten
+
+    @property
+    def cost(self) -> float:
+        return op_cost(self.ops)
+
+    def to_json(self) -> dict:
+        return {
+            "ops": dict(self.ops),
+            "cost": self.cost,
+            "shift": self.shift,
+            "gamma": self.gamma,
+            "beta": self.beta,
+            "rewritten_layers": sorted(set(self.changed)),
+        }

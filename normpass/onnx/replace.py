@@ -1,0 +1,323 @@
+"""The surrogate pass for ONNX models: capture and emission around the shared core (`core/replace.py`).
+
+`replace_onnx(model, calibration, ReplaceOptions(...))` (docs/surrogates.md):
+
+1. **Exact first.** `fold_onnx` folds every provable LayerNorm (verified); only the others are
+   candidates, unless `why_not` (core) or this front end (a norm fused with its residual `Add`,
+   an RMSNorm whose γ is computed at run time) rules them out. LayerNorms among them get *input
+   centring* (exact, `onnx/surrogates.py`), checked numerically against the folded model.
+2. **Data.** `calibration.load_batches` against the graph inputs (or seeded `"synthetic"`
+   inputs, for tests and demos), split into the core's roles.
+3. **Capture.** A `Runner` is an ONNX Runtime session (CPU, optimizations off) of a working graph
+   whose large weights are fed as inputs (`light_model`), so a session per trial model costs
+   milliseconds; the norms' inputs are extra graph outputs while calibrating.
+4. **Emission** (`Emitter.emit`) removes the norm and emits the surrogate with c, γ and β moved
+   into adjacent layers where exact; what it leaves prices the candidate.
+
+The core selects; `conclude` builds the final model with every weight inside, judges it on the
+test split and writes the report.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from .. import __version__
+from ..calibration import Batch, InputSpec, find_mask_input, load_batches
+from ..core.budget import compare
+from ..core.cost import Emission
+from ..core.graph import NormInfo
+from ..core.replace import (
+    Frame,
+    ReplaceOptions,
+    ReplaceReport,
+    Search,
+    Selection,
+    conclude,
+    eligible,
+    progress,
+    select,
+    split_roles,
+)
+from ..core.stats import StatsCollector, token_rows
+from ..core.surrogates import NormSpec, Surrogate
+from ..errors import InputError, UnsupportedModelError, VerificationError
+from ..io import checked_model
+from .constants import constant_values
+from .frontend import build_zero_mean_graph, load_graph
+from .passes import FoldOptions, fold_onnx
+from .surrogates import Emitter, export_model, light_model, norm_cost, norm_spec, open_graph, width_of
+from .verify import check_input_shapes, fixed_dim, index_bounds, make_inputs, session
+
+CENTRING_TOLERANCE = 1e-4  # relative, float32: input centring may only change rounding
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def input_spec(model: onnx.ModelProto) -> InputSpec:
+    """Graph inputs that are not initializers (dtype, rank), and the tables integer inputs index."""
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor_type = value.type.tensor_type
+        inputs[value.name] = (
+            np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)),
+            len(tensor_type.shape.dim),
+        )
+    return InputSpec(inputs, index_bounds(model))
+
+
+def synthetic_batches(
+    model: onnx.ModelProto, samples: int = 64, batch_size: int = 16, seed: int = 0, input_shapes: dict | None = None
+) -> list[Batch]:
+    """Seeded random inputs (randn floats, in-range indices, all-ones masks). Tests and demos only."""
+    batches = []
+    for index, start in enumerate(range(0, samples, batch_size)):
+        size = min(batch_size, samples - start)
+        shapes = dict(input_shapes or {})
+        for name in input_spec(model).inputs:
+            if name not in shapes:
+                value = next(v for v in model.graph.input if v.name == name)
+                dims = value.type.tensor_type.shape.dim
+                shapes[name] = tuple(fixed_dim(d) or (size if axis == 0 else 16) for axis, d in enumerate(dims))
+            shapes[name] = (size,) + tuple(shapes[name][1:])
+        batches.append(make_inputs(model, shapes, seed=seed * 100003 + index))
+    return batches
+
+
+def load(source, model: onnx.ModelProto, options: ReplaceOptions, seed: int) -> list[Batch]:
+    """Calibration batches from `source` (`calibration.load_batches`, or `"synthetic"`), shape-checked."""
+    if isinstance(source, str) and source == "synthetic":
+        return synthetic_batches(model, options.samples, options.batch_size, seed, options.input_shapes)
+    batches = load_batches(source, input_spec(model), options.batch_size, options.tokenizer, options.max_length)
+    for index, batch in enumerate(batches):
+        check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
+    return batches
+
+
+# --- running -------------------------------------------------------------------------------------
+
+
+class Runner:
+    """An ONNX Runtime session (CPU, optimizations off) for a model whose large weights are inputs."""
+
+    def __init__(self, model: onnx.ModelProto, weights: dict[str, np.ndarray] | None = None):
+        try:
+            self.session = session(model)  # models over 2 GB, duplicate node names
+        except UnsupportedModelError as e:
+            raise InputError(f"the model being calibrated: {e}") from e
+        self.weights = weights or {}
+        self.outputs = [o.name for o in self.session.get_outputs()]
+
+    def run(self, batch: Batch, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        names = outputs or self.outputs
+        return dict(zip(names, self.session.run(names, {**batch, **self.weights}), strict=True))
+
+
+class OnnxBench:
+    """The core's `Workbench` for an ONNX model: working graphs of the exactly folded, centred base."""
+
+    def __init__(
+        self,
+        base: onnx.ModelProto,
+        shapes: dict,
+        dtypes: dict,
+        name: str,
+        norms: list[NormInfo],
+        mask_input: str | None,
+        output_names: list[str],
+        rms_op: str,
+    ):
+        self.base, self.shapes, self.dtypes, self.name = base, shapes, dtypes, name
+        self.norms = norms
+        self.by_name = {n.name: n for n in norms}
+        self.specs = {n.name: norm_spec(n) for n in norms}
+        self.widths = {n.name: width_of(shapes, n) for n in norms}
+        self.mask_input = mask_input
+        self.output_names = output_names
+        self.rms_op = rms_op
+        self.weights: dict[str, np.ndarray] = {}  # values of untouched large weights, converted once
+
+    def spec(self, norm: str) -> NormSpec:
+        return self.specs[norm]
+
+    def width(self, norm: str) -> int:
+        return self.widths[norm]
+
+    def norm_cost(self, norm: str) -> float:
+        return norm_cost(self.by_name[norm])
+
+    def build(self, surrogates: list[tuple[str, Surrogate]]):
+        """A working graph of the base with `surrogates` emitted: (graph, emitter, emissions)."""
+        ctx = open_graph(self.base, self.shapes, self.name, self.dtypes)
+        emitter = Emitter(ctx, self.rms_op)
+        emissions = {norm: emitter.emit(emitter.norms[norm], surrogate) for norm, surrogate in surrogates}
+        return ctx, emitter, emissions
+
+    def emission(self, norm: str, surrogate: Surrogate) -> Emission:
+        return self.build([(norm, surrogate)])[2][norm]
+
+    def statistics(self, surrogates, norms: list[str], batches: Iterable[Batch], into: StatsCollector) -> None:
+        ctx, _, _ = self.build(surrogates)
+        inputs = {m: self.by_name[m].input for m in norms}
+        model, feeds = light_model(ctx, self.base, {t: np.float32 for t in inputs.values()}, self.weights)
+        runner = Runner(model, feeds)
+        wanted = sorted(set(inputs.values()))
+        for batch in batches:
+            out = runner.run(batch, wanted)
+            mask = batch.get(self.mask_input) if self.mask_input else None
+            for m, tensor in inputs.items():
+                into.add(m, token_rows(out[tensor], mask))
+
+    def outputs(self, surrogates, batches: Iterable[Batch]) -> list[dict[str, np.ndarray]]:
+        ctx, _, _ = self.build(surrogates)
+        model, feeds = light_model(ctx, self.base, None, self.weights)
+        runner = Runner(model, feeds)
+        return [runner.run(b, self.output_names) for b in batches]
+
+
+def front_end_reason(norm: NormInfo) -> str | None:
+    """What rules a norm out of the ONNX emission, beyond the core's `why_not`."""
+    if norm.ref.skip is not None:
+        return "a SkipLayerNormalization: surrogates for norms fused with their residual Add are not implemented"
+    if norm.ref.gamma is not None and constant_values(norm.ref.gamma) is None:
+        return "its γ is computed at run time, not a constant"
+    return None
+
+
+# --- the pass -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """Everything selection works on (tools use `search` to evaluate states directly)."""
+
+    search: Search
+    frame: Frame
+    bench: OnnxBench
+    folded: onnx.ModelProto  # the exact fold, before input centring
+    docs: dict
+    kinds: tuple
+    only_cheaper: bool
+    started: float
+
+
+def prepare(
+    model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model"
+) -> Prepared:
+    """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`."""
+    model = checked_model(model, name)
+    options = options or ReplaceOptions()
+    budget, kinds, only_cheaper = options.checked()
+    check_input_shapes(model, options.input_shapes)
+    started = time.perf_counter()
+
+    batches = load(calibration, model, options, options.seed)
+    holdout = None if options.holdout is None else load(options.holdout, model, options, options.seed + 1)
+    splits = split_roles(batches, holdout, options)
+    mask_input = find_mask_input(input_spec(model), options.mask_input)
+
+    folded = fold_onnx(
+        model,
+        FoldOptions(
+            rms_op=options.rms_op,
+            insert_centering=options.insert_centering,
+            verify=True,
+            input_shapes=options.input_shapes,
+            seed=options.seed,
+        ),
+        name=name,
+    )
+    exact = {d.name for d in folded.plan.folded}
+    original = build_zero_mean_graph(load_graph(model, name)).norms
+    unfolded = {n.output for n in original if n.name not in exact}
+    ctx = load_graph(folded.model, name)
+    emitter = Emitter(ctx, options.rms_op)
+    norms = [n for n in emitter.norms.values() if n.output in unfolded]
+    candidates, declined = eligible(
+        name, norms, exact, options, kinds, lambda n: width_of(ctx.shapes, n), front_end_reason
+    )
+    centred = {}
+    if options.centre_inputs if options.centre_inputs is not None else "rms" in kinds:
+        for norm in candidates:
+            done = emitter.centre_inputs(norm)
+            if done:
+                centred[norm.name] = done
+    base = export_model(ctx, folded.model, emitter.docs, {})
+
+    reference = Runner(model)
+    for role in ("select", "check", "test"):
+        data = splits.batches[role]
+        splits.references[role] = [
+            reference.run(b) for b in progress(data, f"original model ({role})", options.progress)
+        ]
+    if centred:
+        first = splits.batches["select"][0]
+        centring = compare(
+            splits.references["select"][:1],
+            [Runner(base).run(first, reference.outputs)],
+            [first.get(mask_input) if mask_input else None],
+        )
+        if centring.rel_max > CENTRING_TOLERANCE:
+            raise VerificationError(
+                f"{name}: input centring changed the outputs (relative error {centring.rel_max:.3g}); "
+                "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model"
+            )
+
+    bench = OnnxBench(base, ctx.shapes, ctx.dtypes, name, candidates, mask_input, reference.outputs, options.rms_op)
+    frame = Frame(name, "onnx", [(n.name, n.op) for n in original], exact, declined, centred, kinds, _count_ops(model))
+    return Prepared(
+        Search(bench, splits, budget, options), frame, bench, folded.model, emitter.docs, kinds, only_cheaper, started
+    )
+
+
+@dataclass
+class ReplaceResult:
+    model: onnx.ModelProto
+    report: ReplaceReport
+
+    @property
+    def replaced(self) -> int:
+        return self.report.replaced
+
+
+def replace_onnx(
+    model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model"
+) -> ReplaceResult:
+    """Replace the norms of `model` that do not fold exactly by surrogates, under `options.budget`.
+
+    Raises `BudgetMissed` (its `.report` says what was tried) when the model misses the budget on
+    the test split and `options.write_best` is off.
+    """
+    p = prepare(model, calibration, options, name)
+    selection: Selection = select(p.search, p.kinds, p.only_cheaper)
+    bench, test = p.bench, p.search.splits.batches["test"]
+
+    def build(surrogates):
+        ctx, emitter, emissions = bench.build(surrogates)
+        properties = {
+            "normpass.version": __version__,
+            "normpass.replaced": f"{len(surrogates)} of {len(p.frame.norms)} norms replaced by surrogates, "
+            f"{len(p.frame.exact)} folded exactly",
+            "normpass.surrogate.fit": ", ".join(f"{n}={s.kind}" for n, s in surrogates),
+            "normpass.budget": str(p.search.budget),
+        }
+        final = export_model(ctx, p.folded, {**p.docs, **emitter.docs}, properties)
+        runner = Runner(final)
+        return final, [runner.run(b, bench.output_names) for b in test], emissions, _count_ops(final)
+
+    final, report = conclude(p.search, selection, p.frame, build, p.started)
+    return ReplaceResult(final, report)
+
+
+def _count_ops(model: onnx.ModelProto) -> dict[str, int]:
+    return dict(sorted(collections.Counter(n.op_type for n in model.graph.node).items()))

@@ -1,0 +1,243 @@
+"""Surrogate norms as `torch.nn.Module`s: what `normpass.replace` puts where a norm was.
+
+Each computes the core's canonical form (`core/surrogates.py`) y = γ ⊙ core(x − c) + β, with every
+term optional: a term that `replace` migrated into an adjacent layer (c into the bias that feeds
+x, γ and β into the `nn.Linear`s that read y) is None here, and the module does not compute it.
+The terms it keeps are `nn.Parameter`s, so a training loop can tune them.
+
+| module | core | the paper |
+|---|---|---|
+| `Affine` | u | DaMN's calibrated affine (seed 000 App. C) |
+| `ScaleBias` | α u, α a scalar | NoMorelization at inference (seed 004) |
+| `DyT` | tanh(α u) | Dynamic Tanh (seed 002) |
+| `Derf` | erf(α u) = erf(α x + s), s = −α c | Dynamic erf (seed 001) |
+| `ShiftedRMSNorm` | u / sqrt(mean(u²) + ε) | RMSNorm of x − c, c a calibrated scalar |
+
+`SmoothRemoval(norm, surrogate)` blends a norm into its surrogate, α·N(x) + (1 − α)·S(x) (DaMN's
+smooth removal), with α a buffer a training schedule sets from 1 to 0; `surrogate_modules(model)`
+finds every surrogate (inside blends too). `ops()` says what `torch.onnx.export` makes of a module
+(in ONNX op types, as `core/cost.py` prices them); `to_surrogate()` gives the core's `Surrogate`
+back (for emission into ONNX), with the migrated terms as neutral values.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.surrogates import Surrogate
+
+
+def _parameter(values, dtype=None, device=None) -> nn.Parameter | None:
+    if values is None:
+        return None
+    tensor = torch.as_tensor(np.asarray(values, dtype=np.float64))
+    return nn.Parameter(tensor.to(dtype=dtype or torch.float32, device=device))
+
+
+class SurrogateNorm(nn.Module):
+    """y = γ ⊙ core(x − c) + β over the last axis; `shift` (c), `gamma`, `beta` may each be None."""
+
+    kind = ""
+    core_ops: tuple[str, ...] = ()  # the ONNX ops of the core
+
+    def __init__(self, width: int, shift=None, gamma=None, beta=None, dtype=None, device=None):
+        super().__init__()
+        self.width = width
+        self.shift = _parameter(shift, dtype=dtype, device=device)
+        self.gamma = _parameter(gamma, dtype=dtype, device=device)
+        self.beta = _parameter(beta, dtype=dtype, device=device)
+
+    def core(self, u: torch.Tensor) -> torch.Tensor:
+        return u
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = x if self.shift is None else x - self.shift
+        y = self.core(u)
+        if self.gamma is not None:
+            y = y * self.gamma
+        if self.beta is not None:
+            y = y + self.beta
+        return y
+
+    def ops(self) -> collections.Counter:
+        """The ONNX ops an export of this module computes (γ inside an RMS op costs nothing extra)."""
+        ops = collections.Counter(self.core_ops)
+        ops.update(
+            op
+            for op, term in (("Sub", self.shift), ("Mul", self.gamma), ("Add", self.beta))
+            if term is not None and not (op == "Mul" and self.kind == "rms")
+        )
+        return ops
+
+    def to_surrogate(self) -> Surrogate:
+        """The core's form of this module: migrated terms become 0 (c, β) and 1 (γ)."""
+
+        def values(term, neutral: float):
+            if term is None:
+                return np.full(self.width, neutral)
+            return term.detach().cpu().double().numpy().reshape(-1) * np.ones(self.width)
+
+        shift = 0.0 if self.shift is None else self.shift.detach().cpu().double().numpy()
+        shift = float(shift) if np.ndim(shift) == 0 or np.size(shift) == 1 else shift
+        return Surrogate(
+            self.kind,
+            values(self.gamma, 1.0),
+            values(self.beta, 0.0),
+            shift=shift,
+            alpha=self._alpha(),
+            epsilon=getattr(self, "eps", 0.0),
+        )
+
+    def _alpha(self) -> float:
+        alpha = getattr(self, "alpha", None)
+        return 1.0 if alpha is None else float(alpha.detach())
+
+    def extra_repr(self) -> str:
+        def term(name, value):
+            if value is None:
+                return f"{name}=migrated"
+            if value.numel() == 1:
+                return f"{name}={float(value.detach().reshape(-1)[0]):.4g}"
+            return f"{name}=[{value.numel()}]"
+
+        parts = [str(self.width)] + self._extra()
+        parts += [term(name, getattr(self, name)) for name in ("shift", "gamma", "beta")]
+        return ", ".join(parts)
+
+    def _extra(self) -> list[str]:
+        return []
+
+
+class Affine(SurrogateNorm):
+    """DaMN's calibrated affine: γ ⊙ x + β."""
+
+    kind = "affine"
+
+
+class _Scalar(SurrogateNorm):
+    """A surrogate with a scalar α (a parameter; None where migrated, as a ScaleBias's may be)."""
+
+    def __init__(self, width: int, alpha=None, shift=None, gamma=None, beta=None, dtype=None, device=None):
+        super().__init__(width, shift, gamma, beta, dtype, device)
+        self.alpha = _parameter(alpha, dtype=dtype, device=device)
+
+    def _extra(self) -> list[str]:
+        return ["α=migrated" if self.alpha is None else f"α={float(self.alpha.detach()):.4g}"]
+
+
+class ScaleBias(_Scalar):
+    """NoMorelization at inference: α·x + β, one α for every feature."""
+
+    kind = "scalebias"
+
+    def core(self, u: torch.Tensor) -> torch.Tensor:
+        return u if self.alpha is None else u * self.alpha
+
+    def ops(self) -> collections.Counter:
+        ops = super().ops()
+        if self.alpha is not None:
+            ops["Mul"] += 1
+        return ops
+
+    def to_surrogate(self) -> Surrogate:
+        surrogate = super().to_surrogate()
+        surrogate.gamma = np.full(self.width, surrogate.alpha)
+        return surrogate
+
+
+class DyT(_Scalar):
+    """Dynamic Tanh: γ ⊙ tanh(α (x − c)) + β."""
+
+    kind = "dyt"
+    core_ops = ("Mul", "Tanh")
+
+    def core(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.alpha * u)
+
+
+class Derf(_Scalar):
+    """Dynamic erf: γ ⊙ erf(α x + s) + β, computed as erf(α (x − c)) with c = −s/α."""
+
+    kind = "derf"
+    core_ops = ("Mul", "Erf")
+
+    def core(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.erf(self.alpha * u)
+
+    def _extra(self) -> list[str]:
+        if self.shift is None or self.shift.numel() != 1:
+            return super()._extra()
+        s = -float(self.alpha.detach()) * float(self.shift.detach().reshape(-1)[0])
+        return super()._extra() + [f"s={s:.4g}"]
+
+
+class ShiftedRMSNorm(SurrogateNorm):
+    """RMSNorm of x − c: γ ⊙ u / sqrt(mean(u²) + ε) + β, c a calibrated scalar."""
+
+    kind = "rms"
+    core_ops = ("RMSNormalization",)
+
+    def __init__(self, width: int, eps: float, shift=None, gamma=None, beta=None, dtype=None, device=None):
+        super().__init__(width, shift, gamma, beta, dtype, device)
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = x if self.shift is None else x - self.shift
+        y = F.rms_norm(u, (self.width,), self.gamma, self.eps)  # γ is the RMS op's weight
+        return y if self.beta is None else y + self.beta
+
+    def _extra(self) -> list[str]:
+        return [f"eps={self.eps:g}"]
+
+
+MODULES: dict[str, type[SurrogateNorm]] = {m.kind: m for m in (Affine, ScaleBias, DyT, Derf, ShiftedRMSNorm)}
+
+
+def surrogate_module(
+    surrogate: Surrogate,
+    width: int,
+    keep_shift: bool = True,
+    keep_gamma: bool = True,
+    keep_beta: bool = True,
+    dtype=None,
+    device=None,
+) -> SurrogateNorm:
+    """The module for a fitted `Surrogate`; the terms not kept have migrated elsewhere."""
+    shift = surrogate.shift if keep_shift and surrogate.has_shift else None
+    beta = surrogate.beta if keep_beta and np.any(surrogate.beta != 0) else None
+    like = {"dtype": dtype, "device": device}
+    if surrogate.kind == "scalebias":
+        alpha = surrogate.alpha if keep_gamma and surrogate.alpha != 1 else None
+        return ScaleBias(width, alpha, shift, None, beta, **like)
+    gamma = surrogate.gamma if keep_gamma and not np.all(surrogate.gamma == 1) else None
+    if surrogate.kind == "rms":
+        return ShiftedRMSNorm(width, surrogate.epsilon, shift, gamma, beta, **like)
+    if surrogate.kind in ("dyt", "derf"):
+        return MODULES[surrogate.kind](width, surrogate.alpha, shift, gamma, beta, **like)
+    return Affine(width, shift, gamma, beta, **like)
+
+
+class SmoothRemoval(nn.Module):
+    """DaMN's smooth removal: α·N(x) + (1 − α)·S(x), α a buffer (1: the norm, 0: the surrogate)."""
+
+    def __init__(self, norm: nn.Module, surrogate: SurrogateNorm, alpha: float = 1.0):
+        super().__init__()
+        self.norm = norm
+        self.surrogate = surrogate
+        self.register_buffer("alpha", torch.tensor(float(alpha)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.alpha * self.norm(x) + (1 - self.alpha) * self.surrogate(x)
+
+
+def surrogate_modules(model: nn.Module) -> Iterator[tuple[str, SurrogateNorm]]:
+    """Every surrogate module of `model` with its path (those inside a `SmoothRemoval` too)."""
+    for path, module in model.named_modules():
+        if isinstance(module, SurrogateNorm):
+            yield path, module
