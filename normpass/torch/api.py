@@ -126,10 +126,15 @@ def fold(
     example_kwargs: dict | None = None,
     dynamic_shapes=None,
     migrate_affine: bool = True,
+    beta_across_residuals: bool = False,
     verify: bool = True,
     name: str | None = None,
 ) -> tuple[nn.Module, TorchFoldReport]:
     """A copy of `model` with every provable LayerNorm folded into an RMSNorm, and a report.
+
+    `beta_across_residuals`: a β that cannot go into linear layers with γ moves across residual adds
+    into the other summand's bias instead of staying in the RMSNorm (as the ONNX fold does; the
+    surrogate pass uses it so that both front ends fold into the same function at every norm's input).
 
     Raises `UnsupportedModelError` if the model cannot be captured and `VerificationError` if the
     folded copy does not match the original on the example inputs.
@@ -142,7 +147,9 @@ def fold(
     seconds["analysis"] = time.perf_counter() - start
     start = time.perf_counter()
     folded = copy.deepcopy(model)
-    notes, untied = apply(tg, fold_plan, folded, migrate_affine) if fold_plan.folded else ({}, {})
+    notes, untied = (
+        apply(tg, fold_plan, folded, migrate_affine, beta_across_residuals) if fold_plan.folded else ({}, {})
+    )
     seconds["rewrite"] = time.perf_counter() - start
     report = TorchFoldReport(fold_plan, tg.capture.method, tg.capture.export_error, None, {}, notes, untied, seconds)
     if verify:

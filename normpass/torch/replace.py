@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..calibration import Batch, InputSpec, check_indices, find_mask_input, load_batches
-from ..core.algebra import centre, migrate_affine
+from ..core.algebra import centre
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.cost import OP_COST, Emission
 from ..core.graph import NormInfo, NormType
@@ -60,7 +60,7 @@ from ..errors import InputError
 from .api import _arguments, _outputs, fold
 from .capture import Attr, capture
 from .fx import TorchGraph, build_zero_mean_graph, to_numpy
-from .rewrite import _Editor, _edits_of
+from .rewrite import _Editor, _edits_of, _wide, add_to_bias, move_affine
 from .surrogates import surrogate_module
 from .targets import BiasTarget, claim_residual, migration_targets, shift_target
 
@@ -286,49 +286,18 @@ def emit(
         plan = terms(where, surrogate, migrate)
         emission = plan.emission
         if surrogate.has_shift and not plan.keep_shift:
-            _add_to_bias(editor, where.shift.attr, -np.asarray(surrogate.shift, dtype=np.float64))
+            add_to_bias(editor, where.shift.attr, -np.asarray(surrogate.shift, dtype=np.float64))
             emission.changed.append(where.shift.node)
         if plan.gamma_to is not None or plan.beta_to is not None:
             gamma = None if plan.gamma_to is None else surrogate.gamma
             beta = None if plan.beta_to is None else surrogate.beta
-            emission.changed += _move_affine(tg, editor, plan.gamma_to or plan.beta_to, gamma, beta)
+            emission.changed += move_affine(tg, editor, plan.gamma_to or plan.beta_to, gamma, beta)
         replacement = surrogate_module(surrogate, width, plan.keep_shift, plan.keep_gamma, plan.keep_beta, **like)
         emission.ops.update(replacement.ops())
         _set_module(module, norm.ref.module, replacement)
         emissions[name] = emission
     editor.forget_hf_ties()
     return module, emissions
-
-
-def _wide(tensor: torch.Tensor) -> np.ndarray:
-    return to_numpy(tensor).astype(np.float64)
-
-
-def _add_to_bias(editor: _Editor, attr: Attr, values: np.ndarray) -> None:
-    current = editor.get(attr)
-    editor.set(attr, (_wide(current) + values).reshape(tuple(current.shape)))
-
-
-def _move_affine(tg: TorchGraph, editor: _Editor, targets: list, gamma, beta) -> list[str]:
-    """γ and β into linear targets (W' = diag(γ)·W, b' = b + β·W), β into bias targets (b' = b + β)."""
-    changed = []
-    for target in targets:
-        if isinstance(target, BiasTarget):
-            _add_to_bias(editor, target.attr, np.asarray(beta, dtype=np.float64))
-            changed.append(target.node)
-            continue
-        linear = target.ref.linear
-        weight_attr = tg.attr(target.name, linear.weight)
-        bias_attr = None if linear.bias is None else tg.attr(target.name, linear.bias)
-        bias = None if bias_attr is None else _wide(editor.get(bias_attr))
-        new_weight, new_bias = migrate_affine(_wide(editor.get(weight_attr)), bias, gamma, beta, linear.in_axis)
-        editor.set(weight_attr, new_weight)
-        if bias_attr is not None:
-            editor.set(bias_attr, new_bias)
-        elif new_bias is not None:
-            editor.add_bias(editor.module.get_submodule(weight_attr.module), new_bias)
-        changed.append(target.name)
-    return changed
 
 
 # --- the pass -----------------------------------------------------------------------------------
@@ -389,8 +358,49 @@ class Prepared:
     started: float
 
 
+@dataclass
+class Base:
+    """The module the surrogates go into: exactly folded, inputs centred, captured; and its norms' fate."""
+
+    module: nn.Module
+    tg: TorchGraph
+    original: list[tuple[str, str]]  # every norm of the given module: (name, op)
+    exact: set[str]
+    candidates: list[NormInfo]
+    declined: dict[str, str]
+    centred: dict[str, list[str]]
+
+
+def base(module: nn.Module, example: dict[str, torch.Tensor], options: ReplaceOptions, name: str) -> Base:
+    """Step 1 of the module docstring, on the example inputs `example` (keyword arguments)."""
+    _, kinds, _ = options.checked()
+    folded, fold_report = fold(module, (), example_kwargs=example, beta_across_residuals=True, name=name)
+    exact = {d.name for d in fold_report.plan.folded}
+    tg = build_zero_mean_graph(folded, capture(folded, (), example), name)
+    uses = tg.uses()
+    candidates, declined = eligible(
+        name,
+        [n for n in tg.zmg.norms if n.name not in exact],
+        exact,
+        options,
+        kinds,
+        lambda n: _width(tg, n),
+        lambda n: front_end_reason(tg, n, uses),
+    )
+    centred = {}
+    if options.centre_inputs if options.centre_inputs is not None else "rms" in kinds:
+        editor = _Editor(folded)
+        checker = ShiftChecker(tg.zmg)
+        for norm in candidates:
+            done = _centre_inputs(tg, editor, norm, checker, uses)
+            if done:
+                centred[norm.name] = done
+    original = [(d.name, d.op) for d in fold_report.plan.decisions]
+    return Base(folded, tg, original, exact, candidates, declined, centred)
+
+
 def prepare(module: nn.Module, calibration, options: ReplaceOptions | None = None, name: str | None = None) -> Prepared:
-    """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`."""
+    """Data, the `base`, the original's outputs, and the core's `Search`."""
     options = options or ReplaceOptions()
     budget, kinds, only_cheaper = options.checked()
     name = name or type(module).__name__
@@ -403,39 +413,49 @@ def prepare(module: nn.Module, calibration, options: ReplaceOptions | None = Non
     example = _tensors(splits.batches["fit"][0])
     spec = input_spec(module)
     mask_input = find_mask_input(InputSpec({k: v for k, v in spec.inputs.items() if k in example}), options.mask_input)
-
-    folded, fold_report = fold(module, (), example_kwargs=example, name=name)
-    exact = {d.name for d in fold_report.plan.folded}
-    original = [(d.name, d.op) for d in fold_report.plan.decisions]
-    tg = build_zero_mean_graph(folded, capture(folded, (), example), name)
+    b = base(module, example, options, name)
     bounds = {
-        call.args["indices"]: int(tg.capture.shapes[call.args["weight"]][0])
-        for call in tg.capture.calls
-        if call.op == "embedding" and call.args.get("indices") in tg.capture.inputs
+        call.args["indices"]: int(b.tg.capture.shapes[call.args["weight"]][0])
+        for call in b.tg.capture.calls
+        if call.op == "embedding" and call.args.get("indices") in b.tg.capture.inputs
     }
-    check_indices(batches, bounds, "calibration data", options.tokenizer)
-    norms = [n for n in tg.zmg.norms if n.name not in exact]
-    uses = tg.uses()
-    candidates, declined = eligible(
-        name, norms, exact, options, kinds, lambda n: _width(tg, n), lambda n: front_end_reason(tg, n, uses)
-    )
-    centred = {}
-    if options.centre_inputs if options.centre_inputs is not None else "rms" in kinds:
-        editor = _Editor(folded)
-        checker = ShiftChecker(tg.zmg)
-        for norm in candidates:
-            done = _centre_inputs(tg, editor, norm, checker, uses)
-            if done:
-                centred[norm.name] = done
+    check_indices(batches + (holdout or []), bounds, "calibration data", options.tokenizer)
 
     for role in ("select", "check", "test"):
         data = splits.batches[role]
         splits.references[role] = [
-            _run(module, b) for b in progress(data, f"original model ({role})", options.progress)
+            _run(module, batch) for batch in progress(data, f"original model ({role})", options.progress)
         ]
-    bench = TorchBench(folded, tg, candidates, mask_input, options.migrate_affine)
-    frame = Frame(name, "pytorch", original, exact, declined, centred, kinds)
+    bench = TorchBench(b.module, b.tg, b.candidates, mask_input, options.migrate_affine)
+    frame = Frame(name, "pytorch", b.original, b.exact, b.declined, b.centred, kinds)
     return Prepared(Search(bench, splits, budget, options), frame, bench, kinds, only_cheaper, started)
+
+
+def apply_surrogates(
+    module: nn.Module,
+    example_inputs,
+    surrogates: dict[str, Surrogate],
+    options: ReplaceOptions | None = None,
+    *,
+    example_kwargs: dict | None = None,
+) -> tuple[nn.Module, dict[str, Emission]]:
+    """`module` with the given fitted surrogates (by norm name) in place, as `replace` writes them.
+
+    No calibration: the surrogates were fitted elsewhere (by `replace`, on another front end, or
+    trained). The module is folded exactly and its inputs centred as `replace` does with `options`
+    (the same options the surrogates were fitted under), then the surrogates are emitted.
+    """
+    options = options or ReplaceOptions()
+    args, kwargs = _arguments(module, example_inputs, example_kwargs)
+    bound = dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
+    b = base(module, bound, options, type(module).__name__)
+    unknown = sorted(set(surrogates) - {n.name for n in b.candidates})
+    if unknown:
+        raise InputError(
+            f"no candidate norm {', '.join(unknown)} (candidates: {', '.join(n.name for n in b.candidates)})"
+        )
+    ordered = [(n.name, surrogates[n.name]) for n in b.candidates if n.name in surrogates]
+    return emit(b.module, b.tg, ordered, options.migrate_affine)
 
 
 def replace(

@@ -15,7 +15,8 @@ the original.
 * Affine migration (algebra.migrate_affine; `torch/targets.py`): when every consumer of a folded
   norm is a linear layer whose parameters nothing else reads, γ and β move into it
   (W' = diag(γ)·W, b' = b + β·W) and the norm becomes an `nn.RMSNorm` without affine; otherwise
-  it keeps γ, and β as a bias (`RMSNormWithBias`).
+  it keeps γ, and β as a bias (`RMSNormWithBias`), or (`beta_across_residuals`, as the ONNX fold)
+  β moves into the linear consumers and across residual adds into the other summand's bias.
 
 A module edit applies to every call of the module and every reader of the attribute, which the
 graph-level plan does not assume; `restrict` declines the folds a module rewrite cannot express.
@@ -34,7 +35,7 @@ from ..core.analysis import ShiftChecker
 from ..core.plan import Blocker, Centring, FoldPlan, NormDecision
 from .capture import Attr
 from .fx import NodeRef, NormSite, TorchGraph, to_numpy
-from .targets import migration_targets
+from .targets import BiasTarget, claim_residual, migration_targets
 
 
 class RMSNormWithBias(nn.RMSNorm):
@@ -213,7 +214,38 @@ def _wide(tensor: torch.Tensor) -> np.ndarray:
     return to_numpy(tensor).astype(np.float64)
 
 
-def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, targets) -> str:
+def add_to_bias(editor: _Editor, attr: Attr, values: np.ndarray) -> None:
+    """attr += values (float64 arithmetic, rounded once to the parameter's dtype)."""
+    current = editor.get(attr)
+    editor.set(attr, (_wide(current) + values).reshape(tuple(current.shape)))
+
+
+def move_affine(tg: TorchGraph, editor: _Editor, targets: list, gamma, beta) -> list[str]:
+    """γ and β into linear targets (W' = diag(γ)·W, b' = b + β·W), β into `BiasTarget`s (b' = b + β).
+
+    Pass None for a γ of ones or a β of zeros. Returns the nodes whose parameters changed.
+    """
+    changed = []
+    for target in targets:
+        if isinstance(target, BiasTarget):
+            add_to_bias(editor, target.attr, np.asarray(beta, dtype=np.float64))
+            changed.append(target.node)
+            continue
+        linear = target.ref.linear
+        weight_attr = tg.attr(target.name, linear.weight)
+        bias_attr = None if linear.bias is None else tg.attr(target.name, linear.bias)
+        bias = None if bias_attr is None else _wide(editor.get(bias_attr))
+        new_weight, new_bias = migrate_affine(_wide(editor.get(weight_attr)), bias, gamma, beta, linear.in_axis)
+        editor.set(weight_attr, new_weight)
+        if bias_attr is not None:
+            editor.set(bias_attr, new_bias)
+        elif new_bias is not None:
+            editor.add_bias(editor.module.get_submodule(weight_attr.module), new_bias)
+        changed.append(target.name)
+    return changed
+
+
+def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, full, beta_only) -> str:
     """Replace the folded nn.LayerNorm by an RMSNorm; returns a note on where γ/β went."""
     norm = tg.zmg.norm_by_name(norm_name)
     path = norm.ref.module
@@ -221,63 +253,57 @@ def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, targets) -> str:
     gamma, beta = layer_norm.weight, layer_norm.bias
     shape, eps = layer_norm.normalized_shape, layer_norm.eps
     like = {} if gamma is None else {"dtype": gamma.dtype, "device": gamma.device}
-    if targets is not None:
-        for node in targets:
-            linear = node.ref.linear
-            weight_attr = tg.attr(node.name, linear.weight)
-            bias_attr = None if linear.bias is None else tg.attr(node.name, linear.bias)
-            bias = None if bias_attr is None else _wide(editor.get(bias_attr))
-            new_weight, new_bias = migrate_affine(
-                _wide(editor.get(weight_attr)),
-                bias,
-                None if gamma is None else _wide(gamma),
-                None if beta is None else _wide(beta),
-                linear.in_axis,
-            )
-            editor.set(weight_attr, new_weight)
-            if bias_attr is not None:
-                editor.set(bias_attr, new_bias)
-            elif new_bias is not None:
-                editor.add_bias(editor.module.get_submodule(weight_attr.module), new_bias)
+    wide_gamma = None if gamma is None else _wide(gamma)
+    if full is not None:
+        moved = move_affine(tg, editor, full, wide_gamma, None if beta is None else _wide(beta))
         replacement = nn.RMSNorm(shape, eps=eps, elementwise_affine=False, **like)
-        note = "γ/β migrated into " + ", ".join(node.name for node in targets)
-    elif beta is not None:
+        note = "γ/β migrated into " + ", ".join(moved)
+    elif beta is not None and beta_only is None:
         replacement = RMSNormWithBias(shape, eps=eps, **like)
         with torch.no_grad():
             replacement.weight.copy_(gamma)
             replacement.bias.copy_(beta)
         note = "γ and β kept in the RMSNorm"
     else:
+        moved = [] if beta is None else move_affine(tg, editor, beta_only, None, _wide(beta))
         replacement = nn.RMSNorm(shape, eps=eps, elementwise_affine=gamma is not None, **like)
         if gamma is not None:
             with torch.no_grad():
                 replacement.weight.copy_(gamma)
         note = "γ kept in the RMSNorm" if gamma is not None else "no affine"
+        note += f", β migrated into {', '.join(moved)}" if moved else ""
     parent, _, child = path.rpartition(".")
     setattr(editor.module.get_submodule(parent), child, replacement.train(layer_norm.training))
     return note
 
 
 def apply(
-    tg: TorchGraph, plan: FoldPlan, module: nn.Module, migrate: bool = True
+    tg: TorchGraph, plan: FoldPlan, module: nn.Module, migrate: bool = True, beta_across_residuals: bool = False
 ) -> tuple[dict[str, str], dict[str, list[str]]]:
     """Rewrite `module` (a copy of `tg.model`) in place per a restricted `plan`.
 
+    With `beta_across_residuals`, a β that cannot move with γ into linear layers moves into them and
+    across residual adds (`targets.claim_residual`), γ staying in the RMSNorm, as the ONNX fold does.
     Returns, per folded norm, where its γ/β went; and each untied attribute with those it was shared with.
     """
     uses = tg.uses()
     editor = _Editor(module)
     # Decide migrations on the original graph, before any parameter is rewritten.
-    targets = {
-        d.name: migration_targets(tg, d.name, uses, tg.zmg.norm_by_name(d.name).bias is not None) if migrate else None
-        for d in plan.folded
-    }
+    targets = {}
+    for decision in plan.folded:
+        norm = tg.zmg.norm_by_name(decision.name)
+        full = migration_targets(tg, norm.name, uses, norm.bias is not None) if migrate else None
+        beta_only = None
+        if full is None and migrate and beta_across_residuals and norm.bias is not None:
+            width = (tg.zmg.shape(norm.output) or (None,))[-1]
+            beta_only = migration_targets(tg, norm.name, uses, True, claim_residual(tg, width, uses))
+        targets[norm.name] = (full, beta_only)
     axes: dict[Attr, int | None] = {}
     for centring in plan.centrings:
         for node, tensor, axis in _edits_of(tg, centring):
             axes[tg.attr(node, tensor)] = axis
     for attr, axis in axes.items():
         editor.set(attr, centre(_wide(editor.get(attr)), axis))
-    notes = {d.name: _swap_norm(tg, editor, d.name, targets[d.name]) for d in plan.folded}
+    notes = {d.name: _swap_norm(tg, editor, d.name, *targets[d.name]) for d in plan.folded}
     editor.forget_hf_ties()
     return notes, editor.untied
