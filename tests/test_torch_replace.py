@@ -2,9 +2,9 @@
 
 * The registry's post-LN BERT (seeded weights, 5 LayerNorms) with seeded token batches: the
   embedding LayerNorm folds exactly (its β across the residual add, as the ONNX fold puts it), the
-  others become surrogate modules whose shift and β sit in the adjacent linear layers; the result matches the un-migrated surrogates, runs eagerly, under
-  `torch.compile` and through `torch.onnx.export` (checked in ONNX Runtime); the user's module is
-  untouched.
+  others become surrogate modules whose shift and β sit in the adjacent linear layers; the
+  result matches the un-migrated surrogates, runs eagerly, under `torch.compile` and through
+  `torch.onnx.export` (checked in ONNX Runtime); the user's module is untouched.
 * The same model through ONNX (its dynamo export) and through PyTorch: the same norms are
   candidates with the same reasons and the same decisions and costs, the fits agree, and a
   surrogate fitted on either front end, emitted on the other, computes the same function.
@@ -61,7 +61,7 @@ def bert():
 
 
 def test_replace_module_folds_exactly_first_then_swaps_norms_for_surrogates(bert):
-    module, inputs, _, replaced, report, before = bert
+    module, _, _, replaced, report, before = bert
     data = report.to_json()
     assert (data["total"], data["exact"], data["front_end"]) == (5, 1, "pytorch")
     assert report.passed and report.replaced >= 2 and report.test["cos_min"] >= 0.99
@@ -140,7 +140,7 @@ def _pairs(torch_report, onnx_report) -> list[tuple[str, str]]:
 
 
 def test_a_surrogate_fitted_in_torch_emits_the_same_function_into_onnx(bert, through_onnx):
-    module, _, calibration, replaced, report, _ = bert
+    _, _, calibration, replaced, report, _ = bert
     model, batches, result = through_onnx
     pairs = _pairs(report, result.report)
     bench = prepare_onnx(model, batches, OPTIONS).bench
@@ -151,7 +151,7 @@ def test_a_surrogate_fitted_in_torch_emits_the_same_function_into_onnx(bert, thr
 
 
 def test_a_surrogate_fitted_on_onnx_emits_the_same_function_into_torch(bert, through_onnx):
-    module, inputs, calibration, _, report, _ = bert
+    module, inputs, _, _, report, _ = bert
     _, batches, result = through_onnx
     fitted = {ours: result.report.surrogates[theirs] for ours, theirs in _pairs(report, result.report)}
     emitted, _ = apply_surrogates(module, inputs, fitted, OPTIONS)
