@@ -111,37 +111,23 @@ def test_a_model_missing_its_budget_on_held_out_data_is_refused(gen, tmp_path):
     with pytest.raises(BudgetMissed, match=r"misses the budget cos=0\.99 on the test split") as caught:
         replace_onnx(model, calib, options)
     assert caught.value.report.replaced == 1 and not caught.value.report.passed
-    # the CLI: exit 1, nothing written, the report says why
+    assert caught.value.report.to_json()["fallback"]["replaced"] == 0  # only the exact fold meets it there
+    # the CLI: exit 1, nothing written, the report says why; --write-best writes what meets the budget
     model_path, out, report = tmp_path / "m.onnx", tmp_path / "out.onnx", tmp_path / "r.json"
     onnx.save(model, str(model_path))
     np.savez(tmp_path / "calib.npz", **calib)
     np.savez(tmp_path / "holdout.npz", **holdout)
-    code = main(
-        [
-            "replace",
-            str(model_path),
-            "--with",
-            "affine",
-            "--calib",
-            str(tmp_path / "calib.npz"),
-            "--holdout",
-            str(tmp_path / "holdout.npz"),
-            "--budget",
-            "cos=0.99",
-            "--margin",
-            "1",
-            "--orders",
-            "input",
-            "-o",
-            str(out),
-            "--report",
-            str(report),
-            "--no-progress",
-        ]
-    )
-    assert code == 1 and not out.exists()
+    args = ["replace", str(model_path), "--with", "affine", "--calib", str(tmp_path / "calib.npz")]
+    args += ["--holdout", str(tmp_path / "holdout.npz"), "--budget", "cos=0.99", "--margin", "1", "--orders", "input"]
+    args += ["-o", str(out), "--report", str(report), "--no-progress"]
+    assert main(args) == 1 and not out.exists()
     data = json.loads(report.read_text())
-    assert data["output"] is None and data["passed"] is False
+    assert data["output"] is None and data["passed"] is False and data["replaced"] == 1
+    assert main(args + ["--write-best"]) == 0 and out.exists()
+    data = json.loads(report.read_text())
+    assert data["output"] == str(out) and data["passed"] and data["wrote_fallback"] and data["replaced"] == 0
+    assert data["test"]["cos_min"] >= 0.99
+    check_structure(onnx.load(str(out)))
 
 
 # The TorchScript exporter reads hidden states with `Shape` (for view/reshape sizes). A `Shape`
@@ -317,3 +303,112 @@ def test_minilm_rms_surrogates_hold_the_budget_on_held_out_sentences(minilm):
         assert norm["emission"]["shift"].startswith("migrated") and norm["emission"]["beta"].startswith("migrated")
         assert norm["input_centring"]
     check_structure(result.model)
+
+
+# --- calibration text --------------------------------------------------------------------------
+
+
+def _tokenizer(path, words: int = 120):
+    """A word-level tokenizer.json over the repository's sentences: [PAD]=0, [UNK], [CLS], [SEP], then
+    the `words` most frequent lowercase words (ids below 4 + words)."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+
+    from normpass.models import text
+
+    counts = collections.Counter(w for s in text.sentences("repository") for w in s.lower().split())
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3}
+    vocab.update({w: 4 + i for i, (w, _) in enumerate(counts.most_common(words))})
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tok.save(str(path))
+    return path
+
+
+def _replace_text(path, calib, tokenizer, out, *extra) -> int:
+    args = ["replace", str(path), "--calib", str(calib), "-o", str(out), "--no-progress"]
+    args += (["--tokenizer", str(tokenizer)] if tokenizer else []) + ["--with", "rms", "--budget", "cos=0.99"]
+    return main(args + ["--orders", "input", "--max-length", "32", *extra])
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_cli_calibrates_on_text_with_a_tokenizer(bert, tmp_path, suffix):
+    from normpass.models import text
+
+    sentences = text.sentences("repository")[:40]
+    calib = tmp_path / f"calib{suffix}"
+    if suffix == ".txt":
+        text.write(sentences, calib)
+    else:
+        calib.write_text("".join(json.dumps({"text": s, "id": i}) + "\n" for i, s in enumerate(sentences)))
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
+    code = _replace_text(bert[0], calib, _tokenizer(tmp_path / "tok.json"), out, "--report", str(report))
+    assert code == 0 and out.exists()
+    data = json.loads(report.read_text())
+    assert sum(data["samples"].values()) == 40 and data["samples"]["check"] > 0
+    assert data["replaced"] >= 1 and data["test"]["cos_min"] >= 0.99
+
+
+def _write(path, content):
+    path.write_text(content)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("empty", "no sentences in it"),
+        ("few", "3 sentences; the pass needs at least 8"),
+        ("no tokenizer", "text needs a tokenizer"),
+        ("missing tokenizer", "no such tokenizer file"),
+        ("large vocabulary", "does not fit the model"),
+        ("bad jsonl", "calib.jsonl:2: not a JSON object"),
+        ("nan", "non-finite values"),
+    ],
+)
+def test_cli_bad_calibration_is_one_line_and_exit_2(bert, tmp_path, capsys, case, message):
+    from normpass.models import text
+
+    many = "\n".join(f"sentence number {i} is here." for i in range(20))
+    tokenizer = _tokenizer(tmp_path / "tok.json")
+    calib = {
+        "empty": lambda: _write(tmp_path / "calib.txt", "\n# only a comment\n"),
+        "few": lambda: _write(tmp_path / "calib.txt", "one.\ntwo.\nthree.\n"),
+        "no tokenizer": lambda: _write(tmp_path / "calib.txt", many),
+        "missing tokenizer": lambda: _write(tmp_path / "calib.txt", many),
+        "large vocabulary": lambda: _write(tmp_path / "calib.txt", "\n".join(text.sentences("repository")[:20])),
+        "bad jsonl": lambda: _write(tmp_path / "calib.jsonl", '{"text": "fine."}\nnot json\n'),
+        "nan": lambda: tmp_path / "calib.npz",
+    }[case]()
+    if case == "nan":
+        model = _post_ln(np.random.default_rng(0))  # a float input: NaN
+        path = tmp_path / "post.onnx"
+        onnx.save(model, str(path))
+        values = np.zeros((16, 8), np.float32)
+        values[3, 2] = np.nan
+        np.savez(calib, a=values)
+    else:
+        path = bert[0]
+    tokenizer = {
+        "no tokenizer": None,
+        "missing tokenizer": tmp_path / "absent.json",
+        "large vocabulary": _tokenizer(tmp_path / "big.json", words=400),
+        "nan": None,
+    }.get(case, tokenizer)
+    out = tmp_path / "out.onnx"
+    assert _replace_text(path, calib, tokenizer, out) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_text_for_a_model_without_token_inputs_is_refused(gen, tmp_path, capsys):
+    path = tmp_path / "post.onnx"
+    onnx.save(_post_ln(gen), str(path))
+    calib = _write(tmp_path / "calib.txt", "\n".join(f"sentence {i}." for i in range(20)))
+    assert _replace_text(path, calib, _tokenizer(tmp_path / "tok.json"), tmp_path / "o.onnx") == 2
+    assert "has no input named input_ids" in capsys.readouterr().err

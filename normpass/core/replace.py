@@ -25,7 +25,7 @@ surrogates, run on calibration batches (collecting each norm's input, or the out
    extends the order's *path* of states.
 5. **Back-off** (why: docs/surrogates.md, "A selection that generalizes"): the decision is the
    largest state on the path whose figures on the check split — samples no decision has seen —
-   keep the budget within `margin`; the best order's (most norms, lowest cost class, least damage
+   keep the budget within `check_margin`; the best order's (most norms, lowest cost class, least damage
    on check) is kept. A worst case over a few dozen samples is an extreme statistic, and greedy
    acceptance favours states whose select figures happen to be low: the check split sees neither
    bias.
@@ -72,7 +72,8 @@ class ReplaceOptions:
     split: tuple[float, float, float] = (0.4, 0.4, 0.2)  # fit, validation (select + check), test
     check: float = 0.5  # share of validation held back for the back-off; 0: decide on select alone
     holdout: object = None  # test data from elsewhere (same forms as the calibration data)
-    margin: float = 0.8  # share of the budget's allowance select and check may use
+    margin: float = 0.8  # share of the budget's allowance the selection split may use
+    check_margin: float = 1.0  # share of the budget's allowance the check split may use
     write_best: bool = False  # on a miss, write the largest selection that meets the budget on test
     centre_inputs: bool | None = None  # default: on when rms surrogates are allowed (docs/surrogates.md)
     refit: bool = True  # rms: least-squares γ/β against the norm's outputs
@@ -106,8 +107,8 @@ class ReplaceOptions:
             raise InputError(f"policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
         if not self.orders or any(o not in ORDERS for o in self.orders):
             raise InputError(f"orders {list(self.orders)!r}: choose from {', '.join(ORDERS)}")
-        if not self.margin > 0:
-            raise InputError(f"margin {self.margin}: must be > 0")
+        if not self.margin > 0 or not self.check_margin > 0:
+            raise InputError(f"margin {self.margin}, check margin {self.check_margin}: each must be > 0")
         if len(self.split) != 3 or any(f < 0 for f in self.split) or not self.split[0] > 0 or not self.split[1] > 0:
             raise InputError(
                 f"split {tuple(self.split)}: give fractions fit,validation,test with fit and validation > 0"
@@ -490,7 +491,7 @@ def select(search: Search, kinds: tuple[str, ...], only_cheaper: bool) -> Select
     for order in options.orders:
         begin, before = time.perf_counter(), search.evaluations
         path = greedy(search, _ordered(order, search, pool), pool, options)
-        state = back_off(search, path, "check", search.margin) if has_check else path[-1]
+        state = back_off(search, path, "check", options.check_margin) if has_check else path[-1]
         results.append(
             OrderResult(
                 order,
@@ -700,7 +701,13 @@ def _report(
         "front_end": frame.front_end,
         "kind": options.kind,
         "kinds": list(frame.kinds),
-        "budget": {"cos": budget.cos, "rel": budget.rel, "top1": budget.top1, "margin": search.margin},
+        "budget": {
+            "cos": budget.cos,
+            "rel": budget.rel,
+            "top1": budget.top1,
+            "margin": search.margin,
+            "check_margin": options.check_margin,
+        },
         "policy": options.policy,
         "calibration": "sequential" if options.sequential else "parallel",
         "samples": {role: search.splits.count(role) for role in SPLITS},
