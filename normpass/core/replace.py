@@ -97,6 +97,7 @@ class ReplaceOptions:
     def checked(self) -> tuple[Budget, tuple[str, ...], bool]:
         """The parsed budget, the allowed kinds and whether only cheaper candidates count; refuses bad values."""
         budget = self.budget if isinstance(self.budget, Budget) else Budget.parse(self.budget)
+        kinds: tuple[str, ...]
         if self.kind == "auto":
             kinds = KINDS
         elif self.kind in KINDS:
@@ -211,11 +212,12 @@ def eligible(
                 f"({', '.join(n.name for n in norms)})"
             )
         norms = [n for n in norms if n.name in options.norms]
-    declined, candidates = {}, []
+    declined: dict[str, str] = {}
+    candidates = []
     for norm in norms:
         reasons = [why_not(norm, width(norm), kind, front_end_reason(norm)) for kind in kinds]
         if all(reasons):
-            declined[norm.name] = reasons[0]
+            declined[norm.name] = str(reasons[0])
         else:
             candidates.append(norm)
     return candidates, declined
@@ -605,7 +607,7 @@ def conclude(
     model, outputs, emissions, ops_after = build(surrogates)
     test = search.judge("test", outputs)
     passed = budget.holds(test)
-    fallback = None
+    fallback, best = None, ()
     if not passed:
         path = selection.chosen.path
         best = back_off(search, path[: path.index(state) + 1], "test", 1.0)
@@ -625,9 +627,10 @@ def conclude(
     )
     if not passed:
         best_text = (
-            f"the largest selection on the way that meets it there replaces {fallback['replaced']} "
-            f"({fallback['test']['cos_min']:.6f} cos min); write it with --write-best (ReplaceOptions.write_best)"
-            if fallback and fallback["replaced"]
+            f"the largest selection on the way that meets it there replaces {len(best)} "
+            f"({search.evaluate(best, 'test').cos_min:.6f} cos min); write it with --write-best "
+            "(ReplaceOptions.write_best)"
+            if best
             else "no selection on the way meets it there"
         )
         raise BudgetMissed(

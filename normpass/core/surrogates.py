@@ -293,7 +293,7 @@ def fit_pointwise(
             step, s_step = step / 2, s_step / 2
     alpha = math.exp(log_alpha)
     gamma, beta, _ = least_squares(func(alpha * (x - base) + s), y)
-    shift_value = base - s / alpha
+    shift_value: np.ndarray | float = base - s / alpha
     if shift == "none" and kind == "dyt":
         shift_value = 0.0
     elif shift == "none":
@@ -334,7 +334,7 @@ def fit_surrogate(
         fits = [
             with_fit_error(fit_pointwise(kind, x, y, stats.x, shift, seed=seed), x, y) for shift in ("none", "feature")
         ]
-        return min(fits, key=lambda s: s.fit_error)
+        return min(fits, key=lambda s: math.inf if s.fit_error is None else s.fit_error)
     else:
         raise ValueError(f"unknown surrogate kind {kind!r}")
     return with_fit_error(surrogate, x, y)

@@ -64,7 +64,7 @@ CENTRING_TOLERANCE = 1e-4  # relative, float32: input centring may only change r
 def input_spec(model: onnx.ModelProto) -> InputSpec:
     """Graph inputs that are not initializers (dtype, rank), and the tables integer inputs index."""
     initializers = {i.name for i in model.graph.initializer}
-    inputs = {}
+    inputs: dict[str, tuple[np.dtype | None, int | None]] = {}
     for value in model.graph.input:
         if value.name in initializers:
             continue
@@ -141,7 +141,7 @@ class OnnxBench:
         self.norms = norms
         self.by_name = {n.name: n for n in norms}
         self.specs = {n.name: norm_spec(n) for n in norms}
-        self.widths = {n.name: width_of(shapes, n) for n in norms}
+        self.widths = {n.name: int(width_of(shapes, n) or 0) for n in norms}  # candidates have one (why_not)
         self.mask_input = mask_input
         self.output_names = output_names
         self.rms_op = rms_op
@@ -169,7 +169,7 @@ class OnnxBench:
     def statistics(self, surrogates, norms: list[str], batches: Iterable[Batch], into: StatsCollector) -> None:
         ctx, _, _ = self.build(surrogates)
         inputs = {m: self.by_name[m].input for m in norms}
-        model, feeds = light_model(ctx, self.base, {t: np.float32 for t in inputs.values()}, self.weights)
+        model, feeds = light_model(ctx, self.base, {t: np.dtype(np.float32) for t in inputs.values()}, self.weights)
         runner = Runner(model, feeds)
         wanted = sorted(set(inputs.values()))
         for batch in batches:
@@ -316,6 +316,7 @@ def replace_onnx(
         return final, [runner.run(b, bench.output_names) for b in test], emissions, _count_ops(final)
 
     final, report = conclude(p.search, selection, p.frame, build, p.started)
+    assert isinstance(final, onnx.ModelProto)
     return ReplaceResult(final, report)
 
 

@@ -148,6 +148,7 @@ class Terms:
     keep_shift: bool
     keep_gamma: bool
     keep_beta: bool
+    shift_to: BiasTarget | None  # the bias taking c
     gamma_to: list | None  # linear targets taking γ (and β)
     beta_to: list | None  # targets taking β
     emission: Emission
@@ -160,13 +161,15 @@ def terms(where: Placement, surrogate: Surrogate, migrate: bool) -> Terms:
     full = where.full if migrate else None
     gamma_to = full if has_gamma else None
     beta_to = (full or (where.beta if migrate else None)) if has_beta else None
-    keep_shift = surrogate.has_shift and not (migrate and where.shift is not None)
+    shift_to = where.shift if migrate and surrogate.has_shift else None
+    keep_shift = surrogate.has_shift and shift_to is None
     emission = Emission()
-    emission.shift = "Sub" if keep_shift else (f"migrated into {where.shift.node}" if surrogate.has_shift else "none")
+    emission.shift = "Sub" if keep_shift else "none" if shift_to is None else f"migrated into {shift_to.node}"
     in_rms = "in the RMS op's weight" if surrogate.kind == "rms" else "Mul"
     emission.gamma = "none" if not has_gamma else in_rms if gamma_to is None else f"migrated into {_names(gamma_to)}"
     emission.beta = "none" if not has_beta else "Add" if beta_to is None else f"migrated into {_names(beta_to)}"
-    return Terms(keep_shift, has_gamma and gamma_to is None, has_beta and beta_to is None, gamma_to, beta_to, emission)
+    keep_gamma, keep_beta = has_gamma and gamma_to is None, has_beta and beta_to is None
+    return Terms(keep_shift, keep_gamma, keep_beta, shift_to, gamma_to, beta_to, emission)
 
 
 def norm_cost(norm: NormInfo) -> float:
@@ -204,7 +207,7 @@ class TorchBench:
         self.mask_input = mask_input
         self.migrate = migrate
         self.by_name = {n.name: n for n in norms}
-        self.widths = {n.name: _width(tg, n) for n in norms}
+        self.widths = {n.name: _candidate_width(tg, n) for n in norms}
         uses = tg.uses()
         self.placements = {n.name: placement(tg, n.name, self.widths[n.name], uses) for n in norms}
         self.working = copy.deepcopy(base)
@@ -213,8 +216,7 @@ class TorchBench:
             slot = _Slot(self.working.get_submodule(norm.ref.module))
             _set_module(self.working, norm.ref.module, slot)
             self.slots[norm.name] = slot
-        parameter = next(base.parameters(), None)
-        self.like = {} if parameter is None else {"dtype": parameter.dtype, "device": parameter.device}
+        self.like = _like(base)
 
     def spec(self, norm: str) -> NormSpec:
         return norm_spec(self.tg, self.by_name[norm])
@@ -276,22 +278,21 @@ def emit(
     module = copy.deepcopy(base)
     editor = _Editor(module)
     uses = tg.uses()
-    parameter = next(base.parameters(), None)
-    like = {} if parameter is None else {"dtype": parameter.dtype, "device": parameter.device}
+    like = _like(base)
     emissions = {}
     for name, surrogate in surrogates:
         norm = tg.zmg.norm_by_name(name)
-        width = _width(tg, norm)
-        where = placement(tg, name, width, uses)
-        plan = terms(where, surrogate, migrate)
+        width = _candidate_width(tg, norm)
+        plan = terms(placement(tg, name, width, uses), surrogate, migrate)
         emission = plan.emission
-        if surrogate.has_shift and not plan.keep_shift:
-            add_to_bias(editor, where.shift.attr, -np.asarray(surrogate.shift, dtype=np.float64))
-            emission.changed.append(where.shift.node)
-        if plan.gamma_to is not None or plan.beta_to is not None:
+        if plan.shift_to is not None:
+            add_to_bias(editor, plan.shift_to.attr, -np.asarray(surrogate.shift, dtype=np.float64))
+            emission.changed.append(plan.shift_to.node)
+        targets = plan.gamma_to or plan.beta_to
+        if targets is not None:
             gamma = None if plan.gamma_to is None else surrogate.gamma
             beta = None if plan.beta_to is None else surrogate.beta
-            emission.changed += move_affine(tg, editor, plan.gamma_to or plan.beta_to, gamma, beta)
+            emission.changed += move_affine(tg, editor, targets, gamma, beta)
         replacement = surrogate_module(surrogate, width, plan.keep_shift, plan.keep_gamma, plan.keep_beta, **like)
         emission.ops.update(replacement.ops())
         _set_module(module, norm.ref.module, replacement)
@@ -306,6 +307,19 @@ def emit(
 def _width(tg: TorchGraph, norm: NormInfo) -> int | None:
     width = (tg.zmg.shape(norm.input) or (None,))[-1]
     return width if isinstance(width, int) else None
+
+
+def _candidate_width(tg: TorchGraph, norm: NormInfo) -> int:
+    width = _width(tg, norm)
+    if width is None:  # `why_not` declines such norms
+        raise AssertionError(f"{norm.name}: a candidate of unknown width")
+    return width
+
+
+def _like(module: nn.Module) -> dict:
+    """The dtype and device of `module`'s parameters, for the surrogate modules put in it."""
+    parameter = next(module.parameters(), None)
+    return {} if parameter is None else {"dtype": parameter.dtype, "device": parameter.device}
 
 
 def front_end_reason(tg: TorchGraph, norm: NormInfo, uses: dict) -> str | None:
@@ -341,7 +355,9 @@ def _centre_inputs(tg: TorchGraph, editor: _Editor, norm: NormInfo, checker: Shi
             continue  # a parameter read elsewhere too: centring it would change that reader
         for node, tensor, axis in edits:
             attr = tg.attr(node, tensor)
-            editor.set(attr, centre(_wide(editor.get(attr)), axis))
+            current = None if attr is None else editor.get(attr)
+            assert attr is not None and current is not None  # `_edits_of` checked: every read is an attribute
+            editor.set(attr, centre(_wide(current), axis))
         done.append(centring.node)
     return done
 
@@ -477,4 +493,5 @@ def replace(
         return final, [_run(final, b) for b in test], emissions, {}
 
     final, report = conclude(p.search, selection, p.frame, build, p.started)
+    assert isinstance(final, nn.Module)
     return final, report

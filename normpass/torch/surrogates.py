@@ -120,21 +120,14 @@ class Affine(SurrogateNorm):
     kind = "affine"
 
 
-class _Scalar(SurrogateNorm):
-    """A surrogate with a scalar α (a parameter; None where migrated, as a ScaleBias's may be)."""
-
-    def __init__(self, width: int, alpha=None, shift=None, gamma=None, beta=None, dtype=None, device=None):
-        super().__init__(width, shift, gamma, beta, dtype, device)
-        self.alpha = _parameter(alpha, dtype=dtype, device=device)
-
-    def _extra(self) -> list[str]:
-        return ["α=migrated" if self.alpha is None else f"α={float(self.alpha.detach()):.4g}"]
-
-
-class ScaleBias(_Scalar):
-    """NoMorelization at inference: α·x + β, one α for every feature."""
+class ScaleBias(SurrogateNorm):
+    """NoMorelization at inference: α·x + β, one α for every feature (None where it migrated)."""
 
     kind = "scalebias"
+
+    def __init__(self, width: int, alpha=None, shift=None, beta=None, dtype=None, device=None):
+        super().__init__(width, shift, None, beta, dtype, device)
+        self.alpha = _parameter(alpha, dtype=dtype, device=device)
 
     def core(self, u: torch.Tensor) -> torch.Tensor:
         return u if self.alpha is None else u * self.alpha
@@ -150,8 +143,22 @@ class ScaleBias(_Scalar):
         surrogate.gamma = np.full(self.width, surrogate.alpha)
         return surrogate
 
+    def _extra(self) -> list[str]:
+        return ["α=migrated" if self.alpha is None else f"α={float(self.alpha.detach()):.4g}"]
 
-class DyT(_Scalar):
+
+class _Pointwise(SurrogateNorm):
+    """γ ⊙ f(α (x − c)) + β with a scalar α (a parameter, never migrated)."""
+
+    def __init__(self, width: int, alpha: float, shift=None, gamma=None, beta=None, dtype=None, device=None):
+        super().__init__(width, shift, gamma, beta, dtype, device)
+        self.alpha = nn.Parameter(torch.tensor(float(alpha), dtype=dtype or torch.float32, device=device))
+
+    def _extra(self) -> list[str]:
+        return [f"α={float(self.alpha.detach()):.4g}"]
+
+
+class DyT(_Pointwise):
     """Dynamic Tanh: γ ⊙ tanh(α (x − c)) + β."""
 
     kind = "dyt"
@@ -161,7 +168,7 @@ class DyT(_Scalar):
         return torch.tanh(self.alpha * u)
 
 
-class Derf(_Scalar):
+class Derf(_Pointwise):
     """Dynamic erf: γ ⊙ erf(α x + s) + β, computed as erf(α (x − c)) with c = −s/α."""
 
     kind = "derf"
@@ -214,7 +221,7 @@ def surrogate_module(
     like = {"dtype": dtype, "device": device}
     if surrogate.kind == "scalebias":
         alpha = surrogate.alpha if keep_gamma and surrogate.alpha != 1 else None
-        return ScaleBias(width, alpha, shift, None, beta, **like)
+        return ScaleBias(width, alpha, shift, beta, **like)
     gamma = surrogate.gamma if keep_gamma and not np.all(surrogate.gamma == 1) else None
     if surrogate.kind == "rms":
         return ShiftedRMSNorm(width, surrogate.epsilon, shift, gamma, beta, **like)
@@ -225,6 +232,8 @@ def surrogate_module(
 
 class SmoothRemoval(nn.Module):
     """DaMN's smooth removal: α·N(x) + (1 − α)·S(x), α a buffer (1: the norm, 0: the surrogate)."""
+
+    alpha: torch.Tensor
 
     def __init__(self, norm: nn.Module, surrogate: SurrogateNorm, alpha: float = 1.0):
         super().__init__()

@@ -55,7 +55,7 @@ def private_bias(tg: TorchGraph, tensor: str, width: int, uses: dict) -> BiasTar
     zmg = tg.zmg
     node = zmg.producer_of(tensor)
     ref = None if node is None else _ref(node)
-    if ref is None:
+    if node is None or ref is None:
         return None
     if ref.identity and node.inputs and _private(tg, node.inputs[0]):
         return private_bias(tg, node.inputs[0], width, uses)
@@ -144,11 +144,9 @@ def migration_targets(tg: TorchGraph, norm_name: str, uses: dict, needs_bias: bo
         if isinstance(node, BiasTarget):
             continue
         linear = node.ref.linear
-        for tensor in (linear.weight, linear.bias):
-            if tensor is not None and _only_reader(uses, tg, node.name, tensor) is None:
-                return None
-        if linear.bias is None and needs_bias:
-            owner = tg.model.get_submodule(tg.attr(node.name, linear.weight).module)
-            if type(owner) is not nn.Linear:
-                return None  # nowhere to put β
+        weight = _only_reader(uses, tg, node.name, linear.weight)
+        if weight is None or (linear.bias is not None and _only_reader(uses, tg, node.name, linear.bias) is None):
+            return None
+        if linear.bias is None and needs_bias and type(tg.model.get_submodule(weight.module)) is not nn.Linear:
+            return None  # nowhere to put β
     return targets or None
