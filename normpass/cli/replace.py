@@ -83,7 +83,14 @@ def add_parser(sub) -> None:
         "--margin",
         type=float,
         default=0.8,
-        help="share of the budget's allowance the selection and check splits may use (default 0.8)",
+        help="share of the budget's allowance the greedy selection may use on the selection split (default 0.8)",
+    )
+    parser.add_argument(
+        "--check-margin",
+        type=float,
+        default=1.0,
+        help="share of the budget's allowance the check split may use: the selection backs off until it "
+        "holds (default 1.0)",
     )
     parser.add_argument(
         "--write-best",
@@ -162,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         check=args.check,
         holdout=args.holdout,
         margin=args.margin,
+        check_margin=args.check_margin,
         write_best=args.write_best,
         centre_inputs=args.centre_inputs,
         refit=not args.no_refit,

@@ -50,7 +50,7 @@ from .. import __version__
 from ..calibration import Batch, sample_count, split_batches
 from ..errors import InputError, VerificationError
 from .budget import Budget, Metrics, compare
-from .cost import Emission, cost_class
+from .cost import COST_RESOLUTION, Emission, cost_class
 from .graph import NormInfo
 from .stats import NormStats, StatsCollector
 from .surrogates import KINDS, NormSpec, Surrogate, fit_surrogate, why_not
@@ -108,8 +108,10 @@ class ReplaceOptions:
             raise InputError(f"policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
         if not self.orders or any(o not in ORDERS for o in self.orders):
             raise InputError(f"orders {list(self.orders)!r}: choose from {', '.join(ORDERS)}")
-        if not self.margin > 0 or not self.check_margin > 0:
-            raise InputError(f"margin {self.margin}, check margin {self.check_margin}: each must be > 0")
+        if not self.margin > 0:
+            raise InputError(f"margin {self.margin}: must be > 0")
+        if not self.check_margin > 0:
+            raise InputError(f"check-margin {self.check_margin}: must be > 0")
         if len(self.split) != 3 or any(f < 0 for f in self.split) or not self.split[0] > 0 or not self.split[1] > 0:
             raise InputError(
                 f"split {tuple(self.split)}: give fractions fit,validation,test with fit and validation > 0"
@@ -451,7 +453,7 @@ def greedy(search: Search, order: list[str], pool, options: ReplaceOptions) -> l
                 continue
             cost = next(c.cost for c in _usable(pool, norm) if c.kind == current)
             for candidate in sorted(_usable(pool, norm), key=lambda c: (c.cost, c.usage)):
-                if candidate.cost > cost - 0.1 or candidate.usage > search.margin:
+                if candidate.cost > cost - COST_RESOLUTION or candidate.usage > search.margin:
                     continue
                 trial = search.normal(tuple((n, candidate.kind if n == norm else k) for n, k in state))
                 if search.holds(trial):
