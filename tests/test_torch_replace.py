@@ -174,30 +174,44 @@ def _fitted(kind: str, gen) -> Surrogate:
     return Surrogate(kind, gamma, beta, shift=shift, alpha=0.8, epsilon=1e-5)
 
 
-@pytest.mark.parametrize(
-    "kind, cls, ops",
-    [
-        ("affine", Affine, {"Mul": 1, "Add": 1}),
-        ("scalebias", ScaleBias, {"Mul": 1, "Add": 1}),
-        ("dyt", DyT, {"Sub": 1, "Mul": 2, "Tanh": 1, "Add": 1}),
-        ("derf", Derf, {"Sub": 1, "Mul": 2, "Erf": 1, "Add": 1}),
-        ("rms", ShiftedRMSNorm, {"Sub": 1, "RMSNormalization": 1, "Add": 1}),
-    ],
-)
-def test_surrogate_modules_compute_the_core_formula_and_export(kind, cls, ops, gen, tmp_path):
-    fitted = _fitted(kind, gen)
-    module = surrogate_module(fitted, D)
-    assert type(module) is cls and dict(module.ops()) == ops and repr(module).startswith(f"{cls.__name__}({D}")
+KINDS = {
+    "affine": (Affine, {"Mul": 1, "Add": 1}),
+    "scalebias": (ScaleBias, {"Mul": 1, "Add": 1}),
+    "dyt": (DyT, {"Sub": 1, "Mul": 2, "Tanh": 1, "Add": 1}),
+    "derf": (Derf, {"Sub": 1, "Mul": 2, "Erf": 1, "Add": 1}),
+    "rms": (ShiftedRMSNorm, {"Sub": 1, "RMSNormalization": 1, "Add": 1}),
+}
+
+
+class _Every(nn.Module):
+    """Every surrogate module on the same input, for one export."""
+
+    def __init__(self, modules):
+        super().__init__()
+        self.each = nn.ModuleList(modules)
+
+    def forward(self, x):
+        return tuple(m(x) for m in self.each)
+
+
+def test_surrogate_modules_compute_the_core_formula_and_export(gen, tmp_path):
     x = torch.randn(3, 4, D, generator=torch.Generator().manual_seed(1))
+    wide = x.double().numpy()
+    fitted = {kind: _fitted(kind, gen) for kind in KINDS}
+    modules = {kind: surrogate_module(s, D) for kind, s in fitted.items()}
+    for kind, (cls, ops) in KINDS.items():
+        module = modules[kind]
+        assert type(module) is cls and dict(module.ops()) == ops and repr(module).startswith(f"{cls.__name__}({D}")
+        with torch.no_grad():
+            np.testing.assert_allclose(module(x).double().numpy(), fitted[kind](wide), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(module.to_surrogate()(wide), fitted[kind](wide), rtol=1e-5, atol=1e-6)
+    every = _Every(list(modules.values()))
+    path = tmp_path / "every.onnx"
+    torch.onnx.export(every, (x,), str(path), dynamo=True, input_names=["x"], verbose=False)
+    exported = run_ort(onnx.load(str(path)), {"x": x.numpy()})
     with torch.no_grad():
-        got = module(x)
-    np.testing.assert_allclose(got.double().numpy(), fitted(x.double().numpy()), rtol=1e-5, atol=1e-6)
-    back = module.to_surrogate()
-    np.testing.assert_allclose(back(x.double().numpy()), fitted(x.double().numpy()), rtol=1e-5, atol=1e-6)
-    path = tmp_path / f"{kind}.onnx"
-    torch.onnx.export(module, (x,), str(path), dynamo=True, input_names=["x"], verbose=False)
-    (exported,) = run_ort(onnx.load(str(path)), {"x": x.numpy()}).values()
-    np.testing.assert_allclose(exported, got.numpy(), rtol=1e-5, atol=1e-6)
+        for got, expected in zip(exported.values(), every(x), strict=True):
+            np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_migrated_terms_are_left_out_and_said_so(gen):
