@@ -9,8 +9,9 @@ Public API:
 * Surrogates for the norms that do not fold exactly, under an accuracy budget:
   `replace_onnx(model, calibration, ReplaceOptions(...))` → `ReplaceResult` (`.model`, `.report`);
   `replace(module, calibration, ReplaceOptions(...))` → `(module, ReplaceReport)`, whose norms are
-  surrogate modules (`Affine`, `ScaleBias`, `DyT`, `Derf`, `ShiftedRMSNorm`; `SmoothRemoval`
-  blends a norm into its surrogate for training).
+  surrogate modules (`Affine`, `ScaleBias`, `DyT`, `Derf`, `ShiftedRMSNorm`); `apply_surrogates`
+  builds such a module from surrogates fitted elsewhere; `smooth_removal` wraps each surrogate in a
+  `SmoothRemoval` with its norm, for training.
 """
 
 __version__ = "0.1.0"
@@ -31,6 +32,8 @@ TORCH_API = {
     "Derf": "surrogates",
     "ShiftedRMSNorm": "surrogates",
     "SmoothRemoval": "surrogates",
+    "smooth_removal": "surrogates",
+    "apply_surrogates": "replace",
 }
 
 
@@ -64,6 +67,8 @@ __all__ = [
     "fold_onnx",
     "inspect",
     "inspect_onnx",
+    "apply_surrogates",
     "replace",
     "replace_onnx",
+    "smooth_removal",
 ]

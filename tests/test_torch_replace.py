@@ -37,6 +37,7 @@ from normpass.torch.surrogates import (
     ShiftedRMSNorm,
     SmoothRemoval,
     SurrogateNorm,
+    smooth_removal,
     surrogate_module,
     surrogate_modules,
 )
@@ -91,7 +92,16 @@ def test_replaced_module_matches_its_unmigrated_surrogates_and_the_report(bert):
     with torch.no_grad():
         assert _rel(plain(*other), replaced(*other)) <= REL_TOL
         cos = torch.nn.functional.cosine_similarity(module(*other).flatten(1), replaced(*other).flatten(1))
-    assert float(cos.min()) >= 0.99
+        assert float(cos.min()) >= 0.99
+        # smooth removal (DaMN): at α = 1 the student computes the original, at α = 0 its surrogates
+        surrogate_outputs = plain(*other)
+        blends = smooth_removal(plain, module)
+        assert len(blends) == report.replaced and _rel(module(*other), plain(*other)) <= REL_TOL
+        for blend in blends:
+            blend.alpha.fill_(0.0)
+        assert _rel(surrogate_outputs, plain(*other)) <= 1e-6
+    with pytest.raises(ValueError, match="migrate_affine=False"):
+        smooth_removal(copy.deepcopy(replaced), module)  # its shift and β live in the linear layers
 
 
 def test_replaced_module_compiles_and_exports_to_onnx(bert, tmp_path):
@@ -205,7 +215,7 @@ def test_surrogate_modules_compute_the_core_formula_and_export(gen, tmp_path):
         with torch.no_grad():
             np.testing.assert_allclose(module(x).double().numpy(), fitted[kind](wide), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(module.to_surrogate()(wide), fitted[kind](wide), rtol=1e-5, atol=1e-6)
-    every = _Every(list(modules.values()))
+    every = _Every(list(modules.values())).eval()
     path = tmp_path / "every.onnx"
     torch.onnx.export(every, (x,), str(path), dynamo=True, input_names=["x"], verbose=False)
     exported = run_ort(onnx.load(str(path)), {"x": x.numpy()})
@@ -219,6 +229,7 @@ def test_migrated_terms_are_left_out_and_said_so(gen):
     module = surrogate_module(fitted, D, keep_shift=False, keep_gamma=False, keep_beta=False)
     assert module.shift is None and module.gamma is None and module.beta is None
     assert dict(module.ops()) == {"Mul": 1, "Erf": 1} and "gamma=migrated" in repr(module)
+    assert module.migrated == ("shift", "gamma", "beta")
     assert [name for name, _ in module.named_parameters()] == ["alpha"]
 
 

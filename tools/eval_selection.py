@@ -43,6 +43,7 @@ from normpass.onnx.replace import Runner, input_spec
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "validation": {"split": (0.5, 0.25, 0.25), "check": 0.0},
+    "pooled": {"split": (0.4, 0.4, 0.2), "check": 0.0},
     "backoff-0.8": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 0.8},
     "backoff": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 1.0},
 }

@@ -14,8 +14,9 @@ The terms it keeps are `nn.Parameter`s, so a training loop can tune them.
 | `ShiftedRMSNorm` | u / sqrt(mean(u²) + ε) | RMSNorm of x − c, c a calibrated scalar |
 
 `SmoothRemoval(norm, surrogate)` blends a norm into its surrogate, α·N(x) + (1 − α)·S(x) (DaMN's
-smooth removal), with α a buffer a training schedule sets from 1 to 0; `surrogate_modules(model)`
-finds every surrogate (inside blends too). `ops()` says what `torch.onnx.export` makes of a module
+smooth removal), with α a buffer a training schedule sets from 1 to 0; `smooth_removal(student,
+norms)` wraps every surrogate of a replaced module so; `surrogate_modules(model)` finds every
+surrogate (inside blends too). `ops()` says what `torch.onnx.export` makes of a module
 (in ONNX op types, as `core/cost.py` prices them); `to_surrogate()` gives the core's `Surrogate`
 back (for emission into ONNX), with the migrated terms as neutral values.
 """
@@ -23,6 +24,7 @@ back (for emission into ONNX), with the migrated terms as neutral values.
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Iterator
 
 import numpy as np
@@ -41,7 +43,11 @@ def _parameter(values, dtype=None, device=None) -> nn.Parameter | None:
 
 
 class SurrogateNorm(nn.Module):
-    """y = γ ⊙ core(x − c) + β over the last axis; `shift` (c), `gamma`, `beta` may each be None."""
+    """y = γ ⊙ core(x − c) + β over the last axis; `shift` (c), `gamma`, `beta` may each be None.
+
+    `migrated` names the fitted terms that live in adjacent layers instead ("shift", "gamma", "beta";
+    a `ScaleBias`'s α is its "gamma").
+    """
 
     kind = ""
     core_ops: tuple[str, ...] = ()  # the ONNX ops of the core
@@ -49,6 +55,7 @@ class SurrogateNorm(nn.Module):
     def __init__(self, width: int, shift=None, gamma=None, beta=None, dtype=None, device=None):
         super().__init__()
         self.width = width
+        self.migrated: tuple[str, ...] = ()
         self.shift = _parameter(shift, dtype=dtype, device=device)
         self.gamma = _parameter(gamma, dtype=dtype, device=device)
         self.beta = _parameter(beta, dtype=dtype, device=device)
@@ -101,14 +108,14 @@ class SurrogateNorm(nn.Module):
     def extra_repr(self) -> str:
         def term(name, value):
             if value is None:
-                return f"{name}=migrated"
+                return f"{name}=migrated" if name in self.migrated else None
             if value.numel() == 1:
                 return f"{name}={float(value.detach().reshape(-1)[0]):.4g}"
             return f"{name}=[{value.numel()}]"
 
         parts = [str(self.width)] + self._extra()
         parts += [term(name, getattr(self, name)) for name in ("shift", "gamma", "beta")]
-        return ", ".join(parts)
+        return ", ".join(p for p in parts if p is not None)
 
     def _extra(self) -> list[str]:
         return []
@@ -144,7 +151,9 @@ class ScaleBias(SurrogateNorm):
         return surrogate
 
     def _extra(self) -> list[str]:
-        return ["α=migrated" if self.alpha is None else f"α={float(self.alpha.detach()):.4g}"]
+        if self.alpha is None:
+            return ["α=migrated"] if "gamma" in self.migrated else []
+        return [f"α={float(self.alpha.detach()):.4g}"]
 
 
 class _Pointwise(SurrogateNorm):
@@ -216,18 +225,27 @@ def surrogate_module(
     device=None,
 ) -> SurrogateNorm:
     """The module for a fitted `Surrogate`; the terms not kept have migrated elsewhere."""
-    shift = surrogate.shift if keep_shift and surrogate.has_shift else None
-    beta = surrogate.beta if keep_beta and np.any(surrogate.beta != 0) else None
+    has = {
+        "shift": surrogate.has_shift,
+        "gamma": not np.all(surrogate.gamma == 1),
+        "beta": bool(np.any(surrogate.beta != 0)),
+    }
+    keep = {"shift": keep_shift, "gamma": keep_gamma, "beta": keep_beta}
+    shift = surrogate.shift if keep_shift and has["shift"] else None
+    gamma = surrogate.gamma if keep_gamma and has["gamma"] else None
+    beta = surrogate.beta if keep_beta and has["beta"] else None
     like = {"dtype": dtype, "device": device}
+    module: SurrogateNorm
     if surrogate.kind == "scalebias":
-        alpha = surrogate.alpha if keep_gamma and surrogate.alpha != 1 else None
-        return ScaleBias(width, alpha, shift, beta, **like)
-    gamma = surrogate.gamma if keep_gamma and not np.all(surrogate.gamma == 1) else None
-    if surrogate.kind == "rms":
-        return ShiftedRMSNorm(width, surrogate.epsilon, shift, gamma, beta, **like)
-    if surrogate.kind in ("dyt", "derf"):
-        return MODULES[surrogate.kind](width, surrogate.alpha, shift, gamma, beta, **like)
-    return Affine(width, shift, gamma, beta, **like)
+        module = ScaleBias(width, None if gamma is None else surrogate.alpha, shift, beta, **like)
+    elif surrogate.kind == "rms":
+        module = ShiftedRMSNorm(width, surrogate.epsilon, shift, gamma, beta, **like)
+    elif surrogate.kind in ("dyt", "derf"):
+        module = MODULES[surrogate.kind](width, surrogate.alpha, shift, gamma, beta, **like)
+    else:
+        module = Affine(width, shift, gamma, beta, **like)
+    module.migrated = tuple(term for term in ("shift", "gamma", "beta") if has[term] and not keep[term])
+    return module
 
 
 class SmoothRemoval(nn.Module):
@@ -250,3 +268,25 @@ def surrogate_modules(model: nn.Module) -> Iterator[tuple[str, SurrogateNorm]]:
     for path, module in model.named_modules():
         if isinstance(module, SurrogateNorm):
             yield path, module
+
+
+def smooth_removal(student: nn.Module, norms: nn.Module, alpha: float = 1.0) -> list[SmoothRemoval]:
+    """Wrap every surrogate of `student` (in place) in a `SmoothRemoval` with the norm at the same path of
+    `norms` (a copy of it): the module `replace` started from, or the original model. Returns the blends,
+    whose `alpha` a training schedule lowers from 1 to 0.
+
+    The surrogates must hold every fitted term (`ReplaceOptions(migrate_affine=False)`): a term migrated
+    into an adjacent layer would change what the norm's side of the blend feeds it.
+    """
+    blends = []
+    for path, surrogate in list(surrogate_modules(student)):
+        if surrogate.migrated:
+            raise ValueError(
+                f"{path}: its {', '.join(surrogate.migrated)} migrated into adjacent layers; build the student "
+                "with ReplaceOptions(migrate_affine=False) to blend it with its norm"
+            )
+        blend = SmoothRemoval(copy.deepcopy(norms.get_submodule(path)), surrogate, alpha)
+        parent, _, child = path.rpartition(".")
+        setattr(student.get_submodule(parent), child, blend)
+        blends.append(blend)
+    return blends
