@@ -25,10 +25,10 @@ surrogates, run on calibration batches (collecting each norm's input, or the out
    extends the order's *path* of states.
 5. **Back-off** (why: docs/surrogates.md, "A selection that generalizes"): the decision is the
    largest state on the path whose figures on the check split — samples no decision has seen —
-   keep the budget within `check_margin`; the best order's (most norms, lowest cost class, least damage
-   on check) is kept. A worst case over a few dozen samples is an extreme statistic, and greedy
-   acceptance favours states whose select figures happen to be low: the check split sees neither
-   bias.
+   keep the budget within `check_margin`; the best order's (most norms, lowest cost class, least
+   damage on check) is kept. A worst case over a few dozen samples is an extreme statistic, and
+   greedy acceptance favours states whose select figures happen to be low: the check split sees
+   neither bias.
 6. **Gate** on test: a model missing the budget there is refused (`BudgetMissed`, which carries
    the report), unless `write_best`, which writes the largest state on the chosen path that meets
    the budget on test instead (test then decided that, and the report says so).
@@ -185,10 +185,12 @@ class Splits:
 
 
 def split_roles(batches: list[Batch], holdout: list[Batch] | None, options: ReplaceOptions) -> Splits:
-    """Fit, select, check and test batches (see the module docstring)."""
+    """Fit, select, check and test batches (see the module docstring); a holdout is the test split,
+    batched like the others (sentences collated)."""
     fit_share, val_share, test_share = options.split
     if holdout is not None:
         test_share = 0.0
+        (holdout,) = split_batches(holdout, (1.0,), options.seed, options.batch_size)
     val_shares = (val_share * (1 - options.check), val_share * options.check)
     shares = (fit_share, *val_shares, test_share)
     fit, select, check, test = split_batches(batches, shares, options.seed, options.batch_size)
