@@ -46,6 +46,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "pooled": {"split": (0.4, 0.4, 0.2), "check": 0.0},
     "backoff-0.8": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 0.8},
     "backoff": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 1.0},
+    "backoff-select-1": {"split": (0.4, 0.4, 0.2), "check": 0.5, "margin": 1.0, "check_margin": 0.8},
 }
 
 
