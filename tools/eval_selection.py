@@ -9,8 +9,12 @@ embeddings of the written model against the original's. Strategies:
 
 * `validation` — decide on the validation split alone (`--split 0.5,0.25,0.25 --check 0`: the
   pass before the back-off);
-* `backoff` — the default: greedy on the selection split, then back off to the largest selection
-  the check split confirms (`--split 0.4,0.4,0.2 --check 0.5`).
+* `pooled` — the same on a larger validation split (`--split 0.4,0.4,0.2 --check 0`);
+* `backoff` — the default: greedy on the selection split (within 0.8 of the allowance), then back
+  off to the largest selection the check split confirms within 0.8 (`--split 0.4,0.4,0.2
+  --check 0.5 --check-margin 0.8`);
+* `backoff-check-1.0`, `backoff-select-1.0` — the back-off with a margin of 1 on the check split,
+  or on the selection split.
 
 A refused model (the pass's own test split misses the budget) is measured all the same (the pass
 hands it to tools for inspection) and counted as refused.
@@ -42,11 +46,11 @@ from normpass.models import text
 from normpass.onnx.replace import Runner, input_spec
 
 STRATEGIES: dict[str, dict[str, Any]] = {
-    "validation": {"split": (0.5, 0.25, 0.25), "check": 0.0},
-    "pooled": {"split": (0.4, 0.4, 0.2), "check": 0.0},
-    "backoff-0.8": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 0.8},
-    "backoff": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 1.0},
-    "backoff-select-1": {"split": (0.4, 0.4, 0.2), "check": 0.5, "margin": 1.0, "check_margin": 0.8},
+    "validation": {"split": (0.5, 0.25, 0.25), "check": 0.0},  # the pass before the back-off
+    "pooled": {"split": (0.4, 0.4, 0.2), "check": 0.0},  # a larger selection split, no check
+    "backoff": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 0.8},  # the defaults
+    "backoff-check-1.0": {"split": (0.4, 0.4, 0.2), "check": 0.5, "check_margin": 1.0},
+    "backoff-select-1.0": {"split": (0.4, 0.4, 0.2), "check": 0.5, "margin": 1.0, "check_margin": 0.8},
 }
 
 

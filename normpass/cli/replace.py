@@ -88,9 +88,9 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--check-margin",
         type=float,
-        default=1.0,
+        default=0.8,
         help="share of the budget's allowance the check split may use: the selection backs off until it "
-        "holds (default 1.0)",
+        "holds (default 0.8)",
     )
     parser.add_argument(
         "--write-best",

@@ -73,7 +73,7 @@ class ReplaceOptions:
     check: float = 0.5  # share of validation held back for the back-off; 0: decide on select alone
     holdout: object = None  # test data from elsewhere (same forms as the calibration data)
     margin: float = 0.8  # share of the budget's allowance the selection split may use
-    check_margin: float = 1.0  # share of the budget's allowance the check split may use
+    check_margin: float = 0.8  # share of the budget's allowance the check split may use
     write_best: bool = False  # on a miss, write the largest selection that meets the budget on test
     centre_inputs: bool | None = None  # default: on when rms surrogates are allowed (docs/surrogates.md)
     refit: bool = True  # rms: least-squares γ/β against the norm's outputs
