@@ -11,7 +11,7 @@ import argparse
 import json
 
 from ..errors import InputError
-from ..io import check_paths, load_onnx, write_text_atomic
+from ..io import check_paths, load_onnx, model_files, replacing, write_text_atomic
 
 
 def add_parser(sub) -> None:
@@ -49,14 +49,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..onnx.bench import Candidate, parse_sweep, plot, run_benchmark, to_csv  # ONNX Runtime: only when benchmarking
 
+    inputs = model_files("ORIGINAL", args.original) | model_files("OPTIMIZED", args.optimized)
+    outputs = list(check_paths(inputs, {"--json": args.json, "--csv": args.csv, "--plot": args.plot}).values())
     for path in (args.original, args.optimized):
         load_onnx(path)  # clear errors for a missing or unreadable file
-    outputs = list(
-        check_paths(
-            {"ORIGINAL": args.original, "OPTIMIZED": args.optimized},
-            {"--json": args.json, "--csv": args.csv, "--plot": args.plot},
-        ).values()
-    )
     if args.plot and not args.plot.lower().endswith(".png"):
         raise InputError(f"{args.plot}: --plot draws a PNG; name the file *.png")
     sweep, points = None, [(args.batch, args.seq)]
@@ -89,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         write_text_atomic(to_csv(report), args.csv)
     if args.plot:
-        plot(report, args.plot)
+        with replacing(args.plot) as tmp:
+            plot(report, tmp)
     if outputs:
         print("wrote " + ", ".join(str(p) for p in outputs))
     return 0
