@@ -666,3 +666,137 @@ def test_duplicate_initializer_names_are_bad_input(tmp_path, capsys):
         assert "'w0'" in refused(capsys, *argv)
     with pytest.raises(InputError, match="'w0'"):
         fold_onnx(model)
+
+
+# --- 9. one line means one line ---------------------------------------------------------------------
+
+
+def fp16_overflowing_model() -> onnx.ModelProto:
+    """`ln_model` in fp16 with a first weight whose centred values overflow fp16 (correctly refused)."""
+    model = ln_model()
+    for tensor in model.graph.initializer:
+        values = numpy_helper.to_array(tensor).astype(np.float16)
+        if tensor.name == "w0":
+            values = np.full(values.shape, -60000, np.float16)
+            values[:, 0] = 60000
+        tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
+    for value in [*model.graph.input, *model.graph.output]:
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    return model
+
+
+def test_library_warnings_join_the_one_line(tmp_path, capfd):
+    path = tmp_path / "fp16.onnx"
+    onnx.save(fp16_overflowing_model(), path)
+    assert main(["fold", str(path), "-o", str(tmp_path / "o.onnx")]) == 1
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "overflow" in err and "relative error inf" in err, err
+
+
+def test_onnx_runtime_log_lines_do_not_print(tmp_path, capfd):
+    """ONNX Runtime prints its own coloured error line (on file descriptor 2) when a run fails."""
+    model = ln_model()
+    model.graph.node[1].op_type = "Mul"  # h = m0 · b0 …
+    model.graph.node.insert(2, helper.make_node("Relu", ["h"], ["hr"], name="relu"))  # … and a Relu: no fold
+    model.graph.node[3].input[0] = "hr"
+    gamma = next(t for t in model.graph.initializer if t.name == "g")
+    gamma.CopyFrom(numpy_helper.from_array(np.ones(D - 1, np.float32), "g"))  # a γ of the wrong length
+    path = tmp_path / "bad_gamma.onnx"
+    onnx.save(model, path)
+    for argv in (["fold", path, "-o", tmp_path / "o.onnx"], ["bench", path, path, "--repeats", 1, "--no-progress"]):
+        assert main([str(a) for a in argv]) == 2
+        err = capfd.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "onnxruntime:" not in err and "\x1b[" not in err, err
+
+
+# --- 10. signals ----------------------------------------------------------------------------------
+
+# Runs `normpass ARGS` with a pause at STAGE (`tensor`: after the first tensor of the weights is
+# written to the temporary directory; `commit`: while the output is renamed into place, with
+# signals deferred; `report`: after the model is written, before the report), having created the
+# file READY there; the test sends a signal once READY exists.
+PAUSING_NORMPASS = """
+import contextlib, pathlib, sys, time
+from normpass import io
+from normpass.cli import fold
+from normpass.cli.main import main
+
+stage, ready = sys.argv[1], pathlib.Path(sys.argv[2])
+io.EXTERNAL_MIN_BYTES = 16
+
+def pause(seconds):
+    ready.touch()
+    time.sleep(seconds)
+
+if stage == "tensor":
+    make = io._dropping_pages
+    def pausing_callback():
+        callback = make()
+        def call(tensor, info):
+            callback(tensor, info)
+            pause(60)
+        return call
+    io._dropping_pages = pausing_callback
+elif stage == "commit":
+    remove = io._remove_stale_data
+    def pausing_removal(*args):
+        pause(0.5)
+        remove(*args)
+    io._remove_stale_data = pausing_removal
+else:
+    write = fold.write_text_atomic
+    def pausing_write(*args):
+        pause(60)
+        write(*args)
+    fold.write_text_atomic = pausing_write
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_signals_during_a_write_leave_the_old_output_or_the_whole_new_one(tmp_path):
+    """SIGTERM and SIGHUP behave like SIGINT: the temporary files go, the old output stays (or, once
+    the output is renamed into place, the new one is whole), one line says what was written, and the
+    exit code is 128 + the signal's number."""
+    import signal as signals
+    import time
+
+    cases = [
+        (signals.SIGTERM, "tensor", "terminated (SIGTERM); nothing written"),
+        (signals.SIGHUP, "tensor", "hung up (SIGHUP); nothing written"),
+        (signals.SIGINT, "tensor", "interrupted; nothing written"),
+        (signals.SIGTERM, "commit", "terminated (SIGTERM); wrote only"),
+        (signals.SIGTERM, "report", "terminated (SIGTERM); wrote only"),
+    ]
+    runs = []
+    for index, (_, stage, _) in enumerate(cases):
+        directory = tmp_path / str(index)
+        directory.mkdir()
+        model = external_ln_model(directory / "m.onnx")
+        (directory / "out.onnx").write_text("the old output")
+        before = listing(directory)
+        argv = ["fold", model, "-o", directory / "out.onnx", "--no-verify", "--no-migrate-affine"]
+        argv += ["--report", directory / "r.json"]
+        process = subprocess.Popen(
+            [sys.executable, "-c", PAUSING_NORMPASS, stage, str(tmp_path / f"ready{index}"), *map(str, argv)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        runs.append((process, directory, before))
+    deadline = time.monotonic() + 120
+    pending = dict(enumerate(cases))
+    while pending and time.monotonic() < deadline:
+        for index in [i for i in pending if (tmp_path / f"ready{i}").exists()]:
+            runs[index][0].send_signal(pending.pop(index)[0])
+        time.sleep(0.02)
+    for (signum, stage, says), (process, directory, before) in zip(cases, runs, strict=True):
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 128 + signum, (stage, err)
+        assert len(err.strip().splitlines()) == 1 and says in err, err
+        assert not [p for p in directory.iterdir() if p.name.startswith(".normpass-")]
+        assert not (directory / "r.json").exists()
+        if stage == "tensor":
+            assert listing(directory) == before
+        else:
+            assert computes_like(directory / "out.onnx", ort_outputs(ln_model(), {"x": X})[0])
+            assert "out.onnx" in err and len(list(directory.glob("out.onnx.*.data"))) == 1
