@@ -668,6 +668,17 @@ def test_duplicate_initializer_names_are_bad_input(tmp_path, capsys):
         fold_onnx(model)
 
 
+@pytest.mark.parametrize("declared", [["B", D // 2], ["B", D, 3]])
+def test_value_info_contradicting_the_computed_shapes_is_bad_input(tmp_path, capsys, declared):
+    model = ln_model()
+    model.graph.value_info.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, declared))
+    path = tmp_path / "vi.onnx"
+    onnx.save(model, path)
+    for argv in (["fold", path, "-o", tmp_path / "o.onnx"], ["inspect", path]):
+        line = refused(capsys, *argv)
+        assert "node h (Add)" in line and "value_info" in line, line
+
+
 # --- 9. one line means one line ---------------------------------------------------------------------
 
 

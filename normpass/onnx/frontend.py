@@ -16,6 +16,7 @@ reason they are not rewritten.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ from ..core.rules import (
     Sum,
     Take,
 )
-from ..errors import UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
 from .constants import constant_values, is_constant
 from .patterns import match_decomposed, match_single_op, norm_info
@@ -140,7 +141,14 @@ def _has_contrib_ops(model: onnx.ModelProto) -> bool:
 
 def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference, or ONNX Runtime's symbolic one where the graph has contrib ops (which
-    ONNX's does not know); best effort: unknown shapes make the analysis decline."""
+    ONNX's does not know); best effort: unknown shapes make the analysis decline. A declared type
+    or shape (`value_info`, a graph output) that contradicts what a node computes is refused
+    (`InputError`): the analysis would otherwise trust it."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+    except Exception as e:  # strict mode fails on every node it cannot infer; only contradictions are refused
+        _refuse_contradictions(e)
+        inferred = None
     if _has_contrib_ops(light):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -148,10 +156,23 @@ def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
             return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
         except Exception:
             pass
+    if inferred is not None:
+        return inferred
     try:
         return onnx.shape_inference.infer_shapes(light, data_prop=True)
     except Exception:
         return light
+
+
+def _refuse_contradictions(error: Exception) -> None:
+    for line in str(error).splitlines():
+        if "existing shape differ" in line or "differs from existing" in line:
+            found = re.search(r"op_type:([^,]*), node name: ([^)]*)\): \[\w+\] (.*)", line)
+            where = f"node {found[2]} ({found[1]}): {found[3]}" if found else line.strip()
+            raise InputError(
+                f"the declared type or shape of a tensor (value_info or a graph output) contradicts what "
+                f"its node computes: {where}; correct or remove the declaration"
+            ) from error
 
 
 def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: Path | None = None) -> OnnxGraph:
@@ -178,7 +199,10 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
         if not node.name or node.name in seen:
             node.name = f"{node.op_type}_{index}" if not node.name else f"{node.name}_{index}"
         seen.add(node.name)
-    shapes, dtypes = infer_shapes(structure)
+    try:
+        shapes, dtypes = infer_shapes(structure)
+    except InputError as e:
+        raise InputError(f"{name}: {e}") from e
     for node in graph:
         value = attr(node, "value") if node.op_type == "Constant" else None
         if isinstance(value, ir.TensorProtocol):
