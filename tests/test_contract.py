@@ -679,6 +679,25 @@ def test_value_info_contradicting_the_computed_shapes_is_bad_input(tmp_path, cap
         assert "node h (Add)" in line and "value_info" in line, line
 
 
+def test_a_module_on_the_meta_device_is_bad_input(tmp_path, capsys, monkeypatch):
+    import torch
+
+    import normpass
+
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.LayerNorm(D), torch.nn.Linear(D, D)).eval()
+    with pytest.raises(InputError, match="meta device"):
+        normpass.fold(module, (torch.randn(2, D),))
+    factory = tmp_path / "meta_factory.py"
+    factory.write_text(
+        "import torch\n\ndef make():\n    with torch.device('meta'):\n"
+        f"        m = torch.nn.Sequential(torch.nn.Linear({D}, {D}), torch.nn.LayerNorm({D}))\n"
+        f"    return m.eval(), (torch.randn(2, {D}),)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "meta device" in refused(capsys, "fold", "--torch", "meta_factory:make", "-o", tmp_path / "o.onnx")
+
+
 # --- 9. one line means one line ---------------------------------------------------------------------
 
 
