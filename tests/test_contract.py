@@ -724,19 +724,29 @@ def test_library_warnings_join_the_one_line(tmp_path, capfd):
 
 
 def test_onnx_runtime_log_lines_do_not_print(tmp_path, capfd):
-    """ONNX Runtime prints its own coloured error line (on file descriptor 2) when a run fails."""
+    """ONNX Runtime prints its own coloured error line (on file descriptor 2) when a run fails: here a
+    Reshape to a shape of the wrong size, when verification runs the original."""
     model = ln_model()
-    model.graph.node[1].op_type = "Mul"  # h = m0 · b0 …
-    model.graph.node.insert(2, helper.make_node("Relu", ["h"], ["hr"], name="relu"))  # … and a Relu: no fold
-    model.graph.node[3].input[0] = "hr"
-    gamma = next(t for t in model.graph.initializer if t.name == "g")
-    gamma.CopyFrom(numpy_helper.from_array(np.ones(D - 1, np.float32), "g"))  # a γ of the wrong length
-    path = tmp_path / "bad_gamma.onnx"
+    model.graph.node.append(helper.make_node("Reshape", ["x", "wrong"], ["z"], name="reshape"))
+    model.graph.initializer.append(numpy_helper.from_array(np.array([3, 5], np.int64), "wrong"))
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    path = tmp_path / "bad_reshape.onnx"
     onnx.save(model, path)
     for argv in (["fold", path, "-o", tmp_path / "o.onnx"], ["bench", path, path, "--repeats", 1, "--no-progress"]):
         assert main([str(a) for a in argv]) == 2
         err = capfd.readouterr().err
-        assert len(err.strip().splitlines()) == 1 and "onnxruntime:" not in err and "\x1b[" not in err, err
+        assert len(err.strip().splitlines()) == 1 and "[E:onnxruntime" not in err and "\x1b[" not in err, err
+        assert "Reshape" in err or "reshape" in err, err
+
+
+def test_a_layer_norm_whose_scale_does_not_fit_is_bad_input(tmp_path, capsys):
+    model = ln_model()
+    gamma = next(t for t in model.graph.initializer if t.name == "g")
+    gamma.CopyFrom(numpy_helper.from_array(np.ones(D - 1, np.float32), "g"))
+    path = tmp_path / "bad_gamma.onnx"
+    onnx.save(model, path)
+    for argv in (["fold", path, "-o", tmp_path / "o.onnx"], ["inspect", path], ["viz", path, "-o", tmp_path / "v.svg"]):
+        assert "scale g has shape [7]" in refused(capsys, *argv)
 
 
 # --- 10. signals ----------------------------------------------------------------------------------

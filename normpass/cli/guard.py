@@ -131,7 +131,8 @@ class _Collector(logging.Handler):
 
 
 def _note(notes: list[str], text: str) -> None:
-    line = ANSI_ESCAPE.sub("", text).strip().splitlines()[0] if text.strip() else ""
+    lines = ANSI_ESCAPE.sub("", text).strip().splitlines()
+    line = lines[0].strip() if lines else ""
     if line and line not in notes:
         notes.append(line)
 

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..core.graph import NodeKind, NormInfo, ZeroMeanGraph, ZNode
+from ..core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
 from ..core.rules import (
     Broadcast,
     Centered,
@@ -599,6 +599,8 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
             zmg.constants[tensor.name] = lambda t=tensor: constant_values(t)
     in_norm: set[int] = set()
     for node, op, (norm_type, match) in norm_matches(list(graph), outputs):
+        if norm_type is NormType.LAYER and match.unsupported is None:
+            _check_affine(ctx, node, match)
         zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
         in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}
@@ -624,6 +626,20 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
             zmg.norms.append(norm)
             zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
     return zmg
+
+
+def _check_affine(ctx: OnnxGraph, node: ir.Node, match) -> None:
+    """Refuse (`InputError`) a LayerNorm whose γ or β does not fit its input's trailing dims (each equal,
+    or 1): the model is invalid, ONNX Runtime refuses to run it, and no rewrite can use it."""
+    x_shape = ctx.shapes.get(match.x.name) or ()
+    for role, tensor in (("scale", match.gamma), ("bias", match.beta)):
+        shape = () if tensor is None else ctx.shapes.get(tensor.name) or ()
+        pairs = list(zip(shape[::-1], x_shape[::-1], strict=False))
+        if any(isinstance(a, int) and isinstance(b, int) and a not in (b, 1) for a, b in pairs):
+            raise InputError(
+                f"{ctx.name}: node {node.name}: its {role} {tensor.name} has shape {list(shape)}, which does not "
+                f"fit its input's shape {list(x_shape)}; the model is invalid (ONNX Runtime refuses to run it)"
+            )
 
 
 def graph_values(graph: ir.Graph) -> Iterator[ir.Value]:

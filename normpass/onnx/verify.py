@@ -153,7 +153,7 @@ def _options(optimize: bool = False) -> ort.SessionOptions:
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.add_session_config_entry("session.disable_prepacking", "1")  # no second, packed copy of the weights
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # fatal only: what a failure says is in the exception it raises, not a log line
     return options
 
 
