@@ -385,16 +385,25 @@ WRITTEN: list[Path] = []  # every output this process has put in place, in order
 
 @contextlib.contextmanager
 def signals_deferred():
-    """SIGINT, SIGTERM and SIGHUP are held back until the block ends (then delivered): what it does is
-    done whole. Only the main thread can, and needs to: signal handlers run there."""
+    """SIGINT, SIGTERM and SIGHUP are held back until the block ends, then delivered: what the block
+    does is done whole. Python runs signal handlers in the main thread whichever thread the signal
+    reached, so the handlers are swapped for ones that only take note (a signal mask would not do:
+    another thread would take the signal). Only the main thread can swap them; elsewhere nothing is held.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
+    held: list[int] = []
+    previous = {}
     try:
+        for signum in DEFERRED_SIGNALS:
+            previous[signum] = signal.signal(signum, lambda signum, frame: held.append(signum))
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)  # to the handler now in place
 
 
 @contextlib.contextmanager
@@ -478,7 +487,8 @@ def save_onnx_atomic(model: onnx.ModelProto | ir.Model, out_path: str | os.PathL
     data_name = _data_name(target.name)
     tmp_dir = None
     try:
-        tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=target.parent)
+        with signals_deferred():  # the directory exists once its name is known, to be removed below
+            tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=target.parent)
         tmp_model = Path(tmp_dir) / target.name
         if isinstance(model, ir.Model):
             save_ir(tmp_model, model, data_name)
@@ -519,20 +529,23 @@ def replacing(out_path: str | os.PathLike):
     block ends without an error, removed otherwise. A symlink is written through."""
     out = Path(out_path)
     target = out.resolve()
+    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".normpass-", suffix=target.suffix, dir=target.parent)
-    except OSError as e:
-        raise InputError(f"{out}: could not write ({e.strerror or e}); choose a writable path") from e
-    os.close(fd)
-    try:
+        with signals_deferred():  # the file exists once its name is known, to be removed below
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=".normpass-", suffix=target.suffix, dir=target.parent)
+            except OSError as e:
+                raise InputError(f"{out}: could not write ({e.strerror or e}); choose a writable path") from e
+            os.close(fd)
         yield Path(tmp)
         os.chmod(tmp, _default_mode())
         with signals_deferred():
             os.replace(tmp, target)
             WRITTEN.append(out)
     finally:
-        with signals_deferred():
-            Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            with signals_deferred():
+                Path(tmp).unlink(missing_ok=True)
 
 
 def write_text_atomic(text: str, out_path: str | os.PathLike) -> None:

@@ -5,8 +5,10 @@
     python tools/fuzz.py --from-files 0 --examples 2000   # fold from files, every tensor external
 
 Example i uses generator seed S + i (tests/graphgen.py), checked by tests/fuzzcheck.py (with
-`--from-files BYTES`: saved with its tensors of BYTES or more as external data and folded from the
-file, `fuzzcheck.check_from_file`). Prints
+`--from-files BYTES`: saved with its tensors of BYTES or more as external data, folded from the
+file, and the files attacked: outputs aimed at the inputs, short and missing data files, a data
+file shared by two models, two concurrent writers, a signal at a random moment of a run;
+`fuzzcheck.check_from_file(..., hostile=True)`). Prints
 
 the examples run, the failures by class with their seeds, and saves each failing model as
 OUT/SEED.onnx with a one-line repro in OUT/SEED.txt.
@@ -36,7 +38,7 @@ def check(case, from_files: int | None) -> list:
     if from_files is None:
         return fuzzcheck.check(case)
     with tempfile.TemporaryDirectory() as directory:
-        return fuzzcheck.check_from_file(case, Path(directory), from_files)
+        return fuzzcheck.check_from_file(case, Path(directory), from_files, hostile=True)
 
 
 def run_one(seed: int, from_files: int | None = None) -> tuple[int, list[str], onnx.ModelProto | None]:
