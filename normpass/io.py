@@ -427,8 +427,12 @@ def _directory_lock(directory: Path):
         os.close(fd)  # releases the lock
 
 
-def _data_name(model_name: str) -> str:
-    return f"{model_name}.{secrets.token_hex(4)}.data"
+def _data_name(target: Path) -> str:
+    """A name for the data file of a model written to `target`: `target`'s name, 8 random hex digits, `.data`;
+    one that no file has yet."""
+    while (target.parent / (name := f"{target.name}.{secrets.token_hex(4)}.data")).exists():
+        pass
+    return name
 
 
 def _mark(data_name: str) -> bytes:
@@ -441,9 +445,10 @@ def _written_by_normpass(path: Path, model_name: str) -> bool:
         return False
     mark = _mark(path.name)
     try:
+        info = path.lstat()  # a link, FIFO or device is no file normpass wrote (and a FIFO would block a read)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < len(mark):
+            return False
         with open(path, "rb") as file:
-            if os.fstat(file.fileno()).st_size < len(mark) or not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                return False
             file.seek(-len(mark), os.SEEK_END)
             return file.read() == mark
     except OSError:
@@ -484,7 +489,7 @@ def save_onnx_atomic(model: onnx.ModelProto | ir.Model, out_path: str | os.PathL
     keep = [*keep, *_external_paths(model)]
     if any(_same_file(target, kept) for kept in keep):
         raise InputError(f"{out}: the model reads its weights from this file; choose another output path")
-    data_name = _data_name(target.name)
+    data_name = _data_name(target)
     tmp_dir = None
     try:
         with signals_deferred():  # the directory exists once its name is known, to be removed below
@@ -508,7 +513,7 @@ def save_onnx_atomic(model: onnx.ModelProto | ir.Model, out_path: str | os.PathL
                 os.replace(tmp_data, target.parent / data_name)
             try:
                 os.replace(tmp_model, target)
-            except BaseException:
+            except OSError:
                 if written_data:
                     (target.parent / data_name).unlink(missing_ok=True)
                 raise

@@ -469,9 +469,12 @@ def test_stale_data_files_go_and_nothing_else(tmp_path, small_external, capsys):
     users = {name: tmp_path / name for name in ("out.onnx.data", "out.onnx.0123abcd.data", "out.onnx.x.data")}
     for path in users.values():
         path.write_bytes(b"the user's")
+    os.mkfifo(tmp_path / "out.onnx.89abcdef.data")  # named like one, never opened (a read would block)
+    (tmp_path / "out.onnx.456789ab.data").symlink_to(first)  # a link to one: not a file normpass wrote
     assert cli(capsys, "fold", source, "-o", out, "--no-verify", "--no-migrate-affine")[0] == 0
     assert data_file(out) != first and not first.exists()
     assert all(path.read_bytes() == b"the user's" for path in users.values())
+    assert (tmp_path / "out.onnx.89abcdef.data").exists() and (tmp_path / "out.onnx.456789ab.data").is_symlink()
     # an input that reads OUT's current data file: folding it to OUT keeps that file (the input still loads)
     reader = tmp_path / "reader.onnx"
     shutil.copy(out, reader)

@@ -31,7 +31,7 @@ from .. import io
 from ..errors import NormpassError
 
 INTERNAL_ERROR = 3
-STOPPING_SIGNALS = {
+STOPPING_SIGNALS: dict[int, str] = {
     signal.SIGINT: "interrupted",
     signal.SIGTERM: "terminated (SIGTERM)",
     signal.SIGHUP: "hung up (SIGHUP)",
