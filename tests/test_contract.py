@@ -555,6 +555,15 @@ def test_no_output_may_overwrite_a_file_an_input_reads(tmp_path, capsys):
     assert listing(tmp_path) == before
 
 
+def test_a_fold_result_is_not_saved_over_the_weights_it_reads(tmp_path):
+    path = external_ln_model(tmp_path / "m.onnx")
+    before = listing(tmp_path)
+    result = fold_onnx(path, FoldOptions(migrate_affine=False))  # γ stays the file's tensor
+    with pytest.raises(InputError, match="reads its weights"):
+        result.save(tmp_path / "m.onnx.data")
+    assert listing(tmp_path) == before
+
+
 def test_fold_torch_refuses_to_overwrite_its_factory(tmp_path, capsys, monkeypatch):
     factory = tmp_path / "my_factory.py"
     factory.write_text("def make():\n    raise AssertionError('the factory must not run')\n")
@@ -866,9 +875,16 @@ def test_a_signal_during_the_commit_waits_until_the_output_is_in_place(tmp_path,
             for _ in range(1000):  # bytecodes, at one of which the main thread runs the handler
                 pass
 
+    def unhandled(signum, frame):  # where nothing handles SIGTERM, fail instead of ending the test run
+        raise AssertionError("SIGTERM was not handled")
+
     monkeypatch.setattr(io.os, "replace", replace_then_signal)
-    code, _, err = cli(capsys, "fold", model_file, "-o", out, "--no-verify")
-    monkeypatch.setattr(io.os, "replace", replace)
+    previous = signals.signal(signals.SIGTERM, unhandled)
+    try:
+        code, _, err = cli(capsys, "fold", model_file, "-o", out, "--no-verify")
+    finally:
+        signals.signal(signals.SIGTERM, previous)
+        monkeypatch.setattr(io.os, "replace", replace)
     assert code == 143 and "terminated (SIGTERM); wrote only" in err and str(out) in err, err
     assert computes_like(out, ort_outputs(ln_model(), {"x": X})[0])
 
