@@ -486,13 +486,13 @@ def test_decomposed_ln_in_double_between_a_cast_pair_with_value_info():
     assert_decomposed_folds(onnx.shape_inference.infer_shapes(decomposed_ln(rng(11), casts="around")))
 
 
-def test_decomposed_ln_with_private_tensor_used_elsewhere_is_not_matched():
-    """A chain whose intermediate d is also a graph output is not a norm: nothing may be rewritten."""
+def test_decomposed_ln_with_private_tensor_used_elsewhere_is_listed_not_rewritten():
+    """A chain whose intermediate d is also a graph output is listed, once, and declined naming d."""
     model = decomposed_ln(rng(12))
     model.graph.output.append(onnx.helper.make_tensor_value_info("d", onnx.TensorProto.FLOAT, ["N", D]))
     plan = inspect_onnx(model)
-    assert not plan.folded
-    assert all(d.op != "decomposed LayerNorm" for d in plan.decisions)
+    assert [(d.op, d.foldable) for d in plan.decisions] == [("decomposed LayerNorm", False)], plan.to_json()
+    assert plan.decisions[0].reason == "not rewritten: its intermediate d is also a graph output"
     result = fold_and_check(model)
     assert op_counts(result.model) == op_counts(model)
 
@@ -893,6 +893,30 @@ agraph (float[B, 6] x) => (float[B, {S}, {D}] y) {{
     assert "axes" in plan.decisions[0].reason and "multi-axis" in plan.decisions[0].reason
     result = fold_and_check(model)
     assert op_counts(result.model) == op_counts(model)
+
+
+def test_decomposed_ln_over_one_inner_axis_is_refused_for_it():
+    """ReduceMean over axis 1 of a rank-3 tensor: one axis, not the last, which the RMS ops cannot normalize."""
+    gen = rng(24)
+    model = build(
+        f"""{header()}
+agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
+  h = MatMul(x, W)
+  mu = ReduceMean(h, ax)
+  d = Sub(h, mu)
+  p = Mul(d, d)
+  v = ReduceMean(p, ax)
+  r = Sqrt(v)
+  y = Div(d, r)
+}}""",
+        W=randn(gen, 6, D),
+        ax=np.array([1], np.int64),
+    )
+    plan = inspect_onnx(model)
+    assert plan.total == 1 and plan.decisions[0].op == "decomposed LayerNorm"
+    assert plan.decisions[0].reason == (
+        "normalizes over axis 1, not the last one: the RMS ops normalize over the last axes"
+    )
 
 
 def test_ln_with_mean_output_consumed_is_refused():
