@@ -895,30 +895,6 @@ agraph (float[B, 6] x) => (float[B, {S}, {D}] y) {{
     assert op_counts(result.model) == op_counts(model)
 
 
-def test_decomposed_ln_over_one_inner_axis_is_refused_for_it():
-    """ReduceMean over axis 1 of a rank-3 tensor: one axis, not the last, which the RMS ops cannot normalize."""
-    gen = rng(24)
-    model = build(
-        f"""{header()}
-agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y) {{
-  h = MatMul(x, W)
-  mu = ReduceMean(h, ax)
-  d = Sub(h, mu)
-  p = Mul(d, d)
-  v = ReduceMean(p, ax)
-  r = Sqrt(v)
-  y = Div(d, r)
-}}""",
-        W=randn(gen, 6, D),
-        ax=np.array([1], np.int64),
-    )
-    plan = inspect_onnx(model)
-    assert plan.total == 1 and plan.decisions[0].op == "decomposed LayerNorm"
-    assert plan.decisions[0].reason == (
-        "normalizes over axis 1, not the last one: the RMS ops normalize over the last axes"
-    )
-
-
 def test_ln_with_mean_output_consumed_is_refused():
     gen = rng(25)
     model = build(

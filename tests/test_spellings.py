@@ -1,8 +1,12 @@
-"""Every spelling of a norm that normpass recognises, each on a small hand-built graph.
+"""Every spelling of a norm that normpass recognises (docs/patterns.md), on small graphs: hand-built,
+ONNX Runtime's LayerNorm and SkipLayerNormalization fusion-test graphs (tests/data/ort_fusion), ONNX's
+own expansions of LayerNormalization and RMSNormalization (its conformance-case generator), model-local
+functions (hand-built and the TorchScript exporter's).
 
 Foldable spellings assert the fold count, the ops of the rewritten graph, `onnx.checker`
 (`check_structure`), normpass's own verification and an independent run of both models in ONNX
-Runtime (optimizations off). Spellings that cannot fold are listed with their reason.
+Runtime (optimizations off). Spellings that cannot fold are listed with their reason, and a norm
+seen only in part is listed as not recognised.
 """
 
 from __future__ import annotations
@@ -589,28 +593,31 @@ def fold_checked_half(model: onnx.ModelProto):
     return result
 
 
-def test_a_norm_seen_in_part_is_listed_as_not_recognised():
-    """x − ReduceMean(x) over the last axis divided by a square root whose variance is over another
-    axis: listed with what was seen and where matching stopped; nothing rewritten."""
-    gen = rng(32)
-    model = build(
+def divided_by_root(gen, square: str, mean_axes: list[int], variance_axes: list[int]) -> onnx.ModelProto:
+    """h = x·W; d = h − ReduceMean(h) over `mean_axes`; y = d / Sqrt(ReduceMean(`square`) over `variance_axes` + ε)."""
+    return build(
         f"""{header(18)}
 agraph (float[B, 4, 6] x) => (float[B, 4, {D}] y) {{
   h = MatMul(x, W0)
-  mu = ReduceMean(h, last)
+  mu = ReduceMean(h, mean_axes)
   d = Sub(h, mu)
-  p = Pow(d, two)
-  v = ReduceMean(p, rows)
+  p = {square}
+  v = ReduceMean(p, variance_axes)
   ve = Add(v, eps)
   r = Sqrt(ve)
   y = Div(d, r)
 }}""",
         W0=randn(gen, 6, D),
-        last=np.array([-1], np.int64),
-        rows=np.array([1], np.int64),
-        two=np.array(2.0, np.float32),
+        mean_axes=np.array(mean_axes, np.int64),
+        variance_axes=np.array(variance_axes, np.int64),
         eps=np.array(1e-5, np.float32),
     )
+
+
+def test_a_norm_seen_in_part_is_listed_as_not_recognised():
+    """x − ReduceMean(x) over the last axis divided by a square root whose variance is over another
+    axis: listed with what was seen and where matching stopped; nothing rewritten."""
+    model = divided_by_root(rng(32), "Mul(d, d)", [-1], [1])
     norm = only_decision(model)
     assert norm.op == UNRECOGNISED and not norm.foldable
     assert norm.reason == (
@@ -622,25 +629,17 @@ agraph (float[B, 4, 6] x) => (float[B, 4, {D}] y) {{
 
 
 def test_a_norm_of_the_uncentred_input_is_listed_as_not_recognised():
-    """d / Sqrt(ReduceMean(x²)): x − mean over the root of the mean square of x itself, which no norm computes."""
-    gen = rng(33)
-    model = build(
-        f"""{header(18)}
-agraph (float[B, 4, 6] x) => (float[B, 4, {D}] y) {{
-  h = MatMul(x, W0)
-  mu = ReduceMean(h, ax)
-  d = Sub(h, mu)
-  p = Mul(h, h)
-  v = ReduceMean(p, ax)
-  r = Sqrt(v)
-  y = Div(d, r)
-}}""",
-        W0=randn(gen, 6, D),
-        ax=np.array([-1], np.int64),
-    )
-    norm = only_decision(model)
+    """d / Sqrt(ReduceMean(h²)): x − mean over the root of the mean square of x itself, which no norm computes."""
+    norm = only_decision(divided_by_root(rng(33), "Mul(h, h)", [-1], [-1]))
     assert norm.op == UNRECOGNISED and "not recognised as a LayerNorm" in norm.reason
     assert "(Div y)" in norm.reason and "mean²" in norm.reason
+
+
+def test_decomposed_ln_over_one_inner_axis_is_refused_for_it():
+    """ReduceMean over axis 1 of a rank-3 tensor: one axis, not the last, which the RMS ops cannot normalize."""
+    norm = only_decision(divided_by_root(rng(24), "Mul(d, d)", [1], [1]))
+    assert norm.op == "decomposed LayerNorm"
+    assert norm.reason == "normalizes over axis 1, not the last one: the RMS ops normalize over the last axes"
 
 
 def test_an_explicit_centring_is_no_norm():
