@@ -635,11 +635,66 @@ def test_a_norm_of_the_uncentred_input_is_listed_as_not_recognised():
     assert "(Div y)" in norm.reason and "mean²" in norm.reason
 
 
+def test_keras_layer_norm_is_listed_as_not_recognised():
+    """tf2onnx's Keras LayerNorm (ONNX Runtime's `FusionLayerNormalizationTF` fuses it): x·(γ/σ) + (β − μ·γ/σ),
+    σ the root of the mean of (x − μ)²; x − μ is never divided, so it is no spelling normpass rewrites,
+    but it is listed, naming the standard deviation it computes."""
+    gen = rng(37)
+    model = build(
+        f"""{header(13)}
+agraph (float[B, 4, 6] x) => (float[B, 4, {D}] y) {{
+  h = MatMul(x, W0)
+  mu = ReduceMean<axes=[-1]>(h)
+  d = Sub(h, mu)
+  p = Mul(d, d)
+  v = ReduceMean<axes=[-1]>(p)
+  ve = Add(v, eps)
+  r = Sqrt(ve)
+  inv = Reciprocal(r)
+  scale = Mul(inv, g1)
+  hs = Mul(h, scale)
+  ms = Mul(mu, scale)
+  shift = Sub(b1, ms)
+  y = Add(hs, shift)
+}}""",
+        W0=randn(gen, 6, D),
+        eps=np.array(1e-3, np.float32),
+        **affine(gen),
+    )
+    norm = only_decision(model)
+    assert norm.op == UNRECOGNISED and not norm.foldable
+    assert norm.reason == (
+        "not recognised as a LayerNorm: h − ReduceMean mu over axes [-1] (Sub d) has its standard deviation "
+        "computed (Sqrt r); x − mean is not divided by the square root"
+    )
+
+
 def test_decomposed_ln_over_one_inner_axis_is_refused_for_it():
     """ReduceMean over axis 1 of a rank-3 tensor: one axis, not the last, which the RMS ops cannot normalize."""
     norm = only_decision(divided_by_root(rng(24), "Mul(d, d)", [1], [1]))
     assert norm.op == "decomposed LayerNorm"
     assert norm.reason == "normalizes over axis 1, not the last one: the RMS ops normalize over the last axes"
+
+
+def test_statistics_pooling_is_no_norm():
+    """Mean and standard deviation over time, concatenated (x-vector statistics pooling): nothing is normalized."""
+    gen = rng(38)
+    model = build(
+        f"""{header(13)}
+agraph (float[B, 10, 6] x) => (float[B, 1, {2 * D}] y) {{
+  h = MatMul(x, W0)
+  mu = ReduceMean<axes=[1]>(h)
+  d = Sub(h, mu)
+  p = Mul(d, d)
+  v = ReduceMean<axes=[1]>(p)
+  ve = Add(v, eps)
+  s = Sqrt(ve)
+  y = Concat<axis=-1>(mu, s)
+}}""",
+        W0=randn(gen, 6, D),
+        eps=np.array(1e-5, np.float32),
+    )
+    assert inspect_onnx(model).total == 0
 
 
 def test_an_explicit_centring_is_no_norm():

@@ -40,7 +40,9 @@ Every norm found is listed in `inspect`; those that cannot fold say why.
   deviation) are read elsewhere, is listed and declined with that reason.
 * Listed as not recognised, with what was seen and where matching stopped: a ReduceMean whose
   x − mean is divided by a square root, when the rest is not a LayerNorm (axes that differ, a
-  variance of something else).
+  variance of something else), or whose x − mean has its standard deviation computed, which then
+  scales x (tf2onnx's Keras LayerNorm: x·(γ/σ) + (β − μ·γ/σ)). A standard deviation that scales
+  nothing (statistics pooling) and x − mean alone (a centring) are no norms.
 * RMSNorm, reported as already RMS: `SimplifiedLayerNormalization` (ORT),
   `com.microsoft.SkipSimplifiedLayerNormalization` (its sum is modelled like SkipLayerNorm's),
   `RMSNormalization` (opset 23), and the decomposed chain without the mean subtraction (Llama;
@@ -626,18 +628,57 @@ class _LayerNorm:
         return flatten.inputs[0], [flatten, *_between(x, flatten.outputs[0])], int(attr(flatten, "axis", 1))
 
     def seen(self) -> str | None:
-        """What is there of a LayerNorm if x − mean is divided by a square root, else None."""
-        for d in _aliases([s.outputs[0] for s in self.subs], self.ctx, []):
+        """What is there of a LayerNorm if x − mean is divided by a square root or its standard deviation
+        is computed (the square root of the mean of its square), else None."""
+        start = (
+            f"{_root(self.anchor.inputs[0]).name} − ReduceMean {self.anchor.name} over axes {list(self.axes)} "
+            f"(Sub {', '.join(s.name for s in self.subs)})"
+        )
+        deviations = _aliases([s.outputs[0] for s in self.subs], self.ctx, [])
+        for d in deviations:
             for node in self.ctx.readers(d):
                 divides = node.op_type == "Div" and node.inputs[0] is d
-                if not (divides or node.op_type == "Mul") or not _from_root(_other_input(node, d), not divides):
+                if (divides or node.op_type == "Mul") and _from_root(_other_input(node, d), not divides):
+                    verb = "divided" if divides else "multiplied"
+                    return f"{start} is {verb} by a square root ({node.op_type} {node.name})"
+        root = self._standard_deviation(deviations)
+        if root is None or not self._scales_input(root):
+            return None
+        return f"{start} has its standard deviation computed (Sqrt {root.name})"
+
+    def _scales_input(self, root: ir.Node) -> bool:
+        """Whether x is multiplied or divided by something computed from the square root (its reciprocal
+        times γ, say): the root normalizes x, as against statistics pooling, which outputs it."""
+        source = _root(self.anchor.inputs[0])
+        found, stack = {id(root)}, [root]
+        while stack and len(found) <= DEAD_LIMIT:
+            for reader in self.ctx.readers(stack.pop().outputs[0]):
+                if reader.op_type in ("Mul", "Div") and any(
+                    t is not None and _root(t) is source for t in reader.inputs
+                ):
+                    return True
+                if id(reader) not in found and (
+                    reader.op_type in ("Reciprocal", "Mul", "Div", "Add") or _transparent(reader)
+                ):
+                    found.add(id(reader))
+                    stack.append(reader)
+        return False
+
+    def _standard_deviation(self, deviations: list[ir.Value]) -> ir.Node | None:
+        """The Sqrt of ReduceMean(d²) (+ ε), Casts between, if x − mean is squared and averaged."""
+        squares = [n for d in deviations for n in self.ctx.readers(d) if _is_square(n, deviations.__contains__)]
+        for square in squares:
+            for mean in (n for v in _aliases(square.outputs, self.ctx, []) for n in self.ctx.readers(v)):
+                if _reduce_axes(mean, self.ctx) is None:
                     continue
-                subs = ", ".join(s.name for s in self.subs)
-                return (
-                    f"{_root(self.anchor.inputs[0]).name} − ReduceMean {self.anchor.name} over axes "
-                    f"{list(self.axes)} (Sub {subs}) is {'divided' if divides else 'multiplied'} "
-                    f"by a square root ({node.op_type} {node.name})"
-                )
+                variance = _aliases(mean.outputs, self.ctx, [])
+                plus_eps = [
+                    n.outputs[0] for v in variance for n in self.ctx.readers(v) if _scalar_add(n, v) is not None
+                ]
+                for value in _aliases(variance + plus_eps, self.ctx, []):
+                    root = next((n for n in self.ctx.readers(value) if n.op_type == "Sqrt"), None)
+                    if root is not None:
+                        return root
         return None
 
 
