@@ -62,6 +62,9 @@ FEATURES = (
     "spellings",
     "functions",
 )
+# The features the pinned campaign seeds were found with: `generate(seed, PINNED_FEATURES)` replays
+# the very model a regression test was written for (later features draw from a stream of their own).
+PINNED_FEATURES = FEATURES[:9]
 SPELLINGS = ("twice", "identity", "moments", "wide", "onnx")  # of a decomposed LayerNorm (see the module docstring)
 WIDER = {np.dtype(np.float16): np.float32, np.dtype(np.float32): np.float64}  # the "wide" spelling's inner type
 FUNCTION_DOMAIN = "fuzz.functions"
