@@ -611,7 +611,8 @@ def to_html(view: View) -> str:
         f'<span class="swatch" style="background:{fill};border:{width}px solid {stroke}"></span>{_esc(label)}<br>'
         for label, fill, stroke, width in kinds + marks
     ) + "".join(
-        f'<span class="line" style="border-top:{width}px {"dashed" if dash else "solid"} {colour}"></span>{_esc(label)}<br>'
+        f'<span class="line" style="border-top:{width}px {"dashed" if dash else "solid"} {colour}"></span>'
+        f"{_esc(label)}<br>"
         for colour, width, dash, label in EDGE_STYLE.values()
         if label
     )
@@ -656,8 +657,8 @@ h2 {{ font-size: 13px; margin: 12px 0 6px; text-transform: uppercase; color: #6b
 #norms button:hover, .link:hover {{ background: #e5e7eb; }}
 .dot {{ display: inline-block; width: 9px; height: 9px; border-radius: 50%; margin-right: 6px; }}
 .folded-dot {{ background: #15803d; }} .refused-dot {{ background: #b91c1c; }}
-.swatch {{ display: inline-block; width: 12px; height: 12px; border-radius: 3px; margin-right: 6px; vertical-align: -2px;
-  box-sizing: border-box; }}
+.swatch {{ display: inline-block; width: 12px; height: 12px; border-radius: 3px; margin-right: 6px;
+  vertical-align: -2px; box-sizing: border-box; }}
 .line {{ display: inline-block; width: 22px; margin-right: 6px; vertical-align: 3px; }}
 #details dl {{ margin: 0; }} #details dt {{ font-weight: bold; margin-top: 6px; }} #details dd {{ margin: 2px 0 0 0; }}
 #details code {{ font-size: 12px; word-break: break-all; }}

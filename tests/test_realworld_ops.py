@@ -565,7 +565,8 @@ m (float[4,8] x) => (float[4,8] y) {
 
 
 def test_fused_attention_takes_the_affine_and_refuses_a_shift(gen):
-    """com.microsoft.Attention computes x·W_qkv + b_qkv: γ/β migrate into them; centring its input would not be exact."""
+    """com.microsoft.Attention computes x·W_qkv + b_qkv: γ/β migrate into them; centring its input would not be
+    exact."""
     text = (
         OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1')
         + """

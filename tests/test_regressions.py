@@ -187,3 +187,33 @@ agraph (float[B, {D}] x) => (float[B, {D}] y, float[B, {D}] z) {{
     result = fold_onnx(model)
     assert [d.op for d in result.plan.decisions] == ["decomposed LayerNorm"] and result.folded == 1
     assert_equivalent(model, result.model)
+
+
+def test_gamma_moves_along_each_consumers_own_axis_into_large_weights():
+    """γ migrates into two consumers that contract over different axes of their weights (a MatMul's
+    [in, out] and a Gemm's transB [out, in]), each weight large enough to be computed when written:
+    each migration keeps its own axis (found by ruff's B023, a loop variable read by a lambda)."""
+    d = 512  # 1 MiB fp32 weights: computed when written (onnx/targets.py LAZY_MIN_BYTES)
+    gen = rng(4)
+    model = build(
+        f"""{HEADER}
+        agraph (float[2, {d}] x) => (float[2, {d}] y1, float[2, {d}] y2) {{
+            xw = MatMul(x, W0)
+            h = Add(xw, b0)
+            n = LayerNormalization<axis=-1>(h, g, be)
+            nw = MatMul(n, W1)
+            y1 = Add(nw, b1)
+            y2 = Gemm<transB=1>(n, W2, b2)
+        }}""",
+        W0=randn(gen, d, d, scale=0.05),
+        b0=randn(gen, d),
+        g=1 + randn(gen, d, scale=0.5),
+        be=randn(gen, d, scale=0.3),
+        W1=randn(gen, d, d, scale=0.05),
+        b1=randn(gen, d),
+        W2=randn(gen, d, d, scale=0.05),
+        b2=randn(gen, d),
+    )
+    result = fold_onnx(model)
+    assert result.folded == 1 and op_counts(result.model)["LayerNormalization"] == 0
+    assert_equivalent(model, result.model)

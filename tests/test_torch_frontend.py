@@ -46,7 +46,8 @@ def _last_words(reason: str) -> str:
 
 @pytest.fixture(scope="module")
 def fold_registry():
-    """`fold_registry(name)` → (entry, module, inputs, folded module, report, the module's state before), once per module."""
+    """`fold_registry(name)` → (entry, module, inputs, folded module, report, the module's state before), once per
+    module."""
     cache = {}
 
     def folded(name):
@@ -381,7 +382,7 @@ def test_refuses_a_rewrite_that_does_not_verify(monkeypatch):
 def test_rejects_bad_input():
     with pytest.raises(InputError, match="training mode"):
         fold(Stack(), IDS)
-    with pytest.raises(InputError, match="nn.Module"):
+    with pytest.raises(InputError, match=r"nn\.Module"):
         fold(lambda x: x, IDS)
 
 

@@ -128,7 +128,8 @@ def describe(path: pathlib.Path) -> dict:
 
 
 def measured(command: list[str], limit_as_gib: float | None) -> dict:
-    """Run `command` in a fresh process: wall and CPU (user + system) seconds, peak RSS (MiB), exit code, last stderr line."""
+    """Run `command` in a fresh process: wall and CPU (user + system) seconds, peak RSS (MiB), exit code, last
+    stderr line."""
 
     def limit():
         if limit_as_gib:
@@ -160,7 +161,8 @@ def normpass_script() -> str:
     found = str(script) if script.exists() else shutil.which("normpass")
     if not found:
         sys.exit(
-            f"bench_pass: no normpass console script beside {sys.executable} or on PATH; install normpass into this environment"
+            f"bench_pass: no normpass console script beside {sys.executable} or on PATH; "
+            "install normpass into this environment"
         )
     return found
 
@@ -295,8 +297,10 @@ def verdicts(figures: dict) -> list[dict]:
 def environment() -> dict:
     import normpass
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    cpuinfo = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    meminfo = pathlib.Path("/proc/meminfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    mem_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal"))
     source = pathlib.Path(normpass.__file__).resolve().parent
     git = ["git", "-C", str(source)]
     commit, branch, changes = (
@@ -322,7 +326,8 @@ def environment() -> dict:
 
 def print_tables(figures: dict, rows: list[dict]) -> None:
     print(
-        "\n| model | weights MiB | fold s | fold CPU s | fold peak RSS MiB | floor s | floor CPU s | floor peak RSS MiB | folded |"
+        "\n| model | weights MiB | fold s | fold CPU s | fold peak RSS MiB "
+        "| floor s | floor CPU s | floor peak RSS MiB | folded |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, f in figures.items():
@@ -330,7 +335,8 @@ def print_tables(figures: dict, rows: list[dict]) -> None:
             f"{f['floor_s']:.2f} | {f['floor_cpu_s']:.2f} | {f['floor_rss_mib']:.0f}" if "floor_s" in f else "– | – | –"
         )
         print(
-            f"| {name} | {f['weight_mib']:.0f} | {f['fold_s']:.2f} | {f['fold_cpu_s']:.2f} | {f['fold_rss_mib']:.0f} | {floor} | {f['folded']} |"
+            f"| {name} | {f['weight_mib']:.0f} | {f['fold_s']:.2f} | {f['fold_cpu_s']:.2f} | {f['fold_rss_mib']:.0f} "
+            f"| {floor} | {f['folded']} |"
         )
     print("\n| target | figure | goal | result |")
     print("|---|---|---|---|")

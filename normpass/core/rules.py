@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Protocol, Union
+from typing import TYPE_CHECKING, Protocol
 
 from .plan import Centring
 
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     from .graph import NormInfo, ZeroMeanGraph, ZNode
 
 Required = list[tuple[int, str, int | None]]  # (input index, input tensor, its axis or None)
-Backward = Union[Required, Centring, str]  # inputs that must be zero-mean, a centring, or why not
-Forward = Union[list[tuple[str, int]], str]  # (output, axis) states that carry the shift on, or why not
+Backward = Required | Centring | str  # inputs that must be zero-mean, a centring, or why not
+Forward = list[tuple[str, int]] | str  # (output, axis) states that carry the shift on, or why not
 
 
 @dataclass(frozen=True, eq=False)
@@ -345,7 +345,10 @@ class Choose(_Elementwise):
 
     def pull(self, zmg, node, tensor, axis) -> Backward:
         if not _along_rows(zmg, node, axis):
-            return f"{node.op} {node.name} selects elements within a row, not whole rows (its condition varies along the axis)"
+            return (
+                f"{node.op} {node.name} selects elements within a row, not whole rows "
+                "(its condition varies along the axis)"
+            )
         return _broadcast_inputs(zmg, node, tensor, axis, [1, 2])
 
     def forward(self, shift: Shift) -> Forward:

@@ -6,9 +6,10 @@ s = a + b; y = RMSNorm(s)·γ becomes one `com.microsoft.SkipSimplifiedLayerNorm
 whose outputs are (y, -, -, s); s is kept only where the residual stream goes on. The fused node
 takes the Add's place in the node order, so everything that read s still comes after it.
 Only same-shape, run-time operands in float or float16 qualify (ORT registers the op for those
-alone: a double model keeps the pair), the dtype read from γ's initializer. When one of them is itself t + c, with c a constant
-1-D bias and t + c read by nothing else (a linear layer's bias `Add`), that Add goes into the
-op's bias input too: s = a + t + c = Skip(a, t, γ, c), as ORT's own BiasSkipLayerNorm fusion does.
+alone: a double model keeps the pair), the dtype read from γ's initializer. When one of them is
+itself t + c, with c a constant 1-D bias and t + c read by nothing else (a linear layer's bias
+`Add`), that Add goes into the op's bias input too: s = a + t + c = Skip(a, t, γ, c), as ORT's own
+BiasSkipLayerNorm fusion does.
 """
 
 from __future__ import annotations

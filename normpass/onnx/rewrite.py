@@ -261,7 +261,8 @@ class Rewriter:
             if self._beta(norm) is not None and affine.full is None and affine.beta is None:
                 stranded[decision.name] = (
                     "proven foldable, kept as a LayerNorm: its β has no linear layer or residual bias to move into, "
-                    "and RMSNorm plus a separate β Add costs more than the LayerNorm (--fold-with-beta-add folds it anyway)"
+                    "and RMSNorm plus a separate β Add costs more than the LayerNorm "
+                    "(--fold-with-beta-add folds it anyway)"
                 )
         return stranded
 

@@ -5,8 +5,8 @@ the surrogates) remove the affine where that is exact:
 
 * **γ and β into linear layers.** When every path from y reaches, through reshapes that keep the
   feature axis, a linear layer that contracts over the features (MatMul with a constant weight,
-  Gemm, the packed QKV projection of `com.microsoft.Attention`), then (u⊙γ + β)·W + b = u·W' + b' with W' = diag(γ)·W and b' = b + β·W
-  (`algebra.migrate_affine`; a Gemm's β·W is scaled by α/β_g).
+  Gemm, the packed QKV projection of `com.microsoft.Attention`), then (u⊙γ + β)·W + b = u·W' + b'
+  with W' = diag(γ)·W and b' = b + β·W (`algebra.migrate_affine`; a Gemm's β·W is scaled by α/β_g).
 * **β alone across a residual Add.** When each consumer is such a layer or an `Add(y, s)` whose
   other summand s carries a bias c through Adds nothing else reads, then
   Add(y, s) = Add(y − β, s + β): c' = c + β, and the other readers take β·W as above. γ stays
@@ -114,9 +114,10 @@ def migration_targets(
     """Where a per-feature affine on `tensor` (its last axis) can go, or None.
 
     Every path from `tensor` must reach, through reshapes that keep the feature axis, the input of
-    a reader of shapes only (`Shape`, `Size`: it does not see the affine) or of a linear layer that contracts over it (and can take a bias when `needs_bias`). `other(consumer,
-    tensor, axis)` may claim a consumer that is not such a layer by returning a target of its own
-    (anything not None); by default nothing else is accepted.
+    a reader of shapes only (`Shape`, `Size`: it does not see the affine) or of a linear layer that
+    contracts over it (and can take a bias when `needs_bias`). `other(consumer, tensor, axis)` may
+    claim a consumer that is not such a layer by returning a target of its own (anything not None);
+    by default nothing else is accepted.
     """
     targets = []
     shape = ctx.shapes.get(tensor.name)
@@ -154,11 +155,8 @@ def linear_target(
     if weight is None or not is_constant(weight) or weight_shape is None or len(weight_shape) != 2 or axis != rank - 1:
         return None
     if consumer.op_type == "Gemm" and not attr(consumer, "transA", 0):
-        if (
-            (input_at(consumer, 2) is not None
-            and not is_constant(consumer.inputs[2]))
-            or (needs_bias
-            and attr(consumer, "beta", 1.0) == 0)
+        if (input_at(consumer, 2) is not None and not is_constant(consumer.inputs[2])) or (
+            needs_bias and attr(consumer, "beta", 1.0) == 0
         ):
             return None
         return LinearTarget(consumer, attr(consumer, "transB", 0), consumer, 2)
@@ -322,7 +320,8 @@ def move_affine(
                 graph,
                 name_for(linear, 1, "affine"),
                 weight,
-                lambda w: migrate_affine(w, None, gamma, None, target.in_axis)[0],
+                # bound now: a large weight is computed when written, after this loop has moved on
+                lambda w, axis=target.in_axis: migrate_affine(w, None, gamma, None, axis)[0],
             )
             set_input(linear, 1, scaled)
         new_bias = (

@@ -47,7 +47,8 @@ def bodies(node: ir.Node) -> list[tuple[str, ir.Graph]]:
 
 
 def take_over(old: ir.Value, new: ir.Value) -> None:
-    """`new` replaces `old` for every reader and as a graph output, under `old`'s name (and shape, where `new` has none)."""
+    """`new` replaces `old` for every reader and as a graph output, under `old`'s name (and shape, where `new`
+    has none)."""
     old.replace_all_uses_with(new, replace_graph_outputs=True)
     if new.shape is None:
         new.shape = old.shape

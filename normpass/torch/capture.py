@@ -520,13 +520,9 @@ def _check_no_visible_mutation(graph_module: torch.fx.GraphModule) -> None:
     for node in graph_module.graph.nodes:
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
         inplace = (
-            (node.op in ("call_method", "call_function")
-            and name.endswith("_")
-            and not name.endswith("__"))
-            or (node.op == "call_function"
-            and (node.target is operator.setitem or node.kwargs.get("inplace")))
-            or (node.op == "call_module"
-            and getattr(modules.get(node.target), "inplace", False))
+            (node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__"))
+            or (node.op == "call_function" and (node.target is operator.setitem or node.kwargs.get("inplace")))
+            or (node.op == "call_module" and getattr(modules.get(node.target), "inplace", False))
         )
         target = node.args[0] if node.args else None
         if inplace and isinstance(target, torch.fx.Node) and len(target.users) > 1:

@@ -516,7 +516,8 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
         if own
         else (
             f"{call.target} is called inside {type(module).__name__} {call.module or '(root)'}.forward, not by an "
-            "nn.LayerNorm module: the PyTorch rewrite replaces nn.LayerNorm modules only (the ONNX front end can fold it)"
+            "nn.LayerNorm module: the PyTorch rewrite replaces nn.LayerNorm modules only "
+            "(the ONNX front end can fold it)"
         )
     )
     info = NormInfo(
