@@ -58,7 +58,7 @@ def _vector_dims(value: ir.Value) -> tuple | None:
 def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
     """Rewrite `model` in place; returns the number of fused pairs."""
     graph = model.graph
-    outputs = {o.name for o in graph.outputs}
+    graph_outputs = {o.name for o in graph.outputs}
     fused: set[int] = set()  # ids of the Adds fused (each fused once)
     count = 0
     for norm in list(graph):
@@ -85,13 +85,13 @@ def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
         if attr(norm, "axis", -1) not in (-1, len(shape) - 1):
             continue
         total = add.outputs[0]
-        keep_sum = len(total.uses()) > 1 or total.name in outputs
+        keep_sum = len(total.uses()) > 1 or total.name in graph_outputs
         inputs, note = [first, second, gamma], f"normpass: fused with residual Add {add.name}"
         removed = [norm, add]
         for index in (1, 0):
             bias_add = inputs[index].producer()
             split = None if bias_add is None or id(bias_add) in fused else _bias_split(bias_add, shape, shapes)
-            if split is not None and len(inputs[index].uses()) == 1 and inputs[index].name not in outputs:
+            if split is not None and len(inputs[index].uses()) == 1 and inputs[index].name not in graph_outputs:
                 inputs[index] = split[0]
                 inputs.append(split[1])
                 removed.append(bias_add)
@@ -99,7 +99,7 @@ def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
                 break
         y = norm.outputs[0]
         taken_over = [(y, _like(y))] + ([(total, _like(total))] if keep_sum else [])
-        outputs = [new for _, new in taken_over]
+        outputs = [new for _, new in taken_over]  # (y, -, -, sum) where the sum is kept
         skip = ir.node(
             "SkipSimplifiedLayerNormalization",
             inputs,
