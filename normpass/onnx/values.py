@@ -22,6 +22,13 @@ def attr(node: ir.Node, name: str, default=None):
     return list(value) if isinstance(value, tuple) else value
 
 
+def name_of(item: ir.Value | ir.Node | None) -> str:
+    """The name of a value or node; "" for an absent optional input and for an unnamed value or node
+    (onnx-ir allows them; every value of a loaded model is named, and `frontend.load_graph` names
+    every node)."""
+    return "" if item is None else item.name or ""
+
+
 def readers(value: ir.Value) -> list[ir.Node]:
     """The nodes reading `value`, once per input slot it fills (bodies included)."""
     return [use.node for use in value.uses()]
