@@ -34,7 +34,7 @@ def gpt2_fp16(gpt2):
     return to_fp16(gpt2)
 
 
-def _stash_types(model) -> list[int]:
+def _stash_types(model) -> list[int | None]:
     return [
         next((a.i for a in n.attribute if a.name == "stash_type"), None)
         for n in model.graph.node

@@ -12,6 +12,8 @@ Numerics are checked independently of normpass's verifier: both models run in ON
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -58,7 +60,7 @@ def ln_model(else_body: str, then_body: str = "t = Identity(x)", extra: str = ""
         z = If(cond) <then_branch = then_g () => (float[2, 4, {D}] t) {{ {then_body} }},
                       else_branch = else_g () => (float[2, 4, {D}] e) {{ {else_body} }}>
     }}"""
-    weights = dict(
+    weights: dict[str, Any] = dict(
         W0=randn(gen, D, D),
         b0=randn(gen, D),
         g0=1 + randn(gen, D, scale=0.3),

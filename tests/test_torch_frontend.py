@@ -365,7 +365,7 @@ def test_untraceable_model_in_a_directory_named_normpass_is_still_named(tmp_path
         "        return self.head(self.ln2(h))\n"
     )
     monkeypatch.syspath_prepend(str(project))
-    import user_branch
+    import user_branch  # type: ignore[import-not-found]  # written above, into a temporary sys.path entry
 
     with pytest.raises(UnsupportedModelError, match=r"user_branch.py:7 in forward: `if h.sum\(\) > 0:`"):
         fold(_seeded(user_branch.UserBranch), IDS)

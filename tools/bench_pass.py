@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import onnx
 
@@ -59,7 +60,7 @@ TIME_FACTOR = 1.3  # fold wall ≤ this × floor wall
 RSS_FACTOR, RSS_SLACK_MIB = 1.5, 400  # peak RSS ≤ RSS_FACTOR × weight bytes + RSS_SLACK_MIB
 LINEARITY_TOLERANCE = 0.10
 STDERR_LINES = 30  # kept in the JSON record (with NORMPASS_DEBUG=1 in the environment, a failure's traceback)
-SYNTHETIC = {  # name → synthetic_stack.build keyword arguments
+SYNTHETIC: dict[str, dict[str, Any]] = {  # name → synthetic_stack.build keyword arguments
     "synthetic-2gb": {"params": 2.15e9 / 4, "dtype": "float32", "hidden": 768, "heads": 12, "vocab": 50257},
     "synthetic-7b": {"params": 7e9, "dtype": "float16"},
 }
@@ -307,7 +308,7 @@ def environment() -> dict:
         subprocess.run(git + command, capture_output=True, text=True).stdout.strip()
         for command in (["rev-parse", "--short", "HEAD"], ["branch", "--show-current"], ["status", "--porcelain", "."])
     )
-    versions = {}
+    versions: dict[str, str | None] = {}
     for package in ("onnx", "onnxruntime", "onnx-ir", "numpy", "protobuf"):
         try:
             versions[package] = importlib.metadata.version(package)

@@ -35,9 +35,10 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -257,8 +258,14 @@ def progress_bar(total: int, enabled: bool):
     return tqdm(total=total, unit="run", leave=False, dynamic_ncols=True) if enabled else _NoBar()
 
 
+class Timed(Protocol):
+    """What `interleave` times: a `Runner`, or another front end's runner (tools/bench_torch.py)."""
+
+    def time_run(self) -> float: ...
+
+
 def interleave(
-    runners: dict[str, Runner], repeats: int, warmup: int, bar=None, budget_s: float = 0.0
+    runners: Mapping[str, Timed], repeats: int, warmup: int, bar=None, budget_s: float = 0.0
 ) -> dict[str, list[float]]:
     """`warmup` untimed then `repeats` timed rounds; each round runs every runner once, order rotated.
 
