@@ -15,16 +15,11 @@ normpass_olive.json`, with `normpass_olive.json` written from `package_config()`
 
 from __future__ import annotations
 
-import collections
-import json
 import os
-import sys
-import tempfile
 from pathlib import Path
 
-import numpy as np
 import onnx
-import onnxruntime as ort
+from _shared import cli, max_rel_error, op_counts, run, tiny_gpt2, token_ids
 
 os.environ.setdefault("OLIVE_DISABLE_TELEMETRY", "1")
 
@@ -66,25 +61,18 @@ def run_workflow(source: Path, workdir: Path) -> dict:
     olive_run(workflow(source, workdir / "olive"), package_config=package_config())
     [out] = (workdir / "olive").glob("*.onnx")
     optimized = onnx.load(str(out))
-    feeds = {"input_ids": np.random.default_rng(0).integers(0, 128, size=(2, 16), dtype=np.int64)}
-    reference = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, feeds)
-    outputs = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feeds)
+    feeds = token_ids((2, 16))
     return {
         "output": str(out),
         "metadata": {p.key: p.value for p in optimized.metadata_props if p.key.startswith("normpass")},
-        "ops": dict(collections.Counter(node.op_type for node in optimized.graph.node)),
-        "max_rel_error": max(
-            float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(reference, outputs, strict=True)
-        ),
+        "ops": op_counts(optimized.graph.node),
+        "max_rel_error": max_rel_error(run(source, feeds), run(out, feeds)),
     }
 
 
 def main(workdir: Path) -> dict:
-    from normpass import models
-
-    return run_workflow(models.export_onnx("gpt2", workdir / "gpt2.onnx", form="torchscript"), workdir)
+    return run_workflow(tiny_gpt2(workdir), workdir)
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as tmp:
-        print(json.dumps(main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tmp)), indent=2))
+    cli(main)

@@ -15,15 +15,10 @@ onnxscript's optimizer is a function (`onnxscript.optimizer.optimize_ir`, in pla
 
 from __future__ import annotations
 
-import collections
-import json
-import sys
-import tempfile
 from pathlib import Path
 
-import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
+from _shared import cli, max_rel_error, op_counts, run, tiny_gpt2, token_ids
 from onnx_ir.passes.common import CheckerPass, TopologicalSortPass
 from onnxscript.optimizer import optimize_ir
 
@@ -46,10 +41,6 @@ def pipeline(fold: FoldPass) -> ir.passes.PassManager:
     )
 
 
-def run(model: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feeds)
-
-
 def fold_in_pipeline(source: Path, workdir: Path) -> dict:
     """Run the pipeline on the GPT-2 at `source`, save the result in `workdir`, run both; what each step did."""
     model = ir.load(source)
@@ -59,8 +50,7 @@ def fold_in_pipeline(source: Path, workdir: Path) -> dict:
     out = workdir / f"{source.stem}.optimized.rms.onnx"
     ir.save(result.model, out)
     assert fold.result is not None  # set by the pass's latest call
-    feeds = {"input_ids": np.random.default_rng(0).integers(0, 128, size=(3, 7), dtype=np.int64)}
-    reference, folded = run(source, feeds), run(out, feeds)
+    feeds = token_ids((3, 7))
     return {
         "modified": result.modified,
         "folded": fold.result.folded,
@@ -68,20 +58,15 @@ def fold_in_pipeline(source: Path, workdir: Path) -> dict:
         "verified_max_rel_error": fold.result.comparison.max_rel_error if fold.result.comparison else None,
         "nodes_before": nodes_before,
         "nodes_after": len(result.model.graph),
-        "ops": dict(collections.Counter(node.op_type for node in result.model.graph)),
+        "ops": op_counts(result.model.graph),
         "opset": result.model.opset_imports[""],
-        "max_rel_error": max(
-            float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(reference, folded, strict=True)
-        ),
+        "max_rel_error": max_rel_error(run(source, feeds), run(out, feeds)),
     }
 
 
 def main(workdir: Path) -> dict:
-    from normpass import models
-
-    return fold_in_pipeline(models.export_onnx("gpt2", workdir / "gpt2.onnx", form="torchscript"), workdir)
+    return fold_in_pipeline(tiny_gpt2(workdir), workdir)
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as tmp:
-        print(json.dumps(main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tmp)), indent=2))
+    cli(main)

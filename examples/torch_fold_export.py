@@ -13,15 +13,11 @@ as `RMSNormalization`, and ONNX Runtime runs it at other input sizes than the ex
 from __future__ import annotations
 
 import collections
-import json
-import sys
-import tempfile
 from pathlib import Path
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import torch
+from _shared import cli, max_rel_error, op_counts, run
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import normpass
@@ -62,9 +58,7 @@ def main(workdir: Path) -> dict:
     other = torch.randint(0, VOCAB, (3, 7))  # sizes the example inputs did not have
     with torch.no_grad():
         reference = model(other).logits.numpy()
-    [logits] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
-        None, {"input_ids": other.numpy()}
-    )
+    outputs = run(path, {"input_ids": other.numpy()})
     return {
         "folded": report.folded,
         "norms": report.plan.total,
@@ -74,11 +68,10 @@ def main(workdir: Path) -> dict:
         "original_modules": dict(
             collections.Counter(type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__)
         ),
-        "ops": dict(collections.Counter(node.op_type for node in onnx.load(str(path)).graph.node)),
-        "max_rel_error": float(np.abs(logits - reference).max() / np.abs(reference).max()),
+        "ops": op_counts(onnx.load(str(path)).graph.node),
+        "max_rel_error": max_rel_error([reference], outputs),
     }
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as tmp:
-        print(json.dumps(main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tmp)), indent=2))
+    cli(main)

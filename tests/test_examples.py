@@ -18,6 +18,8 @@ TOLERANCE = 1e-4  # fp32, relative to the largest output
 
 
 def example(name: str):
+    if str(EXAMPLES) not in sys.path:  # as when run as `python examples/NAME.py`: for examples/_shared.py
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -29,7 +31,7 @@ def example(name: str):
 def test_fold_then_ort_transformers_optimizer_keeps_every_skip_fusion(registry_export, tmp_path):
     module = example("fold_ort_optimizer")
     source = registry_export("gpt2", "torchscript")
-    result = module.fold_and_optimize(source, tmp_path, "gpt2", 4, 64, module.token_ids(source, (2, 16)))
+    result = module.fold_and_optimize(source, tmp_path, "gpt2", 4, 64, example("_shared").token_ids((2, 16)))
     assert (result["folded"], result["norms"]) == (4, 5)
     ops, baseline = result["ops"], result["baseline_ops"]
     assert baseline["SkipLayerNormalization"] == 4 and baseline["LayerNormalization"] == 1
