@@ -107,7 +107,7 @@ def test_input_shapes_that_do_not_fit_fail_the_precondition(registry_model):
     assert fold.result is None
 
 
-def test_a_fold_that_fails_verification_raises_and_hands_nothing_back(registry_model, monkeypatch):
+def test_a_fold_that_fails_verification_raises_and_hands_nothing_back(registry_model, monkeypatch) -> None:
     monkeypatch.setattr(rewrite, "centre", lambda values, axis=None: values * 1.5)  # a wrong centring
     model = ir.from_proto(registry_model("gpt2"))
     before = proto_bytes(model)
