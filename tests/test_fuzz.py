@@ -204,6 +204,7 @@ def check_fold(model: onnx.ModelProto, insert_centering: bool):
     if not insert_centering:
         assert not plan.insertions
         assert counts["ReduceMean"] == 0
+    assert result.comparison is not None
     assert result.comparison.passed and result.comparison.max_rel_error <= 1e-4
     check_structure(result.model)
     assert_equivalent(model, result.model, seeds=(7,), rel_tol=1e-4)

@@ -24,7 +24,8 @@ D = 512  # a D×D float32 weight is 1 MiB
 
 
 def external_model(tmp_path) -> tuple:
-    """y = LN(x·W1 + b1)·W2 + b2 (foldable: W1 is centred, γ/β move into W2), z = x·W3 (untouched), saved with external data."""
+    """y = LN(x·W1 + b1)·W2 + b2 (foldable: W1 is centred, γ/β move into W2), z = x·W3 (untouched), saved with
+    external data."""
     gen = rng(3)
     model = build(
         f"""<ir_version: 10, opset_import: ["" : 17]>
