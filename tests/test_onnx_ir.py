@@ -24,7 +24,8 @@ D = 512  # a D×D float32 weight is 1 MiB
 
 
 def external_model(tmp_path) -> tuple:
-    """y = LN(x·W1 + b1)·W2 + b2 (foldable: W1 is centred, γ/β move into W2), z = x·W3 (untouched), saved with external data."""
+    """y = LN(x·W1 + b1)·W2 + b2 (foldable: W1 is centred, γ/β move into W2), z = x·W3 (untouched), saved with
+    external data."""
     gen = rng(3)
     model = build(
         f"""<ir_version: 10, opset_import: ["" : 17]>
@@ -133,7 +134,7 @@ def test_small_external_tensors_are_written_inline_after_verification(tmp_path):
     (fuzzing seed 30047: onnx-ir closed the map under the analysis's view of it, a BufferError)."""
     import graphgen
 
-    path, _ = every_tensor_external(tmp_path, graphgen.generate(30047).model)
+    path, _ = every_tensor_external(tmp_path, graphgen.generate(30047, graphgen.PINNED_FEATURES).model)
     result = fold_onnx(path)
     assert result.comparison.passed
     result.save(tmp_path / "folded.onnx")
