@@ -42,7 +42,7 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +62,7 @@ WRITE_IN_FLIGHT_BYTES = 2**26  # weights read but not yet written, at most, whil
 DATA_ALIGNMENT = 4096  # tensors of ≥ 1 MiB start at a page boundary of the data file, so ONNX Runtime can map them
 DATA_MARK = b"\n# written by normpass as the external data of "  # + the model's file name, at the end of a data file
 DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PathArgument = str | os.PathLike[str] | None
 
 
 def _default_mode() -> int:
@@ -136,10 +137,10 @@ def skeleton(model: ir.Model) -> onnx.ModelProto:
         stubbed[value] = tensor
         if tensor.size > LIGHT_INITIALIZER_LIMIT:
             value.const_value = ir.ExternalTensor(
-                STUB_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name
+                STUB_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=str(value.name)
             )
         else:
-            value.const_value = ir.Tensor(_read_small(value.name, tensor), name=value.name)
+            value.const_value = ir.Tensor(_read_small(str(value.name), tensor), name=value.name)
     try:
         return ir.to_proto(model)
     finally:
@@ -218,7 +219,7 @@ def calibration_files(label: str, path) -> dict[str, Path]:
     return {label: path}
 
 
-def check_paths(inputs: dict[str, object], outputs: dict[str, object]) -> dict[str, Path]:
+def check_paths(inputs: Mapping[str, PathArgument], outputs: Mapping[str, PathArgument]) -> dict[str, Path]:
     """Refuse outputs that are not regular files, cannot be written, or are an input or each other.
 
     `inputs` and `outputs` map a label for messages (e.g. "the model", "-o") to a path or None
@@ -334,7 +335,7 @@ def save_ir(path: Path, model: ir.Model, data_name: str | None = None) -> None:
         if isinstance(value.const_value, ir.ExternalTensor) and value.const_value.nbytes < EXTERNAL_MIN_BYTES
     }
     for value, tensor in inlined.items():
-        value.const_value = ir.Tensor(_read_small(value.name, tensor), name=value.name)
+        value.const_value = ir.Tensor(_read_small(str(value.name), tensor), name=value.name)
     try:
         ir.save(
             model,

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from onnx import numpy_helper
 
 from .errors import InputError

@@ -180,16 +180,16 @@ def _compare(case, mode: str, folded: onnx.ModelProto, expected, note: str) -> l
         got = dict(zip(runnable, run_all(folded, [case.feeds[i] for i in runnable]), strict=False))
     except Exception as e:
         return failures + [Failure("rejected", mode, describe(e))]
-    worst = (0.0, None, None)
+    worst: tuple[float, str | None, int | None] = (0.0, None, None)
     for index, candidate in got.items():
         for name, value in expected[index].items():
             error = relative_error(value, candidate[name])
             if error > TOLERANCE[value.dtype] and error > worst[0]:
                 worst = (error, name, index)
-    if worst[1] is None:
+    error, worst_name, worst_index = worst
+    if worst_name is None or worst_index is None:
         return failures
-    error, name, index = worst
-    feeds = case.feeds[index]
+    feeds = case.feeds[worst_index]
     described = {
         k: (v.tolist() if v.ndim == 0 else list(v.shape)) for k, v in feeds.items() if k in ("x", "ids", "cond")
     }
@@ -342,13 +342,13 @@ def _concurrent_writers(case, source: Path, directory: Path, expected) -> list[F
         results = [fold_onnx(source, FoldOptions(verify=False, migrate_affine=m)) for m in (True, False)]
     except NormpassError:
         return []
-    errors: list[BaseException] = []
+    errors: list[Exception] = []
 
     def write(result) -> None:
         try:
             for _ in range(3):
                 result.save(out)
-        except BaseException as e:
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=write, args=(result,)) for result in results]
