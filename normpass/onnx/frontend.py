@@ -673,7 +673,7 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
     in_norm: set[int] = set()
     context = MatchContext(outputs, {id(node) for node in graph}, ctx.shapes, ctx.dtypes)
     for node, op, (norm_type, match) in norm_matches(list(graph), context):
-        if norm_type is NormType.LAYER and match.unsupported is None:
+        if norm_type is NormType.LAYER and match.unsupported is None and len(match.nodes) == 1:
             _check_affine(ctx, node, match)
         zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
         in_norm.update(id(n) for n in match.nodes)
@@ -710,8 +710,9 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
 
 
 def _check_affine(ctx: OnnxGraph, node: ir.Node, match) -> None:
-    """Refuse (`InputError`) a LayerNorm whose γ or β does not fit its input's trailing dims (each equal,
-    or 1): the model is invalid, ONNX Runtime refuses to run it, and no rewrite can use it."""
+    """Refuse (`InputError`) a LayerNorm op whose γ or β does not fit its input's trailing dims (each
+    equal, or 1): the model is invalid, ONNX Runtime refuses to run it, and no rewrite can use it.
+    (A decomposed norm may apply γ to a reshaped tensor, as ONNX's own expansion does: not checked.)"""
     x_shape = ctx.shapes.get(match.x.name) or ()
     for role, tensor in (("scale", match.gamma), ("bias", match.beta)):
         shape = () if tensor is None else ctx.shapes.get(tensor.name) or ()
