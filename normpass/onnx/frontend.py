@@ -26,6 +26,7 @@ reason they are not rewritten.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,7 @@ from ..core.rules import (
     Sum,
     Take,
 )
-from ..errors import UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
 from .constants import constant_values, is_constant
 from .patterns import MatchContext, NormMatch, match_decomposed, match_single_op, norm_info
@@ -153,7 +154,14 @@ def _has_contrib_ops(model: onnx.ModelProto) -> bool:
 
 def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference, or ONNX Runtime's symbolic one where the graph has contrib ops (which
-    ONNX's does not know); best effort: unknown shapes make the analysis decline."""
+    ONNX's does not know); best effort: unknown shapes make the analysis decline. A declared type
+    or shape (`value_info`, a graph output) that contradicts what a node computes is refused
+    (`InputError`): the analysis would otherwise trust it."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+    except Exception as e:  # strict mode fails on every node it cannot infer; only contradictions are refused
+        _refuse_contradictions(e)
+        inferred = None
     if _has_contrib_ops(light):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -161,10 +169,23 @@ def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
             return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
         except Exception:
             pass
+    if inferred is not None:
+        return inferred
     try:
         return onnx.shape_inference.infer_shapes(light, data_prop=True)
     except Exception:
         return light
+
+
+def _refuse_contradictions(error: Exception) -> None:
+    for line in str(error).splitlines():
+        if "existing shape differ" in line or "differs from existing" in line:
+            found = re.search(r"op_type:([^,]*), node name: ([^)]*)\): \[\w+\] (.*)", line)
+            where = f"node {found[2]} ({found[1]}): {found[3]}" if found else line.strip()
+            raise InputError(
+                f"the declared type or shape of a tensor (value_info or a graph output) contradicts what "
+                f"its node computes: {where}; correct or remove the declaration"
+            ) from error
 
 
 def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: Path | None = None) -> OnnxGraph:
@@ -192,7 +213,10 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
         if not node.name or node.name in seen:
             node.name = f"{node.op_type}_{index}" if not node.name else f"{node.name}_{index}"
         seen.add(node.name)
-    shapes, dtypes = infer_shapes(structure)
+    try:
+        shapes, dtypes = infer_shapes(structure)
+    except InputError as e:
+        raise InputError(f"{name}: {e}") from e
     for node in graph:
         value = attr(node, "value") if node.op_type == "Constant" else None
         if isinstance(value, ir.TensorProtocol):
@@ -649,6 +673,8 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
     in_norm: set[int] = set()
     context = MatchContext(outputs, {id(node) for node in graph}, ctx.shapes, ctx.dtypes)
     for node, op, (norm_type, match) in norm_matches(list(graph), context):
+        if norm_type is NormType.LAYER and match.unsupported is None and len(match.nodes) == 1:
+            _check_affine(ctx, node, match)
         zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
         in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}
@@ -681,6 +707,21 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
         zmg.norms.append(norm)
         zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
     return zmg
+
+
+def _check_affine(ctx: OnnxGraph, node: ir.Node, match) -> None:
+    """Refuse (`InputError`) a LayerNorm op whose γ or β does not fit its input's trailing dims (each
+    equal, or 1): the model is invalid, ONNX Runtime refuses to run it, and no rewrite can use it.
+    (A decomposed norm may apply γ to a reshaped tensor, as ONNX's own expansion does: not checked.)"""
+    x_shape = ctx.shapes.get(match.x.name) or ()
+    for role, tensor in (("scale", match.gamma), ("bias", match.beta)):
+        shape = () if tensor is None else ctx.shapes.get(tensor.name) or ()
+        pairs = list(zip(shape[::-1], x_shape[::-1], strict=False))
+        if any(isinstance(a, int) and isinstance(b, int) and a not in (b, 1) for a, b in pairs):
+            raise InputError(
+                f"{ctx.name}: node {node.name}: its {role} {tensor.name} has shape {list(shape)}, which does not "
+                f"fit its input's shape {list(x_shape)}; the model is invalid (ONNX Runtime refuses to run it)"
+            )
 
 
 def graph_values(graph: ir.Graph) -> Iterator[ir.Value]:
