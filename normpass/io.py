@@ -137,7 +137,12 @@ def skeleton(model: ir.Model) -> onnx.ModelProto:
         stubbed[value] = tensor
         if tensor.size > LIGHT_INITIALIZER_LIMIT:
             value.const_value = ir.ExternalTensor(
-                STUB_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=str(value.name)
+                STUB_LOCATION,
+                0,
+                tensor.nbytes,
+                tensor.dtype,
+                shape=ir.Shape(tensor.shape.numpy()),
+                name=str(value.name),
             )
         else:
             value.const_value = ir.Tensor(_read_small(str(value.name), tensor), name=value.name)
