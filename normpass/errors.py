@@ -25,6 +25,11 @@ class UnsupportedModelError(NormpassError):
     exit_code = 2
 
 
+class WeightOverflowError(UnsupportedModelError):
+    """A rewrite's new weights overflow their dtype (finite before, ±inf after): no model of that dtype
+    computes the rewrite exactly, whether or not verification runs."""
+
+
 class VerificationError(NormpassError):
     """A rewritten model does not match the original within the dtype's tolerance."""
 

@@ -42,7 +42,7 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,7 @@ import onnx_ir as ir
 from onnx import numpy_helper
 
 from . import modelfiles
-from .errors import InputError
+from .errors import InputError, NormpassError
 
 PROTO_LIMIT = 2**31 - 1
 PROTO_HEADROOM = 2**28  # room for everything but the tensors' data (graph, names, shapes)
@@ -137,12 +137,17 @@ def skeleton(model: ir.Model) -> onnx.ModelProto:
         stubbed[value] = tensor
         if tensor.size > LIGHT_INITIALIZER_LIMIT:
             value.const_value = ir.ExternalTensor(
-                STUB_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=str(value.name)
+                STUB_LOCATION,
+                0,
+                tensor.nbytes,
+                tensor.dtype,
+                shape=ir.Shape(tensor.shape.numpy()),
+                name=str(value.name),
             )
         else:
             value.const_value = ir.Tensor(_read_small(str(value.name), tensor), name=value.name)
     try:
-        return ir.to_proto(model)
+        return to_proto(model)
     finally:
         for value, tensor in stubbed.items():
             value.const_value = tensor
@@ -325,7 +330,8 @@ def save_ir(path: Path, model: ir.Model, data_name: str | None = None) -> None:
     memory-mapped file, say, whose pages are dropped once written); `model` is left as it was.
     """
     if not keeps_external_data(model):
-        ir.save(model, path)
+        with _errors_of_lazy_weights():
+            ir.save(model, path)
         return
     # Small tensors stored externally in the source are written inline. onnx-ir would load each and
     # close its memory map, which fails while the analysis still holds a view of it: copy them first.
@@ -337,19 +343,41 @@ def save_ir(path: Path, model: ir.Model, data_name: str | None = None) -> None:
     for value, tensor in inlined.items():
         value.const_value = ir.Tensor(_read_small(str(value.name), tensor), name=value.name)
     try:
-        ir.save(
-            model,
-            path,
-            external_data=data_name or f"{path.name}.data",
-            size_threshold_bytes=EXTERNAL_MIN_BYTES,
-            max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES,
-            alignment=DATA_ALIGNMENT,
-            callback=_dropping_pages(),
-        )
+        with _errors_of_lazy_weights():
+            ir.save(
+                model,
+                path,
+                external_data=data_name or f"{path.name}.data",
+                size_threshold_bytes=EXTERNAL_MIN_BYTES,
+                max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES,
+                alignment=DATA_ALIGNMENT,
+                callback=_dropping_pages(),
+            )
     finally:
         for value, tensor in inlined.items():
             value.const_value = tensor
     release_weights(model)
+
+
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """`ir.to_proto(model)`; a normpass error raised by a weight computed as it is read is raised as itself."""
+    with _errors_of_lazy_weights():
+        return ir.to_proto(model)
+
+
+@contextlib.contextmanager
+def _errors_of_lazy_weights() -> Iterator[None]:
+    """onnx-ir wraps what a tensor raises while it serializes a model in its `SerdeError`: a `NormpassError`
+    of a weight computed when written (`onnx.targets.derived_initializer`) is raised as itself."""
+    try:
+        yield
+    except ir.serde.SerdeError as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, NormpassError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def drop_pages(tensor) -> None:

@@ -24,8 +24,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx, io
 from normpass.cli.main import main
-from normpass.errors import InputError, NormpassError
+from normpass.errors import InputError, NormpassError, WeightOverflowError
 from normpass.onnx import frontend as onnx_frontend
+from normpass.onnx import targets
 from normpass.surrogate.replace import ReplaceOptions, replace_onnx
 
 D = 8
@@ -691,6 +692,60 @@ def test_value_info_contradicting_the_computed_shapes_is_bad_input(tmp_path, cap
         assert "node h (Add)" in line and "value_info" in line, line
 
 
+def decomposed_ln_model(absent: str) -> onnx.ModelProto:
+    """A decomposed LayerNorm whose mean's axes are shape arithmetic, with the input `absent` (node:index)
+    written as "" (an invalid model: each of these inputs is required)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w0"], ["h"], name="m0"),
+        helper.make_node("Identity", ["h"], ["hi"], name="hi"),
+        helper.make_node("Shape", ["hi"], ["shape"], name="shape"),
+        helper.make_node("Size", ["shape"], ["rank"], name="size"),
+        helper.make_node("Sub", ["rank", "one"], ["last"], name="last"),
+        helper.make_node("Range", ["last", "rank", "one"], ["axes"], name="range"),
+        helper.make_node("ReduceMean", ["hi", "axes"], ["mu"], name="mean"),
+        helper.make_node("Sub", ["hi", "mu"], ["d"], name="sub"),
+        helper.make_node("Mul", ["d", "d"], ["p"], name="square"),
+        helper.make_node("ReduceMean", ["p", "axes"], ["v"], name="variance"),
+        helper.make_node("Add", ["v", "eps"], ["ve"], name="add_eps"),
+        helper.make_node("Sqrt", ["ve"], ["r"], name="root"),
+        helper.make_node("Div", ["d", "r"], ["y"], name="normalize"),
+    ]
+    name, index = absent.split(":")
+    node = next(n for n in nodes if n.name == name)
+    node.input[int(index)] = ""
+    weights = {"w0": randn(rng(0), D, D), "one": np.array(1, np.int64), "eps": np.array(1e-5, np.float32)}
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", D])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", D])],
+        [numpy_helper.from_array(v, k) for k, v in weights.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("absent", ["mean:0", "sub:0", "square:1", "hi:0", "shape:0"])
+def test_an_absent_required_input_is_no_internal_error(tmp_path, capsys, absent):
+    """The matchers read only the inputs that are there: `inspect` lists what it can, `fold` is refused
+    by ONNX Runtime naming the node (before: an internal error, exit 3)."""
+    path = tmp_path / "absent.onnx"
+    onnx.save(decomposed_ln_model(absent), path)
+    code, out, err = cli(capsys, "inspect", path)
+    assert code == 0 and "absent.onnx" in out, err
+    node = absent.split(":")[0]
+    assert f"({node})" in refused(capsys, "fold", path, "-o", tmp_path / "o.onnx")
+
+
+def test_a_layer_norm_op_without_its_input_is_no_internal_error(tmp_path, capsys):
+    model = ln_model()
+    next(n for n in model.graph.node if n.op_type == "LayerNormalization").input[0] = ""
+    path = tmp_path / "absent.onnx"
+    onnx.save(model, path)
+    code, _, err = cli(capsys, "inspect", path)
+    assert code == 0, err
+    assert "(n)" in refused(capsys, "fold", path, "-o", tmp_path / "o.onnx")
+
+
 def test_a_module_on_the_meta_device_is_bad_input(tmp_path, capsys, monkeypatch):
     import torch
 
@@ -713,26 +768,30 @@ def test_a_module_on_the_meta_device_is_bad_input(tmp_path, capsys, monkeypatch)
 # --- 9. one line means one line ---------------------------------------------------------------------
 
 
-def fp16_overflowing_model() -> onnx.ModelProto:
-    """`ln_model` in fp16 with a first weight whose centred values overflow fp16 (correctly refused)."""
+def fp16_ln_model(**replaced: np.ndarray) -> onnx.ModelProto:
+    """`ln_model` in fp16, with the initializers `replaced` (name → values)."""
     model = ln_model()
     for tensor in model.graph.initializer:
         values = numpy_helper.to_array(tensor).astype(np.float16)
-        if tensor.name == "w0":
-            values = np.full(values.shape, -60000, np.float16)
-            values[:, 0] = 60000
-        tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
+        tensor.CopyFrom(numpy_helper.from_array(replaced.get(tensor.name, values).astype(np.float16), tensor.name))
     for value in [*model.graph.input, *model.graph.output]:
         value.type.tensor_type.elem_type = TensorProto.FLOAT16
     return model
 
 
+def fp16_overflowing_model() -> onnx.ModelProto:
+    """`ln_model` in fp16 with a first weight near fp16's largest value (65504) whose centred values overflow."""
+    w0 = np.full((D, D), -60000, np.float16)
+    w0[:, 0] = 60000
+    return fp16_ln_model(w0=w0)
+
+
 def test_library_warnings_join_the_one_line(tmp_path, capfd):
     path = tmp_path / "fp16.onnx"
     onnx.save(fp16_overflowing_model(), path)
-    assert main(["fold", str(path), "-o", str(tmp_path / "o.onnx")]) == 1
+    assert main(["fold", str(path), "-o", str(tmp_path / "o.onnx")]) == 2
     err = capfd.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "overflow" in err and "relative error inf" in err, err
+    assert len(err.strip().splitlines()) == 1 and "RuntimeWarning: overflow encountered" in err, err
 
 
 def test_onnx_runtime_log_lines_do_not_print(tmp_path, capfd):
@@ -904,3 +963,51 @@ def test_generated_models_survive_attacks_on_their_files(tmp_path, size_threshol
         case = graphgen.generate(seed)
         failures += [f"seed {seed}: {f}" for f in fuzzcheck.check_from_file(case, directory, size_threshold, True)]
     assert not failures, "\n".join(failures)
+
+
+# --- 11. new weights that overflow their dtype -------------------------------------------------------
+
+
+@pytest.mark.parametrize("verified", [True, False], ids=["verified", "not-verified"])
+@pytest.mark.parametrize("stored", ["now", "when-written", "when-written-external"])
+def test_a_centred_weight_that_overflows_is_refused_and_nothing_written(
+    tmp_path, capsys, monkeypatch, stored, verified
+):
+    """An fp16 weight whose centred values overflow (finite before, ±inf after) is refused naming it, exit 2,
+    verified or not (before: written with inf weights, exit 0, without verification). Weights of ≥ 1 MiB are
+    computed as the model is written (here every changed weight is), also by verification: refused there,
+    with nothing left of the output (plain or with external data)."""
+    if stored != "now":
+        monkeypatch.setattr(targets, "LAZY_MIN_BYTES", 0)
+    path = tmp_path / "fp16.onnx"
+    external = stored == "when-written-external"
+    onnx.save(fp16_overflowing_model(), path, save_as_external_data=external, location="w.data", size_threshold=0)
+    out = tmp_path / "out"
+    out.mkdir()
+    line = refused(
+        capsys, "fold", path, "-o", out / "o.onnx", "--report", out / "r.json", *([] if verified else ["--no-verify"])
+    )
+    assert "initializer w0 centred for n overflows float16" in line and "convert the model to float32" in line, line
+    with pytest.raises(WeightOverflowError, match="initializer w0 centred for n"):
+        fold_onnx(path, FoldOptions(verify=verified)).save(out / "o.onnx")
+    assert not list(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    "changed, says",
+    [("g", "initializer w1 multiplied by a folded norm's γ"), ("bt", "the bias of m1 plus a folded norm's β·W")],
+)
+def test_a_migrated_weight_that_overflows_is_refused_and_folds_without_migration(tmp_path, capsys, changed, says):
+    """γ·W (or β·W added to the next bias) overflows fp16 where one γ (or β) is 2000 and W's row 40: refused,
+    with the way out, which then folds (γ and β stay in the norm)."""
+    w1 = randn(rng(1), D, D)
+    w1[0] = 40
+    vector = np.ones(D, np.float32) if changed == "g" else np.zeros(D, np.float32)
+    vector[0] = 2000
+    path = tmp_path / "fp16.onnx"
+    onnx.save(fp16_ln_model(w1=w1, **{changed: vector}), path)
+    line = refused(capsys, "fold", path, "-o", tmp_path / "o.onnx", "--no-verify")
+    assert says in line and "overflows float16" in line and "fold without affine migration" in line, line
+    assert not (tmp_path / "o.onnx").exists()
+    code, out, err = cli(capsys, "fold", path, "-o", tmp_path / "o.onnx", "--no-verify", "--no-migrate-affine")
+    assert code == 0 and "1 of 1 norms folded" in out, err

@@ -27,7 +27,7 @@ reason they are not rewritten.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +59,7 @@ from ..errors import InputError, UnsupportedModelError
 from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
 from .constants import constant_values, is_constant
 from .patterns import MatchContext, NormMatch, match_decomposed, match_single_op, norm_info
-from .values import attr, bodies, input_at, is_initializer
+from .values import attr, bodies, input_at, is_initializer, name_of
 
 SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values
 FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -220,7 +220,7 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
     for node in graph:
         value = attr(node, "value") if node.op_type == "Constant" else None
         if isinstance(value, ir.TensorProtocol):
-            shapes.setdefault(node.outputs[0].name, tuple(value.shape.numpy()))
+            shapes.setdefault(name_of(node.outputs[0]), tuple(value.shape.numpy()))
     return OnnxGraph(model, structure, shapes, dtypes, name, body_holders(graph), source, kept)
 
 
@@ -315,7 +315,7 @@ def outer_reads(node: ir.Node) -> list[ir.Value]:
 
 
 def _rank(ctx: OnnxGraph, tensor: ir.Value) -> int | None:
-    shape = ctx.shapes.get(tensor.name)
+    shape = ctx.shapes.get(name_of(tensor))
     return None if shape is None else len(shape)
 
 
@@ -653,7 +653,7 @@ def _nested_norms(node: ir.Node) -> list[NormInfo]:
 
 def _control_flow(node: ir.Node) -> tuple[NodeKind, Opaque, list[str]]:
     """A control-flow node reads its inputs and every outer-scope tensor of its bodies."""
-    reads = [t.name for t in outer_reads(node)]
+    reads = [name_of(t) for t in outer_reads(node)]
     reason = "control flow: a shift reaching its inputs" + (
         f" or what its bodies read ({', '.join(reads)})" if reads else ""
     )
@@ -663,19 +663,19 @@ def _control_flow(node: ir.Node) -> tuple[NodeKind, Opaque, list[str]]:
 def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
     """Classify every node of `ctx` and recognise its normalizations (those in bodies are declined)."""
     graph = ctx.graph
-    outputs = {t.name for t in graph.outputs}
+    outputs = {name_of(t) for t in graph.outputs}
     zmg = ZeroMeanGraph(model_name=ctx.name, shapes=ctx.shapes)
-    zmg.graph_inputs = {t.name for t in graph.inputs}
+    zmg.graph_inputs = {name_of(t) for t in graph.inputs}
     zmg.graph_outputs = outputs
     for tensor in graph_values(graph):
         if is_constant(tensor):
-            zmg.constants[tensor.name] = lambda t=tensor: constant_values(t)
+            zmg.constants[name_of(tensor)] = _loader(tensor)
     in_norm: set[int] = set()
     context = MatchContext(outputs, {id(node) for node in graph}, ctx.shapes, ctx.dtypes)
     for node, op, (norm_type, match) in norm_matches(list(graph), context):
         if norm_type is NormType.LAYER and match.unsupported is None and len(match.nodes) == 1:
             _check_affine(ctx, node, match)
-        zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
+        zmg.norms.append(norm_info(name_of(node), op, norm_type, match, _rank(ctx, match.x)))
         in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}
     for node in graph:
@@ -688,18 +688,18 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
             continue
         if id(node) in in_norm:
             continue
-        inputs = ["" if t is None else t.name for t in node.inputs]
+        inputs = [name_of(t) for t in node.inputs]
         if bodies(node):
             kind, rule, reads = _control_flow(node)
             inputs += [name for name in reads if name not in inputs]
         else:
             kind, rule = classify(ctx, node)
-        zmg.add_node(ZNode(node.name, node.op_type, kind, rule, inputs, [t.name for t in node.outputs], node))
+        zmg.add_node(ZNode(name_of(node), node.op_type, kind, rule, inputs, [name_of(t) for t in node.outputs], node))
     declined = [norm for node in graph for norm in _nested_norms(node)]
     for key, why in ctx.kept_functions.items():
         function = ctx.model.functions[key]
         where = [(node, f"model-local function {function.name}") for node in function]
-        outputs = {t.name for t in function.outputs}
+        outputs = {name_of(t) for t in function.outputs}
         declined += _declined_norms(
             where, outputs, f"not rewritten: the function is not inlined ({why})", f"{function.name}/"
         )
@@ -707,6 +707,18 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
         zmg.norms.append(norm)
         zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
     return zmg
+
+
+def _loader(tensor: ir.Value) -> Callable[[], np.ndarray]:
+    """What reads the values of the constant `tensor` when the analysis first asks for them."""
+
+    def load() -> np.ndarray:
+        values = constant_values(tensor)
+        if values is None:  # a malformed node on its way from the initializers
+            raise UnsupportedModelError(f"constant {name_of(tensor)}: its values cannot be computed")
+        return values
+
+    return load
 
 
 def _check_affine(ctx: OnnxGraph, node: ir.Node, match) -> None:

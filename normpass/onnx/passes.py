@@ -5,7 +5,9 @@ input is never modified; a path is read lazily, its external weights memory-mapp
 refuses, with `VerificationError`, a rewrite that changes the model's inputs or outputs
 (checked even without verification), or whose outputs differ from the
 original's beyond the dtype's tolerance on any verification run (`verify`: both values of
-boolean inputs, a second size for dynamic dims).
+boolean inputs, a second size for dynamic dims); and, with `WeightOverflowError`, verified or
+not, one whose new weights overflow their dtype (`targets.refuse_overflow`: an fp16 weight whose
+centred values become ±inf), where they are computed: a large weight when the model is written.
 
 What `fold_onnx` emits depends on where the model will run (`FoldOptions.target`, `provider`):
 
@@ -41,8 +43,8 @@ import onnx_ir as ir
 from .. import __version__
 from ..core.analysis import plan as make_plan
 from ..core.plan import FoldPlan
-from ..errors import InputError, UnsupportedModelError, VerificationError
-from ..io import checked_model, interface, load_ir, save_onnx_atomic
+from ..errors import InputError, UnsupportedModelError, VerificationError, WeightOverflowError
+from ..io import checked_model, interface, load_ir, save_onnx_atomic, to_proto
 from .export import export_model
 from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
@@ -122,7 +124,9 @@ class FoldResult:
         return to_graphsurgeon(self.model)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the folded model to `path` atomically (its weights in `path.data` where `io.save_ir` puts them)."""
+        """Write the folded model to `path` atomically (its weights in `path.data` where `io.save_ir` puts them);
+        a large changed weight is computed now, and refused here if it overflows (`WeightOverflowError`:
+        nothing is written)."""
         save_onnx_atomic(self.ir_model, path)
 
     @property
@@ -156,7 +160,7 @@ def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], second
 
 def in_memory_proto(model: ir.Model) -> onnx.ModelProto:
     """`model` as a ModelProto with every weight inside it (external data read in)."""
-    proto = ir.to_proto(model)
+    proto = to_proto(model)
     base_dirs = {
         v.const_value.base_dir
         for v in model.graph.initializers.values()
@@ -295,6 +299,8 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str) -> F
         start = time.perf_counter()
         try:
             comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
+        except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
+            raise
         except UnsupportedModelError as e:
             raise UnsupportedModelError(
                 f"{name}: {len(fold_plan.folded)} of {fold_plan.total} norms folded, but the result "

@@ -68,7 +68,7 @@ import onnx_ir as ir
 from ..core.algebra import has_zero_mean, is_uniform
 from ..core.graph import NormInfo, NormType
 from .constants import EVALUATORS, constant_values
-from .values import attr, input_at, readers
+from .values import attr, input_at, name_of, readers
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 ALREADY_RMS = "already an RMSNorm: there is no mean subtraction to remove"  # why an RMSNorm never folds
@@ -106,8 +106,8 @@ class NormMatch:
     def normalized(self) -> str:
         """Name of the tensor the norm normalizes (for a Skip op, its sum, named even when unused)."""
         if self.skip is None:
-            return self.x.name
-        return self.skip_sum.name if self.skip_sum is not None else f"{self.nodes[0].name}.sum"
+            return name_of(self.x)
+        return name_of(self.skip_sum) if self.skip_sum is not None else f"{self.nodes[0].name}.sum"
 
 
 @dataclass
@@ -125,18 +125,19 @@ class MatchContext:
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
 
     def rank(self, tensor: ir.Value) -> int | None:
-        shape = self.shapes.get(tensor.name)
+        shape = self.shapes.get(name_of(tensor))
         if shape is None and tensor.shape is not None:
             shape = tuple(tensor.shape)
         return None if shape is None else len(shape)
 
     def elem_type(self, tensor: ir.Value) -> int | None:
         """The ONNX element type of `tensor` where known (a Cast's `to`, a declared or an inferred dtype)."""
-        if _producer_op(tensor) == "Cast":
-            return int(attr(tensor.producer(), "to"))
+        cast = _producer(tensor, "Cast")
+        if cast is not None:
+            return int(attr(cast, "to"))
         if tensor.dtype is not None:
             return int(tensor.dtype)
-        dtype = self.dtypes.get(tensor.name)
+        dtype = self.dtypes.get(name_of(tensor))
         return None if dtype is None else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
     def readers(self, tensor: ir.Value) -> list[ir.Node]:
@@ -160,23 +161,32 @@ class NoMatch(Exception):
 # --- values ------------------------------------------------------------------------------------
 
 
-def _producer_op(tensor: ir.Value | None) -> str | None:
+def _producer(tensor: ir.Value | None, op_type: str) -> ir.Node | None:
+    """The node computing `tensor` if it is an `op_type` node, else None."""
     node = None if tensor is None else tensor.producer()
-    return None if node is None else node.op_type
+    return node if node is not None and node.op_type == op_type else None
+
+
+def _passed_on(node: ir.Node | None) -> ir.Value | None:
+    """The input of an `Identity`, or of a `Cast` to a float type: the same value for the matcher (a float
+    Cast round trip); None for any other node (and for one whose input is absent)."""
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Identity" or (node.op_type == "Cast" and attr(node, "to") in FLOAT_TYPES):
+        return input_at(node, 0)
+    return None
 
 
 def _transparent(node: ir.Node | None) -> bool:
-    """`Identity`, or a `Cast` to a float type: the same value for the matcher (a float Cast round trip)."""
-    if node is None or node.domain not in ("", "ai.onnx"):
-        return False
-    return node.op_type == "Identity" or (node.op_type == "Cast" and attr(node, "to") in FLOAT_TYPES)
+    """Whether `node` passes its input on as the same value for the matcher (`_passed_on`)."""
+    return _passed_on(node) is not None
 
 
 def _chain(tensor: ir.Value) -> list[ir.Value]:
     """`tensor`, then what it is a Cast or Identity of, back to the first value that is not one."""
     chain = [tensor]
-    while _transparent(chain[-1].producer()):
-        chain.append(chain[-1].producer().inputs[0])
+    while (source := _passed_on(chain[-1].producer())) is not None:
+        chain.append(source)
     return chain
 
 
@@ -197,13 +207,14 @@ def _aliases(values: Iterable[ir.Value], ctx: MatchContext, nodes: list[ir.Node]
 
 def _between(tensor: ir.Value, source: ir.Value) -> list[ir.Node] | None:
     """The Casts and Identitys from `source` to `tensor`, if `tensor` is `source` through them, else None."""
-    nodes = []
+    nodes: list[ir.Node] = []
     while tensor is not source:
         node = tensor.producer()
-        if not _transparent(node):
+        before = _passed_on(node)
+        if node is None or before is None:
             return None
         nodes.append(node)
-        tensor = node.inputs[0]
+        tensor = before
     return nodes
 
 
@@ -234,9 +245,9 @@ def _shape_values(tensor: ir.Value | None, ctx: MatchContext, depth: int = 0) ->
     node = None if tensor is None else tensor.producer()
     if values is not None or node is None or depth > SHAPE_DEPTH or node.domain not in ("", "ai.onnx"):
         return values
-    if node.op_type == "Size" and _producer_op(node.inputs[0]) == "Shape":
-        shape = node.inputs[0].producer()
-        rank = ctx.rank(shape.inputs[0])
+    if node.op_type == "Size" and (shape := _producer(input_at(node, 0), "Shape")) is not None:
+        shaped = input_at(shape, 0)
+        rank = None if shaped is None else ctx.rank(shaped)
         whole = "start" not in shape.attributes and "end" not in shape.attributes
         return None if rank is None or not whole else np.array(rank, dtype=np.int64)
     if node.op_type not in EVALUATORS or node.op_type == "Constant" or node.outputs[0] is not tensor:
@@ -273,10 +284,12 @@ def _same_axes(first: tuple[int, ...], second: tuple[int, ...], rank: int | None
 
 def _is_square(node: ir.Node, of: Callable[[ir.Value], bool]) -> bool:
     """`Pow(t, 2)` or `Mul(t, u)`, t and u values that `of` accepts (equal values)."""
-    if node.op_type == "Pow" and len(node.inputs) == 2:
-        exponent = node.inputs[1]
-        return of(node.inputs[0]) and (_scalar(exponent) == 2.0 or _given_at_run_time(exponent))
-    return node.op_type == "Mul" and len(node.inputs) == 2 and of(node.inputs[0]) and of(node.inputs[1])
+    if len(node.inputs) != 2 or node.inputs[0] is None or node.inputs[1] is None:
+        return False
+    base, other = node.inputs[0], node.inputs[1]
+    if node.op_type == "Pow":
+        return of(base) and (_scalar(other) == 2.0 or _given_at_run_time(other))
+    return node.op_type == "Mul" and of(base) and of(other)
 
 
 def _scalar_add(node: ir.Node, tensor: ir.Value) -> float | None:
@@ -303,16 +316,16 @@ def _one(found: list[ir.Node], what: str) -> ir.Node:
     if not found:
         raise NoMatch(f"no {what}")
     if len(found) > 1:
-        raise NoMatch(f"{what} is computed more than once ({', '.join(n.name for n in found)})")
+        raise NoMatch(f"{what} is computed more than once ({', '.join(name_of(n) for n in found)})")
     return found[0]
 
 
 def _mean_of(values: list[ir.Value], ctx: MatchContext, nodes: list[ir.Node]) -> tuple[ir.Node, tuple[int, ...]]:
     """The keepdims ReduceMean reading one of `values`, and its axes."""
-    means = [n for v in values for n in ctx.readers(v) if _reduce_axes(n, ctx) is not None]
-    mean = _one(means, "ReduceMean of the square")
+    means = {id(n): (n, axes) for v in values for n in ctx.readers(v) if (axes := _reduce_axes(n, ctx)) is not None}
+    mean = _one([n for n, _ in means.values()], "ReduceMean of the square")
     nodes.append(mean)
-    return mean, _reduce_axes(mean, ctx)
+    return mean, means[id(mean)][1]
 
 
 def _root_divide(
@@ -354,7 +367,10 @@ def _divider(
 ) -> ir.Node | None:
     """`Div(n, root)`, else `Mul(n, Reciprocal(root))`, with n accepted by `numerator`; joins `nodes`."""
     divs = [
-        n for r in root for n in ctx.readers(r) if n.op_type == "Div" and n.inputs[1] is r and numerator(n.inputs[0])
+        n
+        for r in root
+        for n in ctx.readers(r)
+        if n.op_type == "Div" and n.inputs[1] is r and n.inputs[0] is not None and numerator(n.inputs[0])
     ]
     if divs:
         nodes.append(_one(divs, "division by the root"))
@@ -463,8 +479,11 @@ def _outside_readers(nodes: list[ir.Node], y: ir.Value, ctx: MatchContext) -> tu
 
 def _meet(values: list[ir.Value]) -> tuple[ir.Value, list[ir.Node]]:
     """The latest value that all `values` (of one root) are through Casts and Identitys, and those nodes."""
-    x = next(v for v in _chain(values[0]) if all(_between(t, v) is not None for t in values))
-    return x, [n for t in values for n in _between(t, x)]
+    for x in _chain(values[0]):
+        paths = [path for t in values if (path := _between(t, x)) is not None]
+        if len(paths) == len(values):
+            return x, [n for path in paths for n in path]
+    raise ValueError("values of different roots never meet")  # the callers pass values of one root, which meet there
 
 
 def _first_reading(nodes: list[ir.Node], x: ir.Value) -> list[ir.Node]:
@@ -479,7 +498,7 @@ def _runtime_parts(nodes: list[ir.Node], eps: float, axes: tuple[int, ...]) -> s
     runtime = (
         ["ε"] * math.isnan(eps)
         + ["axes"] * (RUNTIME_AXIS in axes)
-        + [f"exponent {n.inputs[1].name}" for n in nodes if n.op_type == "Pow" and _scalar(n.inputs[1]) is None]
+        + [f"exponent {name_of(n.inputs[1])}" for n in nodes if n.op_type == "Pow" and _scalar(n.inputs[1]) is None]
     )
     if not runtime:
         return None
@@ -494,28 +513,39 @@ def _runtime_parts(nodes: list[ir.Node], eps: float, axes: tuple[int, ...]) -> s
 
 
 class _LayerNorm:
-    """Match the decomposed LayerNorm whose mean is the ReduceMean `anchor` (see the module docstring)."""
+    """Match the decomposed LayerNorm whose mean is the ReduceMean `anchor` of `x` over `axes` (see the module
+    docstring). `subs`: the Subs x − mean, and `minuends` the x each of them reads (through Casts)."""
 
-    def __init__(self, anchor: ir.Node, ctx: MatchContext):
-        self.anchor, self.ctx = anchor, ctx
-        self.axes = _reduce_axes(anchor, ctx)
+    def __init__(self, anchor: ir.Node, ctx: MatchContext, x: ir.Value, axes: tuple[int, ...]):
+        self.anchor, self.ctx, self.x, self.axes = anchor, ctx, x, axes
+        self.source = _root(x)
         self.nodes: list[ir.Node] = [anchor]
         self.means = _aliases([anchor.outputs[0]], ctx, self.nodes)
-        source = _root(anchor.inputs[0])
-        self.subs = [
-            n
+        subtractions = [
+            (n, n.inputs[0])
             for m in self.means
             for n in ctx.readers(m)
-            if n.op_type == "Sub" and len(n.inputs) == 2 and n.inputs[1] is m and _root(n.inputs[0]) is source
+            if n.op_type == "Sub"
+            and len(n.inputs) == 2
+            and n.inputs[1] is m
+            and n.inputs[0] is not None
+            and _root(n.inputs[0]) is self.source
         ]
+        self.subs = [sub for sub, _ in subtractions]
+        self.minuends = [minuend for _, minuend in subtractions]
 
-    @property
-    def candidate(self) -> bool:
-        """A ReduceMean over known axes whose mean is subtracted from its own input: x − mean(x)."""
-        return self.axes is not None and bool(self.subs)
+    @classmethod
+    def at(cls, anchor: ir.Node, ctx: MatchContext) -> _LayerNorm | None:
+        """The matcher of `anchor` if it is a candidate: a ReduceMean over known axes whose mean is subtracted
+        from its own input, x − mean(x)."""
+        axes, x = _reduce_axes(anchor, ctx), input_at(anchor, 0)
+        if axes is None or x is None:
+            return None
+        matcher = cls(anchor, ctx, x, axes)
+        return matcher if matcher.subs else None
 
     def match(self) -> NormMatch:
-        x, between = _meet([self.anchor.inputs[0], *(s.inputs[0] for s in self.subs)])
+        x, between = _meet([self.x, *self.minuends])
         self.nodes += between + self.subs
         deviations = _aliases([s.outputs[0] for s in self.subs], self.ctx, self.nodes)
 
@@ -529,7 +559,7 @@ class _LayerNorm:
         if problem is not None:
             tensor, where = problem
             what = "mean" if tensor in self.means else "standard deviation" if tensor in root else "intermediate"
-            raise _Shared(f"its {what} {tensor.name} {where}")
+            raise _Shared(f"its {what} {name_of(tensor)} {where}")
         match = self._extend(x, normalized, core)
         match.epsilon, match.eps_outside_root = eps, outside
         match.unsupported = _runtime_parts(match.nodes, eps, self.axes) or self._type_change(match)
@@ -537,16 +567,18 @@ class _LayerNorm:
 
     def _type_change(self, match: NormMatch) -> str | None:
         """Why a norm whose output type differs from its input's cannot become an RMS op (which keeps it)."""
-        types = [self.ctx.elem_type(t) for t in (match.x, match.y)]
-        if None in types or types[0] == types[1]:
+        before, after = self.ctx.elem_type(match.x), self.ctx.elem_type(match.y)
+        if before is None or after is None or before == after:
             return None
-        names = [onnx.helper.tensor_dtype_to_string(t).removeprefix("TensorProto.").lower() for t in types]
+        names = [onnx.helper.tensor_dtype_to_string(t).removeprefix("TensorProto.").lower() for t in (before, after)]
         return (
             f"it maps {match.x.name} ({names[0]}) to {match.y.name} ({names[1]}) with no Cast back before its "
             "output, and an RMS op keeps its input's type; not rewritten"
         )
 
-    def _centred_variance(self, deviations, is_deviation) -> list[ir.Value] | None:
+    def _centred_variance(
+        self, deviations: list[ir.Value], is_deviation: Callable[[ir.Value], bool]
+    ) -> list[ir.Value] | None:
         """ReduceMean(d²) over the mean's axes (Casts between), or None if d is not squared."""
         squares = [n for d in deviations for n in self.ctx.readers(d) if _is_square(n, is_deviation)]
         if not squares:
@@ -567,7 +599,8 @@ class _LayerNorm:
         xs = _aliases([x], self.ctx, [])
         mean_square = _one([n for m in self.means for n in self.ctx.readers(m) if _is_square(n, is_mean)], "mean²")
         square = _one([n for v in xs for n in self.ctx.readers(v) if _is_square(n, is_x)], "square of x or of x − mean")
-        self.nodes += [mean_square, square, *(n for t in square.inputs if is_x(t) for n in _between(t, x))]
+        paths = [path for t in square.inputs if t is not None and (path := _between(t, x)) is not None]
+        self.nodes += [mean_square, square, *(n for path in paths for n in path)]
         means_of_square = self._mean_of_square(square)
         squares_of_mean = _aliases([mean_square.outputs[0]], self.ctx, self.nodes)
         subs = [
@@ -583,7 +616,7 @@ class _LayerNorm:
     def _mean_of_square(self, square: ir.Node) -> list[ir.Value]:
         """The aliases of ReduceMean(square) over the mean's own axes."""
         mean, axes = _mean_of(_aliases([square.outputs[0]], self.ctx, self.nodes), self.ctx, self.nodes)
-        if not _same_axes(axes, self.axes, self.ctx.rank(self.anchor.inputs[0])):
+        if not _same_axes(axes, self.axes, self.ctx.rank(self.x)):
             raise NoMatch(f"the mean is over axes {list(self.axes)} but the variance over axes {list(axes)}")
         return _aliases([mean.outputs[0]], self.ctx, self.nodes)
 
@@ -604,7 +637,7 @@ class _LayerNorm:
 
     def _unflattened(
         self, normalized: ir.Value, core: list[ir.Node], source: ir.Value, flatten: list[ir.Node], axis: int
-    ):
+    ) -> NormMatch | None:
         """The norm of `source` over [axis, rank) that ONNX's function body computes on `Flatten<axis>(source)`:
         x̂, cast back, ⊙ γ, + β (Identity without β), `Reshape` to `Shape(source)`. γ and β there may
         be computed at run time (the norm is then declined for it), else no RMS op could replace it."""
@@ -612,7 +645,7 @@ class _LayerNorm:
         y, gamma, beta = _match_affine(source, normalized, self.ctx, nodes, run_time=True)
         between = _casts_to(y, self.ctx.elem_type(source), self.ctx)
         back = self.ctx.sole_reader(between[-1].outputs[0] if between else y)
-        if back is None or back.op_type != "Reshape" or not _is_shape_of(back.inputs[1], source):
+        if back is None or back.op_type != "Reshape" or not _is_shape_of(input_at(back, 1), source):
             return None
         nodes += [*between, back]
         if _outside_readers(nodes, back.outputs[0], self.ctx) is not None:
@@ -622,17 +655,19 @@ class _LayerNorm:
     def _flattened(self, x: ir.Value) -> tuple[ir.Value, list[ir.Node], int] | None:
         """For the rows of `Flatten<axis>(t)` (the mean over axis 1 of the 2-D view): (t, the Flatten and
         the Casts up to x, axis)."""
-        flatten = _root(x).producer()
-        if flatten is None or flatten.op_type != "Flatten" or not _same_axes(self.axes, (1,), 2):
+        root = _root(x)
+        flatten, casts = root.producer(), _between(x, root)
+        if flatten is None or flatten.op_type != "Flatten" or casts is None or not _same_axes(self.axes, (1,), 2):
             return None
-        return flatten.inputs[0], [flatten, *_between(x, flatten.outputs[0])], int(attr(flatten, "axis", 1))
+        source = input_at(flatten, 0)
+        return None if source is None else (source, [flatten, *casts], int(attr(flatten, "axis", 1)))
 
     def seen(self) -> str | None:
         """What is there of a LayerNorm if x − mean is divided by a square root or its standard deviation
         is computed (the square root of the mean of its square), else None."""
         start = (
-            f"{_root(self.anchor.inputs[0]).name} − ReduceMean {self.anchor.name} over axes {list(self.axes)} "
-            f"(Sub {', '.join(s.name for s in self.subs)})"
+            f"{self.source.name} − ReduceMean {self.anchor.name} over axes {list(self.axes)} "
+            f"(Sub {', '.join(name_of(s) for s in self.subs)})"
         )
         deviations = _aliases([s.outputs[0] for s in self.subs], self.ctx, [])
         for d in deviations:
@@ -649,12 +684,11 @@ class _LayerNorm:
     def _scales_input(self, root: ir.Node) -> bool:
         """Whether x is multiplied or divided by something computed from the square root (its reciprocal
         times γ, say): the root normalizes x, as against statistics pooling, which outputs it."""
-        source = _root(self.anchor.inputs[0])
         found, stack = {id(root)}, [root]
         while stack and len(found) <= DEAD_LIMIT:
             for reader in self.ctx.readers(stack.pop().outputs[0]):
                 if reader.op_type in ("Mul", "Div") and any(
-                    t is not None and _root(t) is source for t in reader.inputs
+                    t is not None and _root(t) is self.source for t in reader.inputs
                 ):
                     return True
                 if id(reader) not in found and (
@@ -682,15 +716,10 @@ class _LayerNorm:
         return None
 
 
-def _is_shape_of(shape: ir.Value, source: ir.Value) -> bool:
+def _is_shape_of(shape: ir.Value | None, source: ir.Value) -> bool:
     """Whether `shape` is the whole `Shape(source)`."""
-    node = shape.producer()
-    return (
-        node is not None
-        and node.op_type == "Shape"
-        and node.inputs[0] is source
-        and not {"start", "end"} & set(node.attributes)
-    )
+    node = _producer(shape, "Shape")
+    return node is not None and input_at(node, 0) is source and not {"start", "end"} & set(node.attributes)
 
 
 class _Shared(NoMatch):
@@ -701,37 +730,37 @@ def _from_root(tensor: ir.Value | None, inverted: bool) -> bool:
     """Whether `tensor` is a square root (plus ε), or with `inverted` its reciprocal, through Casts."""
     node = None if tensor is None else _root(tensor).producer()
     if inverted:
-        if node is None or not _is_reciprocal_of(node, node.inputs[-1]):
+        inverse = node.inputs[-1] if node is not None and node.inputs else None
+        if node is None or inverse is None or not _is_reciprocal_of(node, inverse):
             return False
-        node = _root(node.inputs[-1]).producer()
+        node = _root(inverse).producer()
     if node is not None and node.op_type == "Add":
-        node = next(
-            (_root(t).producer() for t in node.inputs if t is not None and _producer_op(_root(t)) == "Sqrt"), node
-        )
+        roots = [_producer(_root(t), "Sqrt") for t in node.inputs if t is not None]
+        node = next((root for root in roots if root is not None), node)
     return node is not None and node.op_type == "Sqrt"
 
 
-def _listed(anchor: ir.Node, reason: str) -> NormMatch:
-    """A norm listed but not rewritten: it occupies its anchor alone."""
-    return NormMatch([anchor], anchor.inputs[0], anchor.outputs[0], -1, 0.0, unsupported=reason)
+def _listed(anchor: ir.Node, x: ir.Value, reason: str) -> NormMatch:
+    """A norm listed but not rewritten: it occupies its anchor alone, which reads x."""
+    return NormMatch([anchor], x, anchor.outputs[0], -1, 0.0, unsupported=reason)
 
 
 def match_layer_norm(node: ir.Node, ctx: MatchContext) -> tuple[NormType, NormMatch, str] | None:
     """A decomposed LayerNorm anchored at its mean (a ReduceMean), as (type, match, op shown)."""
     if node.op_type != "ReduceMean":
         return None
-    matcher = _LayerNorm(node, ctx)
-    if not matcher.candidate:
+    matcher = _LayerNorm.at(node, ctx)
+    if matcher is None:
         return None
     try:
         return NormType.LAYER, matcher.match(), "decomposed LayerNorm"
     except _Shared as e:
-        return NormType.LAYER, _listed(node, f"not rewritten: {e}"), "decomposed LayerNorm"
+        return NormType.LAYER, _listed(node, matcher.x, f"not rewritten: {e}"), "decomposed LayerNorm"
     except NoMatch as e:
         seen = matcher.seen()
         if seen is None:
             return None
-        return NormType.LAYER, _listed(node, f"not recognised as a LayerNorm: {seen}; {e}"), UNRECOGNISED
+        return NormType.LAYER, _listed(node, matcher.x, f"not recognised as a LayerNorm: {seen}; {e}"), UNRECOGNISED
 
 
 # --- decomposed RMSNorm ---------------------------------------------------------------------------
@@ -739,18 +768,25 @@ def match_layer_norm(node: ir.Node, ctx: MatchContext) -> tuple[NormType, NormMa
 
 def _is_deviation(tensor: ir.Value, ctx: MatchContext) -> bool:
     """Whether `tensor` is x − ReduceMean(x) (through Casts and Identitys): the d of a LayerNorm."""
-    node = _root(tensor).producer()
-    if node is None or node.op_type != "Sub" or len(node.inputs) != 2:
+    node = _producer(_root(tensor), "Sub")
+    if node is None or len(node.inputs) != 2 or node.inputs[0] is None or node.inputs[1] is None:
         return False
     mean = _root(node.inputs[1]).producer()
-    return mean is not None and _reduce_axes(mean, ctx) is not None and _root(mean.inputs[0]) is _root(node.inputs[0])
+    averaged = None if mean is None else input_at(mean, 0)
+    return (
+        mean is not None
+        and averaged is not None
+        and _reduce_axes(mean, ctx) is not None
+        and _root(averaged) is _root(node.inputs[0])
+    )
 
 
 def match_rms_norm(node: ir.Node, ctx: MatchContext) -> tuple[NormType, NormMatch, str] | None:
     """A decomposed RMSNorm `x / Sqrt(ReduceMean(x²) + ε)` anchored at its square."""
     if node.op_type not in ("Pow", "Mul") or not node.inputs or node.inputs[0] is None:
         return None
-    source = _root(node.inputs[0])
+    squared = [t for t in node.inputs[: 2 if node.op_type == "Mul" else 1] if t is not None]  # x, or x and x
+    source = _root(squared[0])
 
     def is_x(value: ir.Value) -> bool:
         return _root(value) is source
@@ -765,8 +801,8 @@ def match_rms_norm(node: ir.Node, ctx: MatchContext) -> tuple[NormType, NormMatc
         divider, eps, outside, _ = _root_divide(_aliases([mean.outputs[0]], ctx, nodes), is_x, ctx, nodes)
     except NoMatch:
         return None
-    numerator = divider.inputs[0] if divider.op_type == "Div" else next(t for t in divider.inputs if is_x(t))
-    x, between = _meet([node.inputs[0], *(node.inputs[1:] if node.op_type == "Mul" else []), numerator])
+    numerator = next(t for t in divider.inputs[: 1 if divider.op_type == "Div" else 2] if t is not None and is_x(t))
+    x, between = _meet([*squared, numerator])
     nodes += between
     core = list(nodes)
     y, gamma, beta = _match_affine(x, divider.outputs[0], ctx, nodes)
@@ -775,7 +811,7 @@ def match_rms_norm(node: ir.Node, ctx: MatchContext) -> tuple[NormType, NormMatc
         problem = _outside_readers(nodes, y, ctx)
         if problem is not None:
             reason = f"{ALREADY_RMS}; not rewritten: its intermediate {problem[0].name} {problem[1]}"
-            return NormType.RMS, _listed(node, reason), "decomposed RMSNorm"
+            return NormType.RMS, _listed(node, squared[0], reason), "decomposed RMSNorm"
     match = NormMatch(
         _first_reading(nodes, x),
         x,
@@ -803,10 +839,12 @@ def _used(tensor: ir.Value, graph_outputs: set[str]) -> bool:
     return bool(tensor.name) and (bool(tensor.uses()) or tensor.name in graph_outputs)
 
 
-def _single(node: ir.Node, gamma: int | None, beta: int | None, eps: float, axis: int = -1, **extra) -> NormMatch:
+def _single(
+    node: ir.Node, x: ir.Value, gamma: int | None, beta: int | None, eps: float, axis: int = -1, **extra
+) -> NormMatch:
     return NormMatch(
         [node],
-        node.inputs[0],
+        x,
         node.outputs[0],
         int(attr(node, "axis", axis)),
         float(attr(node, "epsilon", eps)),
@@ -824,20 +862,24 @@ def _skip_parts(node: ir.Node, graph_outputs: set[str]) -> dict:
 
 def match_single_op(node: ir.Node, graph_outputs: set[str]) -> tuple[NormType, NormMatch] | None:
     """Norms that are one op (see the module docstring for the list)."""
+    x = input_at(node, 0)
+    if x is None:  # nothing to normalize: no norm (an op without its input is invalid, ONNX Runtime refuses it)
+        return None
     stats_used = any(_used(o, graph_outputs) for o in node.outputs[1:3])
     if node.op_type == "LayerNormalization":  # ONNX (opset ≥ 17) and com.microsoft: same inputs and outputs
-        return NormType.LAYER, _single(node, 1, 2, 1e-5, extra_outputs_used=stats_used)
+        return NormType.LAYER, _single(node, x, 1, 2, 1e-5, extra_outputs_used=stats_used)
     if node.op_type == "SkipLayerNormalization":
         return NormType.LAYER, _single(
-            node, 2, 3, 1e-12, extra_outputs_used=stats_used, **_skip_parts(node, graph_outputs)
+            node, x, 2, 3, 1e-12, extra_outputs_used=stats_used, **_skip_parts(node, graph_outputs)
         )
     if node.op_type == "SkipSimplifiedLayerNormalization":
-        return NormType.RMS, _single(node, 2, None, 1e-12, **_skip_parts(node, graph_outputs))
+        return NormType.RMS, _single(node, x, 2, None, 1e-12, **_skip_parts(node, graph_outputs))
     if node.op_type in ("SimplifiedLayerNormalization", "RMSNormalization"):
-        return NormType.RMS, _single(node, 1, None, 1e-5)
+        return NormType.RMS, _single(node, x, 1, None, 1e-5)
     if node.op_type == "EmbedLayerNormalization":
         return NormType.LAYER, _single(
             node,
+            x,
             5,
             6,
             1e-12,
@@ -847,19 +889,17 @@ def match_single_op(node: ir.Node, graph_outputs: set[str]) -> tuple[NormType, N
             ),
         )
     if node.op_type == "GroupNormalization":
-        return NormType.GROUP, _single(node, 1, 2, 1e-5, axis=1)
+        return NormType.GROUP, _single(node, x, 1, 2, 1e-5, axis=1)
     if node.op_type in ("SkipGroupNorm", "GroupNorm"):  # com.microsoft, channels-last
-        return NormType.GROUP, _single(node, 1, 2, 1e-5)
+        return NormType.GROUP, _single(node, x, 1, 2, 1e-5)
     return None
 
 
 # --- what the analysis sees -------------------------------------------------------------------------
 
 
-def _normalized_axes(match: NormMatch, rank: int | None) -> list[int] | None:
-    """The axes the norm normalizes, non-negative and sorted, where the rank is known."""
-    if rank is None:
-        return None
+def _normalized_axes(match: NormMatch, rank: int) -> list[int]:
+    """The axes the norm normalizes, non-negative and sorted."""
     if match.axes is not None:
         return sorted({a % rank for a in match.axes})
     start = match.axis + rank if match.axis < 0 else match.axis
@@ -880,8 +920,9 @@ def _axes_reason(axes: list[int], rank: int) -> str:
 def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: int | None) -> NormInfo:
     """Describe a match for the analysis: the normalized axis, and whether it can ever fold."""
     unsupported = None
-    axes = _normalized_axes(match, rank)
-    single = axes is not None and axes == [rank - 1]
+    axes = None if rank is None else _normalized_axes(match, rank)
+    last = None if rank is None else rank - 1
+    single = last is not None and axes == [last]
     if norm_type is NormType.GROUP:
         unsupported = (
             "GroupNorm: centring leaves a shift that varies over spatial positions, which GroupNorm "
@@ -889,7 +930,7 @@ def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: i
         )
     elif norm_type is NormType.RMS:
         unsupported = ALREADY_RMS
-    elif axes is None:
+    elif axes is None or rank is None:
         unsupported = f"the rank of {match.x.name} is unknown, so the normalized axis cannot be tracked"
     elif not single:
         unsupported = _axes_reason(axes, rank)
@@ -912,8 +953,8 @@ def norm_info(name: str, op: str, norm_type: NormType, match: NormMatch, rank: i
         op=op,
         norm_type=norm_type,
         input=match.normalized,
-        output=match.y.name,
-        axis=rank - 1 if single and match.unsupported is None else None,
+        output=name_of(match.y),
+        axis=last if single and match.unsupported is None else None,
         epsilon=match.epsilon,
         scale=None if match.gamma is None else match.gamma.name,
         bias=None if match.beta is None else match.beta.name,

@@ -128,47 +128,52 @@ class Rewriter:
 
     # --- constants, copy-on-write ---------------------------------------------------------------
 
-    def _replace_input(self, node: ir.Node, index: int, transform: str, make) -> None:
+    def _replace_input(self, node: ir.Node, index: int, transform: str, make, change: str = "rewritten") -> None:
         """Point `node.inputs[index]` at a new constant `make(old values)`, shared per transform (a large one,
-        which must keep its shape and dtype, is computed when written: `targets.derived_initializer`)."""
+        which must keep its shape and dtype, is computed when written: `targets.derived_initializer`, which
+        refuses values that overflow, naming the old constant and `change`, e.g. "centred for ln")."""
         old = node.inputs[index]
         assert old is not None, f"{node.name}: input {index} is absent"  # the plan names present inputs only
         key = (name_of(old), transform)
         if key not in self._copies:
             name = self._unique(f"{old.name}.{transform.split(':')[0]}")
-            self._copies[key] = derived_initializer(self.ctx.graph, name, old, make)
+            self._copies[key] = derived_initializer(self.ctx.graph, name, old, make, change)
         set_input(node, index, self._copies[key])
 
     def centre_layer(self, centring: Centring, norms: list[str]) -> None:
         node: ir.Node = self.zmg.nodes[centring.node].ref
-        doc = f"weights centred for {', '.join(norms)}"
+        change = f"centred for {', '.join(norms)}"
         if centring.input_index is not None:  # found by name: a node's model may list a subset of its inputs
             index = next(i for i, t in enumerate(node.inputs) if t is not None and t.name == centring.tensor)
-            self._replace_input(node, index, f"centred:{centring.axis}", lambda v: centre(v, centring.axis))
+            self._replace_input(node, index, f"centred:{centring.axis}", lambda v: centre(v, centring.axis), change)
         elif node.op_type == "Gemm":
             self._replace_input(
-                node, 1, f"centred:{1 - attr(node, 'transB', 0)}", lambda v: centre(v, 1 - attr(node, "transB", 0))
+                node,
+                1,
+                f"centred:{1 - attr(node, 'transB', 0)}",
+                lambda v: centre(v, 1 - attr(node, "transB", 0)),
+                change,
             )
             if input_at(node, 2) is not None:
-                self._replace_input(node, 2, "centred:bias", lambda v: _bias_centred(v, 2, 1))
+                self._replace_input(node, 2, "centred:bias", lambda v: _bias_centred(v, 2, 1), change)
         elif node.op_type == "MatMul":
-            self._replace_input(node, 1, "centred:-1", lambda v: centre(v, v.ndim - 1))
+            self._replace_input(node, 1, "centred:-1", lambda v: centre(v, v.ndim - 1), change)
         elif node.op_type == "Conv":
-            self._replace_input(node, 1, "centred:0", lambda v: centre(v, 0))
+            self._replace_input(node, 1, "centred:0", lambda v: centre(v, 0), change)
             if input_at(node, 2) is not None:
-                self._replace_input(node, 2, "centred:0", lambda v: centre(v, 0))
+                self._replace_input(node, 2, "centred:0", lambda v: centre(v, 0), change)
         elif node.op_type == "Gather":
-            self._replace_input(node, 0, "centred:1", lambda v: centre(v, 1))
+            self._replace_input(node, 0, "centred:1", lambda v: centre(v, 1), change)
         elif node.op_type == "Mul":
             self._absorb_layer_scale(centring, norms)
         elif node.op_type == "Einsum":
             index = 0 if is_constant(node.inputs[0]) else 1
             assert centring.axis is not None  # a layer's centring is along an axis
             axis = einsum_weight_axis(attr(node, "equation"), index, centring.axis)
-            self._replace_input(node, index, f"centred:{axis}", lambda v: centre(v, axis))
+            self._replace_input(node, index, f"centred:{axis}", lambda v: centre(v, axis), change)
         else:
             raise TypeError(f"no centring rule for {node.op_type} {node.name}")
-        self._note(name_of(node), doc)
+        self._note(name_of(node), f"weights {change}")
 
     def _absorb_layer_scale(self, centring: Centring, norms: list[str]) -> None:
         """(x·W + b)⊙s → x·centre(W⊙s) + centre(b⊙s), and the Mul's factor becomes ones."""
@@ -184,19 +189,23 @@ class Rewriter:
             shape[axis] = -1
             return (values * scale.reshape(shape)).astype(values.dtype)
 
-        tag = f"scaled:{mul.name}"
-        self._replace_input(node, 1, tag, lambda v: scaled(v, out_axis))
+        tag, change = f"scaled:{mul.name}", f"scaled by LayerScale {mul.name} for {', '.join(norms)}"
+        self._replace_input(node, 1, tag, lambda v: scaled(v, out_axis), change)
         if node.op_type != "MatMul" and input_at(node, 2) is not None:
-            self._replace_input(node, 2, tag, lambda v: (v * scale).astype(v.dtype))  # [..., out] or scalar
+            self._replace_input(node, 2, tag, lambda v: (v * scale).astype(v.dtype), change)  # [..., out] or scalar
         if add is not None:
             index = next(i for i, t in enumerate(add.inputs) if self.zmg.is_constant(t))
             out_rank = len(self.zmg.shape(add.outputs[0]) or ())  # known: the proof read it
             factor = self._values(mul.ref.inputs[factor_index])
             self._replace_input(
-                add.ref, index, tag, lambda v: _bias_centred(np.asarray(v * factor, dtype=v.dtype), out_rank, axis)
+                add.ref,
+                index,
+                tag,
+                lambda v: _bias_centred(np.asarray(v * factor, dtype=v.dtype), out_rank, axis),
+                f"{change} and centred",
             )
         self.centre_layer(Centring(linear.name, axis), norms)
-        self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like)
+        self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like, "replaced by ones")
         self._note(mul.name, f"LayerScale absorbed into {linear.name} for {', '.join(norms)}")
 
     # --- inserted centring ----------------------------------------------------------------------

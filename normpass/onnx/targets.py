@@ -18,6 +18,7 @@ whatever else read the old one (a tied LM head, a deduplicated bias) keeps readi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,7 @@ import onnx_ir as ir
 
 from ..core.algebra import migrate_affine
 from ..core.analysis import regroup_axis
+from ..errors import WeightOverflowError
 from ..io import drop_pages
 from .constants import constant_values, is_constant
 from .frontend import SHAPE_READERS, OnnxGraph
@@ -253,20 +255,56 @@ def new_initializer(graph: ir.Graph, name: str, values: np.ndarray) -> ir.Value:
     return value
 
 
-def derived_initializer(graph: ir.Graph, name: str, source: ir.Value, make) -> ir.Value:
-    """A new initializer of `graph` holding `make(values of source)`, of the source's dtype and shape.
+def _all_finite(values: np.ndarray | None) -> bool:
+    """Whether no value is ±inf or NaN (None: no values), without a temporary the size of `values`: finite
+    values of at most 32 bits cannot sum to ±inf in float64, so the sum is finite exactly when they all
+    are (wider values: their extremes)."""
+    if values is None or values.size == 0:
+        return True
+    if values.dtype.itemsize <= 4:
+        return bool(np.isfinite(values.sum(dtype=np.float64)))
+    return bool(np.isfinite(values.min()) and np.isfinite(values.max()))
+
+
+def refuse_overflow(
+    values: np.ndarray, sources: Iterable[np.ndarray | None], what: str, migrated: bool = False
+) -> np.ndarray:
+    """`values`, unless they overflow their dtype: every source finite, some value ±inf or NaN. Then no
+    model of that dtype computes the rewrite exactly, verified or not: `WeightOverflowError`, naming
+    `what` ("initializer W centred for ln"). `migrated`: `what` is an affine migration, which the
+    fold can do without."""
+    if _all_finite(values) or not all(_all_finite(s) for s in sources):
+        return values
+    dtype = values.dtype.name
+    remedy = "fold without affine migration (γ and β then stay in the norm), or " if migrated else ""
+    raise WeightOverflowError(
+        f"{what} overflows {dtype} (finite weights become ±inf), so no {dtype} model computes this rewrite "
+        f"exactly: {remedy}convert the model to float32; nothing written"
+    )
+
+
+def derived_initializer(
+    graph: ir.Graph, name: str, source: ir.Value, make, change: str, migrated: bool = False
+) -> ir.Value:
+    """A new initializer of `graph` holding `make(values of source)`, of the source's dtype and shape:
+    the source after `change` (e.g. "centred for ln"), refused where that overflows (`refuse_overflow`).
 
     A source initializer of at least `LAZY_MIN_BYTES` gives an `ir.LazyTensor`: computed from the
     source (memory-mapped, or itself derived) each time it is written, and not held in between, so
-    a large model's changed weights are never all in memory. Others are computed now.
+    a large model's changed weights are never all in memory (an overflow is then refused when the
+    model is written: the atomic write leaves nothing). Others are computed now.
     """
+    what = f"initializer {name_of(source)} {change}"
     tensor = source.const_value if is_initializer(source) else None
     if tensor is None or tensor.nbytes < LAZY_MIN_BYTES:
-        return new_initializer(graph, name, make(constant_values(source)))
+        values = constant_values(source)
+        return new_initializer(graph, name, refuse_overflow(make(values), [values], what, migrated))
 
     def compute() -> ir.Tensor:
-        values = np.ascontiguousarray(make(tensor.numpy()))
+        source_values = tensor.numpy()
+        values = np.ascontiguousarray(make(source_values))
         drop_pages(tensor)
+        refuse_overflow(values, [source_values], what, migrated)
         if values.shape != tuple(tensor.shape.numpy()) or ir.DataType.from_numpy(values.dtype) != tensor.dtype:
             raise AssertionError(f"{name}: a derived weight changed its shape or dtype")
         return ir.Tensor(values, name=name)
@@ -305,10 +343,13 @@ def move_affine(
     changed = []
     for target in targets:
         if isinstance(target, SumTarget):
-            bias = constant_values(target.holder.inputs[target.index])
+            old = target.holder.inputs[target.index]
+            bias = constant_values(old)
             assert bias is not None  # a sum target's bias is a constant (`_sum_claim`)
             moved = (bias.astype(np.float64) + np.asarray(beta, dtype=np.float64).reshape(-1)).reshape(bias.shape)
-            renew(target.holder, target.index, moved.astype(bias.dtype), "beta")
+            what = f"initializer {name_of(old)} plus a folded norm's β"
+            moved = refuse_overflow(moved.astype(bias.dtype), [bias, beta], what, migrated=True)
+            renew(target.holder, target.index, moved, "beta")
             changed.append(name_of(target.holder))
             continue
         linear = target.node
@@ -325,13 +366,18 @@ def move_affine(
                 weight,
                 # bound now: a large weight is computed when written, after this loop has moved on
                 lambda w, axis=target.in_axis: migrate_affine(w, None, gamma, None, axis)[0],
+                "multiplied by a folded norm's γ",
+                migrated=True,
             )
             set_input(linear, 1, scaled)
         new_bias = bias
         if beta is not None:
             weights = constant_values(weight)
             assert weights is not None  # a linear target's weight is a constant (`linear_target`)
-            new_bias = migrate_affine(weights, bias, None, beta, target.in_axis, shift_scale)[1]
+            shifted = migrate_affine(weights, bias, None, beta, target.in_axis, shift_scale)[1]
+            assert shifted is not None  # β is given
+            what = f"the bias of {name_of(linear)} plus a folded norm's β·W"
+            new_bias = refuse_overflow(shifted, [weights, bias, beta], what, migrated=True)
         drop_pages(weight.const_value)
         if new_bias is not None and target.bias_node is not None:
             renew(target.bias_node, target.bias_index, new_bias, "affine")

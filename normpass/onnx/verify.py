@@ -36,7 +36,15 @@ import onnx
 import onnx_ir as ir
 
 from ..errors import InputError, UnsupportedModelError, VerificationError
-from ..io import keeps_external_data, may_exceed_proto_limit, release_weights, save_external, save_ir, skeleton
+from ..io import (
+    keeps_external_data,
+    may_exceed_proto_limit,
+    release_weights,
+    save_external,
+    save_ir,
+    skeleton,
+    to_proto,
+)
 from .precision import bf16_as_fp32, uses_bf16
 
 if TYPE_CHECKING:
@@ -413,7 +421,7 @@ def _in_memory(model: Model, shape: onnx.ModelProto) -> onnx.ModelProto | None:
     names = [node.name for node in shape.graph.node if node.name]
     if not uses_bf16(shape) and len(names) == len(set(names)):
         return None
-    return ir.to_proto(model) if isinstance(model, ir.Model) else onnx.load(str(model))
+    return to_proto(model) if isinstance(model, ir.Model) else onnx.load(str(model))
 
 
 class Runner:
@@ -431,7 +439,7 @@ class Runner:
         source = self.model
         if isinstance(source, ir.Model):
             if not keeps_external_data(source):
-                source = ir.to_proto(source).SerializeToString()
+                source = to_proto(source).SerializeToString()
             else:
                 self._tmp = tempfile.TemporaryDirectory()
                 source = Path(self._tmp.name) / "model.onnx"
