@@ -2,7 +2,8 @@
 
 Public API:
 * ONNX: `inspect_onnx(model)` → `FoldPlan`; `fold_onnx(model, FoldOptions(...))` → `FoldResult`
-  (`.model`, `.plan`, `.comparison`, `.report()`).
+  (`.model`, `.plan`, `.comparison`, `.report()`); `rotate_onnx(model, RotateOptions(...))` →
+  `RotateResult` (a `FoldResult` with `.rotation`, the streams rotated and why the others were not).
 * PyTorch: `inspect(module, example_inputs)` → `FoldPlan`; `fold(module, example_inputs)` →
   `(folded module, TorchFoldReport)`. These import torch on first use only, so the ONNX path
   never loads it.
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 
 from .errors import InputError, NormpassError, UnsupportedModelError, VerificationError
 from .onnx.passes import FoldOptions, FoldResult, fold_onnx, inspect_onnx
+from .onnx.rotate import RotateOptions, RotateResult, rotate_onnx
 
 TORCH_API = ("fold", "inspect", "TorchFoldReport")
 
@@ -29,6 +31,8 @@ __all__ = [
     "FoldResult",
     "InputError",
     "NormpassError",
+    "RotateOptions",
+    "RotateResult",
     "TorchFoldReport",
     "UnsupportedModelError",
     "VerificationError",
@@ -36,4 +40,5 @@ __all__ = [
     "fold_onnx",
     "inspect",
     "inspect_onnx",
+    "rotate_onnx",
 ]

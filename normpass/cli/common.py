@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 
 from ..errors import InputError
-from ..io import load_onnx
+from ..io import check_paths, data_path, load_onnx
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +18,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--builtin", metavar="NAME", help="use a built-in model from the registry (e.g. gpt2) instead of a file"
     )
     parser.add_argument("--no-insert-centering", action="store_true", help="never insert an explicit x − mean(x)")
+
+
+def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-verify", action="store_true", help="skip the numerical check against the original")
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="NAME:DIMS",
+        help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
+
+
+def check_outputs(args: argparse.Namespace) -> Path:
+    """The `-o` path, after checking it, its `OUT.data` and `--report` against the input and each other."""
+    outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
+    return check_paths({"the input model": args.model}, outputs)["-o"]
 
 
 def load_model(args: argparse.Namespace) -> tuple[onnx.ModelProto, str]:

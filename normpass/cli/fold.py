@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from ..errors import InputError
-from ..io import check_paths, data_path, write_text_atomic
+from ..io import write_text_atomic
 from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..onnx.rewrite import RMS_OPS
 from ..onnx.verify import parse_input_shapes
-from .common import add_model_arguments, model_source
+from .common import add_model_arguments, add_verification_arguments, check_outputs, model_source
 
 
 def add_parser(sub) -> None:
@@ -56,15 +55,7 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--no-fuse-skip", action="store_true", help="never fuse residual Adds into SkipSimplifiedLayerNormalization"
     )
-    parser.add_argument("--no-verify", action="store_true", help="skip the numerical check against the original")
-    parser.add_argument(
-        "--input-shape",
-        action="append",
-        default=[],
-        metavar="NAME:DIMS",
-        help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
+    add_verification_arguments(parser)
     parser.add_argument(
         "--torch",
         metavar="PACKAGE.MODULE:FACTORY",
@@ -72,11 +63,6 @@ def add_parser(sub) -> None:
         "module is exported to ONNX at -o (--target, --provider, --rms-op, --fold-with-beta-add, "
         "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, verification uses the example inputs)",
     )
-
-
-def _check_outputs(args: argparse.Namespace) -> Path:
-    outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
-    return check_paths({"the input model": args.model}, outputs)["-o"]
 
 
 def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
@@ -90,7 +76,7 @@ def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
 def run(args: argparse.Namespace) -> int:
     if args.torch:
         return _run_torch(args)
-    out = _check_outputs(args)
+    out = check_outputs(args)
     options = FoldOptions(
         target=args.target,
         provider=args.provider,
@@ -119,7 +105,7 @@ def _run_torch(args: argparse.Namespace) -> int:
         raise InputError("--torch replaces MODEL and --builtin; give only one")
     from ..torch.api import export_onnx, fold, load_factory
 
-    out = _check_outputs(args)
+    out = check_outputs(args)
     label = f"torch:{args.torch}"
     module, inputs = load_factory(args.torch)
     folded, report = fold(

@@ -12,10 +12,10 @@ import sys
 
 from .. import __version__
 from ..errors import NormpassError
-from . import bench, fold, inspect, replace, viz
+from . import bench, fold, inspect, replace, rotate, viz
 
 INTERNAL_ERROR = 3
-COMMANDS = {"inspect": inspect, "fold": fold, "viz": viz, "bench": bench, "replace": replace}
+COMMANDS = {"inspect": inspect, "fold": fold, "rotate": rotate, "viz": viz, "bench": bench, "replace": replace}
 
 
 def build_parser() -> argparse.ArgumentParser:
