@@ -135,6 +135,11 @@ class Rotator(Rewriter):
     """Rotates the streams of a plan in one graph (see the module docstring); `docs` collects per-node notes."""
 
     def rotate_stream(self, stream: Stream, matrix: np.ndarray, label: str) -> None:
+        """Rotate `stream` by `matrix`; `label` tells this stream's copies from another's.
+
+        A constant's rotated copy is shared by every use that takes the same map (the same axis, no γ): an
+        embedding table tied to an LM head that reads it as [vocab, hidden] stays one tensor, E·Q.
+        """
         gammas = {
             name: np.ravel(self.zmg.constant(self.zmg.norm_by_name(name).scale)).astype(np.float64)
             for name in stream.moved_gamma
@@ -142,7 +147,8 @@ class Rotator(Rewriter):
         for centring, scale in stream.writers.items():
             inverse = None if scale is None else 1.0 / gammas[scale]
             along = partial(_along, matrix=matrix, scale=inverse)
-            self.map_layer(centring, along, f"rotated:{label}:{scale}", f"output features rotated ({stream.name})")
+            tag = f"rotated:{label}:{'' if scale is None else '/' + scale}"
+            self.map_layer(centring, along, tag, f"output features rotated ({stream.name})")
         for reader in stream.readers:
             node = self.zmg.nodes[reader.node].ref
             index, axis = reader_weight(self.ctx, node, reader.index, reader.axis)
@@ -150,7 +156,7 @@ class Rotator(Rewriter):
             self._replace_input(
                 node,
                 index,
-                f"rotated:{label}:{reader.scale}:in{axis}",
+                f"rotated:{label}:{'' if reader.scale is None else '*' + reader.scale}:{axis}",
                 lambda v, a=axis, g=gamma: rotate(v, a, matrix, g),
             )
             moved = "" if reader.scale is None else f", γ of {reader.scale} absorbed"
