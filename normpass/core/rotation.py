@@ -29,7 +29,8 @@ layer contracting over the axis is a reader, as the front end decides). Anything
 stream, with the node and the path from the seed norm: a graph input or output, a nonlinearity, a
 LayerNorm (it subtracts the mean, which a rotation does not keep), a centring, a Softmax, a slice along
 the hidden axis or along axes known only at run time, a concatenation along it, a norm that keeps β.
-Every norm the closure reaches belongs to that stream, so each norm is in one stream at most.
+Every norm the closure reaches belongs to that stream (`Stream.norms`, refused ones too), so each norm
+is in one stream at most.
 """
 
 from __future__ import annotations
@@ -189,15 +190,13 @@ class _Closure:
     def _norm(self, node: ZNode, state: State) -> str | None:
         """Enter a norm node reading or writing `state`; returns why it refuses the stream, or None."""
         norm = node.rule.norm
-        why = _norm_refusal(self.zmg, norm, state[1])
-        if why is not None:
-            return why
         if norm.name not in self.stream.norms:
             self.stream.norms.append(norm.name)
-            tag = gamma_tag(self.zmg, norm)
-            if tag is not None:
-                self.stream.moved_gamma.append(tag)
-        return None
+        why = _norm_refusal(self.zmg, norm, state[1])
+        tag = gamma_tag(self.zmg, norm)
+        if why is None and tag is not None and tag not in self.stream.moved_gamma:
+            self.stream.moved_gamma.append(tag)
+        return why
 
     # --- the two directions ---------------------------------------------------------------------
 
@@ -308,7 +307,9 @@ def _not_commuting(node: ZNode) -> str | None:
 
 
 def plan_rotation(zmg: ZeroMeanGraph, reads: Reads) -> RotationPlan:
-    """Every stream of `zmg`, seeded at its RMSNorms: rotatable (with what to rotate) or refused (with why).
+    """Every stream of `zmg`, seeded at its norms over one axis: rotatable (with what to rotate) or refused (why).
+
+    A stream seeded at a LayerNorm (one the fold could not make an RMSNorm) is refused at once, by that norm.
 
     `reads(node, index, axis)` is the front end's answer to: does `node` contract input `index` along
     `axis` with constant weights (a linear layer that can take Qᵀ)?
@@ -316,10 +317,9 @@ def plan_rotation(zmg: ZeroMeanGraph, reads: Reads) -> RotationPlan:
     streams: list[Stream] = []
     seen: set[str] = set()
     for norm in zmg.norms:
-        if norm.name in seen or norm.norm_type is not NormType.RMS or norm.axis is None:
+        if norm.name in seen or norm.axis is None:
             continue
         stream = _Closure(zmg, reads, norm).run()
         seen.update(stream.norms)
-        seen.add(norm.name)
         streams.append(stream)
     return RotationPlan(streams)
