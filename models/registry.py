@@ -505,6 +505,40 @@ def vit_b16_shape(seed: int = 7) -> ModelEntry:
     )
 
 
+def opt_125m_shape(n_layer: int = 12, seed: int = 9) -> ModelEntry:
+    """OPT-125m-shaped LM (hidden 768, 12 heads, FFN 3072, vocab 50272, pre-LN, tied LM head), seeded.
+
+    For benchmarks only; not in ``REGISTRY`` (call this function).
+    """
+    config = OPTConfig(
+        vocab_size=50272,
+        hidden_size=768,
+        num_hidden_layers=n_layer,
+        ffn_dim=3072,
+        num_attention_heads=12,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=768,
+        do_layer_norm_before=True,
+        use_cache=False,
+    )
+    make_inputs = partial(_token_inputs, config.vocab_size)
+    norms = 2 * n_layer + 1
+    return ModelEntry(
+        name="opt-125m-shape",
+        summary=f"OPT-125m-shaped LM, pre-LN decoder, {n_layer} layers, hidden 768, vocab 50272, tied LM head",
+        build_torch=partial(_build, lambda: _Logits(OPTForCausalLM(config)), make_inputs, seed),
+        make_inputs=make_inputs,
+        input_names=("input_ids",),
+        output_names=("logits",),
+        dynamic_shapes=TEXT_DYNAMIC,
+        expected_norms=norms,
+        expected_folded=norms,
+        expected_kept=1,
+        why="Pre-LN, as the small `opt` entry: every LayerNorm folds; `fold` keeps the final one.",
+        large=True,
+    )
+
+
 REGISTRY: dict[str, ModelEntry] = {
     entry.name: entry
     for entry in (

@@ -190,8 +190,10 @@ class Rewriter:
             return (values * scale.reshape(shape)).astype(values.dtype)
 
         scaling = f"scaled:{mul.name}"
-        self._replace_input(node, 1, scaling, lambda v: scaled(v, out_axis))
-        if node.op_type != "MatMul" and input_at(node, 2) is not None:
+        absorbed = bool(np.all(scale == 1))  # by an earlier pass (a fold before a rotation): only `along` is left
+        if not absorbed:
+            self._replace_input(node, 1, scaling, lambda v: scaled(v, out_axis))
+        if node.op_type != "MatMul" and input_at(node, 2) is not None and not absorbed:
             self._replace_input(node, 2, scaling, lambda v: (v * scale).astype(v.dtype))  # [..., out] or scalar
         if add is not None:
             index = next(i for i, t in enumerate(add.inputs) if self.zmg.is_constant(t))
@@ -204,7 +206,8 @@ class Rewriter:
                 lambda v: _bias_along(along, np.asarray(v * factor, dtype=v.dtype), out_rank, centring.axis),
             )
         self.map_layer(Centring(linear.name, centring.axis), along, tag, doc)
-        self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like)
+        if not absorbed:
+            self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like)
         self._note(mul.name, f"LayerScale absorbed into {linear.name} ({doc})")
 
     # --- inserted centring ----------------------------------------------------------------------
