@@ -134,6 +134,7 @@ def fp32_variants(name: str, cache: pathlib.Path) -> tuple[dict[str, pathlib.Pat
         rotated = rotate_onnx(str(paths["original"]), RotateOptions(provider="cpu"), name=name)
         rotated.save(paths["rotated"])
         matrices = ", ".join(sorted(set(rotated.matrices.values())))
+        assert folded.comparison is not None and rotated.comparison is not None  # both verified
         notes = {
             "folded": f"{folded.folded} of {folded.plan.total} norms, max rel error "
             f"{folded.comparison.max_rel_error:.2g}",
@@ -232,7 +233,7 @@ def outliers(path: pathlib.Path, feeds: list[dict]) -> dict:
     model = onnx.load(str(path))
     constants = {i.name for i in model.graph.initializer}
     constants |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
-    probed = {}
+    probed: dict[str, str] = {}  # input tensor → the first layer reading it
     for node in model.graph.node:
         if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in constants:
             probed.setdefault(node.input[0], node.name)
@@ -365,7 +366,8 @@ def main() -> None:
         "held_out_photos": HELD_OUT_PHOTOS,
         "lm_seq": LM_SEQ,
     }
-    bench.finish_tool_run(results, settings, started, load_before, bench.machine(), table(results), args.json)
+    points = [{"model": name} | result for name, result in results.items()]
+    bench.finish_tool_run(points, settings, started, load_before, bench.machine(), table(results), args.json)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,11 @@ class RotationPlan:
         }
 
 
+def gamma_of(zmg: ZeroMeanGraph, norm: NormInfo) -> np.ndarray:
+    """The norm's γ, one value per feature (its constant, raveled); ones where it has none."""
+    return np.ravel(zmg.constant(norm.scale)) if norm.scale is not None else np.ones(1)
+
+
 def gamma_tag(zmg: ZeroMeanGraph, norm: NormInfo) -> str | None:
     """The norm's name if its γ is not uniform (it must move into the readers), else None."""
     if norm.scale is None or not zmg.is_constant(norm.scale):
@@ -140,17 +145,17 @@ def _norm_refusal(zmg: ZeroMeanGraph, norm: NormInfo, axis: int) -> str | None:
 class _Closure:
     """The closure of one seed state (see the module docstring), filling one `Stream`."""
 
-    def __init__(self, zmg: ZeroMeanGraph, reads: Reads, seed: NormInfo):
+    def __init__(self, zmg: ZeroMeanGraph, reads: Reads, seed: NormInfo, axis: int):
         self.zmg, self.reads = zmg, reads
         self.tags: dict[State, str | None] = {}
         self.via: dict[State, tuple[str, State | None]] = {}  # how a state was reached: (node, from state)
         self.stack: list[State] = []
-        width = (zmg.shape(seed.input) or {})[seed.axis] if seed.axis is not None else None
+        width = _dim(zmg, (seed.input, axis))
         self.stream = Stream(seed.name, width if isinstance(width, int) else None)
-        self.seed = seed
+        self.seed, self.axis = seed, axis
 
     def run(self) -> Stream:
-        seed = (self.seed.input, self.seed.axis)
+        seed = (self.seed.input, self.axis)
         self._add(seed, None, self.seed.name, None)
         if self.stream.width is None:
             self._block(seed, self.seed.name, f"the hidden size of {self.seed.input} is not static")
@@ -187,9 +192,8 @@ class _Closure:
                 path.append(step)
         self.stream.blocker = Blocker(node, reason, tuple(reversed(path)), state[0], state[1])
 
-    def _norm(self, node: ZNode, state: State) -> str | None:
-        """Enter a norm node reading or writing `state`; returns why it refuses the stream, or None."""
-        norm = node.rule.norm
+    def _norm(self, norm: NormInfo, state: State) -> str | None:
+        """Enter a norm reading or writing `state`; returns why it refuses the stream, or None."""
         if norm.name not in self.stream.norms:
             self.stream.norms.append(norm.name)
         why = _norm_refusal(self.zmg, norm, state[1])
@@ -208,13 +212,14 @@ class _Closure:
             self._block(state, tensor, f"graph input {tensor} is in the stream: rotating it would change the input")
             return
         if isinstance(node.rule, NormRule):
-            why = self._norm(node, state)
-            if why is None and gamma_tag(self.zmg, node.rule.norm) != tag:
-                why = f"{tensor} is reached with a γ other than that of {node.rule.norm.name}"
+            norm = node.rule.norm
+            why = self._norm(norm, state)
+            if why is None and gamma_tag(self.zmg, norm) != tag:
+                why = f"{tensor} is reached with a γ other than that of {norm.name}"
             if why is not None:
                 self._block(state, node.name, why)
                 return
-            self._add((node.rule.norm.input, axis), None, node.name, state)
+            self._add((norm.input, axis), None, node.name, state)
             return
         why = _breaks(node, axis)
         result = why or node.rule.backward(self.zmg, node, tensor, axis)
@@ -229,7 +234,10 @@ class _Closure:
             return
         for index, source, in_axis in result:
             if not self.zmg.is_constant(source):
-                self._add((source, in_axis), tag, node.name, state)
+                if in_axis is None:  # rules refuse this themselves; a rotation could not reach it either
+                    self._block(state, node.name, f"{node.op} {node.name} broadcasts {source} along the hidden axis")
+                else:
+                    self._add((source, in_axis), tag, node.name, state)
                 continue
             why = self._constant_refusal(source, in_axis, tag)
             if why is not None:
@@ -241,10 +249,8 @@ class _Closure:
         values = self.zmg.constant(tensor)
         if axis is None and np.any(values != 0):
             return f"adds {tensor}, constant along the hidden axis, which a rotation would make vary"
-        if tag is not None:
-            gamma = self.zmg.constant(self.zmg.norm_by_name(tag).scale)
-            if np.any(gamma == 0):
-                return f"adds {tensor} after {tag}, whose γ has zeros, so it cannot be divided by γ"
+        if tag is not None and np.any(gamma_of(self.zmg, self.zmg.norm_by_name(tag)) == 0):
+            return f"adds {tensor} after {tag}, whose γ has zeros, so it cannot be divided by γ"
         return None
 
     def _forward(self, state: State) -> None:
@@ -257,13 +263,13 @@ class _Closure:
             if isinstance(node.rule, ShapeOnly):  # reads no values
                 continue
             if isinstance(node.rule, NormRule):
-                why = self._norm(node, state) if index == 0 else f"{node.op} {node.name} reads the stream as γ or β"
+                norm = node.rule.norm
+                why = self._norm(norm, state) if index == 0 else f"{node.op} {node.name} reads the stream as γ or β"
                 if why is None and tag is not None:
                     why = f"{node.op} {node.name} normalizes the output of {tag}, which keeps γ"
                 if why is not None:
                     self._block(state, node.name, why)
                     continue
-                norm = node.rule.norm
                 self._add((norm.output, axis), gamma_tag(self.zmg, norm), node.name, state)
                 continue
             if self.reads(node, index, axis):
@@ -319,7 +325,7 @@ def plan_rotation(zmg: ZeroMeanGraph, reads: Reads) -> RotationPlan:
     for norm in zmg.norms:
         if norm.name in seen or norm.axis is None:
             continue
-        stream = _Closure(zmg, reads, norm).run()
+        stream = _Closure(zmg, reads, norm, norm.axis).run()
         seen.update(stream.norms)
         streams.append(stream)
     return RotationPlan(streams)

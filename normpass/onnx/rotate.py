@@ -29,6 +29,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -40,7 +41,7 @@ from ..core.algebra import rotate
 from ..core.graph import ZNode
 from ..core.orthogonal import KINDS, rotation_matrix
 from ..core.plan import FoldPlan
-from ..core.rotation import RotationPlan, Stream, plan_rotation
+from ..core.rotation import RotationPlan, Stream, gamma_of, plan_rotation
 from ..errors import InputError, UnsupportedModelError
 from .constants import is_constant
 from .export import export_model
@@ -105,10 +106,10 @@ class RotateResult(FoldResult):
 
 def reader_weight(ctx: OnnxGraph, node: ir.Node, index: int, axis: int) -> tuple[int, int] | None:
     """(weight input, its input-feature axis) if `node` contracts input `index` along `axis` with a constant weight."""
-    weight = input_at(node, 1)
-    if index != 0 or node.domain not in STANDARD or weight is None or not is_constant(weight):
+    data, weight = input_at(node, 0), input_at(node, 1)
+    if index != 0 or node.domain not in STANDARD or data is None or weight is None or not is_constant(weight):
         return None
-    rank, weight_rank = (len(ctx.shapes.get(t.name) or ()) for t in (node.inputs[0], weight))
+    rank, weight_rank = (len(ctx.shapes.get(str(t.name)) or ()) for t in (data, weight))
     if node.op_type == "MatMul" and rank and weight_rank and axis == rank - 1:
         return 1, max(weight_rank - 2, 0)
     if node.op_type == "Gemm" and axis == 1 - attr(node, "transA", 0):
@@ -141,8 +142,7 @@ class Rotator(Rewriter):
         embedding table tied to an LM head that reads it as [vocab, hidden] stays one tensor, E·Q.
         """
         gammas = {
-            name: np.ravel(self.zmg.constant(self.zmg.norm_by_name(name).scale)).astype(np.float64)
-            for name in stream.moved_gamma
+            name: gamma_of(self.zmg, self.zmg.norm_by_name(name)).astype(np.float64) for name in stream.moved_gamma
         }
         for centring, scale in stream.writers.items():
             inverse = None if scale is None else 1.0 / gammas[scale]
@@ -151,7 +151,9 @@ class Rotator(Rewriter):
             self.map_layer(centring, along, tag, f"output features rotated ({stream.name})")
         for reader in stream.readers:
             node = self.zmg.nodes[reader.node].ref
-            index, axis = reader_weight(self.ctx, node, reader.index, reader.axis)
+            found = reader_weight(self.ctx, node, reader.index, reader.axis)
+            assert found is not None  # the plan's readers are those `reader_weight` found
+            index, axis = found
             gamma = None if reader.scale is None else gammas[reader.scale]
             self._replace_input(
                 node,
@@ -229,6 +231,7 @@ def rotate_onnx(
     start = time.perf_counter()
     matrices = {}
     for index, stream in enumerate(rotation.rotatable):
+        assert stream.width is not None  # a stream without a static width is refused
         matrix, matrices[stream.name] = rotation_matrix(stream.width, options.rotation, options.rotation_seed + index)
         rotator.rotate_stream(stream, matrix, str(index))
     RemoveUnusedNodesPass()(rotator.ctx.model)
@@ -241,7 +244,7 @@ def rotate_onnx(
     rotated = export_model(rotator.ctx.model, rotator.docs, metadata)
     seconds["rotate"] = time.perf_counter() - start
     done = f"{len(rotation.rotatable)} of {len(rotation.streams)} residual streams rotated"
-    before = structure(model)
+    before = structure(Path(model) if isinstance(model, (str, os.PathLike)) else model)
     comparison = checked(model, rotated, before, options, name, done, ("rotate", "rotated"), seconds)
     return RotateResult(
         rotated,
