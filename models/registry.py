@@ -397,16 +397,26 @@ def _swin_entry() -> ModelEntry:
     )
 
 
-def _opt_entry() -> ModelEntry:
-    layers = 2
+def opt_entry(
+    name: str,
+    n_layer: int = 2,
+    hidden: int = 64,
+    ffn: int = 128,
+    heads: int = 4,
+    vocab: int = 128,
+    positions: int = 64,
+    seed: int = 8,
+    large: bool = False,
+) -> ModelEntry:
+    """Entry for an OPT LM of any size, pre-LN (``do_layer_norm_before``), tied LM head."""
     config = OPTConfig(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=layers,
-        ffn_dim=128,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        word_embed_proj_dim=64,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=n_layer,
+        ffn_dim=ffn,
+        num_attention_heads=heads,
+        max_position_embeddings=positions,
+        word_embed_proj_dim=hidden,
         do_layer_norm_before=True,
         bos_token_id=0,
         eos_token_id=1,
@@ -414,11 +424,12 @@ def _opt_entry() -> ModelEntry:
         use_cache=False,
     )
     make_inputs = partial(_token_inputs, config.vocab_size)
-    norms = 2 * layers + 1
+    norms = 2 * n_layer + 1
     return ModelEntry(
-        name="opt",
-        summary=f"OPT LM, pre-LN decoder (do_layer_norm_before), {layers} layers, hidden 64, vocab 128, tied LM head",
-        build_torch=partial(_build, lambda: _Logits(OPTForCausalLM(config)), make_inputs, 8),
+        name=name,
+        summary=f"OPT LM, pre-LN decoder (do_layer_norm_before), {n_layer} layers, hidden {hidden}, vocab {vocab}, "
+        "tied LM head",
+        build_torch=partial(_build, lambda: _Logits(OPTForCausalLM(config)), make_inputs, seed),
         make_inputs=make_inputs,
         input_names=("input_ids",),
         output_names=("logits",),
@@ -431,9 +442,10 @@ def _opt_entry() -> ModelEntry:
             "Gathers and the out_proj/fc2 Linears and read by LayerNorms and residual Adds, so every "
             "LayerNorm folds; the final one's β has nowhere to go (the tied LM head has no bias)."
         ),
+        large=large,
         ort_model_type="gpt2",
-        num_heads=4,
-        hidden_size=64,
+        num_heads=heads,
+        hidden_size=hidden,
     )
 
 
@@ -505,38 +517,12 @@ def vit_b16_shape(seed: int = 7) -> ModelEntry:
     )
 
 
-def opt_125m_shape(n_layer: int = 12, seed: int = 9) -> ModelEntry:
-    """OPT-125m-shaped LM (hidden 768, 12 heads, FFN 3072, vocab 50272, pre-LN, tied LM head), seeded.
+def opt_125m_shape(n_layer: int = 12) -> ModelEntry:
+    """OPT-125m-shaped LM (hidden 768, 12 heads, FFN 3072, vocab 50272, 2048 positions), seeded.
 
     For benchmarks only; not in ``REGISTRY`` (call this function).
     """
-    config = OPTConfig(
-        vocab_size=50272,
-        hidden_size=768,
-        num_hidden_layers=n_layer,
-        ffn_dim=3072,
-        num_attention_heads=12,
-        max_position_embeddings=2048,
-        word_embed_proj_dim=768,
-        do_layer_norm_before=True,
-        use_cache=False,
-    )
-    make_inputs = partial(_token_inputs, config.vocab_size)
-    norms = 2 * n_layer + 1
-    return ModelEntry(
-        name="opt-125m-shape",
-        summary=f"OPT-125m-shaped LM, pre-LN decoder, {n_layer} layers, hidden 768, vocab 50272, tied LM head",
-        build_torch=partial(_build, lambda: _Logits(OPTForCausalLM(config)), make_inputs, seed),
-        make_inputs=make_inputs,
-        input_names=("input_ids",),
-        output_names=("logits",),
-        dynamic_shapes=TEXT_DYNAMIC,
-        expected_norms=norms,
-        expected_folded=norms,
-        expected_kept=1,
-        why="Pre-LN, as the small `opt` entry: every LayerNorm folds; `fold` keeps the final one.",
-        large=True,
-    )
+    return opt_entry("opt-125m-shape", n_layer, 768, 3072, 12, 50272, 2048, seed=9, large=True)
 
 
 REGISTRY: dict[str, ModelEntry] = {
@@ -547,7 +533,7 @@ REGISTRY: dict[str, ModelEntry] = {
         _vit_entry(),
         _llama_entry(),
         _swin_entry(),
-        _opt_entry(),
+        opt_entry("opt"),
         gpt2_small_shape(),
     )
 }

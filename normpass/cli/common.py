@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
 import onnx
 
 from ..errors import InputError
-from ..io import check_paths, data_path, load_onnx
+from ..io import check_paths, data_path, load_onnx, write_text_atomic
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,14 @@ def check_outputs(args: argparse.Namespace) -> Path:
     """The `-o` path, after checking it, its `OUT.data` and `--report` against the input and each other."""
     outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
     return check_paths({"the input model": args.model}, outputs)["-o"]
+
+
+def save_result(result, out: Path, label: str, report: str | None) -> None:
+    """Write a pass's result to `out` and, if asked, its JSON report to `report` (each atomically)."""
+    result.save(out)
+    if report:
+        data = {"model": label, "output": str(out), **result.report()}
+        write_text_atomic(json.dumps(data, indent=2) + "\n", report)
 
 
 def load_model(args: argparse.Namespace) -> tuple[onnx.ModelProto, str]:

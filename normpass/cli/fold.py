@@ -14,7 +14,7 @@ from ..io import write_text_atomic
 from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..onnx.rewrite import RMS_OPS
 from ..onnx.verify import parse_input_shapes
-from .common import add_model_arguments, add_verification_arguments, check_outputs, model_source
+from .common import add_model_arguments, add_verification_arguments, check_outputs, model_source, save_result
 
 
 def add_parser(sub) -> None:
@@ -91,10 +91,7 @@ def run(args: argparse.Namespace) -> int:
     )
     model, label = model_source(args)
     result = fold_onnx(model, options, name=label)
-    result.save(out)
-    if args.report:
-        report = {"model": label, "output": str(out), **result.report()}
-        write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
+    save_result(result, out, label, args.report)
     _print_summary(label, result.plan, result.comparison, out)
     return 0
 

@@ -6,14 +6,12 @@ The rotation makes the model quantize better (QuaRot): run ONNX Runtime's quanti
 from __future__ import annotations
 
 import argparse
-import json
 
 from ..core.orthogonal import KINDS
-from ..io import write_text_atomic
 from ..onnx.passes import PROVIDERS, TARGETS
 from ..onnx.rotate import RotateOptions, RotateResult, rotate_onnx
 from ..onnx.verify import parse_input_shapes
-from .common import add_model_arguments, add_verification_arguments, check_outputs, model_source
+from .common import add_model_arguments, add_verification_arguments, check_outputs, model_source, save_result
 
 
 def add_parser(sub) -> None:
@@ -79,9 +77,6 @@ def run(args: argparse.Namespace) -> int:
     )
     model, label = model_source(args)
     result = rotate_onnx(model, options, name=label)
-    result.save(out)
-    if args.report:
-        report = {"model": label, "output": str(out), **result.report()}
-        write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
+    save_result(result, out, label, args.report)
     print("\n".join(summary(label, result, out)))
     return 0
