@@ -31,7 +31,7 @@ Models:
   mean and std; square crops resized to 224×224);
 * `gpt2-small-shape`, `opt-125m-shape`: seeded GPT-2-small (124M) and OPT-125m shapes from
   `normpass.models` (random weights: the rotation's exactness and the pipeline end to end, not a
-  language model's accuracy), on seeded random token ids.
+  language model's accuracy), on seeded random token ids; their LM head stays in fp32 (`lm_head`).
 
     python tools/bench_rotation.py --models dinov2 gpt2-small-shape opt-125m-shape \\
         --cache /tmp/normpass-rotation --json /tmp/normpass-rotation/report.json
@@ -49,12 +49,15 @@ import logging
 import os
 import pathlib
 import statistics
+import tempfile
 import time
 import warnings
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from normpass import models as builtin_models
 from normpass.models import registry, thirdparty
@@ -149,8 +152,8 @@ def fp32_variants(name: str, cache: pathlib.Path) -> tuple[dict[str, pathlib.Pat
     return paths, json.loads(notes_path.read_text())
 
 
-class Reader:
-    """An ORT CalibrationDataReader over a list of feeds."""
+class Reader(CalibrationDataReader):
+    """The calibration inputs, as `quantize_static` reads them."""
 
     def __init__(self, feeds: list[dict]):
         self.feeds = iter(feeds)
@@ -158,54 +161,66 @@ class Reader:
     def get_next(self):
         return next(self.feeds, None)
 
-    def rewind(self):  # quantize_static may ask for a second pass
-        pass
 
+def quantize(
+    source: pathlib.Path, method: str, calibration: list[dict], out: pathlib.Path, exclude: list[str]
+) -> pathlib.Path:
+    """`source` quantized by ONNX Runtime's `method` (see the module docstring) into `out`, unless cached;
+    the nodes named in `exclude` stay in fp32.
 
-def quantize(source: pathlib.Path, method: str, calibration: list[dict], out: pathlib.Path) -> pathlib.Path:
-    """`source` quantized by ONNX Runtime's `method` (see the module docstring) into `out`, unless cached."""
+    Written in a scratch directory and moved into place, its weights file (if any) before the model.
+    """
     if out.exists():
         return out
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_dynamic,
-        quantize_static,
-    )
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    partial = out.with_name(out.stem + ".partial.onnx")
     large = source.stat().st_size > 2**30 or (source.with_name(source.name + ".data")).exists()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        if method.startswith("int8-static"):
-            reader = type("Calibration", (Reader, CalibrationDataReader), {})(calibration)
-            quantize_static(
-                str(source),
-                str(partial),
-                reader,
-                quant_format=QuantFormat.QDQ,
-                per_channel=method.endswith("-pc"),
-                activation_type=QuantType.QInt8,
-                weight_type=QuantType.QInt8,
-                use_external_data_format=large,
-            )
-        elif method == "int8-dynamic":
-            quantize_dynamic(str(source), str(partial), weight_type=QuantType.QInt8, use_external_data_format=large)
-        else:
-            quantizer = MatMulNBitsQuantizer(onnx.load(str(source)), block_size=32, is_symmetric=True)
-            quantizer.process()
-            quantizer.model.save_model_to_file(str(partial), use_external_data_format=large)
-        logging.disable(logging.NOTSET)
-    partial.rename(out)
-    if partial.with_name(partial.name + ".data").exists():
-        print(f"  note: {out} keeps its weights in {partial.name}.data", flush=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+        target = pathlib.Path(scratch) / out.name
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            if method.startswith("int8-static"):
+                quantize_static(
+                    str(source),
+                    str(target),
+                    Reader(calibration),
+                    quant_format=QuantFormat.QDQ,
+                    per_channel=method.endswith("-pc"),
+                    activation_type=QuantType.QInt8,
+                    weight_type=QuantType.QInt8,
+                    use_external_data_format=large,
+                    nodes_to_exclude=exclude,
+                )
+            elif method == "int8-dynamic":
+                quantize_dynamic(
+                    str(source),
+                    str(target),
+                    weight_type=QuantType.QInt8,
+                    use_external_data_format=large,
+                    nodes_to_exclude=exclude,
+                )
+            else:
+                quantizer = MatMulNBitsQuantizer(
+                    onnx.load(str(source)), block_size=32, is_symmetric=True, nodes_to_exclude=exclude
+                )
+                quantizer.process()
+                quantizer.model.save_model_to_file(str(target), use_external_data_format=large)
+        for written in sorted(pathlib.Path(scratch).iterdir(), key=lambda p: p == target):
+            written.rename(out.parent / written.name)
     return out
 
 
 # --- measurements ---------------------------------------------------------------------------------
+
+
+def lm_head(path: pathlib.Path) -> list[str]:
+    """The node writing a language model's logits (a graph output): kept in fp32 by every quantizer here.
+
+    An LM head tied to the token table reads it through a `Transpose` node in the export, which ORT's
+    weight quantizers skip; the rotation gives the head a weight of its own, which they would quantize.
+    Keeping the head in fp32 everywhere (common practice) quantizes the same layers in every variant.
+    """
+    graph = onnx.load(str(path), load_external_data=False).graph
+    outputs = {o.name for o in graph.output}
+    return [node.name for node in graph.node if set(node.output) & outputs and node.op_type in ("MatMul", "Gemm")]
 
 
 def session(path: pathlib.Path) -> ort.InferenceSession:
@@ -285,7 +300,14 @@ def evaluate(name: str, cache: pathlib.Path, per_photo: int, sequences: int, rep
         calibration, held_out = dinov2_inputs(per_photo)
     print(f"{name}: {len(calibration)} calibration and {len(held_out)} held-out inputs; {notes['rotated']}", flush=True)
     reference = outputs(paths["original"], held_out)
-    result: dict = {"notes": notes, "calibration": len(calibration), "held_out": len(held_out), "fp32": {}}
+    head = lm_head(paths["original"]) if language_model else []
+    result: dict = {
+        "notes": notes,
+        "calibration": len(calibration),
+        "held_out": len(held_out),
+        "kept_in_fp32": head,
+        "fp32": {},
+    }
     for variant, path in paths.items():
         result["fp32"][variant] = {
             "error": output_errors(reference, outputs(path, held_out), language_model),
@@ -295,7 +317,7 @@ def evaluate(name: str, cache: pathlib.Path, per_photo: int, sequences: int, rep
     result["fp32_latency"] = latency(paths, True, repeats, 1, seq)
     for method in methods:
         quantized = {
-            variant: quantize(path, method, calibration, cache / name / f"{variant}.{method}.onnx")
+            variant: quantize(path, method, calibration, cache / name / f"{variant}.{method}.onnx", head)
             for variant, path in paths.items()
         }
         result[method] = {
@@ -355,6 +377,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds per latency comparison")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
+    logging.disable(logging.WARNING)  # the quantizers' advice and the libraries' progress notes
     cache = pathlib.Path(args.cache)
     started, load_before = time.time(), os.getloadavg()
     results = {
