@@ -284,7 +284,8 @@ def latency(paths: dict[str, pathlib.Path], check: bool, repeats: int, batch: in
     candidates = [bench.Candidate(label, str(path), check=check) for label, path in paths.items()]
     report = bench.run_benchmark(candidates, [(batch, seq)], repeats=repeats, warmup=3, progress=False)
     results = report["points"][0]["results"]
-    return {label: {k: results[label].get(k) for k in ("median_ms", "p25_ms", "p75_ms", "ratio")} for label in paths}
+    keys = ("median_ms", "p25_ms", "p75_ms", "ratio", "ratio_p25", "ratio_p75")
+    return {label: {k: results[label].get(k) for k in keys} for label in paths}
 
 
 # --- the run --------------------------------------------------------------------------------------
