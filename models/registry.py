@@ -334,9 +334,10 @@ def _llama_entry() -> ModelEntry:
         bos_token_id=0,
         eos_token_id=1,
         use_cache=False,
-        # The TorchScript exporter cannot export SDPA with grouped KV heads (enable_gqa).
-        attn_implementation="eager",
     )
+    # The TorchScript exporter cannot export SDPA with grouped KV heads (enable_gqa). (What the
+    # config's `attn_implementation` keyword sets; transformers 5 types the constructor without it.)
+    config._attn_implementation = "eager"
     make_inputs = partial(_token_inputs, config.vocab_size)
     return ModelEntry(
         name="llama",
@@ -368,9 +369,9 @@ def _swin_entry() -> ModelEntry:
         num_heads=[2, 4],
         window_size=4,
         mlp_ratio=2.0,
-        # The ONNX exporter (torch 2.13) cannot decompose the reshape after Swin's SDPA attention.
-        attn_implementation="eager",
     )
+    # The ONNX exporter (torch 2.13) cannot decompose the reshape after Swin's SDPA attention.
+    config._attn_implementation = "eager"
     make_inputs = partial(_image_inputs, 3, 32)
     return ModelEntry(
         name="swin",

@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 
 from ..errors import InputError
-from ..io import check_paths, data_path, load_onnx, write_text_atomic
+from ..io import check_paths, load_onnx, model_files, save_onnx_atomic, write_text_atomic
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,15 +33,17 @@ def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
 
 
-def check_outputs(args: argparse.Namespace) -> Path:
-    """The `-o` path, after checking it, its `OUT.data` and `--report` against the input and each other."""
-    outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
-    return check_paths({"the input model": args.model}, outputs)["-o"]
+def checked_paths(
+    args: argparse.Namespace, other_inputs: dict[str, Path] | None = None
+) -> tuple[Path, dict[str, Path]]:
+    """The `-o` path, and the files the inputs read (the model's and `other_inputs`), after `io.check_paths`."""
+    inputs = model_files("the input model", args.model) | (other_inputs or {})
+    return check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"], inputs
 
 
-def save_result(result, out: Path, label: str, report: str | None) -> None:
-    """Write a pass's result to `out` and, if asked, its JSON report to `report` (each atomically)."""
-    result.save(out)
+def save_result(result, out: Path, inputs: dict[str, Path], label: str, report: str | None) -> None:
+    """Write a pass's model to `out` (never over a file `inputs` reads) and, if asked, its JSON report."""
+    save_onnx_atomic(result.ir_model, out, keep=inputs.values())
     if report:
         data = {"model": label, "output": str(out), **result.report()}
         write_text_atomic(json.dumps(data, indent=2) + "\n", report)

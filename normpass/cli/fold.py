@@ -7,14 +7,16 @@ exports the folded module.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+from pathlib import Path
 
 from ..errors import InputError
 from ..io import write_text_atomic
 from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..onnx.rewrite import RMS_OPS
 from ..onnx.verify import parse_input_shapes
-from .common import add_model_arguments, add_verification_arguments, check_outputs, model_source, save_result
+from .common import add_model_arguments, add_verification_arguments, checked_paths, model_source, save_result
 
 
 def add_parser(sub) -> None:
@@ -61,8 +63,20 @@ def add_parser(sub) -> None:
         metavar="PACKAGE.MODULE:FACTORY",
         help="fold a PyTorch model instead: FACTORY() returns (module, example_inputs); the folded "
         "module is exported to ONNX at -o (--target, --provider, --rms-op, --fold-with-beta-add, "
-        "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, verification uses the example inputs)",
+        "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, "
+        "verification uses the example inputs)",
     )
+
+
+def _factory_file(spec: str | None) -> dict[str, Path]:
+    """The source file of a --torch factory's module, where it can be found without running it."""
+    module_name = (spec or "").partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module_name) if module_name else None
+    except (ImportError, ValueError):  # load_factory says why, later
+        return {}
+    origin = getattr(found, "origin", None)
+    return {"--torch's module": Path(origin)} if origin and Path(origin).is_file() else {}
 
 
 def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
@@ -76,7 +90,7 @@ def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
 def run(args: argparse.Namespace) -> int:
     if args.torch:
         return _run_torch(args)
-    out = check_outputs(args)
+    out, inputs = checked_paths(args, _factory_file(args.torch))
     options = FoldOptions(
         target=args.target,
         provider=args.provider,
@@ -91,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     )
     model, label = model_source(args)
     result = fold_onnx(model, options, name=label)
-    save_result(result, out, label, args.report)
+    save_result(result, out, inputs, label, args.report)
     _print_summary(label, result.plan, result.comparison, out)
     return 0
 
@@ -102,7 +116,7 @@ def _run_torch(args: argparse.Namespace) -> int:
         raise InputError("--torch replaces MODEL and --builtin; give only one")
     from ..torch.api import export_onnx, fold, load_factory
 
-    out = check_outputs(args)
+    out, _ = checked_paths(args, _factory_file(args.torch))
     label = f"torch:{args.torch}"
     module, inputs = load_factory(args.torch)
     folded, report = fold(

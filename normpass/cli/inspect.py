@@ -34,7 +34,7 @@ from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan, NormDecision
 from ..core.rotation import RotationPlan
 from ..errors import InputError
-from ..io import check_paths, write_text_atomic
+from ..io import check_paths, model_files, write_text_atomic
 from ..onnx.frontend import build_zero_mean_graph
 from ..onnx.passes import open_graph
 from ..onnx.rotate import RotateOptions, inspect_rotation
@@ -176,7 +176,7 @@ def render_rotation(rotation: RotationPlan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    graph_out = check_paths({"the input model": args.model}, {"--graph": args.graph}).get("--graph")
+    graph_out = check_paths(model_files("the input model", args.model), {"--graph": args.graph}).get("--graph")
     if graph_out is not None and graph_out.suffix.lower() not in GRAPH_FORMATS:
         raise InputError(f"{graph_out}: --graph writes .graphml or .json; choose a path with one of those suffixes")
     with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings stay off stdout

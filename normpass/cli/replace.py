@@ -12,7 +12,7 @@ import json
 import sys
 
 from ..errors import InputError
-from ..io import check_paths, data_path, save_onnx_atomic, write_text_atomic
+from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.rewrite import RMS_OPS
 from ..surrogate.calibrate import Budget
 from ..surrogate.fit import KINDS
@@ -123,9 +123,12 @@ def _budget(specs: list[str]) -> Budget:
 
 
 def run(args: argparse.Namespace) -> int:
-    inputs = {"the input model": args.model, "--calib": args.calib, "--holdout": args.holdout}
-    outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
-    out = check_paths(inputs, outputs)["-o"]
+    inputs = (
+        model_files("the input model", args.model)
+        | calibration_files("--calib", args.calib)
+        | calibration_files("--holdout", args.holdout)
+    )
+    out = check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"]
     if args.batch_size < 1 or args.samples < 1:
         raise InputError("--batch-size and --samples must be at least 1")
     options = ReplaceOptions(
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         if args.report:
             write_text_atomic(json.dumps({"output": None, **e.report}, indent=2) + "\n", args.report)
         raise
-    save_onnx_atomic(result.model, out)
+    save_onnx_atomic(result.model, out, keep=inputs.values())
     report = {"output": str(out), **result.report()}
     if args.report:
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)

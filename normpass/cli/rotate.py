@@ -11,7 +11,7 @@ from ..core.orthogonal import KINDS
 from ..onnx.passes import PROVIDERS, TARGETS
 from ..onnx.rotate import RotateOptions, RotateResult, rotate_onnx
 from ..onnx.verify import parse_input_shapes
-from .common import add_model_arguments, add_verification_arguments, check_outputs, model_source, save_result
+from .common import add_model_arguments, add_verification_arguments, checked_paths, model_source, save_result
 
 
 def add_parser(sub) -> None:
@@ -64,7 +64,7 @@ def summary(label: str, result: RotateResult, out) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = check_outputs(args)
+    out, inputs = checked_paths(args)
     options = RotateOptions(
         rotation=args.rotation,
         rotation_seed=args.rotation_seed,
@@ -77,6 +77,6 @@ def run(args: argparse.Namespace) -> int:
     )
     model, label = model_source(args)
     result = rotate_onnx(model, options, name=label)
-    save_result(result, out, label, args.report)
+    save_result(result, out, inputs, label, args.report)
     print("\n".join(summary(label, result, out)))
     return 0

@@ -6,6 +6,16 @@ for an in-memory one), so a large model is never copied into NumPy. Shapes come 
 inference run on a light proto of the model whose large initializers are declared as inputs.
 The op → rule table below is the whole of what this front end knows about ONNX op semantics.
 
+Model-local functions (`FunctionProto`s, as newer exporters emit for modules) are inlined first,
+in place (onnx-ir's `InlinePass`), and the folded model keeps them inlined: a function's body is
+shared by all its calls, so a norm inside it could only be rewritten for every call at once, and
+the proof and the safety check must see through calls (the linear layers feeding a norm and the
+readers of the stream are often in other functions); ONNX Runtime inlines them when it loads a
+model anyway. An inlined node is named after its call (`call/node`). A function that cannot be
+inlined (its opset imports differ from the model's, a call passes a graph attribute, functions
+that call each other in a cycle) stays a call, opaque to the analysis; the norms in its body
+are listed, declined with that reason.
+
 Control flow (`If`, `Loop`, `Scan`): a body's nodes read outer-scope tensors as the very same
 `ir.Value`s, so such a value lists the nested reader among its uses. For the analysis, a tensor
 read anywhere inside a body (at any depth) is read by the top-level control-flow node: that
@@ -16,6 +26,7 @@ reason they are not rewritten.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +34,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes.common import InlinePass
 
-from ..core.graph import NodeKind, NormInfo, ZeroMeanGraph, ZNode
+from ..core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
 from ..core.rules import (
     Broadcast,
     Centered,
@@ -43,10 +55,10 @@ from ..core.rules import (
     Sum,
     Take,
 )
-from ..errors import UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
 from .constants import constant_values, is_constant
-from .patterns import match_decomposed, match_single_op, norm_info
+from .patterns import MatchContext, NormMatch, match_decomposed, match_single_op, norm_info
 from .values import attr, bodies, input_at, is_initializer
 
 SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values
@@ -57,9 +69,10 @@ FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 class OnnxGraph:
     """A model being analysed or rewritten: the `ir.Model` plus inferred shapes and dtypes (by tensor name).
 
-    `structure` is the model as loaded, without its large weights (`io.skeleton`), for signatures
-    and verification inputs; `source` is the file it was loaded from (None for an in-memory model);
-    `holders` maps id(node inside a body) to its top-level control-flow node.
+    `structure` is the model as loaded (functions inlined), without its large weights
+    (`io.skeleton`), for signatures and verification inputs; `source` is the file it was loaded from
+    (None for an in-memory model); `holders` maps id(node inside a body) to its top-level
+    control-flow node; `kept_functions` the model-local functions left as calls, with why.
     """
 
     model: ir.Model
@@ -69,6 +82,7 @@ class OnnxGraph:
     name: str = "model"
     holders: dict[int, ir.Node] = field(default_factory=dict)
     source: Path | None = None
+    kept_functions: dict[ir.OperatorIdentifier, str] = field(default_factory=dict)
 
     @property
     def graph(self) -> ir.Graph:
@@ -140,7 +154,14 @@ def _has_contrib_ops(model: onnx.ModelProto) -> bool:
 
 def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference, or ONNX Runtime's symbolic one where the graph has contrib ops (which
-    ONNX's does not know); best effort: unknown shapes make the analysis decline."""
+    ONNX's does not know); best effort: unknown shapes make the analysis decline. A declared type
+    or shape (`value_info`, a graph output) that contradicts what a node computes is refused
+    (`InputError`): the analysis would otherwise trust it."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+    except Exception as e:  # strict mode fails on every node it cannot infer; only contradictions are refused
+        _refuse_contradictions(e)
+        inferred = None
     if _has_contrib_ops(light):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -148,10 +169,23 @@ def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
             return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
         except Exception:
             pass
+    if inferred is not None:
+        return inferred
     try:
         return onnx.shape_inference.infer_shapes(light, data_prop=True)
     except Exception:
         return light
+
+
+def _refuse_contradictions(error: Exception) -> None:
+    for line in str(error).splitlines():
+        if "existing shape differ" in line or "differs from existing" in line:
+            found = re.search(r"op_type:([^,]*), node name: ([^)]*)\): \[\w+\] (.*)", line)
+            where = f"node {found[2]} ({found[1]}): {found[3]}" if found else line.strip()
+            raise InputError(
+                f"the declared type or shape of a tensor (value_info or a graph output) contradicts what "
+                f"its node computes: {where}; correct or remove the declaration"
+            ) from error
 
 
 def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: Path | None = None) -> OnnxGraph:
@@ -170,6 +204,7 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
             raise UnsupportedModelError(
                 f"{name}: cannot be analysed: {type(e).__name__}: {str(e).splitlines()[0]}"
             ) from e
+    kept = inline_functions(model)
     structure = skeleton(model)
     graph = model.graph
     seen: set[str] = set()
@@ -178,12 +213,69 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
         if not node.name or node.name in seen:
             node.name = f"{node.op_type}_{index}" if not node.name else f"{node.name}_{index}"
         seen.add(node.name)
-    shapes, dtypes = infer_shapes(structure)
+    try:
+        shapes, dtypes = infer_shapes(structure)
+    except InputError as e:
+        raise InputError(f"{name}: {e}") from e
     for node in graph:
         value = attr(node, "value") if node.op_type == "Constant" else None
         if isinstance(value, ir.TensorProtocol):
             shapes.setdefault(node.outputs[0].name, tuple(value.shape.numpy()))
-    return OnnxGraph(model, structure, shapes, dtypes, name, body_holders(graph), source)
+    return OnnxGraph(model, structure, shapes, dtypes, name, body_holders(graph), source, kept)
+
+
+# --- model-local functions ---------------------------------------------------------------------
+
+INLINED_FROM = "normpass.inlined_from"  # metadata of a node while it is inlined: the call's name
+
+
+def inline_functions(model: ir.Model) -> dict[ir.OperatorIdentifier, str]:
+    """Inline every call of a model-local function that can be, in place (see the module docstring).
+
+    Returns the functions left as calls, each with why it could not be inlined.
+    """
+    if not model.functions:
+        return {}
+    calls = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.op_identifier() in model.functions]
+    calls += [n for f in model.functions.values() for n in f.all_nodes() if n.op_identifier() in model.functions]
+    called = {n.op_identifier() for n in calls}
+    kept = {key: why for key in called if (why := _not_inlinable(model, model.functions[key], calls))}
+    for call in calls:
+        if call.op_identifier() not in kept:
+            call.metadata_props[INLINED_FROM] = call.name or call.op_type
+    for function in model.functions.values():
+        for node in function:
+            node.name = node.name or (node.outputs[0].name if node.outputs else None) or node.op_type
+    try:
+        InlinePass(criteria=lambda function: function.identifier() not in kept)(model)
+    except ir.passes.PreconditionError as e:  # functions calling each other in a cycle: nothing was inlined
+        kept = {key: f"it cannot be inlined: {e}" for key in called}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        origin = node.metadata_props.pop(INLINED_FROM, None)
+        if origin is not None and node.op_identifier() not in kept:  # a kept call is no inlined node
+            node.name = f"{origin}/{node.name}"
+    for function in model.functions.values():
+        for node in function.all_nodes():
+            node.metadata_props.pop(INLINED_FROM, None)
+    return kept
+
+
+def _not_inlinable(model: ir.Model, function: ir.Function, calls: list[ir.Node]) -> str | None:
+    """Why the inliner cannot inline `function`'s calls, or None."""
+    for domain, version in function.opset_imports.items():
+        if model.opset_imports.get(domain, version) != version:
+            return (
+                f"its opset import {domain or 'ai.onnx'} {version} differs from the model's "
+                f"{model.opset_imports[domain]}"
+            )
+    for call in calls:
+        if call.op_identifier() != function.identifier():
+            continue
+        if len(call.inputs) > len(function.inputs):
+            return f"{call.name} passes it more inputs than it declares"
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in call.attributes.values()):
+            return f"{call.name} passes it a graph attribute"
+    return None
 
 
 # --- control flow ------------------------------------------------------------------------------
@@ -412,12 +504,13 @@ def _copied_dims(ctx, data: ir.Value, sizes: ir.Value | None) -> list[int | None
     copied: list[int | None] = []
     for part in parts:
         axes = None if part is None else _shape_slice(ctx, data, part)
-        if axes is None:
-            shape = None if part is None else ctx.shapes.get(part.name)
-            if shape is None or len(shape) != 1 or not isinstance(shape[0], int):
-                return None
-            axes = [None] * shape[0]
-        copied += axes
+        if axes is not None:
+            copied += axes
+            continue
+        shape = None if part is None else ctx.shapes.get(str(part.name))
+        if shape is None or len(shape) != 1 or not isinstance(shape[0], int):
+            return None
+        copied += [None] * shape[0]
     return copied
 
 
@@ -435,7 +528,9 @@ def _shape_slice(ctx, data: ir.Value, part: ir.Value) -> list[int] | None:
             or (input_at(node, 4) is not None and (steps is None or np.ravel(steps).tolist() != [1]))
         ):
             return None
-        node, bounds = node.inputs[0].producer(), slice(int(np.ravel(starts)[0]), int(np.ravel(ends)[0]))
+        source = node.inputs[0]
+        node = None if source is None else source.producer()
+        bounds = slice(int(np.ravel(starts)[0]), int(np.ravel(ends)[0]))
     rank = _rank(ctx, data)
     if node is None or node.op_type != "Shape" or node.inputs[0] is not data or rank is None:
         return None
@@ -575,30 +670,35 @@ def classify(ctx: OnnxGraph, node: ir.Node):
         return NodeKind.OTHER, Opaque(f"cannot be analysed ({type(e).__name__}: {e})")
 
 
-def norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[ir.Node, str, object]]:
+def norm_matches(nodes, context: MatchContext) -> Iterator[tuple[ir.Node, str, tuple[NormType, NormMatch]]]:
     """(anchor node, op shown to users, (norm type, match)) of every norm among `nodes`."""
     in_norm: set[int] = set()
-    scope = {id(node) for node in nodes}
     for node in nodes:
         if id(node) in in_norm:
             continue
-        found = match_single_op(node, outputs) or match_decomposed(node, outputs, scope)
+        single = match_single_op(node, context.graph_outputs)
+        found = (*single, node.op_type) if single is not None else match_decomposed(node, context)
         if found is not None:
-            norm_type, match = found
+            norm_type, match, op = found
             in_norm.update(id(n) for n in match.nodes)
-            yield node, node.op_type if len(match.nodes) == 1 else f"decomposed {norm_type.value}", found
+            yield node, op, (norm_type, match)
+
+
+def _declined_norms(nodes: list[tuple[ir.Node, str]], outputs: set[str], why: str, prefix: str = "") -> list[NormInfo]:
+    """The norms among `nodes` (each with where it is), named `prefix` + anchor, declined: "inside {where}: {why}"."""
+    where = {id(node): place for node, place in nodes}
+    context = MatchContext(outputs, {id(node) for node, _ in nodes})
+    norms = []
+    for anchor, op, (norm_type, match) in norm_matches([node for node, _ in nodes], context):
+        norm = norm_info(prefix + (anchor.name or anchor.op_type), op, norm_type, match, None)
+        norm.unsupported = f"inside {where[id(anchor)]}: {why}"
+        norms.append(norm)
+    return norms
 
 
 def _nested_norms(node: ir.Node) -> list[NormInfo]:
     """The norms inside the bodies of `node`, each declined with where it is."""
-    nested = list(nested_nodes(node))
-    where = {id(inner): place for inner, place in nested}
-    norms = []
-    for anchor, op, (norm_type, match) in norm_matches([inner for inner, _ in nested], set()):
-        norm = norm_info(anchor.name, op, norm_type, match, None)
-        norm.unsupported = f"inside {where[id(anchor)]}: norms in control-flow bodies are not rewritten"
-        norms.append(norm)
-    return norms
+    return _declined_norms(list(nested_nodes(node)), set(), "norms in control-flow bodies are not rewritten")
 
 
 def _control_flow(node: ir.Node) -> tuple[NodeKind, Opaque, list[str]]:
@@ -621,7 +721,10 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
         if is_constant(tensor):
             zmg.constants[tensor.name] = lambda t=tensor: constant_values(t)
     in_norm: set[int] = set()
-    for node, op, (norm_type, match) in norm_matches(list(graph), outputs):
+    context = MatchContext(outputs, {id(node) for node in graph}, ctx.shapes, ctx.dtypes)
+    for node, op, (norm_type, match) in norm_matches(list(graph), context):
+        if norm_type is NormType.LAYER and match.unsupported is None and len(match.nodes) == 1:
+            _check_affine(ctx, node, match)
         zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
         in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}
@@ -642,11 +745,33 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
         else:
             kind, rule = classify(ctx, node)
         zmg.add_node(ZNode(node.name, node.op_type, kind, rule, inputs, [t.name for t in node.outputs], node))
-    for node in graph:
-        for norm in _nested_norms(node):
-            zmg.norms.append(norm)
-            zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
+    declined = [norm for node in graph for norm in _nested_norms(node)]
+    for key, why in ctx.kept_functions.items():
+        function = ctx.model.functions[key]
+        where = [(node, f"model-local function {function.name}") for node in function]
+        outputs = {t.name for t in function.outputs}
+        declined += _declined_norms(
+            where, outputs, f"not rewritten: the function is not inlined ({why})", f"{function.name}/"
+        )
+    for norm in declined:
+        zmg.norms.append(norm)
+        zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
     return zmg
+
+
+def _check_affine(ctx: OnnxGraph, node: ir.Node, match) -> None:
+    """Refuse (`InputError`) a LayerNorm op whose γ or β does not fit its input's trailing dims (each
+    equal, or 1): the model is invalid, ONNX Runtime refuses to run it, and no rewrite can use it.
+    (A decomposed norm may apply γ to a reshaped tensor, as ONNX's own expansion does: not checked.)"""
+    x_shape = ctx.shapes.get(match.x.name) or ()
+    for role, tensor in (("scale", match.gamma), ("bias", match.beta)):
+        shape = () if tensor is None else ctx.shapes.get(tensor.name) or ()
+        pairs = list(zip(shape[::-1], x_shape[::-1], strict=False))
+        if any(isinstance(a, int) and isinstance(b, int) and a not in (b, 1) for a, b in pairs):
+            raise InputError(
+                f"{ctx.name}: node {node.name}: its {role} {tensor.name} has shape {list(shape)}, which does not "
+                f"fit its input's shape {list(x_shape)}; the model is invalid (ONNX Runtime refuses to run it)"
+            )
 
 
 def graph_values(graph: ir.Graph) -> Iterator[ir.Value]:

@@ -37,7 +37,7 @@ from .constants import constant_values, is_constant
 from .frontend import OnnxGraph, einsum_weight_axis, graph_values
 from .patterns import SKIP_BIAS_INPUT
 from .targets import AffinePlan, Namer, affine_plan, derived_initializer, move_affine, new_initializer, set_input
-from .values import attr, input_at, take_over
+from .values import attr, input_at, name_of, take_over
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
 # A map of a constant's output features along an axis (None: the constant is constant along it), e.g.
@@ -123,10 +123,10 @@ class Rewriter:
     zmg: ZeroMeanGraph
     rms_op: str = "simplified"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.docs: dict[str, str] = {}  # node name → what normpass did to it (→ NodeProto.doc_string)
         self._copies: dict[tuple[str, str], ir.Value] = {}
-        self._loaded: dict[str, np.ndarray | None] = {}
+        self._loaded: dict[str, np.ndarray] = {}
         self._affines: dict[str, AffinePlan] = {}
         self._unique = Namer(self.ctx.graph)
 
@@ -136,7 +136,8 @@ class Rewriter:
         """Point `node.inputs[index]` at a new constant `make(old values)`, shared per transform (a large one,
         which must keep its shape and dtype, is computed when written: `targets.derived_initializer`)."""
         old = node.inputs[index]
-        key = (old.name, transform)
+        assert old is not None, f"{node.name}: input {index} is absent"  # the plan names present inputs only
+        key = (name_of(old), transform)
         if key not in self._copies:
             name = self._unique(f"{old.name}.{transform.split(':')[0]}")
             self._copies[key] = derived_initializer(self.ctx.graph, name, old, make)
@@ -171,16 +172,19 @@ class Rewriter:
             self._absorb_layer_scale(centring, along, tag, doc)
         elif node.op_type == "Einsum":
             index = 0 if is_constant(node.inputs[0]) else 1
+            assert centring.axis is not None  # a layer's centring is along an axis
             axis = einsum_weight_axis(attr(node, "equation"), index, centring.axis)
             self._replace_input(node, index, f"{tag}:{axis}", lambda v: along(v, axis))
         else:
             raise TypeError(f"no rule to map the output features of {node.op_type} {node.name}")
-        self._note(node.name, doc)
+        self._note(name_of(node), doc)
 
     def _absorb_layer_scale(self, centring: Centring, along: AxisMap, tag: str, doc: str) -> None:
         """(x·W + b)⊙s → x·along(W⊙s) + along(b⊙s), and the Mul's factor becomes ones."""
-        mul = self.zmg.nodes[centring.node]
-        factor_index, linear, add = layer_scale(self.zmg, mul, centring.axis)
+        mul, axis = self.zmg.nodes[centring.node], centring.axis
+        found = layer_scale(self.zmg, mul, axis) if axis is not None else None
+        assert axis is not None and found is not None  # planned only where `layer_scale` matched
+        factor_index, linear, add = found
         node, scale = linear.ref, np.ravel(self._values(mul.ref.inputs[factor_index]))
         out_axis = {"MatMul": -1, "Gemm": 1 - attr(node, "transB", 0), "Conv": 0}[node.op_type]
 
@@ -197,15 +201,15 @@ class Rewriter:
             self._replace_input(node, 2, scaling, lambda v: (v * scale).astype(v.dtype))  # [..., out] or scalar
         if add is not None:
             index = next(i for i, t in enumerate(add.inputs) if self.zmg.is_constant(t))
-            out_rank = len(self.zmg.shape(add.outputs[0]))
+            out_rank = len(self.zmg.shape(add.outputs[0]) or ())  # known: the proof read it
             factor = self._values(mul.ref.inputs[factor_index])
             self._replace_input(
                 add.ref,
                 index,
                 f"{scaling}:{tag}",
-                lambda v: _bias_along(along, np.asarray(v * factor, dtype=v.dtype), out_rank, centring.axis),
+                lambda v: _bias_along(along, np.asarray(v * factor, dtype=v.dtype), out_rank, axis),
             )
-        self.map_layer(Centring(linear.name, centring.axis), along, tag, doc)
+        self.map_layer(Centring(linear.name, axis), along, tag, doc)
         if not absorbed:
             self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like)
         self._note(mul.name, f"LayerScale absorbed into {linear.name} ({doc})")
@@ -226,7 +230,7 @@ class Rewriter:
             )
         )
         sub = ir.node("Sub", [tensor, mean], outputs=[centred], name=self._unique(f"{tensor.name}.centring"))
-        self._note(sub.name, "inserted centring x − mean(x)")
+        self._note(name_of(sub), "inserted centring x − mean(x)")
         graph.append(sub)
         for use in uses:
             use.node.replace_input_with(use.idx, centred)
@@ -273,7 +277,8 @@ class Rewriter:
             if self._beta(norm) is not None and affine.full is None and affine.beta is None:
                 stranded[decision.name] = (
                     "proven foldable, kept as a LayerNorm: its β has no linear layer or residual bias to move into, "
-                    "and RMSNorm plus a separate β Add costs more than the LayerNorm (--fold-with-beta-add folds it anyway)"
+                    "and RMSNorm plus a separate β Add costs more than the LayerNorm "
+                    "(--fold-with-beta-add folds it anyway)"
                 )
         return stranded
 
@@ -302,7 +307,11 @@ class Rewriter:
         dtype = (
             original_gamma.dtype if original_gamma is not None else self._dtype(match.x)
         )  # x may be an inserted centring
-        scale = gamma if gamma is not None else np.ones(self._width(norm), dtype=dtype)
+        scale = gamma
+        if scale is None:
+            width = self._width(norm)
+            assert width is not None  # the proof read the input's shape
+            scale = np.ones(width, dtype=dtype)
         out = self._new_value(y.name, self._dtype(y))
         rms_out = out if beta is None else self._new_value(f"{y.name}.rms", self._dtype(y))
         doc = f"LayerNorm {norm.name} folded into an RMSNorm (input proven zero-mean); {note}"
@@ -315,11 +324,11 @@ class Rewriter:
             beta_const = new_initializer(self.ctx.graph, self._unique(f"{norm.name}.beta"), beta)
             nodes.append(ir.node("Add", [rms_out, beta_const], outputs=[out], name=add_name))
         for node in nodes:
-            self._note(node.name, doc)
+            self._note(name_of(node), doc)
         self.ctx.graph.extend(nodes)
         take_over(y, out)
-        if skip is not None and skip[1] is not None:
-            take_over(match.skip_sum, skip[2])
+        if skip is not None and skip[1] is not None and skip[2] is not None:
+            take_over(skip[1], skip[2])
         self.ctx.graph.remove(match.nodes, safe=True)
         return note
 
@@ -356,6 +365,7 @@ class Rewriter:
                 x = summed
             return adds + self._rms_nodes(norm, x, scale, out)
         # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
+        assert norm.axis is not None  # a folded norm normalizes one axis
         return rms_nodes(
             self.ctx.graph,
             self._unique,
@@ -371,14 +381,18 @@ class Rewriter:
             norm.ref.eps_outside_root,
         )
 
-    def _values(self, tensor: ir.Value) -> np.ndarray | None:
-        """A constant's values, loaded once per rewrite (read-only)."""
-        if tensor.name not in self._loaded:
-            self._loaded[tensor.name] = constant_values(tensor)
-        return self._loaded[tensor.name]
+    def _values(self, tensor: ir.Value) -> np.ndarray:
+        """A constant's values, loaded once per rewrite (read-only); the plan reads constants only."""
+        name = name_of(tensor)
+        if name not in self._loaded:
+            values = constant_values(tensor)
+            if values is None:
+                raise TypeError(f"{name} is not a constant")
+            self._loaded[name] = values
+        return self._loaded[name]
 
     def _dtype(self, tensor: ir.Value) -> np.dtype:
-        known = self.ctx.dtypes.get(tensor.name)
+        known = self.ctx.dtypes.get(name_of(tensor))
         return np.dtype(
             known if known is not None else tensor.dtype.numpy() if tensor.dtype is not None else np.float32
         )

@@ -32,7 +32,6 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -46,7 +45,8 @@ from ..errors import InputError, UnsupportedModelError
 from .constants import is_constant
 from .export import export_model
 from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
-from .passes import FoldOptions, FoldResult, checked, fold_onnx
+from .graphsurgeon import from_graphsurgeon
+from .passes import FoldOptions, FoldResult, ModelSource, checked, fold_onnx
 from .rewrite import Rewriter
 from .values import attr, input_at
 from .verify import structure
@@ -212,19 +212,19 @@ def _fold_and_plan(model, options: RotateOptions, name: str) -> tuple[FoldResult
 
 
 def inspect_rotation(
-    model: onnx.ModelProto | str | os.PathLike, options: RotateOptions | None = None, name: str = "model"
+    model: ModelSource, options: RotateOptions | None = None, name: str = "model"
 ) -> tuple[FoldPlan, RotationPlan]:
     """What `rotate_onnx` would fold and which streams it could rotate, and why the others not (nothing verified)."""
-    folded, _, rotation = _fold_and_plan(model, options or RotateOptions(), name)
+    folded, _, rotation = _fold_and_plan(from_graphsurgeon(model), options or RotateOptions(), name)
     return folded.plan, rotation
 
 
-def rotate_onnx(
-    model: onnx.ModelProto | str | os.PathLike, options: RotateOptions | None = None, name: str = "model"
-) -> RotateResult:
-    """Fold `model` (a ModelProto, not modified, or an .onnx path), rotate every provable residual stream,
-    and verify the result against `model` unless told not to."""
+def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: str = "model") -> RotateResult:
+    """Fold `model` (a ModelProto, not modified, an .onnx path, or an onnx-graphsurgeon `Graph`), rotate every
+    provable residual stream, and verify the result against `model` unless told not to."""
     options = options or RotateOptions()
+    options.fold_options()  # bad options are refused before the model is read
+    model = from_graphsurgeon(model)
     start = time.perf_counter()
     folded, rotator, rotation = _fold_and_plan(model, options, name)
     seconds = {"fold": time.perf_counter() - start}
@@ -252,7 +252,8 @@ def rotate_onnx(
         comparison,
         folded.affine_notes,
         seconds,
-        folded.emitted,
+        modified=folded.modified or bool(rotation.rotatable),
+        emitted=folded.emitted,
         rotation=rotation,
         matrices=matrices,
     )

@@ -5,8 +5,8 @@ the surrogates) remove the affine where that is exact:
 
 * **γ and β into linear layers.** When every path from y reaches, through reshapes that keep the
   feature axis, a linear layer that contracts over the features (MatMul with a constant weight,
-  Gemm, the packed QKV projection of `com.microsoft.Attention`), then (u⊙γ + β)·W + b = u·W' + b' with W' = diag(γ)·W and b' = b + β·W
-  (`algebra.migrate_affine`; a Gemm's β·W is scaled by α/β_g).
+  Gemm, the packed QKV projection of `com.microsoft.Attention`), then (u⊙γ + β)·W + b = u·W' + b'
+  with W' = diag(γ)·W and b' = b + β·W (`algebra.migrate_affine`; a Gemm's β·W is scaled by α/β_g).
 * **β alone across a residual Add.** When each consumer is such a layer or an `Add(y, s)` whose
   other summand s carries a bias c through Adds nothing else reads, then
   Add(y, s) = Add(y − β, s + β): c' = c + β, and the other readers take β·W as above. γ stays
@@ -29,7 +29,7 @@ from ..io import drop_pages
 from .constants import constant_values, is_constant
 from .frontend import SHAPE_READERS, OnnxGraph
 from .patterns import SKIP_BIAS_INPUT
-from .values import attr, input_at, is_initializer, readers
+from .values import attr, input_at, is_initializer, name_of, readers
 
 LAZY_MIN_BYTES = 2**20  # derived weights at least this large are computed when written
 
@@ -64,7 +64,7 @@ def private_bias(tensor: ir.Value, width: int, graph_outputs: set[str]) -> tuple
         if is_feature_vector(constant_values(operand), width):
             return node, index
     for operand in node.inputs:
-        if constant_values(operand) is None and is_private(operand, graph_outputs):
+        if operand is not None and constant_values(operand) is None and is_private(operand, graph_outputs):
             found = private_bias(operand, width, graph_outputs)
             if found is not None:
                 return found
@@ -114,13 +114,14 @@ def migration_targets(
     """Where a per-feature affine on `tensor` (its last axis) can go, or None.
 
     Every path from `tensor` must reach, through reshapes that keep the feature axis, the input of
-    a reader of shapes only (`Shape`, `Size`: it does not see the affine) or of a linear layer that contracts over it (and can take a bias when `needs_bias`). `other(consumer,
-    tensor, axis)` may claim a consumer that is not such a layer by returning a target of its own
-    (anything not None); by default nothing else is accepted.
+    a reader of shapes only (`Shape`, `Size`: it does not see the affine) or of a linear layer that
+    contracts over it (and can take a bias when `needs_bias`). `other(consumer, tensor, axis)` may
+    claim a consumer that is not such a layer by returning a target of its own (anything not None);
+    by default nothing else is accepted.
     """
     targets = []
-    shape = ctx.shapes.get(tensor.name)
-    frontier = [(tensor, shape and len(shape) - 1)]
+    shape = ctx.shapes.get(name_of(tensor))
+    frontier = [(tensor, len(shape) - 1 if shape else None)]
     while frontier:
         current, axis = frontier.pop()
         if current.name in graph_outputs or not current.uses() or axis is None:
@@ -135,7 +136,9 @@ def migration_targets(
                 return None
             if consumer.op_type in REGROUP_OPS:
                 out = consumer.outputs[0]
-                frontier.append((out, regroup_axis(ctx.shapes.get(current.name), ctx.shapes.get(out.name), axis)))
+                frontier.append(
+                    (out, regroup_axis(ctx.shapes.get(name_of(current)), ctx.shapes.get(name_of(out)), axis))
+                )
                 continue
             target = linear_target(ctx, graph_outputs, consumer, axis, needs_bias)
             if target is None:
@@ -148,17 +151,14 @@ def linear_target(
     ctx: OnnxGraph, graph_outputs: set[str], consumer: ir.Node, axis: int, needs_bias: bool
 ) -> LinearTarget | None:
     """The target if `consumer` is a linear layer contracting over `axis` (and can take a bias if needed)."""
-    rank = len(ctx.shapes.get(consumer.inputs[0].name) or ())
-    weight = consumer.inputs[1] if len(consumer.inputs) > 1 else None
-    weight_shape = None if weight is None else ctx.shapes.get(weight.name)
+    rank = len(ctx.shapes.get(name_of(consumer.inputs[0])) or ())
+    weight = input_at(consumer, 1)
+    weight_shape = None if weight is None else ctx.shapes.get(name_of(weight))
     if weight is None or not is_constant(weight) or weight_shape is None or len(weight_shape) != 2 or axis != rank - 1:
         return None
     if consumer.op_type == "Gemm" and not attr(consumer, "transA", 0):
-        if (
-            (input_at(consumer, 2) is not None
-            and not is_constant(consumer.inputs[2]))
-            or (needs_bias
-            and attr(consumer, "beta", 1.0) == 0)
+        if (input_at(consumer, 2) is not None and not is_constant(consumer.inputs[2])) or (
+            needs_bias and attr(consumer, "beta", 1.0) == 0
         ):
             return None
         return LinearTarget(consumer, attr(consumer, "transB", 0), consumer, 2)
@@ -191,7 +191,7 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
             return None
         if tensor not in consumer.inputs:
             return None
-        in_shape, out_shape = ctx.shapes.get(tensor.name), ctx.shapes.get(consumer.outputs[0].name)
+        in_shape, out_shape = ctx.shapes.get(name_of(tensor)), ctx.shapes.get(name_of(consumer.outputs[0]))
         if (
             not in_shape
             or not out_shape
@@ -205,7 +205,7 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
         values = constant_values(other)
         if is_feature_vector(values, width):
             return SumTarget(consumer, consumer, other_index)
-        if values is None and is_private(other, graph_outputs):
+        if other is not None and values is None and is_private(other, graph_outputs):
             found = private_bias(other, width, graph_outputs)
             if found is not None:
                 return SumTarget(consumer, found[0], found[1])
@@ -306,9 +306,10 @@ def move_affine(
     for target in targets:
         if isinstance(target, SumTarget):
             bias = constant_values(target.holder.inputs[target.index])
+            assert bias is not None  # a sum target's bias is a constant (`_sum_claim`)
             moved = (bias.astype(np.float64) + np.asarray(beta, dtype=np.float64).reshape(-1)).reshape(bias.shape)
             renew(target.holder, target.index, moved.astype(bias.dtype), "beta")
-            changed.append(target.holder.name)
+            changed.append(name_of(target.holder))
             continue
         linear = target.node
         bias = None
@@ -322,16 +323,17 @@ def move_affine(
                 graph,
                 name_for(linear, 1, "affine"),
                 weight,
-                lambda w: migrate_affine(w, None, gamma, None, target.in_axis)[0],
+                # bound now: a large weight is computed when written, after this loop has moved on
+                lambda w, axis=target.in_axis: migrate_affine(w, None, gamma, None, axis)[0],
             )
             set_input(linear, 1, scaled)
-        new_bias = (
-            bias
-            if beta is None
-            else migrate_affine(constant_values(weight), bias, None, beta, target.in_axis, shift_scale)[1]
-        )
+        new_bias = bias
+        if beta is not None:
+            weights = constant_values(weight)
+            assert weights is not None  # a linear target's weight is a constant (`linear_target`)
+            new_bias = migrate_affine(weights, bias, None, beta, target.in_axis, shift_scale)[1]
         drop_pages(weight.const_value)
         if new_bias is not None and target.bias_node is not None:
             renew(target.bias_node, target.bias_index, new_bias, "affine")
-        changed.append(linear.name)
+        changed.append(name_of(linear))
     return changed
