@@ -829,7 +829,7 @@ def test_a_layer_norm_whose_scale_does_not_fit_is_bad_input(tmp_path, capsys):
 PAUSING_NORMPASS = """
 import contextlib, pathlib, sys, time
 from normpass import io
-from normpass.cli import fold
+from normpass.cli import common
 from normpass.cli.main import main
 
 stage, ready = sys.argv[1], pathlib.Path(sys.argv[2])
@@ -855,11 +855,11 @@ elif stage == "commit":
         remove(*args)
     io._remove_stale_data = pausing_removal
 else:
-    write = fold.write_text_atomic
+    write = common.write_text_atomic  # the verbs write their report through common.save_result
     def pausing_write(*args):
         pause(60)
         write(*args)
-    fold.write_text_atomic = pausing_write
+    common.write_text_atomic = pausing_write
 sys.exit(main(sys.argv[3:]))
 """
 

@@ -750,3 +750,18 @@ def test_constant_subgraphs_evaluate_as_the_onnx_reference_does(gen, opset, body
     got = constant_values(tensor)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     np.testing.assert_array_equal(got, expected)
+
+
+def test_resize_to_sizes_that_copy_the_inputs_own_dims_keeps_those_axes(gen):
+    """sizes = Concat(Slice(Shape(h)), …), as torch exports F.interpolate(size=…): the copied axes are not resized."""
+    op = (
+        "s = Shape(h)\n  keep = Slice(s, zero, two)\n  last = Slice(s, three, four)\n"
+        '  sizes = Concat<axis=0>(keep, nine, last)\n  t = Resize<mode="cubic">(h, "", "", sizes)'
+    )
+    ints = {k: np.array([v], np.int64) for k, v in dict(zero=0, two=2, three=3, four=4, nine=9).items()}
+    model = _stream_model(gen, op, "2,4,9,8", **ints)
+    result = _fold(model)
+    assert result.folded == 1 and not result.plan.insertions, result.plan.decisions
+    assert_equivalent(model, result.model)
+    resized_last = _stream_model(gen, op.replace("Slice(s, three, four)", "Slice(s, two, three)"), "2,4,9,6", **ints)
+    assert _fold(resized_last).folded == 0  # the last entry copies axis 2's size: the normalized axis is resized

@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 
 from ..errors import InputError
-from ..io import check_paths, model_files, save_onnx_atomic, write_text_atomic
+from ..io import write_text_atomic
 from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..onnx.rewrite import RMS_OPS
 from ..onnx.verify import parse_input_shapes
-from .common import add_model_arguments, model_source
+from .common import add_model_arguments, add_verification_arguments, checked_paths, model_source, save_result
 
 
 def add_parser(sub) -> None:
@@ -57,15 +57,7 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--no-fuse-skip", action="store_true", help="never fuse residual Adds into SkipSimplifiedLayerNormalization"
     )
-    parser.add_argument("--no-verify", action="store_true", help="skip the numerical check against the original")
-    parser.add_argument(
-        "--input-shape",
-        action="append",
-        default=[],
-        metavar="NAME:DIMS",
-        help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
+    add_verification_arguments(parser)
     parser.add_argument(
         "--torch",
         metavar="PACKAGE.MODULE:FACTORY",
@@ -87,12 +79,6 @@ def _factory_file(spec: str | None) -> dict[str, Path]:
     return {"--torch's module": Path(origin)} if origin and Path(origin).is_file() else {}
 
 
-def _check_paths(args: argparse.Namespace) -> tuple[Path, dict[str, Path]]:
-    """The output path, and the files the inputs read, after `io.check_paths`."""
-    inputs = model_files("the input model", args.model) | _factory_file(args.torch)
-    return check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"], inputs
-
-
 def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
     error = "not verified" if comparison is None else comparison.describe()
     print(f"{label}: {len(plan.folded)} of {plan.total} norms folded into RMSNorm ({error}{extra}); wrote {out}")
@@ -104,7 +90,7 @@ def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
 def run(args: argparse.Namespace) -> int:
     if args.torch:
         return _run_torch(args)
-    out, inputs = _check_paths(args)
+    out, inputs = checked_paths(args, _factory_file(args.torch))
     options = FoldOptions(
         target=args.target,
         provider=args.provider,
@@ -119,10 +105,7 @@ def run(args: argparse.Namespace) -> int:
     )
     model, label = model_source(args)
     result = fold_onnx(model, options, name=label)
-    save_onnx_atomic(result.ir_model, out, keep=inputs.values())
-    if args.report:
-        report = {"model": label, "output": str(out), **result.report()}
-        write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
+    save_result(result, out, inputs, label, args.report)
     _print_summary(label, result.plan, result.comparison, out)
     return 0
 
@@ -133,7 +116,7 @@ def _run_torch(args: argparse.Namespace) -> int:
         raise InputError("--torch replaces MODEL and --builtin; give only one")
     from ..torch.api import export_onnx, fold, load_factory
 
-    out, _ = _check_paths(args)
+    out, _ = checked_paths(args, _factory_file(args.torch))
     label = f"torch:{args.torch}"
     module, inputs = load_factory(args.torch)
     folded, report = fold(

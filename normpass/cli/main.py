@@ -11,9 +11,9 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, fold, guard, inspect, replace, viz
+from . import bench, fold, guard, inspect, replace, rotate, viz
 
-COMMANDS = {"inspect": inspect, "fold": fold, "viz": viz, "bench": bench, "replace": replace}
+COMMANDS = {"inspect": inspect, "fold": fold, "rotate": rotate, "viz": viz, "bench": bench, "replace": replace}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -480,11 +480,61 @@ def _resize(ctx, node):
     if scales is not None and np.size(scales):
         return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, scales, 1)))
     sizes, in_shape = _input_values(node, 3), ctx.shapes.get(node.inputs[0].name)
-    if sizes is None or attr(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
+    if attr(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
         return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, None, 1)))
+    if sizes is None:
+        copied = _copied_dims(ctx, node.inputs[0], input_at(node, 3))
+        targets = range(rank) if axes is None else [_axis(int(a), rank) for a in axes]
+        resized = None if copied is None else [int(c != a) for c, a in zip(copied, targets, strict=False)]
+        return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, resized, 0)))
     in_dims = [in_shape[a] for a in (range(rank) if axes is None else [_axis(int(a), rank) for a in axes])]
     resized = [int(size != dim) for size, dim in zip(np.ravel(sizes), in_dims, strict=False)]
     return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, resized, 0)))
+
+
+def _copied_dims(ctx, data: ir.Value, sizes: ir.Value | None) -> list[int | None] | None:
+    """Per entry of a Resize's run-time `sizes`, the axis of `data` whose size it copies (None: another value).
+
+    Recognises sizes = Concat(Slice(Shape(data)), …), as torch exports `F.interpolate(size=…)`: the
+    leading entries are the data's own batch and channel sizes, so those axes are not resized. Other
+    parts of the Concat must have a static length; anything else is not recognised (None).
+    """
+    producer = None if sizes is None else sizes.producer()
+    parts = producer.inputs if producer is not None and producer.op_type == "Concat" else [sizes]
+    copied: list[int | None] = []
+    for part in parts:
+        axes = None if part is None else _shape_slice(ctx, data, part)
+        if axes is not None:
+            copied += axes
+            continue
+        shape = None if part is None else ctx.shapes.get(str(part.name))
+        if shape is None or len(shape) != 1 or not isinstance(shape[0], int):
+            return None
+        copied += [None] * shape[0]
+    return copied
+
+
+def _shape_slice(ctx, data: ir.Value, part: ir.Value) -> list[int] | None:
+    """The axes of `data` whose sizes `part` holds, if it is Shape(data) or a constant unit-step Slice of it."""
+    node, bounds = part.producer(), slice(None)
+    if node is not None and node.op_type == "Slice" and len(node.inputs) >= 3:
+        starts, ends = (constant_values(t) for t in node.inputs[1:3])
+        axes, steps = _input_values(node, 3), _input_values(node, 4)
+        if (
+            starts is None
+            or ends is None
+            or np.size(starts) != 1
+            or (input_at(node, 3) is not None and (axes is None or np.ravel(axes).tolist() not in ([0], [-1])))
+            or (input_at(node, 4) is not None and (steps is None or np.ravel(steps).tolist() != [1]))
+        ):
+            return None
+        source = node.inputs[0]
+        node = None if source is None else source.producer()
+        bounds = slice(int(np.ravel(starts)[0]), int(np.ravel(ends)[0]))
+    rank = _rank(ctx, data)
+    if node is None or node.op_type != "Shape" or node.inputs[0] is not data or rank is None:
+        return None
+    return list(range(rank))[attr(node, "start", 0) : attr(node, "end", rank)][bounds]
 
 
 def _average_pool(ctx, node):

@@ -111,6 +111,7 @@ class FoldResult:
     seconds: dict[str, float]
     modified: bool = True  # whether the folded model differs from the input (see FoldPass)
     emitted: dict = field(default_factory=dict)  # target, provider, RMS op, number of skip fusions
+    shapes: dict = field(default_factory=dict, repr=False)  # the original's inferred shapes, by tensor name
     _proto: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -292,28 +293,41 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str) -> F
     fused = fuse_skip_rms(rewritten, ctx.shapes) if fuse_skip else 0
     modified = bool(fold_plan.folded) or converted or fused > 0
     seconds["rewrite"] = time.perf_counter() - start
-    comparison = None
+    done = f"{len(fold_plan.folded)} of {fold_plan.total} norms folded"
+    comparison = checked(original, rewritten, before, options, name, done, ("fold", "folded"), seconds)
+    emitted = {"target": options.target, "provider": options.provider, "rms_op": rms_op, "skip_fused": fused}
+    return FoldResult(rewritten, fold_plan, comparison, notes, seconds, modified, emitted, ctx.shapes)
+
+
+def checked(
+    original, rewritten: ir.Model, before: onnx.ModelProto, options, name: str, done: str, verb: tuple, seconds: dict
+) -> Comparison | None:
+    """`rewritten`'s signature checked against `before` (the original's structure) and, with `options.verify`,
+    its outputs against `original`'s (`verify.verify`, with `options.input_shapes` and `options.seed`).
+
+    `done` says what the rewrite did ("3 of 5 norms folded"), `verb` names it ("fold", "folded"). Raises
+    `VerificationError` on a mismatch, `UnsupportedModelError` where the result cannot run; records
+    `seconds["verify"]`.
+    """
     if not options.verify:
         check_signature(before, interface(rewritten), name)  # verify() checks it first
-    else:
-        start = time.perf_counter()
-        try:
-            comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
-        except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
-            raise
-        except UnsupportedModelError as e:
-            raise UnsupportedModelError(
-                f"{name}: {len(fold_plan.folded)} of {fold_plan.total} norms folded, but the result "
-                f"could not be verified ({e}); nothing written; fold without verification "
-                "to write it unverified"
-            ) from e
-        seconds["verify"] = time.perf_counter() - start
-        if not comparison.passed:
-            raise VerificationError(
-                f"{name}: folded model does not match the original: {comparison.failures()}; nothing written"
-            )
-    emitted = {"target": options.target, "provider": options.provider, "rms_op": rms_op, "skip_fused": fused}
-    return FoldResult(rewritten, fold_plan, comparison, notes, seconds, modified, emitted)
+        return None
+    start = time.perf_counter()
+    try:
+        comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
+    except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
+        raise
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(
+            f"{name}: {done}, but the result could not be verified ({e}); nothing written; "
+            f"{verb[0]} without verification to write it unverified"
+        ) from e
+    seconds["verify"] = time.perf_counter() - start
+    if not comparison.passed:
+        raise VerificationError(
+            f"{name}: {verb[1]} model does not match the original: {comparison.failures()}; nothing written"
+        )
+    return comparison
 
 
 def _is_half(ctx, zmg, fold_plan: FoldPlan) -> bool:

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,14 +40,17 @@ from .targets import AffinePlan, Namer, affine_plan, derived_initializer, move_a
 from .values import attr, input_at, name_of, take_over
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
+# A map of a constant's output features along an axis (None: the constant is constant along it), e.g.
+# `algebra.centre`; every layer's output along that axis changes by the same map (seed 003 §3).
+AxisMap = Callable[[np.ndarray, "int | None"], np.ndarray]
 MS_DOMAIN = "com.microsoft"
 DOC_PREFIX = "normpass: "
 
 
-def _bias_centred(values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarray:
-    """Centre a bias that broadcasts into an output of rank `out_rank` along `out_axis`."""
+def _bias_along(along: AxisMap, values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarray:
+    """`along` applied to a bias that broadcasts into an output of rank `out_rank`, along its axis `out_axis`."""
     axis = out_axis - (out_rank - values.ndim)
-    return centre(values, axis if axis >= 0 and values.shape[axis] != 1 else None)
+    return along(values, axis if axis >= 0 and values.shape[axis] != 1 else None)
 
 
 def new_value(unique: Namer, name: str, dtype: np.dtype | None) -> ir.Value:
@@ -141,42 +145,44 @@ class Rewriter:
         set_input(node, index, self._copies[key])
 
     def centre_layer(self, centring: Centring, norms: list[str]) -> None:
+        self.map_layer(centring, centre, "centred", f"centred for {', '.join(norms)}")
+
+    def map_layer(self, centring: Centring, along: AxisMap, tag: str, change: str) -> None:
+        """Apply `along` to the output features of the layer or constant `centring` names (copy-on-write).
+
+        The copies are shared per (constant, `tag`, axis): give each distinct map its own `tag`. `change`
+        says what was done, for the node's note and for a refusal ("centred for ln_1").
+        """
         node: ir.Node = self.zmg.nodes[centring.node].ref
-        change = f"centred for {', '.join(norms)}"
         if centring.input_index is not None:  # found by name: a node's model may list a subset of its inputs
             index = next(i for i, t in enumerate(node.inputs) if t is not None and t.name == centring.tensor)
-            self._replace_input(node, index, f"centred:{centring.axis}", lambda v: centre(v, centring.axis), change)
+            self._replace_input(node, index, f"{tag}:{centring.axis}", lambda v: along(v, centring.axis), change)
         elif node.op_type == "Gemm":
-            self._replace_input(
-                node,
-                1,
-                f"centred:{1 - attr(node, 'transB', 0)}",
-                lambda v: centre(v, 1 - attr(node, "transB", 0)),
-                change,
-            )
+            axis = 1 - attr(node, "transB", 0)
+            self._replace_input(node, 1, f"{tag}:{axis}", lambda v: along(v, axis), change)
             if input_at(node, 2) is not None:
-                self._replace_input(node, 2, "centred:bias", lambda v: _bias_centred(v, 2, 1), change)
+                self._replace_input(node, 2, f"{tag}:bias", lambda v: _bias_along(along, v, 2, 1), change)
         elif node.op_type == "MatMul":
-            self._replace_input(node, 1, "centred:-1", lambda v: centre(v, v.ndim - 1), change)
+            self._replace_input(node, 1, f"{tag}:-1", lambda v: along(v, v.ndim - 1), change)
         elif node.op_type == "Conv":
-            self._replace_input(node, 1, "centred:0", lambda v: centre(v, 0), change)
+            self._replace_input(node, 1, f"{tag}:0", lambda v: along(v, 0), change)
             if input_at(node, 2) is not None:
-                self._replace_input(node, 2, "centred:0", lambda v: centre(v, 0), change)
+                self._replace_input(node, 2, f"{tag}:0", lambda v: along(v, 0), change)
         elif node.op_type == "Gather":
-            self._replace_input(node, 0, "centred:1", lambda v: centre(v, 1), change)
+            self._replace_input(node, 0, f"{tag}:1", lambda v: along(v, 1), change)
         elif node.op_type == "Mul":
-            self._absorb_layer_scale(centring, norms)
+            self._absorb_layer_scale(centring, along, tag, change)
         elif node.op_type == "Einsum":
             index = 0 if is_constant(node.inputs[0]) else 1
             assert centring.axis is not None  # a layer's centring is along an axis
             axis = einsum_weight_axis(attr(node, "equation"), index, centring.axis)
-            self._replace_input(node, index, f"centred:{axis}", lambda v: centre(v, axis), change)
+            self._replace_input(node, index, f"{tag}:{axis}", lambda v: along(v, axis), change)
         else:
-            raise TypeError(f"no centring rule for {node.op_type} {node.name}")
+            raise TypeError(f"no rule to map the output features of {node.op_type} {node.name}")
         self._note(name_of(node), f"weights {change}")
 
-    def _absorb_layer_scale(self, centring: Centring, norms: list[str]) -> None:
-        """(x·W + b)⊙s → x·centre(W⊙s) + centre(b⊙s), and the Mul's factor becomes ones."""
+    def _absorb_layer_scale(self, centring: Centring, along: AxisMap, tag: str, change: str) -> None:
+        """(x·W + b)⊙s → x·along(W⊙s) + along(b⊙s), and the Mul's factor becomes ones."""
         mul, axis = self.zmg.nodes[centring.node], centring.axis
         found = layer_scale(self.zmg, mul, axis) if axis is not None else None
         assert axis is not None and found is not None  # planned only where `layer_scale` matched
@@ -189,10 +195,12 @@ class Rewriter:
             shape[axis] = -1
             return (values * scale.reshape(shape)).astype(values.dtype)
 
-        tag, change = f"scaled:{mul.name}", f"scaled by LayerScale {mul.name} for {', '.join(norms)}"
-        self._replace_input(node, 1, tag, lambda v: scaled(v, out_axis), change)
-        if node.op_type != "MatMul" and input_at(node, 2) is not None:
-            self._replace_input(node, 2, tag, lambda v: (v * scale).astype(v.dtype), change)  # [..., out] or scalar
+        scaling, scaled_change = f"scaled:{mul.name}", f"scaled by LayerScale {mul.name}"
+        absorbed = bool(np.all(scale == 1))  # by an earlier pass (a fold before a rotation): only `along` is left
+        if not absorbed:
+            self._replace_input(node, 1, scaling, lambda v: scaled(v, out_axis), scaled_change)
+        if node.op_type != "MatMul" and input_at(node, 2) is not None and not absorbed:
+            self._replace_input(node, 2, scaling, lambda v: (v * scale).astype(v.dtype), scaled_change)
         if add is not None:
             index = next(i for i, t in enumerate(add.inputs) if self.zmg.is_constant(t))
             out_rank = len(self.zmg.shape(add.outputs[0]) or ())  # known: the proof read it
@@ -200,13 +208,14 @@ class Rewriter:
             self._replace_input(
                 add.ref,
                 index,
-                tag,
-                lambda v: _bias_centred(np.asarray(v * factor, dtype=v.dtype), out_rank, axis),
-                f"{change} and centred",
+                f"{scaling}:{tag}",
+                lambda v: _bias_along(along, np.asarray(v * factor, dtype=v.dtype), out_rank, axis),
+                f"{scaled_change} and {change}",
             )
-        self.centre_layer(Centring(linear.name, axis), norms)
-        self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like, "replaced by ones")
-        self._note(mul.name, f"LayerScale absorbed into {linear.name} for {', '.join(norms)}")
+        self.map_layer(Centring(linear.name, axis), along, tag, change)
+        if not absorbed:
+            self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like, "replaced by ones")
+        self._note(mul.name, f"LayerScale absorbed into {linear.name} (weights {change})")
 
     # --- inserted centring ----------------------------------------------------------------------
 
