@@ -334,9 +334,10 @@ def _llama_entry() -> ModelEntry:
         bos_token_id=0,
         eos_token_id=1,
         use_cache=False,
-        # The TorchScript exporter cannot export SDPA with grouped KV heads (enable_gqa).
-        attn_implementation="eager",
     )
+    # The TorchScript exporter cannot export SDPA with grouped KV heads (enable_gqa). (What the
+    # config's `attn_implementation` keyword sets; transformers 5 types the constructor without it.)
+    config._attn_implementation = "eager"
     make_inputs = partial(_token_inputs, config.vocab_size)
     return ModelEntry(
         name="llama",
@@ -368,9 +369,9 @@ def _swin_entry() -> ModelEntry:
         num_heads=[2, 4],
         window_size=4,
         mlp_ratio=2.0,
-        # The ONNX exporter (torch 2.13) cannot decompose the reshape after Swin's SDPA attention.
-        attn_implementation="eager",
     )
+    # The ONNX exporter (torch 2.13) cannot decompose the reshape after Swin's SDPA attention.
+    config._attn_implementation = "eager"
     make_inputs = partial(_image_inputs, 3, 32)
     return ModelEntry(
         name="swin",
@@ -397,16 +398,26 @@ def _swin_entry() -> ModelEntry:
     )
 
 
-def _opt_entry() -> ModelEntry:
-    layers = 2
+def opt_entry(
+    name: str,
+    n_layer: int = 2,
+    hidden: int = 64,
+    ffn: int = 128,
+    heads: int = 4,
+    vocab: int = 128,
+    positions: int = 64,
+    seed: int = 8,
+    large: bool = False,
+) -> ModelEntry:
+    """Entry for an OPT LM of any size, pre-LN (``do_layer_norm_before``), tied LM head."""
     config = OPTConfig(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=layers,
-        ffn_dim=128,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        word_embed_proj_dim=64,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=n_layer,
+        ffn_dim=ffn,
+        num_attention_heads=heads,
+        max_position_embeddings=positions,
+        word_embed_proj_dim=hidden,
         do_layer_norm_before=True,
         bos_token_id=0,
         eos_token_id=1,
@@ -414,11 +425,12 @@ def _opt_entry() -> ModelEntry:
         use_cache=False,
     )
     make_inputs = partial(_token_inputs, config.vocab_size)
-    norms = 2 * layers + 1
+    norms = 2 * n_layer + 1
     return ModelEntry(
-        name="opt",
-        summary=f"OPT LM, pre-LN decoder (do_layer_norm_before), {layers} layers, hidden 64, vocab 128, tied LM head",
-        build_torch=partial(_build, lambda: _Logits(OPTForCausalLM(config)), make_inputs, 8),
+        name=name,
+        summary=f"OPT LM, pre-LN decoder (do_layer_norm_before), {n_layer} layers, hidden {hidden}, vocab {vocab}, "
+        "tied LM head",
+        build_torch=partial(_build, lambda: _Logits(OPTForCausalLM(config)), make_inputs, seed),
         make_inputs=make_inputs,
         input_names=("input_ids",),
         output_names=("logits",),
@@ -431,9 +443,10 @@ def _opt_entry() -> ModelEntry:
             "Gathers and the out_proj/fc2 Linears and read by LayerNorms and residual Adds, so every "
             "LayerNorm folds; the final one's β has nowhere to go (the tied LM head has no bias)."
         ),
+        large=large,
         ort_model_type="gpt2",
-        num_heads=4,
-        hidden_size=64,
+        num_heads=heads,
+        hidden_size=hidden,
     )
 
 
@@ -505,6 +518,14 @@ def vit_b16_shape(seed: int = 7) -> ModelEntry:
     )
 
 
+def opt_125m_shape(n_layer: int = 12) -> ModelEntry:
+    """OPT-125m-shaped LM (hidden 768, 12 heads, FFN 3072, vocab 50272, 2048 positions), seeded.
+
+    For benchmarks only; not in ``REGISTRY`` (call this function).
+    """
+    return opt_entry("opt-125m-shape", n_layer, 768, 3072, 12, 50272, 2048, seed=9, large=True)
+
+
 REGISTRY: dict[str, ModelEntry] = {
     entry.name: entry
     for entry in (
@@ -513,7 +534,7 @@ REGISTRY: dict[str, ModelEntry] = {
         _vit_entry(),
         _llama_entry(),
         _swin_entry(),
-        _opt_entry(),
+        opt_entry("opt"),
         gpt2_small_shape(),
     )
 }

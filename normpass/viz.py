@@ -105,7 +105,7 @@ class _Graph:
 
     def __init__(self, zmg: ZeroMeanGraph, plan: FoldPlan):
         self.zmg = zmg
-        self.g = nx.DiGraph()
+        self.g: nx.DiGraph[str] = nx.DiGraph()
         self.alias: dict[str, str] = {}  # tensor → pseudo-node id
         for node in zmg.nodes.values():
             self.g.add_node(
@@ -168,6 +168,8 @@ class _Graph:
 
     def blocking_path(self, decision: NormDecision) -> list[tuple[str, str]]:
         """Edges from the norm back to its blocker (safety blockers: from the centred layer forward)."""
+        if decision.blocker is None:
+            return []
         names = [n for n in (self.resolve(name) for name in decision.blocker.path) if n is not None]
         edges: list[tuple[str, str]] = []
         for a, b in itertools.pairwise(names):
@@ -216,8 +218,10 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
 
     for decision in plan.decisions:
         roles[decision.name].append("folded" if decision.foldable else "refused")
-        centred = {graph.resolve(c.label) for c in decision.centrings} - {None}
-        inserted = {graph.resolve(zmg.producer.get(i.tensor, i.tensor)) for i in decision.insertions} - {None}
+        centred = {r for c in decision.centrings if (r := graph.resolve(c.label)) is not None}
+        inserted = {
+            r for i in decision.insertions if (r := graph.resolve(zmg.producer.get(i.tensor, i.tensor))) is not None
+        }
         if decision.foldable:
             for ident in centred:
                 mark(ident, "centred", "centred for", decision.name)
@@ -306,7 +310,7 @@ def _collapsed_edges(g: nx.DiGraph, nodes: dict[str, VNode], edges: list[VEdge])
 
     Each is labelled with the number of hidden nodes it stands for.
     """
-    found = nx.DiGraph()
+    found: nx.DiGraph[str] = nx.DiGraph()
     found.add_nodes_from(nodes)
     found.add_edges_from((e.source, e.target) for e in edges)
     drawn = set(found.edges)
@@ -350,11 +354,14 @@ def _short(text: str) -> str:
     return text[:head] + "…" + text[len(text) - (MAX_LABEL - 1 - head) :]
 
 
+LayoutNode = str | tuple[str, int, int]  # a drawn node's id, or ("dummy", edge, layer) on a long edge
+
+
 def _layout(view: View) -> None:
     """Set node coordinates and edge points (layers top to bottom)."""
     for node in view.nodes.values():
         _size(node)
-    g = nx.DiGraph()
+    g: nx.DiGraph[str] = nx.DiGraph()
     g.add_nodes_from(view.nodes)
     g.add_edges_from((e.source, e.target) for e in view.edges)
     order = list(nx.topological_sort(g))
@@ -369,7 +376,7 @@ def _layout(view: View) -> None:
     down: dict = {v: [] for v in g}
     chains = []
     for index, edge in enumerate(view.edges):
-        chain = [edge.source]
+        chain: list[LayoutNode] = [edge.source]
         for step in range(layer[edge.source] + 1, layer[edge.target]):
             dummy = ("dummy", index, step)
             layer[dummy], up[dummy], down[dummy] = step, [], []
@@ -380,7 +387,7 @@ def _layout(view: View) -> None:
             up[b].append(a)
         chains.append(chain)
     rows: list[list] = [[] for _ in range(max(layer.values(), default=-1) + 1)]
-    rank = {v: float(i) for i, v in enumerate(order)}
+    rank: dict[LayoutNode, float] = {v: float(i) for i, v in enumerate(order)}
     for chain in chains:  # a dummy starts next to its edge's source
         rank.update((dummy, rank[chain[0]] + 0.5) for dummy in chain[1:-1])
     for v in sorted(layer, key=rank.__getitem__):
@@ -523,7 +530,7 @@ def _svg_header(view: View) -> str:
     ]
     kinds, marks = _legend()
     for y, swatches in ((62, kinds), (84, marks)):
-        x = MARGIN
+        x: float = MARGIN
         for label, fill, stroke, width in swatches:
             parts.append(
                 f'<rect x="{x}" y="{y}" width="14" height="14" rx="3" fill="{fill}" stroke="{stroke}" '
@@ -611,7 +618,8 @@ def to_html(view: View) -> str:
         f'<span class="swatch" style="background:{fill};border:{width}px solid {stroke}"></span>{_esc(label)}<br>'
         for label, fill, stroke, width in kinds + marks
     ) + "".join(
-        f'<span class="line" style="border-top:{width}px {"dashed" if dash else "solid"} {colour}"></span>{_esc(label)}<br>'
+        f'<span class="line" style="border-top:{width}px {"dashed" if dash else "solid"} {colour}"></span>'
+        f"{_esc(label)}<br>"
         for colour, width, dash, label in EDGE_STYLE.values()
         if label
     )
@@ -656,8 +664,8 @@ h2 {{ font-size: 13px; margin: 12px 0 6px; text-transform: uppercase; color: #6b
 #norms button:hover, .link:hover {{ background: #e5e7eb; }}
 .dot {{ display: inline-block; width: 9px; height: 9px; border-radius: 50%; margin-right: 6px; }}
 .folded-dot {{ background: #15803d; }} .refused-dot {{ background: #b91c1c; }}
-.swatch {{ display: inline-block; width: 12px; height: 12px; border-radius: 3px; margin-right: 6px; vertical-align: -2px;
-  box-sizing: border-box; }}
+.swatch {{ display: inline-block; width: 12px; height: 12px; border-radius: 3px; margin-right: 6px;
+  vertical-align: -2px; box-sizing: border-box; }}
 .line {{ display: inline-block; width: 22px; margin-right: 6px; vertical-align: 3px; }}
 #details dl {{ margin: 0; }} #details dt {{ font-weight: bold; margin-top: 6px; }} #details dd {{ margin: 2px 0 0 0; }}
 #details code {{ font-size: 12px; word-break: break-all; }}

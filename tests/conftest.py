@@ -188,7 +188,8 @@ def registry_model(registry_export):
 
 @pytest.fixture(scope="session")
 def registry_fold(registry_model):
-    """`registry_fold(name, form="dynamo", **options)` → `fold_onnx(registry_model(name, form), FoldOptions(**options))`.
+    """`registry_fold(name, form="dynamo", **options)` →
+    `fold_onnx(registry_model(name, form), FoldOptions(**options))`.
 
     Each fold (verified by `fold_onnx` unless `verify=False`) runs once per session; tests read the
     result and never modify it.

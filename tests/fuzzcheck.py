@@ -18,11 +18,35 @@ initializers), not on normpass's own verification inputs.
 
 `check_from_file(case, directory, size_threshold)` does the same for the path a file takes: the
 model saved with external data, folded from its path with and without verification, the written
-result compared with the original, and the input files checked unchanged.
+result compared with the original, and the input files checked unchanged. With `hostile=True`
+(`tools/fuzz.py --from-files`) the model files are then attacked, through the command line where a
+user would:
+
+* "aimed": every output of `fold` and `replace` aimed at each file the input reads (the model,
+  its data file) must be refused with exit 2 before any work;
+* "damaged": a copy whose data file is short (cut at a random byte) or missing must be refused
+  with an `InputError`, never read;
+* "shared": a second model file reading the same data file; folding either one to the other's
+  name must leave the one that is not written computing what it computed;
+* "concurrent": two folds (two structures: γ/β migrated or not) written to one path by two
+  threads at once must leave one whole model, its own data file and no other;
+* "signal": `normpass fold` in this process, stopped by SIGINT, SIGTERM or SIGHUP at a random
+  moment of its run (seeded by the case), must exit 0 or 128 + the signal with one line, leave
+  no temporary file, and leave the old output (the line says "nothing written") or the whole new
+  one with its own data file ("wrote only").
+
+A failure of these is `file-<what> [mode]`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io as text_io
+import os
+import shutil
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +54,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from normpass import FoldOptions, NormpassError, VerificationError, fold_onnx, inspect_onnx
+from normpass import FoldOptions, InputError, NormpassError, VerificationError, fold_onnx, inspect_onnx, io
+from normpass.cli.main import main
 
 # Relative tolerance (max |a − b| / max |a| per output) by dtype: a fold may only change rounding.
 TOLERANCE = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 1e-4, np.dtype(np.float16): 1e-2}
@@ -40,6 +65,7 @@ MODES = {
     "onnx": FoldOptions(target="onnx"),
 }
 FILE_MODES = {"file": FoldOptions(), "file-no-verify": FoldOptions(verify=False)}  # `check_from_file`
+STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -154,16 +180,16 @@ def _compare(case, mode: str, folded: onnx.ModelProto, expected, note: str) -> l
         got = dict(zip(runnable, run_all(folded, [case.feeds[i] for i in runnable]), strict=False))
     except Exception as e:
         return failures + [Failure("rejected", mode, describe(e))]
-    worst = (0.0, None, None)
+    worst: tuple[float, str | None, int | None] = (0.0, None, None)
     for index, candidate in got.items():
         for name, value in expected[index].items():
             error = relative_error(value, candidate[name])
             if error > TOLERANCE[value.dtype] and error > worst[0]:
                 worst = (error, name, index)
-    if worst[1] is None:
+    error, worst_name, worst_index = worst
+    if worst_name is None or worst_index is None:
         return failures
-    error, name, index = worst
-    feeds = case.feeds[index]
+    feeds = case.feeds[worst_index]
     described = {
         k: (v.tolist() if v.ndim == 0 else list(v.shape)) for k, v in feeds.items() if k in ("x", "ids", "cond")
     }
@@ -178,10 +204,11 @@ def _compare(case, mode: str, folded: onnx.ModelProto, expected, note: str) -> l
     ]
 
 
-def check_from_file(case, directory: Path, size_threshold: int = 0) -> list[Failure]:
+def check_from_file(case, directory: Path, size_threshold: int = 0, hostile: bool = False) -> list[Failure]:
     """Fold `case.model` from a file whose tensors of `size_threshold` bytes or more are external data
     (the lazy path: memory-mapped weights, changed ones computed when written), with and without
-    verification; compare the written result with the original, and check the files are untouched."""
+    verification; compare the written result with the original, attack the files (`hostile`: see
+    the module docstring) and check that the input files are untouched."""
     expected = run_all(case.model, case.feeds)
     source = directory / "model.onnx"
     onnx.save(
@@ -193,11 +220,12 @@ def check_from_file(case, directory: Path, size_threshold: int = 0) -> list[Fail
     )
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
     failures = []
+    results = {}
     for mode, options in FILE_MODES.items():
         written = directory / f"{mode}.onnx"
         try:
-            result = fold_onnx(source, options)
-            result.save(written)
+            results[mode] = fold_onnx(source, options)
+            results[mode].save(written)
         except NormpassError as e:  # a refusal (ONNX Runtime cannot load every such file, say)
             failures += _one_line(e, mode)
             continue
@@ -205,10 +233,168 @@ def check_from_file(case, directory: Path, size_threshold: int = 0) -> list[Fail
             failures.append(Failure("exception", mode, describe(e)))
             continue
         failures += _compare(
-            case, mode, onnx.load(str(written)), expected, f"{result.folded} of {result.plan.total} norms folded"
+            case,
+            mode,
+            onnx.load(str(written)),
+            expected,
+            f"{results[mode].folded} of {results[mode].plan.total} norms folded",
         )
+    if hostile and "file-no-verify" in results:
+        rng = np.random.default_rng(case.seed)
+        failures += _aimed_at_inputs(source, directory)
+        failures += _damaged_data(source, directory, rng)
+        failures += _shared_data(case, source, directory, expected)
+        failures += _concurrent_writers(case, source, directory, expected)
+        failures += _stopped_by_a_signal(case, source, directory, expected, rng)
     if any(p.read_bytes() != before[p.name] for p in directory.iterdir() if p.name in before):
         failures.append(Failure("mutated", "file", "normpass modified the input files"))
+    return failures
+
+
+def _cli(*argv) -> tuple[int, str]:
+    """`normpass ARGV` in this process: (exit code, stderr)."""
+    err = text_io.StringIO()
+    with contextlib.redirect_stdout(text_io.StringIO()), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, err.getvalue()
+
+
+def _data_files(directory: Path, model_name: str) -> set[Path]:
+    return {p for p in directory.iterdir() if p.name.startswith(f"{model_name}.") and p.name.endswith(".data")}
+
+
+def _whole(case, path: Path, expected, mode: str, note: str) -> list[Failure]:
+    """`path` computes what the original computes, and the only data file written for it is the one it reads."""
+    read = set(io.model_files("out", path).values()) - {path}
+    stray = _data_files(path.parent, path.name) - read
+    failures = (
+        [Failure(f"file-{mode}", "file", f"data files left beside {path.name}: {sorted(stray)}")] if stray else []
+    )
+    return failures + _compare(case, f"file-{mode}", onnx.load(str(path)), expected, note)
+
+
+def _aimed_at_inputs(source: Path, directory: Path) -> list[Failure]:
+    failures = []
+    for target in io.model_files("model", source).values():
+        for argv in (
+            ["fold", source, "-o", target, "--no-verify"],
+            ["fold", source, "-o", directory / "aimed.onnx", "--no-verify", "--report", target],
+            ["replace", source, "--calib", "synthetic", "-o", target],
+        ):
+            code, err = _cli(*argv)
+            if code != 2 or "must not overwrite" not in err or len(err.strip().splitlines()) != 1:
+                failures.append(
+                    Failure(
+                        "file-aimed",
+                        "file",
+                        f"{' '.join(map(str, argv[:1] + argv[2:]))}: exit {code}, {err.strip()[:200]!r}",
+                    )
+                )
+    if (directory / "aimed.onnx").exists():
+        failures.append(Failure("file-aimed", "file", "a refused command wrote its output"))
+    return failures
+
+
+def _damaged_data(source: Path, directory: Path, rng: np.random.Generator) -> list[Failure]:
+    data = directory / "model.onnx.data"
+    if not data.exists() or data.stat().st_size == 0:
+        return []
+    failures = []
+    for damage in ("short", "missing"):
+        copy = directory / damage
+        copy.mkdir()
+        shutil.copy(source, copy / "model.onnx")
+        if damage == "short":
+            shutil.copy(data, copy / data.name)
+            os.truncate(copy / data.name, int(rng.integers(0, data.stat().st_size)))
+        try:
+            fold_onnx(copy / "model.onnx", FoldOptions(verify=False))
+            failures.append(Failure("file-damaged", damage, "a model whose data file is damaged was folded"))
+        except InputError as e:
+            failures += _one_line(e, f"file-damaged {damage}")
+        except Exception as e:
+            failures.append(Failure("file-damaged", damage, describe(e)))
+    return failures
+
+
+def _shared_data(case, source: Path, directory: Path, expected) -> list[Failure]:
+    """other.onnx reads model.onnx's data file: folding one of them to the other's name leaves the other's weights."""
+    if not (directory / "model.onnx.data").exists():
+        return []
+    failures = []
+    shared = directory / "shared"
+    shared.mkdir()
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copy(directory / name, shared / name)
+    shutil.copy(shared / "model.onnx", shared / "other.onnx")
+    for reader, written in (("model.onnx", "other.onnx"), ("other.onnx", "model.onnx")):
+        code, err = _cli("fold", shared / reader, "-o", shared / written, "--no-verify")
+        if code not in (0, 1, 2) or len(err.strip().splitlines()) > 1:
+            failures.append(Failure("file-shared", reader, f"exit {code}, {err.strip()[:200]!r}"))
+        failures += _compare(case, f"file-shared {reader}", onnx.load(str(shared / reader)), expected, "the model read")
+    return failures
+
+
+def _concurrent_writers(case, source: Path, directory: Path, expected) -> list[Failure]:
+    """Two folds of two structures, written to one path at once by two threads."""
+    out = directory / "concurrent.onnx"
+    try:
+        results = [fold_onnx(source, FoldOptions(verify=False, migrate_affine=m)) for m in (True, False)]
+    except NormpassError:
+        return []
+    errors: list[Exception] = []
+
+    def write(result) -> None:
+        try:
+            for _ in range(3):
+                result.save(out)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(result,)) for result in results]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        return [Failure("file-concurrent", "file", describe(errors[0]))]
+    return _whole(case, out, expected, "concurrent", "two writers")
+
+
+def _stopped_by_a_signal(case, source: Path, directory: Path, expected, rng: np.random.Generator) -> list[Failure]:
+    """`normpass fold` stopped by a signal at a random moment of a run as long as an unstopped one."""
+    out = directory / "stopped.onnx"
+    argv = ["fold", source, "-o", out, "--no-verify", "--report", directory / "stopped.json"]
+    start = time.perf_counter()
+    _cli(*argv)
+    duration = time.perf_counter() - start
+    old = b"the old output"
+    out.write_bytes(old)
+    for stale in _data_files(directory, out.name):
+        stale.unlink()
+    (directory / "stopped.json").unlink(missing_ok=True)
+    signum = STOPPING_SIGNALS[int(rng.integers(len(STOPPING_SIGNALS)))]
+    delay = float(rng.uniform(0, duration))
+    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in STOPPING_SIGNALS}  # a signal after the run: nothing
+    try:
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signum))
+        timer.start()
+        code, err = _cli(*argv)
+        timer.cancel()
+        timer.join()
+    finally:
+        for s, handler in ignored.items():
+            signal.signal(s, handler)
+    mode = f"signal {signal.Signals(signum).name} after {delay:.3f} of {duration:.3f} s"
+    failures = []
+    if code not in (0, 128 + signum) or len(err.strip().splitlines()) > (0 if code == 0 else 1):
+        failures.append(Failure("file-signal", mode, f"exit {code}, {err.strip()[:200]!r}"))
+    if [p for p in directory.iterdir() if p.name.startswith(".normpass-")]:
+        failures.append(Failure("file-signal", mode, "temporary files left"))
+    if code == 0 or "wrote only" in err:
+        failures += _whole(case, out, expected, "signal", mode)
+    elif out.read_bytes() != old or _data_files(directory, out.name):
+        failures.append(Failure("file-signal", mode, f"the old output was changed ({err.strip()[:120]!r})"))
     return failures
 
 

@@ -13,7 +13,12 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
 * linear layers: MatMul + Add, Gemm (transB 0 or 1) on a [-1, D] view made by shape arithmetic,
   or a 1×1 Conv on an NCHW view; weights sometimes shared with an earlier layer;
 * norms: `LayerNormalization` (opset ≥ 17) or the decomposed chain (ReduceMean, Sub, Pow/Mul,
-  Sqrt, Div), γ/β random, centred, absent or unit;
+  Sqrt, Div), γ/β random, centred, absent or unit; the chain spelled as exporters and ONNX
+  Runtime's fusion tests write it sometimes (x − mean computed twice, x and γ read through
+  `Identity`, the moments variance E[x²] − E[x]², x − mean cast to a wider float for the variance
+  and the division and cast back before γ), or as ONNX's own function body of
+  `LayerNormalization` (opset ≥ 17: Flatten, moments variance, Reshape back); a norm sometimes
+  inside a model-local function (its constants `Constant` nodes), called from the graph;
 * an `If` on a bool input whose branches read stream tensors through outer scope (nested
   sometimes, with a norm inside sometimes), or a `Loop` whose body does, its output added to the
   stream or returned;
@@ -22,6 +27,9 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
 * one float dtype per model (fp32 mostly, fp16, fp64), an opset in 13–23 with ops valid for it,
   an IR version from the opset's minimum to 10 (opset 23 needs IR 11);
 * overridable initializers: some or all initializers also listed in `graph.input`.
+
+Spellings and functions are drawn from a random stream of their own (seeded by the seed too), so
+every other draw, and with it the model of a seed without them, is what it was before they existed.
 
 Feeds: several shapes when a dim is dynamic, both values of the bool input, and a feed set that
 overrides every overridable float initializer. Float inputs have a non-zero mean per feature, so
@@ -41,7 +49,25 @@ OPSETS = tuple(range(13, 24))
 DTYPES = (np.float32, np.float16, np.float64)
 DTYPE_WEIGHTS = (0.7, 0.15, 0.15)
 SHAPES = ((2, 5), (1, 3))  # (batch, seq) of the first and second feed shape
-FEATURES = ("subgraph", "loop", "overridable", "shared", "shape_arith", "conv", "gemm", "attention", "embedding")
+FEATURES = (
+    "subgraph",
+    "loop",
+    "overridable",
+    "shared",
+    "shape_arith",
+    "conv",
+    "gemm",
+    "attention",
+    "embedding",
+    "spellings",
+    "functions",
+)
+# The features the pinned campaign seeds were found with: `generate(seed, PINNED_FEATURES)` replays
+# the very model a regression test was written for (later features draw from a stream of their own).
+PINNED_FEATURES = FEATURES[:9]
+SPELLINGS = ("twice", "identity", "moments", "wide", "onnx")  # of a decomposed LayerNorm (see the module docstring)
+WIDER = {np.dtype(np.float16): np.float32, np.dtype(np.float32): np.float64}  # the "wide" spelling's inner type
+FUNCTION_DOMAIN = "fuzz.functions"
 NONLINEAR = ("Relu", "Tanh", "Sigmoid", "Gelu")
 
 
@@ -57,19 +83,22 @@ class Case:
 class Builder:
     """Accumulates the nodes and initializers of one graph; a subgraph's builder shares its parent's records."""
 
-    def __init__(self, rng: np.random.Generator, dtype, opset: int, features: set[str], seq):
+    def __init__(self, rng: np.random.Generator, dtype, opset: int, features: set[str], seq, spell=None):
         self.rng, self.dtype, self.opset, self.features, self.seq = rng, np.dtype(dtype), opset, features, seq
+        self.spell = spell or np.random.default_rng(0)  # spellings and functions: a stream of their own
         self.prefix = ""
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.weights: dict[tuple, list[str]] = {}  # shape → weight initializers, for sharing
         self.used: set[str] = set()
         self.norms: list[str] = []
+        self.functions: list[onnx.FunctionProto] = []
+        self.constant_nodes = False  # a function body: constants are Constant nodes, not initializers
         self.counter = 0
 
     def subgraph(self, kind: str) -> Builder:
-        sub = Builder(self.rng, self.dtype, self.opset, self.features, self.seq)
-        sub.prefix, sub.used, sub.norms = f"{self.name(kind)}_", self.used, self.norms
+        sub = Builder(self.rng, self.dtype, self.opset, self.features, self.seq, self.spell)
+        sub.prefix, sub.used, sub.norms, sub.functions = f"{self.name(kind)}_", self.used, self.norms, self.functions
         return sub
 
     def stream_info(self, name: str) -> onnx.ValueInfoProto:
@@ -86,7 +115,14 @@ class Builder:
 
     def const(self, prefix: str, values) -> str:
         tensor = self.name(prefix)
-        self.inits.append(numpy_helper.from_array(np.asarray(values), tensor))
+        if self.constant_nodes:
+            self.nodes.append(
+                helper.make_node(
+                    "Constant", [], [tensor], name=tensor, value=numpy_helper.from_array(np.asarray(values))
+                )
+            )
+        else:
+            self.inits.append(numpy_helper.from_array(np.asarray(values), tensor))
         return tensor
 
     def floats(self, prefix: str, *shape, scale=1.0, offset=0.0) -> str:
@@ -147,7 +183,9 @@ class Builder:
         return self.node("ReduceMean", [x], axes=[-1], keepdims=1)
 
     def norm(self, x: str) -> str:
-        """A LayerNorm over the last axis, in one op (opset ≥ 17) or decomposed."""
+        """A LayerNorm over the last axis, in one op (opset ≥ 17) or decomposed; inside a function sometimes."""
+        if "functions" in self.features and not self.prefix and self.spell.random() < 0.2:
+            return self.function_norm(x)
         affine = ("random", "random", "centred", "unit", "none")[self.rng.integers(5)]
         gamma = beta = None
         if affine == "random":
@@ -165,16 +203,75 @@ class Builder:
             gamma = gamma or self.const("g", np.ones(D, self.dtype))
             y = self.node("LayerNormalization", [x, gamma] + ([beta] if beta else []), axis=-1, epsilon=eps)
         else:
-            centred = self.node("Sub", [x, self.reduce_mean(x)])
+            y = self.decomposed_norm(x, gamma, beta, eps, square_by_pow=self.chance(0.5))
+        self.norms.append(y)
+        return y
+
+    def spelling(self) -> str:
+        """How a decomposed LayerNorm is spelled: "plain", or one of `SPELLINGS` with the spellings feature."""
+        if "spellings" not in self.features or self.spell.random() < 0.4:
+            return "plain"
+        self.used.add("spellings")
+        return SPELLINGS[self.spell.integers(len(SPELLINGS))]
+
+    def decomposed_norm(self, x: str, gamma, beta, eps: float, square_by_pow: bool) -> str:
+        """d = x − ReduceMean(x); d / Sqrt(ReduceMean(d²) + ε) [⊙ γ] [+ β], spelled as `spelling` says."""
+        spelling = self.spelling()
+        if spelling == "onnx" and self.opset >= 17 and self.dtype != np.float64:  # ONNX's body computes in fp32
+            return self.onnx_layer_norm(x, gamma, beta, eps)
+        wide = WIDER.get(self.dtype) if spelling == "wide" else None
+        mean = self.reduce_mean(self.node("Identity", [x]) if spelling == "identity" else x)
+        centred = self.node("Sub", [x, mean])
+        other = self.node("Sub", [x, mean]) if spelling == "twice" else centred
+        if wide is not None:
+            centred = other = self.node("Cast", [centred], to=helper.np_dtype_to_tensor_dtype(np.dtype(wide)))
+        inner = np.dtype(wide or self.dtype)
+        if spelling == "moments":
+            variance = self.node("Sub", [self.reduce_mean(self.node("Mul", [x, x])), self.node("Mul", [mean, mean])])
+        else:
             square = (
-                self.node("Pow", [centred, self.const("two", np.array(2, self.dtype))])
-                if self.chance(0.5)
-                else self.node("Mul", [centred, centred])
+                self.node("Pow", [other, self.const("two", np.array(2, inner))])
+                if square_by_pow
+                else self.node("Mul", [other, other])
             )
-            variance = self.node("Add", [self.reduce_mean(square), self.const("eps", np.array(eps, self.dtype))])
-            y = self.node("Div", [centred, self.node("Sqrt", [variance])])
-            y = self.node("Mul", [y, gamma]) if gamma else y
-            y = self.node("Add", [y, beta]) if beta else y
+            variance = self.reduce_mean(square)
+        root = self.node("Sqrt", [self.node("Add", [variance, self.const("eps", np.array(eps, inner))])])
+        y = self.node("Div", [centred, root])
+        if wide is not None:
+            y = self.node("Cast", [y], to=helper.np_dtype_to_tensor_dtype(self.dtype))
+        if gamma and spelling == "identity":
+            gamma = self.node("Identity", [gamma])
+        y = self.node("Mul", [y, gamma]) if gamma else y
+        return self.node("Add", [y, beta]) if beta else y
+
+    def onnx_layer_norm(self, x: str, gamma, beta, eps: float) -> str:
+        """ONNX's function body of LayerNormalization over the last axis, computing in fp32, inlined (the
+        opset-17 body at opset 17, the opset-18 one above)."""
+        from onnx.backend.test.case.node import function_testcase_helper
+
+        gamma = gamma or self.const("g", np.ones(D, self.dtype))
+        y = self.name("layer_norm_")
+        node = helper.make_node("LayerNormalization", [x, gamma] + ([beta] if beta else []), [y], axis=-1, epsilon=eps)
+        tensor_type = helper.np_dtype_to_tensor_dtype(self.dtype)
+        types = [helper.make_tensor_type_proto(tensor_type, shape) for shape in (["batch", self.seq, D], [D], [D])]
+        bodies, _ = function_testcase_helper(node, types[: len(node.input)], y, [helper.make_opsetid("", 17)])
+        for inner in bodies[0 if self.opset == 17 else 1][0]:
+            inner.name = self.name("onnx_")
+            self.nodes.append(inner)
+        return y
+
+    def function_norm(self, x: str) -> str:
+        """A norm (any spelling) as the body of a model-local function, called on x."""
+        self.used.add("functions")
+        body = Builder(self.rng, self.dtype, self.opset, self.features, self.seq, self.spell)
+        body.prefix, body.used, body.norms, body.constant_nodes = f"fn{len(self.functions)}_", self.used, [], True
+        out = body.norm("t")
+        name = f"Norm{len(self.functions)}"
+        self.functions.append(
+            helper.make_function(FUNCTION_DOMAIN, name, ["t"], [out], body.nodes, [helper.make_opsetid("", self.opset)])
+        )
+        y = self.name("call_")
+        self.nodes.append(helper.make_node(name, [x], [y], name=y, domain=FUNCTION_DOMAIN))
         self.norms.append(y)
         return y
 
@@ -293,7 +390,7 @@ def generate(seed: int, features=FEATURES) -> Case:
     dtype = DTYPES[rng.choice(len(DTYPES), p=DTYPE_WEIGHTS)]
     opset = int(rng.choice(OPSETS))
     seq = "seq" if rng.random() < 0.5 else SHAPES[0][1]
-    b = Builder(rng, dtype, opset, features, seq)
+    b = Builder(rng, dtype, opset, features, seq, np.random.default_rng((seed, 1)))
     tensor_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     inputs, outputs = [], []
 
@@ -358,7 +455,11 @@ def generate(seed: int, features=FEATURES) -> Case:
         for o in dict.fromkeys(outputs)
     ]
     graph = helper.make_graph(b.nodes, f"fuzz{seed}", inputs, out_infos, initializer=b.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=_ir_version(rng, opset))
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(FUNCTION_DOMAIN, 1)] * bool(b.functions)
+    ir_version = _ir_version(rng, opset)
+    model = helper.make_model(
+        graph, opset_imports=opsets, functions=b.functions, ir_version=max(ir_version, 8) if b.functions else ir_version
+    )
     onnx.checker.check_model(model, full_check=True)  # full_check: strict shape inference passes too
     return Case(seed, model, _feeds(rng, model, overridable, b.inits), b.used, b.norms)
 

@@ -118,7 +118,7 @@ def test_budget_raises_repeats_for_short_points():
 
 @pytest.mark.parametrize("spec", ["seq", "seq=", "len=1,2", "seq=a,b", "seq=0,4"])
 def test_parse_sweep_rejects(spec):
-    with pytest.raises(InputError, match="^sweep "):
+    with pytest.raises(InputError, match=r"^sweep "):
         bench.parse_sweep(spec)
 
 

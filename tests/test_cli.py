@@ -54,7 +54,7 @@ HIDDEN_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
 
 @dataclasses.dataclass
 class Result:
-    returncode: int
+    returncode: int | str | None  # main's exit code, or SystemExit's (argparse exits 2)
     stdout: str
     stderr: str
 
@@ -73,6 +73,7 @@ def normpass(capsys):
             warnings.simplefilter("default")
             for category in HIDDEN_WARNINGS:
                 warnings.simplefilter("ignore", category)
+            code: int | str | None
             try:
                 code = main([str(a) for a in args])
             except SystemExit as e:

@@ -486,13 +486,13 @@ def test_decomposed_ln_in_double_between_a_cast_pair_with_value_info():
     assert_decomposed_folds(onnx.shape_inference.infer_shapes(decomposed_ln(rng(11), casts="around")))
 
 
-def test_decomposed_ln_with_private_tensor_used_elsewhere_is_not_matched():
-    """A chain whose intermediate d is also a graph output is not a norm: nothing may be rewritten."""
+def test_decomposed_ln_with_private_tensor_used_elsewhere_is_listed_not_rewritten():
+    """A chain whose intermediate d is also a graph output is listed, once, and declined naming d."""
     model = decomposed_ln(rng(12))
     model.graph.output.append(onnx.helper.make_tensor_value_info("d", onnx.TensorProto.FLOAT, ["N", D]))
     plan = inspect_onnx(model)
-    assert not plan.folded
-    assert all(d.op != "decomposed LayerNorm" for d in plan.decisions)
+    assert [(d.op, d.foldable) for d in plan.decisions] == [("decomposed LayerNorm", False)], plan.to_json()
+    assert plan.decisions[0].reason == "not rewritten: its intermediate d is also a graph output"
     result = fold_and_check(model)
     assert op_counts(result.model) == op_counts(model)
 

@@ -15,11 +15,11 @@ from onnx import numpy_helper
 
 from normpass import models as builtin_models
 from normpass.onnx.passes import fold_onnx
+from normpass.onnx.precision import STASH_TYPE_OPS, to_fp16  # imports onnxconverter_common when converting
 from normpass.onnx.verify import REL_TOLERANCE, verify
 
 pytestmark = pytest.mark.filterwarnings("ignore:the float32 number")
 pytest.importorskip("onnxconverter_common")
-from normpass.onnx.precision import STASH_TYPE_OPS, to_fp16
 
 FP16_TOLERANCE = REL_TOLERANCE[np.dtype(np.float16)]
 
@@ -34,7 +34,7 @@ def gpt2_fp16(gpt2):
     return to_fp16(gpt2)
 
 
-def _stash_types(model) -> list[int]:
+def _stash_types(model) -> list[int | None]:
     return [
         next((a.i for a in n.attribute if a.name == "stash_type"), None)
         for n in model.graph.node

@@ -565,7 +565,8 @@ m (float[4,8] x) => (float[4,8] y) {
 
 
 def test_fused_attention_takes_the_affine_and_refuses_a_shift(gen):
-    """com.microsoft.Attention computes x·W_qkv + b_qkv: γ/β migrate into them; centring its input would not be exact."""
+    """com.microsoft.Attention computes x·W_qkv + b_qkv: γ/β migrate into them; centring its input would not be
+    exact."""
     text = (
         OPSET.replace('"" : 17', '"" : 17, "com.microsoft" : 1')
         + """
@@ -620,10 +621,13 @@ m (float[2,8] x) => (float[2,8] y) {{
 def _torchscript_export(name: str) -> onnx.ModelProto:
     """`name` built from `transformers` code (one layer, registry sizes), exported by
     `torch.onnx.export(dynamo=False)` at opset 17 with dynamic axes, as HF Optimum does."""
-    import io
+    import tempfile
 
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+
     from normpass.models.registry import _randomise, gpt2_config
 
     class LM(torch.nn.Module):
@@ -642,7 +646,7 @@ def _torchscript_export(name: str) -> onnx.ModelProto:
     if name == "gpt2":
         model, args = LM(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1))), (torch.randint(0, 128, (2, 8)),)
     elif name == "opt":
-        config = transformers.OPTConfig(
+        opt_config = transformers.OPTConfig(
             vocab_size=128,
             hidden_size=64,
             num_hidden_layers=1,
@@ -652,9 +656,9 @@ def _torchscript_export(name: str) -> onnx.ModelProto:
             word_embed_proj_dim=64,
             pad_token_id=1,
         )
-        model, args = LM(transformers.OPTForCausalLM(config)), (torch.randint(0, 128, (2, 8)),)
+        model, args = LM(transformers.OPTForCausalLM(opt_config)), (torch.randint(0, 128, (2, 8)),)
     else:
-        config = transformers.ViTConfig(
+        vit_config = transformers.ViTConfig(
             image_size=32,
             patch_size=8,
             num_channels=3,
@@ -663,21 +667,22 @@ def _torchscript_export(name: str) -> onnx.ModelProto:
             num_attention_heads=4,
             intermediate_size=128,
         )
-        model, args = Encoder(transformers.ViTModel(config, add_pooling_layer=False)), (torch.randn(2, 3, 32, 32),)
+        model, args = Encoder(transformers.ViTModel(vit_config, add_pooling_layer=False)), (torch.randn(2, 3, 32, 32),)
     _randomise(model)
     dynamic = {0: "batch"} if name == "vit" else {0: "batch", 1: "sequence"}
-    buffer = io.BytesIO()
-    torch.onnx.export(
-        model.eval(),
-        args,
-        buffer,
-        dynamo=False,
-        opset_version=17,
-        input_names=["input"],
-        output_names=["output"],
-        dynamic_axes={"input": dynamic, "output": dynamic},
-    )
-    return onnx.load_from_string(buffer.getvalue())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/{name}.onnx"
+        torch.onnx.export(
+            model.eval(),
+            args,
+            path,
+            dynamo=False,
+            opset_version=17,
+            input_names=["input"],
+            output_names=["output"],
+            dynamic_axes={"input": dynamic, "output": dynamic},
+        )
+        return onnx.load(path)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "opt", "vit"])
@@ -745,3 +750,18 @@ def test_constant_subgraphs_evaluate_as_the_onnx_reference_does(gen, opset, body
     got = constant_values(tensor)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     np.testing.assert_array_equal(got, expected)
+
+
+def test_resize_to_sizes_that_copy_the_inputs_own_dims_keeps_those_axes(gen):
+    """sizes = Concat(Slice(Shape(h)), …), as torch exports F.interpolate(size=…): the copied axes are not resized."""
+    op = (
+        "s = Shape(h)\n  keep = Slice(s, zero, two)\n  last = Slice(s, three, four)\n"
+        '  sizes = Concat<axis=0>(keep, nine, last)\n  t = Resize<mode="cubic">(h, "", "", sizes)'
+    )
+    ints = {k: np.array([v], np.int64) for k, v in dict(zero=0, two=2, three=3, four=4, nine=9).items()}
+    model = _stream_model(gen, op, "2,4,9,8", **ints)
+    result = _fold(model)
+    assert result.folded == 1 and not result.plan.insertions, result.plan.decisions
+    assert_equivalent(model, result.model)
+    resized_last = _stream_model(gen, op.replace("Slice(s, three, four)", "Slice(s, two, three)"), "2,4,9,6", **ints)
+    assert _fold(resized_last).folded == 0  # the last entry copies axis 2's size: the normalized axis is resized

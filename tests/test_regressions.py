@@ -187,3 +187,61 @@ agraph (float[B, {D}] x) => (float[B, {D}] y, float[B, {D}] z) {{
     result = fold_onnx(model)
     assert [d.op for d in result.plan.decisions] == ["decomposed LayerNorm"] and result.folded == 1
     assert_equivalent(model, result.model)
+
+
+def test_gamma_moves_along_each_consumers_own_axis_into_large_weights():
+    """γ migrates into two consumers that contract over different axes of their weights (a MatMul's
+    [in, out] and a Gemm's transB [out, in]), each weight large enough to be computed when written:
+    each migration keeps its own axis (found by ruff's B023, a loop variable read by a lambda)."""
+    d = 512  # 1 MiB fp32 weights: computed when written (onnx/targets.py LAZY_MIN_BYTES)
+    gen = rng(4)
+    model = build(
+        f"""{HEADER}
+        agraph (float[2, {d}] x) => (float[2, {d}] y1, float[2, {d}] y2) {{
+            xw = MatMul(x, W0)
+            h = Add(xw, b0)
+            n = LayerNormalization<axis=-1>(h, g, be)
+            nw = MatMul(n, W1)
+            y1 = Add(nw, b1)
+            y2 = Gemm<transB=1>(n, W2, b2)
+        }}""",
+        W0=randn(gen, d, d, scale=0.05),
+        b0=randn(gen, d),
+        g=1 + randn(gen, d, scale=0.5),
+        be=randn(gen, d, scale=0.3),
+        W1=randn(gen, d, d, scale=0.05),
+        b1=randn(gen, d),
+        W2=randn(gen, d, d, scale=0.05),
+        b2=randn(gen, d),
+    )
+    result = fold_onnx(model)
+    assert result.folded == 1 and op_counts(result.model)["LayerNormalization"] == 0
+    assert_equivalent(model, result.model)
+
+
+def test_a_residual_sum_that_is_a_graph_output_stays_one_after_an_earlier_fusion(gen):
+    """Two Add + SimplifiedLayerNormalization pairs; the second sum is also a graph output. The
+    skip fusion keeps that sum as the fused node's output (the graph's output names were shadowed
+    after the first fusion, found by mypy: the second fusion dropped the sum and failed)."""
+    nodes = [
+        helper.make_node("Add", ["x", "r"], ["s1"], name="add1"),
+        helper.make_node("SimplifiedLayerNormalization", ["s1", "g1"], ["n1"], name="rms1", axis=-1, epsilon=1e-5),
+        helper.make_node("MatMul", ["n1", "W1"], ["a"], name="mm1"),
+        helper.make_node("Add", ["s1", "a"], ["s2"], name="add2"),
+        helper.make_node("SimplifiedLayerNormalization", ["s2", "g2"], ["n2"], name="rms2", axis=-1, epsilon=1e-5),
+        helper.make_node("MatMul", ["n2", "W2"], ["y"], name="mm2"),
+    ]
+    weights = dict(g1=1 + randn(gen, D), g2=1 + randn(gen, D), W1=randn(gen, D, D), W2=randn(gen, D, D))
+    info = lambda name: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2, 4, D])
+    graph = helper.make_graph(
+        nodes,
+        "residual_output",
+        [info("x"), info("r")],
+        [info("y"), info("s2")],
+        [numpy_helper.from_array(value, name) for name, value in weights.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    result = fold_onnx(model)  # verified against the original in ONNX Runtime
+    assert result.emitted["skip_fused"] == 2
+    second = [n for n in result.model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"][1]
+    assert second.output[3] == "s2" and [o.name for o in result.model.graph.output] == ["y", "s2"]

@@ -12,6 +12,8 @@ Numerics are checked independently of normpass's verifier: both models run in ON
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -58,7 +60,7 @@ def ln_model(else_body: str, then_body: str = "t = Identity(x)", extra: str = ""
         z = If(cond) <then_branch = then_g () => (float[2, 4, {D}] t) {{ {then_body} }},
                       else_branch = else_g () => (float[2, 4, {D}] e) {{ {else_body} }}>
     }}"""
-    weights = dict(
+    weights: dict[str, Any] = dict(
         W0=randn(gen, D, D),
         b0=randn(gen, D),
         g0=1 + randn(gen, D, scale=0.3),
@@ -97,7 +99,8 @@ def test_outer_scope_reader_in_a_loop_body_blocks_the_centring():
         n = LayerNormalization<axis=-1>(h, g0, be0)
         nw = MatMul(n, W1)
         y = Add(nw, b1)
-        z = Loop(trips, cond, x) <body = loop_body (int64 i, bool c, float[2, 4, {D}] acc) => (bool c_out, float[2, 4, {D}] acc_out) {{
+        z = Loop(trips, cond, x) <body = loop_body (int64 i, bool c, float[2, 4, {D}] acc)
+                                          => (bool c_out, float[2, 4, {D}] acc_out) {{
             c_out = Identity(c)
             acc_out = Add(acc, h)
         }}>
@@ -267,7 +270,7 @@ def test_a_rewrite_that_changes_the_signature_is_refused_before_running():
     for change in changes.values():
         wrong = renamed(model, change)
         wrong.graph.node.append(broken_op)  # ORT cannot load it: the refusal must come first
-        with pytest.raises(VerificationError, match="changed the model's (inputs|outputs)"):
+        with pytest.raises(VerificationError, match=r"changed the model's (inputs|outputs)"):
             verify(model, wrong, name="m.onnx")
         with pytest.raises(VerificationError):
             check_signature(model, wrong)

@@ -16,6 +16,7 @@ from normpass.onnx.passes import FoldOptions, fold_onnx
 
 TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "synthetic_stack.py"
 SPEC = importlib.util.spec_from_file_location("synthetic_stack", TOOL)
+assert SPEC is not None and SPEC.loader is not None
 synthetic_stack = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(synthetic_stack)
 

@@ -128,6 +128,7 @@ def prepare(name: str, cache: pathlib.Path, dtype: str, provider: str) -> dict[s
     folded = {}
     for label, options in variants.items():
         result = fold_onnx(source, options, name=name)
+        assert result.comparison is not None  # verified (FoldOptions.verify is on)
         print(
             f"{name} {dtype} {label}: {result.folded} of {result.plan.total} norms folded, max rel error "
             f"{result.comparison.max_rel_error:.2g} (verified at its default shapes)",

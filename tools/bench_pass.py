@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import onnx
 
@@ -59,7 +60,7 @@ TIME_FACTOR = 1.3  # fold wall ≤ this × floor wall
 RSS_FACTOR, RSS_SLACK_MIB = 1.5, 400  # peak RSS ≤ RSS_FACTOR × weight bytes + RSS_SLACK_MIB
 LINEARITY_TOLERANCE = 0.10
 STDERR_LINES = 30  # kept in the JSON record (with NORMPASS_DEBUG=1 in the environment, a failure's traceback)
-SYNTHETIC = {  # name → synthetic_stack.build keyword arguments
+SYNTHETIC: dict[str, dict[str, Any]] = {  # name → synthetic_stack.build keyword arguments
     "synthetic-2gb": {"params": 2.15e9 / 4, "dtype": "float32", "hidden": 768, "heads": 12, "vocab": 50257},
     "synthetic-7b": {"params": 7e9, "dtype": "float16"},
 }
@@ -128,7 +129,8 @@ def describe(path: pathlib.Path) -> dict:
 
 
 def measured(command: list[str], limit_as_gib: float | None) -> dict:
-    """Run `command` in a fresh process: wall and CPU (user + system) seconds, peak RSS (MiB), exit code, last stderr line."""
+    """Run `command` in a fresh process: wall and CPU (user + system) seconds, peak RSS (MiB), exit code, last
+    stderr line."""
 
     def limit():
         if limit_as_gib:
@@ -160,7 +162,8 @@ def normpass_script() -> str:
     found = str(script) if script.exists() else shutil.which("normpass")
     if not found:
         sys.exit(
-            f"bench_pass: no normpass console script beside {sys.executable} or on PATH; install normpass into this environment"
+            f"bench_pass: no normpass console script beside {sys.executable} or on PATH; "
+            "install normpass into this environment"
         )
     return found
 
@@ -295,15 +298,17 @@ def verdicts(figures: dict) -> list[dict]:
 def environment() -> dict:
     import normpass
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    cpuinfo = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    meminfo = pathlib.Path("/proc/meminfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    mem_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal"))
     source = pathlib.Path(normpass.__file__).resolve().parent
     git = ["git", "-C", str(source)]
     commit, branch, changes = (
         subprocess.run(git + command, capture_output=True, text=True).stdout.strip()
         for command in (["rev-parse", "--short", "HEAD"], ["branch", "--show-current"], ["status", "--porcelain", "."])
     )
-    versions = {}
+    versions: dict[str, str | None] = {}
     for package in ("onnx", "onnxruntime", "onnx-ir", "numpy", "protobuf"):
         try:
             versions[package] = importlib.metadata.version(package)
@@ -322,7 +327,8 @@ def environment() -> dict:
 
 def print_tables(figures: dict, rows: list[dict]) -> None:
     print(
-        "\n| model | weights MiB | fold s | fold CPU s | fold peak RSS MiB | floor s | floor CPU s | floor peak RSS MiB | folded |"
+        "\n| model | weights MiB | fold s | fold CPU s | fold peak RSS MiB "
+        "| floor s | floor CPU s | floor peak RSS MiB | folded |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, f in figures.items():
@@ -330,7 +336,8 @@ def print_tables(figures: dict, rows: list[dict]) -> None:
             f"{f['floor_s']:.2f} | {f['floor_cpu_s']:.2f} | {f['floor_rss_mib']:.0f}" if "floor_s" in f else "– | – | –"
         )
         print(
-            f"| {name} | {f['weight_mib']:.0f} | {f['fold_s']:.2f} | {f['fold_cpu_s']:.2f} | {f['fold_rss_mib']:.0f} | {floor} | {f['folded']} |"
+            f"| {name} | {f['weight_mib']:.0f} | {f['fold_s']:.2f} | {f['fold_cpu_s']:.2f} | {f['fold_rss_mib']:.0f} "
+            f"| {floor} | {f['folded']} |"
         )
     print("\n| target | figure | goal | result |")
     print("|---|---|---|---|")

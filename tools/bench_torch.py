@@ -25,6 +25,7 @@ import copy
 import os
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,9 +45,10 @@ MODELS = {
 
 
 class TorchRunner:
-    """A module and its inputs; `time_run` times one forward pass (the interface `bench.interleave` uses)."""
+    """A module (or its `torch.compile`d form) and its inputs; `time_run` times one forward pass (the
+    interface `bench.interleave` uses)."""
 
-    def __init__(self, module: nn.Module, inputs: tuple):
+    def __init__(self, module: Callable[..., torch.Tensor], inputs: tuple):
         self.module, self.inputs = module, inputs
 
     def forward(self) -> torch.Tensor:
@@ -88,10 +90,12 @@ def measure(name: str, args) -> list[dict]:
             for label, module in variants.items():
                 if mode == "compile":
                     start = time.time()
-                    module = torch.compile(module, dynamic=False)
-                    TorchRunner(module, inputs).forward()  # compiles
+                    runner = TorchRunner(torch.compile(module, dynamic=False), inputs)
+                    runner.forward()  # compiles
                     compile_seconds[label] = time.time() - start
-                runners[label] = TorchRunner(module, inputs)
+                else:
+                    runner = TorchRunner(module, inputs)
+                runners[label] = runner
             outputs = {label: {"output": runner.forward().numpy()} for label, runner in runners.items()}
             comparison = compare_outputs(outputs["original"], outputs["folded"])
             if not comparison.passed:

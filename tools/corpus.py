@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -87,7 +88,7 @@ def registry_rows(names: list[str], forms: list[str], root: pathlib.Path) -> lis
                 exported[form] = builtin_models.export_onnx(name, path, form)
             model = onnx.load(str(exported[form]))
             row = {"model": name, "form": form, "target": f"{entry.expected_folded}/{entry.expected_rewritten}"}
-            row.update(measure(model, lambda: entry_feeds(entry, model)))
+            row.update(measure(model, functools.partial(entry_feeds, entry, model)))
             rows.append(row)
             print(f"  {name} {form}: {row}", file=sys.stderr)
     return rows
@@ -104,7 +105,7 @@ def thirdparty_rows() -> list[dict]:
         (input_name,) = [i.name for i in model.graph.input if i.name not in initializers]
         feeds = {input_name: np.random.default_rng(5).standard_normal(published.input_shape).astype(np.float32)}
         row = {"model": name, "form": "published", "target": ""}
-        row.update(measure(model, lambda: feeds, {input_name: published.input_shape}))
+        row.update(measure(model, functools.partial(dict, feeds), {input_name: published.input_shape}))
         rows.append(row)
         print(f"  {name}: {row}", file=sys.stderr)
     return rows

@@ -5,8 +5,10 @@
     python tools/fuzz.py --from-files 0 --examples 2000   # fold from files, every tensor external
 
 Example i uses generator seed S + i (tests/graphgen.py), checked by tests/fuzzcheck.py (with
-`--from-files BYTES`: saved with its tensors of BYTES or more as external data and folded from the
-file, `fuzzcheck.check_from_file`). Prints
+`--from-files BYTES`: saved with its tensors of BYTES or more as external data, folded from the
+file, and the files attacked: outputs aimed at the inputs, short and missing data files, a data
+file shared by two models, two concurrent writers, a signal at a random moment of a run;
+`fuzzcheck.check_from_file(..., hostile=True)`). Prints
 
 the examples run, the failures by class with their seeds, and saves each failing model as
 OUT/SEED.onnx with a one-line repro in OUT/SEED.txt.
@@ -36,7 +38,7 @@ def check(case, from_files: int | None) -> list:
     if from_files is None:
         return fuzzcheck.check(case)
     with tempfile.TemporaryDirectory() as directory:
-        return fuzzcheck.check_from_file(case, Path(directory), from_files)
+        return fuzzcheck.check_from_file(case, Path(directory), from_files, hostile=True)
 
 
 def run_one(seed: int, from_files: int | None = None) -> tuple[int, list[str], onnx.ModelProto | None]:
@@ -52,8 +54,10 @@ def run_one(seed: int, from_files: int | None = None) -> tuple[int, list[str], o
 def failure_class(failure: str) -> str:
     """'kind [mode]: detail' → a key that groups failures of one cause: names and numbers are blanked."""
     kind_mode, _, detail = failure.partition(": ")
-    if kind_mode.startswith("mismatch"):  # generated tensors are named after their op: "output if_25: ..."
-        return f"{kind_mode}: an output of {re.match(r'output ([a-z]+)', detail).group(1)}"
+    kind_mode = re.sub(r"[0-9][0-9.]*", "*", kind_mode)  # "file-signal [signal SIGTERM after 0.008 of 0.028 s]"
+    op = re.match(r"output ([a-z]+)", detail)
+    if kind_mode.startswith("mismatch") and op:  # generated tensors are named after their op: "output if_25: ..."
+        return f"{kind_mode}: an output of {op.group(1)}"
     if kind_mode.startswith("signature"):
         return f"{kind_mode}: " + "; ".join(re.findall(r"(?:inputs|outputs) \[", detail)).replace("[", "changed")
     return f"{kind_mode}: {re.sub(r'[(]?[A-Za-z_]*[0-9][^ ]*', '*', ' '.join(detail.split()[:20]))}"
@@ -68,7 +72,7 @@ def campaign(first: int, examples: int, jobs: int, out: Path, from_files: int | 
         for done, (seed, failures, model) in enumerate(
             pool.imap_unordered(functools.partial(run_one, from_files=from_files), range(first, first + examples)), 1
         ):
-            if failures:
+            if failures and model is not None:
                 failing += 1
                 onnx.save(model, out / f"{seed}.onnx")
                 replay_flags = f"--replay {seed}" + (f" --from-files {from_files}" if from_files is not None else "")

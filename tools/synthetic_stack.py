@@ -205,7 +205,8 @@ def main() -> None:
     args = parser.parse_args()
     info = build(args.out, args.params, args.dtype, args.hidden, args.heads, args.vocab, args.seed)
     print(
-        f"{info['path']}: {info['layers']} layers, {info['params']:,} parameters, {info['weight_bytes']:,} bytes of weights"
+        f"{info['path']}: {info['layers']} layers, {info['params']:,} parameters, "
+        f"{info['weight_bytes']:,} bytes of weights"
     )
 
 

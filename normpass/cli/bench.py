@@ -11,7 +11,7 @@ import argparse
 import json
 
 from ..errors import InputError
-from ..io import check_paths, load_onnx, write_text_atomic
+from ..io import check_paths, load_onnx, model_files, replacing, write_text_atomic
 
 
 def add_parser(sub) -> None:
@@ -46,17 +46,20 @@ def add_parser(sub) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _onnx_runtime_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes ONNX Runtime raises (Fail, InvalidArgument, RuntimeException ...)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return tuple(c for c in vars(state).values() if isinstance(c, type) and issubclass(c, Exception))
+
+
 def run(args: argparse.Namespace) -> int:
     from ..onnx.bench import Candidate, parse_sweep, plot, run_benchmark, to_csv  # ONNX Runtime: only when benchmarking
 
+    inputs = model_files("ORIGINAL", args.original) | model_files("OPTIMIZED", args.optimized)
+    outputs = list(check_paths(inputs, {"--json": args.json, "--csv": args.csv, "--plot": args.plot}).values())
     for path in (args.original, args.optimized):
         load_onnx(path)  # clear errors for a missing or unreadable file
-    outputs = list(
-        check_paths(
-            {"ORIGINAL": args.original, "OPTIMIZED": args.optimized},
-            {"--json": args.json, "--csv": args.csv, "--plot": args.plot},
-        ).values()
-    )
     if args.plot and not args.plot.lower().endswith(".png"):
         raise InputError(f"{args.plot}: --plot draws a PNG; name the file *.png")
     sweep, points = None, [(args.batch, args.seq)]
@@ -64,18 +67,24 @@ def run(args: argparse.Namespace) -> int:
         sweep, values = parse_sweep(args.sweep)
         points = [(v, args.seq) if sweep == "batch" else (args.batch, v) for v in values]
     candidates = [Candidate("original", args.original), Candidate("optimized", args.optimized)]
-    report = run_benchmark(
-        candidates,
-        points,
-        provider=args.provider,
-        threads=args.threads,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        budget_s=args.budget,
-        seed=args.seed,
-        progress=not args.no_progress,
-        sweep=sweep,
-    )
+    try:
+        report = run_benchmark(
+            candidates,
+            points,
+            provider=args.provider,
+            threads=args.threads,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            budget_s=args.budget,
+            seed=args.seed,
+            progress=not args.no_progress,
+            sweep=sweep,
+        )
+    except _onnx_runtime_errors() as e:  # a model that loads but does not run: the input's fault
+        raise InputError(
+            f"{args.original}, {args.optimized}: ONNX Runtime cannot run them: {str(e).splitlines()[0]}; "
+            "check that both models run in ONNX Runtime"
+        ) from e
     print(f"{'batch':>5} {'seq':>6} {'original ms':>12} {'optimized ms':>13} {'ratio':>7}  quartiles of ratio  verdict")
     for point in report["points"]:
         base, cand = point["results"]["original"], point["results"]["optimized"]
@@ -89,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         write_text_atomic(to_csv(report), args.csv)
     if args.plot:
-        plot(report, args.plot)
+        with replacing(args.plot) as tmp:
+            plot(report, tmp)
     if outputs:
         print("wrote " + ", ".join(str(p) for p in outputs))
     return 0

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
 import onnx
 
 from ..errors import InputError
-from ..io import load_onnx
+from ..io import check_paths, load_onnx, model_files, save_onnx_atomic, write_text_atomic
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +19,34 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--builtin", metavar="NAME", help="use a built-in model from the registry (e.g. gpt2) instead of a file"
     )
     parser.add_argument("--no-insert-centering", action="store_true", help="never insert an explicit x − mean(x)")
+
+
+def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-verify", action="store_true", help="skip the numerical check against the original")
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="NAME:DIMS",
+        help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
+
+
+def checked_paths(
+    args: argparse.Namespace, other_inputs: dict[str, Path] | None = None
+) -> tuple[Path, dict[str, Path]]:
+    """The `-o` path, and the files the inputs read (the model's and `other_inputs`), after `io.check_paths`."""
+    inputs = model_files("the input model", args.model) | (other_inputs or {})
+    return check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"], inputs
+
+
+def save_result(result, out: Path, inputs: dict[str, Path], label: str, report: str | None) -> None:
+    """Write a pass's model to `out` (never over a file `inputs` reads) and, if asked, its JSON report."""
+    save_onnx_atomic(result.ir_model, out, keep=inputs.values())
+    if report:
+        data = {"model": label, "output": str(out), **result.report()}
+        write_text_atomic(json.dumps(data, indent=2) + "\n", report)
 
 
 def load_model(args: argparse.Namespace) -> tuple[onnx.ModelProto, str]:

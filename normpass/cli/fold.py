@@ -7,15 +7,16 @@ exports the folded module.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
 from ..errors import InputError
-from ..io import check_paths, data_path, write_text_atomic
+from ..io import write_text_atomic
 from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..onnx.rewrite import RMS_OPS
 from ..onnx.verify import parse_input_shapes
-from .common import add_model_arguments, model_source
+from .common import add_model_arguments, add_verification_arguments, checked_paths, model_source, save_result
 
 
 def add_parser(sub) -> None:
@@ -56,27 +57,26 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--no-fuse-skip", action="store_true", help="never fuse residual Adds into SkipSimplifiedLayerNormalization"
     )
-    parser.add_argument("--no-verify", action="store_true", help="skip the numerical check against the original")
-    parser.add_argument(
-        "--input-shape",
-        action="append",
-        default=[],
-        metavar="NAME:DIMS",
-        help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
+    add_verification_arguments(parser)
     parser.add_argument(
         "--torch",
         metavar="PACKAGE.MODULE:FACTORY",
         help="fold a PyTorch model instead: FACTORY() returns (module, example_inputs); the folded "
         "module is exported to ONNX at -o (--target, --provider, --rms-op, --fold-with-beta-add, "
-        "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, verification uses the example inputs)",
+        "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, "
+        "verification uses the example inputs)",
     )
 
 
-def _check_outputs(args: argparse.Namespace) -> Path:
-    outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
-    return check_paths({"the input model": args.model}, outputs)["-o"]
+def _factory_file(spec: str | None) -> dict[str, Path]:
+    """The source file of a --torch factory's module, where it can be found without running it."""
+    module_name = (spec or "").partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module_name) if module_name else None
+    except (ImportError, ValueError):  # load_factory says why, later
+        return {}
+    origin = getattr(found, "origin", None)
+    return {"--torch's module": Path(origin)} if origin and Path(origin).is_file() else {}
 
 
 def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
@@ -90,7 +90,7 @@ def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
 def run(args: argparse.Namespace) -> int:
     if args.torch:
         return _run_torch(args)
-    out = _check_outputs(args)
+    out, inputs = checked_paths(args, _factory_file(args.torch))
     options = FoldOptions(
         target=args.target,
         provider=args.provider,
@@ -105,10 +105,7 @@ def run(args: argparse.Namespace) -> int:
     )
     model, label = model_source(args)
     result = fold_onnx(model, options, name=label)
-    result.save(out)
-    if args.report:
-        report = {"model": label, "output": str(out), **result.report()}
-        write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
+    save_result(result, out, inputs, label, args.report)
     _print_summary(label, result.plan, result.comparison, out)
     return 0
 
@@ -119,7 +116,7 @@ def _run_torch(args: argparse.Namespace) -> int:
         raise InputError("--torch replaces MODEL and --builtin; give only one")
     from ..torch.api import export_onnx, fold, load_factory
 
-    out = _check_outputs(args)
+    out, _ = checked_paths(args, _factory_file(args.torch))
     label = f"torch:{args.torch}"
     module, inputs = load_factory(args.torch)
     folded, report = fold(

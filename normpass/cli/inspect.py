@@ -10,6 +10,12 @@ rich honours NO_COLOR), else plain aligned text that is easy to grep. `--json` p
 object: {"model", "norms": [{"name", "op", "foldable", "reason", "centred_layers",
 "inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"}.
 
+`--rotation` also folds the model as `normpass rotate` does and says which residual streams could
+then be rotated, and why the others not (a section after the table; in JSON, an added key "rotation":
+{"streams": [{"stream", "rotatable", "reason", "hidden_size", "norms", "writers", "readers",
+"gamma_moved_from", "tensors", "blocked_by", "blocking_path"}], "total", "rotatable"}). Names are
+those of the folded graph, as in the rotated model.
+
 `--graph OUT.graphml` (or `OUT.json`, networkx node-link JSON) also writes the zero-mean graph for
 other tools (`ZeroMeanGraph.to_networkx`: nodes with kind, op, rule and, for norms, the decision;
 edges labelled with their tensor and input index), atomically.
@@ -26,10 +32,12 @@ import sys
 from ..core.analysis import plan as make_plan
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan, NormDecision
+from ..core.rotation import RotationPlan
 from ..errors import InputError
-from ..io import check_paths, write_text_atomic
+from ..io import check_paths, model_files, write_text_atomic
 from ..onnx.frontend import build_zero_mean_graph
 from ..onnx.passes import open_graph
+from ..onnx.rotate import RotateOptions, inspect_rotation
 from .common import add_model_arguments, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
@@ -42,6 +50,11 @@ def add_parser(sub) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     parser.add_argument(
         "--graph", metavar="OUT", help="also write the zero-mean graph: OUT.graphml or OUT.json (node-link)"
+    )
+    parser.add_argument(
+        "--rotation",
+        action="store_true",
+        help="also say which residual streams `normpass rotate` could rotate after folding, and why the others not",
     )
 
 
@@ -144,8 +157,26 @@ def graph_text(zmg: ZeroMeanGraph, plan: FoldPlan, suffix: str) -> str:
     return json.dumps(nx.node_link_data(graph, edges="edges"), indent=1) + "\n"
 
 
+def render_rotation(rotation: RotationPlan) -> str:
+    """The rotation section: one line per stream, its verdict and why."""
+    lines = [
+        f"rotation (after folding; names as in the rotated model): {len(rotation.rotatable)} of "
+        f"{len(rotation.streams)} residual streams rotatable"
+    ]
+    for stream in rotation.streams:
+        if stream.rotatable:
+            verdict = (
+                f"rotatable: hidden size {stream.width}, {len(stream.norms)} norms, "
+                f"{len(stream.writers)} writers, {len(stream.readers)} readers"
+            )
+        else:
+            verdict = f"not rotatable: {stream.reason}"
+        lines.append(f"  stream of {stream.name}: {verdict}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
-    graph_out = check_paths({"the input model": args.model}, {"--graph": args.graph}).get("--graph")
+    graph_out = check_paths(model_files("the input model", args.model), {"--graph": args.graph}).get("--graph")
     if graph_out is not None and graph_out.suffix.lower() not in GRAPH_FORMATS:
         raise InputError(f"{graph_out}: --graph writes .graphml or .json; choose a path with one of those suffixes")
     with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings stay off stdout
@@ -153,17 +184,24 @@ def run(args: argparse.Namespace) -> int:
         zmg = build_zero_mean_graph(open_graph(model, label))
         fold_plan = make_plan(zmg, not args.no_insert_centering)
         block = blocks(zmg)
+        options = RotateOptions(insert_centering=not args.no_insert_centering)
+        rotation = inspect_rotation(model, options, label)[1] if args.rotation else None
         if graph_out is not None:
             write_text_atomic(graph_text(zmg, fold_plan, graph_out.suffix.lower()), graph_out)
             print(f"{label}: wrote the zero-mean graph to {graph_out}")
     if args.json:
-        print(json.dumps(to_json(fold_plan, label, block), indent=2))
+        data = to_json(fold_plan, label, block)
+        if rotation is not None:
+            data["rotation"] = rotation.to_json()
+        print(json.dumps(data, indent=2))
         return 0
     console = _terminal_console()
     if console is None:
         print(render_plain(fold_plan, label, block))
     else:
         print_rich(fold_plan, label, block, console)
+    if rotation is not None:
+        print("\n" + render_rotation(rotation))
     return 0
 
 

@@ -16,7 +16,7 @@ import sys
 from ..core.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions
 from ..core.surrogates import KINDS
 from ..errors import InputError
-from ..io import check_paths, data_path, save_onnx_atomic, write_text_atomic
+from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.replace import replace_onnx
 from ..onnx.rewrite import RMS_OPS
 from .common import add_model_arguments, load_model
@@ -149,14 +149,13 @@ def _fractions(text: str) -> tuple[float, float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    inputs = {
-        "the input model": args.model,
-        "--calib": args.calib,
-        "--holdout": args.holdout,
-        "--tokenizer": args.tokenizer,
-    }
-    outputs = {"-o": args.output, "-o's OUT.data": data_path(args.output), "--report": args.report}
-    out = check_paths(inputs, outputs)["-o"]
+    inputs = (
+        model_files("the input model", args.model)
+        | calibration_files("--calib", args.calib)
+        | calibration_files("--holdout", args.holdout)
+        | calibration_files("--tokenizer", args.tokenizer)
+    )
+    out = check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"]
     if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
         raise InputError("--batch-size, --samples and --max-length must be at least 1")
     options = ReplaceOptions(
@@ -195,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         if args.report:
             write_text_atomic(json.dumps({"output": None, **e.report.to_json()}, indent=2) + "\n", args.report)
         raise
-    save_onnx_atomic(result.model, out)
+    save_onnx_atomic(result.model, out, keep=inputs.values())
     report = {"output": str(out), **result.report.to_json()}
     if args.report:
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..core.analysis import plan as make_plan
 from ..errors import InputError
-from ..io import check_paths, write_text_atomic
+from ..io import check_paths, model_files, write_text_atomic
 from ..onnx.frontend import build_zero_mean_graph
 from ..onnx.passes import open_graph
 from .common import add_model_arguments, model_source
@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..viz import render
 
-    out = check_paths({"the input model": args.model}, {"-o": args.output})["-o"]
+    out = check_paths(model_files("the input model", args.model), {"-o": args.output})["-o"]
     fmt = args.format or out.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
         raise InputError(

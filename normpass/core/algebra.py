@@ -9,6 +9,11 @@
 * Migration of a norm's affine into a consumer y = (x̂⊙γ + β)·W + b:
   W' = diag(γ)·W and b' = b + β·W, so the norm needs neither γ nor β. β·W is a matrix-vector
   product computed in the weights' precision (at least float32), like the layer's own.
+* Rotation (DESIGN §2b): a map of the features along one axis by a matrix M on the right,
+  v'[…, j, …] = Σᵢ v[…, i, …]·sᵢ·M[i, j], optionally after a per-feature scale s. A writer of a
+  rotated stream takes M = Q on its output features, a reader M = Q on its input features after
+  s = γ (W' = Qᵀ·diag(γ)·W in [in, out] layout), a constant added after a norm whose γ moved
+  s = 1/γ. Computed in the weights' precision (at least float32), rounded once to their dtype.
 """
 
 from __future__ import annotations
@@ -66,3 +71,13 @@ def has_zero_mean(values: np.ndarray) -> bool:
         return True
     bound = np.finfo(values.dtype).eps * np.abs(wide).sum() if values.dtype.kind == "f" else 0.0
     return bool(abs(wide.sum()) <= bound)
+
+
+def rotate(values: np.ndarray, axis: int, matrix: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+    """`values`, its features along `axis` scaled by `scale` (if given), times `matrix` on the right."""
+    work = np.promote_types(values.dtype, np.float32)
+    moved = np.moveaxis(values, axis, -1).astype(work)
+    if scale is not None:
+        moved = moved * np.asarray(scale, dtype=work)
+    product = moved @ np.asarray(matrix, dtype=work)
+    return np.ascontiguousarray(np.moveaxis(product, -1, axis).astype(values.dtype))

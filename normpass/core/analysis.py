@@ -58,7 +58,7 @@ class _Step:
 
     centrings: tuple[Centring, ...] = ()
     blocker: Blocker | None = None
-    node: str | None = None  # the node whose inputs `needs` are
+    node: str = ""  # the node whose inputs `needs` are ("" where there are none)
     needs: tuple[State, ...] = ()
 
 
@@ -86,6 +86,8 @@ class Prover:
         if self.zmg.is_constant(norm.input):  # constants on branches are centred; not the norm's own input
             reason = f"the norm's input {norm.input} is a constant"
             return Proof(blockers=[Blocker(norm.input, reason, (norm.name, norm.input))])
+        if norm.axis is None:  # front ends mark such norms unsupported; a proof needs one axis
+            return Proof(blockers=[Blocker(norm.name, "the norm normalizes over several axes", (norm.name,))])
         found = self._found((norm.input, norm.axis))
         blockers = [replace(b, path=(norm.name, *b.path)) for b in found.blockers.values()]
         return Proof(list(found.centrings), blockers)
@@ -124,10 +126,12 @@ class Prover:
             for index, source, in_axis in result
             if self.zmg.is_constant(source)
         )
-        needs = tuple(
-            dict.fromkeys((source, in_axis) for _, source, in_axis in result if not self.zmg.is_constant(source))
-        )
-        return _Step(centrings, node=node.name, needs=needs)
+        needs: dict[State, None] = {}
+        for _, source, in_axis in result:
+            if not self.zmg.is_constant(source):
+                assert in_axis is not None  # rules refuse a run-time input broadcast along the axis
+                needs[(source, in_axis)] = None
+        return _Step(centrings, node=node.name, needs=tuple(needs))
 
     def _merge(self, state: State, step: _Step) -> _Found:
         found = _Found(dict.fromkeys(step.centrings), {} if step.blocker is None else {state: step.blocker})
@@ -170,8 +174,10 @@ class ShiftChecker:
         if centring not in self.verdicts:
             node = self.zmg.nodes[centring.node]
             if centring.input_index is None:
+                assert centring.axis is not None  # a layer is centred along an axis
                 blocker = self.removed(node.outputs[0], centring.axis)
             else:
+                assert centring.stream_axis is not None  # set for every constant (`Prover._step`)
                 blocker = self.entering(node, centring.input_index, centring.axis, centring.stream_axis)
             if blocker is not None:
                 blocker = Blocker(blocker.node, blocker.reason, (centring.label, blocker.node))

@@ -94,6 +94,9 @@ class ZNode:
     ref: Any = None
 
 
+GraphNode = str | tuple[str, str]  # in `ZeroMeanGraph.graph`: a node's name, or `source(tensor)`
+
+
 def source(tensor: str) -> tuple[str, str]:
     """The graph node of a tensor that no node produces."""
     return ("tensor", tensor)
@@ -136,14 +139,14 @@ class ZeroMeanGraph:
     def _build_graph(self) -> nx.MultiDiGraph:
         import networkx as nx  # for inspect --graph and viz only: the CLI starts faster without it
 
-        g = nx.MultiDiGraph()
+        g: nx.MultiDiGraph[GraphNode] = nx.MultiDiGraph()
         for node in self.nodes.values():
             g.add_node(node.name, kind=node.kind, rule=node.rule, op=node.op, ref=node.ref)
         for node in self.nodes.values():
             for index, tensor in enumerate(node.inputs):
                 if not tensor:
                     continue
-                producer = self.producer.get(tensor)
+                producer: GraphNode | None = self.producer.get(tensor)
                 if producer is None:
                     producer = source(tensor)
                     g.add_node(producer, tensor=tensor)
@@ -192,8 +195,8 @@ class ZeroMeanGraph:
         """
         import networkx as nx
 
-        out = nx.MultiDiGraph(name=self.model_name)
-        ids = {}
+        out: nx.MultiDiGraph[str] = nx.MultiDiGraph(name=self.model_name)
+        ids: dict[GraphNode, str] = {}
         for ident, data in self.graph.nodes(data=True):
             if ident in self.nodes:
                 ids[ident] = ident

@@ -45,8 +45,8 @@ suffix products (`regroup_axis`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Protocol, Union
+from dataclasses import Field, dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from .plan import Centring
 
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     from .graph import NormInfo, ZeroMeanGraph, ZNode
 
 Required = list[tuple[int, str, int | None]]  # (input index, input tensor, its axis or None)
-Backward = Union[Required, Centring, str]  # inputs that must be zero-mean, a centring, or why not
-Forward = Union[list[tuple[str, int]], str]  # (output, axis) states that carry the shift on, or why not
+Backward = Required | Centring | str  # inputs that must be zero-mean, a centring, or why not
+Forward = list[tuple[str, int]] | str  # (output, axis) states that carry the shift on, or why not
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +91,9 @@ class Shift:
 
 
 class Rule(Protocol):
-    """The algebra of one node: see the module docstring."""
+    """The algebra of one node: see the module docstring. Every rule is a frozen dataclass."""
+
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
 
     def backward(self, zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int) -> Backward:
         """What makes output `tensor` of `node` zero-mean along `axis`."""
@@ -220,8 +222,9 @@ def _along_rows(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> bool:
 class _Flow:
     """Shared checks: a proof needs the output's shape; a shift needs both shapes.
 
-    Subclasses implement `pull` (backward, shape known), `push` (forward along a known input
-    axis) and, if they pass on a broadcast shift, `push_broadcast`.
+    Subclasses implement `pull` (backward, shape known), `push` (forward along `axis` of the
+    input) and, if they pass on a broadcast shift, `push_broadcast` (forward along `out_axis` of
+    the output).
     """
 
     def backward(self, zmg, node, tensor, axis) -> Backward:
@@ -235,14 +238,16 @@ class _Flow:
     def forward(self, shift: Shift) -> Forward:
         if shift.out_shape is None or shift.in_shape is None:
             return "has an unknown shape"
-        if shift.axis is None:
-            return self.push_broadcast(shift)
-        return self.push(shift)
+        if shift.axis is not None:
+            return self.push(shift, shift.axis)
+        if shift.out_axis is None:
+            return "receives a broadcast shift along an unknown axis"
+        return self.push_broadcast(shift, shift.out_axis)
 
-    def push_broadcast(self, shift: Shift) -> Forward:
+    def push_broadcast(self, shift: Shift, out_axis: int) -> Forward:
         return "receives a shift it may not pass on"
 
-    def push(self, shift: Shift) -> Forward:
+    def push(self, shift: Shift, axis: int) -> Forward:
         return "would change its output (it is not shift-invariant)"
 
 
@@ -296,13 +301,13 @@ class Scale(_Flow):
         roles = self.roles(shift.zmg, shift.node, out_axis)
         return not isinstance(roles, str) and roles[0] == shift.index
 
-    def push_broadcast(self, shift: Shift) -> Forward:
-        if self._is_stream(shift, shift.out_axis):
-            return [(shift.out, shift.out_axis)]
-        return super().push_broadcast(shift)
+    def push_broadcast(self, shift: Shift, out_axis: int) -> Forward:
+        if self._is_stream(shift, out_axis):
+            return [(shift.out, out_axis)]
+        return super().push_broadcast(shift, out_axis)
 
-    def push(self, shift: Shift) -> Forward:
-        out_axis = shift.axis + shift.lift
+    def push(self, shift: Shift, axis: int) -> Forward:
+        out_axis = axis + shift.lift
         if not self._is_stream(shift, out_axis):
             return "scales the shifted tensor by a factor that varies along its axis, or scales by it"
         return [(shift.out, out_axis)]
@@ -311,11 +316,11 @@ class Scale(_Flow):
 class _Elementwise(_Flow):
     """Broadcasting ops whose output carries a shift of any data input on (Sum, Broadcast, Choose)."""
 
-    def push_broadcast(self, shift: Shift) -> Forward:
-        return [(shift.out, shift.out_axis)]
+    def push_broadcast(self, shift: Shift, out_axis: int) -> Forward:
+        return [(shift.out, out_axis)]
 
-    def push(self, shift: Shift) -> Forward:
-        return [(shift.out, shift.axis + shift.lift)]
+    def push(self, shift: Shift, axis: int) -> Forward:
+        return [(shift.out, axis + shift.lift)]
 
 
 @dataclass(frozen=True)
@@ -333,10 +338,10 @@ class Broadcast(_Elementwise):
     def pull(self, zmg, node, tensor, axis) -> Backward:
         return _broadcast_inputs(zmg, node, tensor, axis, [0])
 
-    def push(self, shift: Shift) -> Forward:
+    def push(self, shift: Shift, axis: int) -> Forward:
         if shift.index != 0:
             return "takes the shifted tensor as its shape"
-        return super().push(shift)
+        return super().push(shift, axis)
 
 
 @dataclass(frozen=True)
@@ -345,14 +350,17 @@ class Choose(_Elementwise):
 
     def pull(self, zmg, node, tensor, axis) -> Backward:
         if not _along_rows(zmg, node, axis):
-            return f"{node.op} {node.name} selects elements within a row, not whole rows (its condition varies along the axis)"
+            return (
+                f"{node.op} {node.name} selects elements within a row, not whole rows "
+                "(its condition varies along the axis)"
+            )
         return _broadcast_inputs(zmg, node, tensor, axis, [1, 2])
 
     def forward(self, shift: Shift) -> Forward:
         if shift.out_shape is None or shift.in_shape is None:
             return "has an unknown shape"
         out_axis = shift.out_axis if shift.axis is None else shift.axis + shift.lift
-        if shift.index == 0 or not _along_rows(shift.zmg, shift.node, out_axis):
+        if shift.index == 0 or out_axis is None or not _along_rows(shift.zmg, shift.node, out_axis):
             return "selects elements within a row, or takes the shifted tensor as its condition"
         return super().forward(shift)
 
@@ -364,10 +372,10 @@ class Concat(_Flow):
     def pull(self, zmg, node, tensor, axis) -> Backward:
         return _broadcast_inputs(zmg, node, tensor, axis, range(len(node.inputs)))
 
-    def push(self, shift: Shift) -> Forward:
-        if shift.axis == self.axis:
+    def push(self, shift: Shift, axis: int) -> Forward:
+        if axis == self.axis:
             return "concatenates along the shifted axis"
-        return [(shift.out, shift.axis)]
+        return [(shift.out, axis)]
 
 
 @dataclass(frozen=True)
@@ -381,10 +389,10 @@ class Mix(_Flow):
             return f"{node.op} {node.name} mixes or pads along the normalized axis (or its parameters are not constant)"
         return [(0, node.inputs[0], axis)]
 
-    def push(self, shift: Shift) -> Forward:
-        if shift.index != 0 or shift.axis not in self.kept:
+    def push(self, shift: Shift, axis: int) -> Forward:
+        if shift.index != 0 or axis not in self.kept:
             return "mixes or pads along the shifted axis"
-        return [(shift.out, shift.axis)]
+        return [(shift.out, axis)]
 
 
 @dataclass(frozen=True)
@@ -396,10 +404,10 @@ class Permute(_Flow):
             return f"{node.op} {node.name}: its perm does not match the rank of {tensor}"
         return [(0, node.inputs[0], self.perm[axis])]
 
-    def push(self, shift: Shift) -> Forward:
-        if shift.axis not in self.perm:
+    def push(self, shift: Shift, axis: int) -> Forward:
+        if axis not in self.perm:
             return "has a perm that does not match its input"
-        return [(shift.out, self.perm.index(shift.axis))]
+        return [(shift.out, self.perm.index(axis))]
 
 
 @dataclass(frozen=True)
@@ -412,8 +420,8 @@ class Regroup(_Flow):
             return f"{node.op} {node.name} does not keep the normalized axis intact (or its shapes are unknown)"
         return [(0, node.inputs[0], in_axis)]
 
-    def push(self, shift: Shift) -> Forward:
-        out_axis = regroup_axis(shift.in_shape, shift.out_shape, shift.axis)
+    def push(self, shift: Shift, axis: int) -> Forward:
+        out_axis = regroup_axis(shift.in_shape, shift.out_shape, axis)
         if out_axis is None:
             return "does not keep the shifted axis intact"
         return [(shift.out, out_axis)]
@@ -432,8 +440,8 @@ class Select(_Flow):
             return f"{node.op} {node.name} slices the normalized axis"
         return [(0, node.inputs[0], axis)]
 
-    def push(self, shift: Shift) -> Forward:
-        return [(output, shift.axis) for output in shift.node.outputs if output]
+    def push(self, shift: Shift, axis: int) -> Forward:
+        return [(output, axis) for output in shift.node.outputs if output]
 
 
 @dataclass(frozen=True)
@@ -452,10 +460,10 @@ class Take(_Flow):
             return [(0, node.inputs[0], axis - self.index_rank + 1)]
         return f"{node.op} {node.name} gathers along the normalized axis"
 
-    def push(self, shift: Shift) -> Forward:
-        if shift.index != 0 or self.index_rank is None or shift.axis == self.axis:
+    def push(self, shift: Shift, axis: int) -> Forward:
+        if shift.index != 0 or self.index_rank is None or axis == self.axis:
             return "gathers along the shifted axis"
-        return [(shift.out, shift.axis if shift.axis < self.axis else shift.axis + self.index_rank - 1)]
+        return [(shift.out, axis if axis < self.axis else axis + self.index_rank - 1)]
 
 
 @dataclass(frozen=True)
@@ -498,8 +506,8 @@ class Opaque(_Flow):
     def pull(self, zmg, node, tensor, axis) -> Backward:
         return f"{node.op} {node.name}: {self.reason}"
 
-    def push(self, shift: Shift) -> Forward:
-        return f"{super().push(shift)}: {self.reason}"
+    def push(self, shift: Shift, axis: int) -> Forward:
+        return f"{super().push(shift, axis)}: {self.reason}"
 
 
 @dataclass(frozen=True)

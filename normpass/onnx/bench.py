@@ -35,8 +35,10 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -129,7 +131,7 @@ class Runner:
         names = [o.name for o in session.get_outputs()]
         self.outputs = dict(zip(names, session.run(names, feeds), strict=False))  # the reference run
         self.binding = session.io_binding()
-        self._bound = []  # keeps the bound OrtValues (and the NumPy buffers under CPU ones) alive
+        self._bound: list[ort.OrtValue] = []  # keeps the bound OrtValues (and the NumPy buffers under CPU ones) alive
         for name, value in feeds.items():
             self._bind(self.binding.bind_ortvalue_input, name, ort.OrtValue.ortvalue_from_numpy(value, self.device, 0))
         for name, value in self.outputs.items():
@@ -232,7 +234,7 @@ def finish_tool_run(
 ) -> None:
     """Record a benchmark tool's run (machine, settings, load, points) as JSON and print its table."""
     load_after = os.getloadavg()
-    report = {
+    report: dict[str, Any] = {
         "machine": machine_info,
         "settings": settings
         | {"load_average_before": load_before, "load_average_after": load_after, "seconds": time.time() - started},
@@ -256,8 +258,14 @@ def progress_bar(total: int, enabled: bool):
     return tqdm(total=total, unit="run", leave=False, dynamic_ncols=True) if enabled else _NoBar()
 
 
+class Timed(Protocol):
+    """What `interleave` times: a `Runner`, or another front end's runner (tools/bench_torch.py)."""
+
+    def time_run(self) -> float: ...
+
+
 def interleave(
-    runners: dict[str, Runner], repeats: int, warmup: int, bar=None, budget_s: float = 0.0
+    runners: Mapping[str, Timed], repeats: int, warmup: int, bar=None, budget_s: float = 0.0
 ) -> dict[str, list[float]]:
     """`warmup` untimed then `repeats` timed rounds; each round runs every runner once, order rotated.
 
@@ -412,7 +420,7 @@ def profile_ops(
     inside each kernel. The models run in interleaved rounds; the first run of each is a warm-up
     whose events are dropped.
     """
-    sessions = {}
+    sessions: dict[str, ort.InferenceSession] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, path in paths.items():
             options = ort.SessionOptions()

@@ -52,6 +52,13 @@ def _axes(node: ir.Node, inputs: list[np.ndarray], index: int) -> list[int] | No
     return [int(a) for a in np.ravel(inputs[index])] if len(inputs) > index and inputs[index] is not None else None
 
 
+def _unsqueeze(node, inputs):
+    axes = _axes(node, inputs, 1)
+    if axes is None:  # a malformed node
+        raise ValueError(f"Unsqueeze {node.name} has no axes")
+    return np.expand_dims(inputs[0], tuple(axes))
+
+
 def _reshape(node, inputs):
     data, shape = inputs
     keep_zero = attr(node, "allowzero", 0)
@@ -113,7 +120,7 @@ EVALUATORS = {  # op → NumPy evaluation of the node's first output from its in
     "Reshape": _reshape,
     "Flatten": _flatten,
     "Squeeze": _squeeze,
-    "Unsqueeze": lambda node, inputs: np.expand_dims(inputs[0], tuple(_axes(node, inputs, 1))),
+    "Unsqueeze": _unsqueeze,
     "Transpose": lambda node, inputs: np.transpose(inputs[0], attr(node, "perm")),
     "Concat": lambda node, inputs: np.concatenate(inputs, axis=attr(node, "axis")),
     "Gather": lambda node, inputs: np.take(inputs[0], inputs[1], axis=attr(node, "axis", 0)),
@@ -163,11 +170,13 @@ def is_constant(tensor: ir.Value | None) -> bool:
 
 def constant_values(tensor: ir.Value | None) -> np.ndarray | None:
     """Values of a constant-like tensor (read-only; see `is_constant`), else None."""
-    if is_initializer(tensor):
-        return tensor.const_value.numpy()
-    if not is_constant(tensor):
+    if tensor is None:
         return None
+    if is_initializer(tensor) and tensor.const_value is not None:
+        return tensor.const_value.numpy()
     node = tensor.producer()
+    if node is None or not is_constant(tensor):
+        return None
     inputs = [None if t is None else constant_values(t) for t in node.inputs]
     if any(value is None for value, t in zip(inputs, node.inputs, strict=False) if t is not None):
         return None

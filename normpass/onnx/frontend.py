@@ -6,6 +6,16 @@ for an in-memory one), so a large model is never copied into NumPy. Shapes come 
 inference run on a light proto of the model whose large initializers are declared as inputs.
 The op → rule table below is the whole of what this front end knows about ONNX op semantics.
 
+Model-local functions (`FunctionProto`s, as newer exporters emit for modules) are inlined first,
+in place (onnx-ir's `InlinePass`), and the folded model keeps them inlined: a function's body is
+shared by all its calls, so a norm inside it could only be rewritten for every call at once, and
+the proof and the safety check must see through calls (the linear layers feeding a norm and the
+readers of the stream are often in other functions); ONNX Runtime inlines them when it loads a
+model anyway. An inlined node is named after its call (`call/node`). A function that cannot be
+inlined (its opset imports differ from the model's, a call passes a graph attribute, functions
+that call each other in a cycle) stays a call, opaque to the analysis; the norms in its body
+are listed, declined with that reason.
+
 Control flow (`If`, `Loop`, `Scan`): a body's nodes read outer-scope tensors as the very same
 `ir.Value`s, so such a value lists the nested reader among its uses. For the analysis, a tensor
 read anywhere inside a body (at any depth) is read by the top-level control-flow node: that
@@ -16,15 +26,17 @@ reason they are not rewritten.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes.common import InlinePass
 
-from ..core.graph import NodeKind, NormInfo, ZeroMeanGraph, ZNode
+from ..core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
 from ..core.rules import (
     Broadcast,
     Centered,
@@ -43,11 +55,11 @@ from ..core.rules import (
     Sum,
     Take,
 )
-from ..errors import UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
 from .constants import constant_values, is_constant
-from .patterns import match_decomposed, match_single_op, norm_info
-from .values import attr, bodies, input_at, is_initializer
+from .patterns import MatchContext, NormMatch, match_decomposed, match_single_op, norm_info
+from .values import attr, bodies, input_at, is_initializer, name_of
 
 SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values
 FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -57,9 +69,10 @@ FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 class OnnxGraph:
     """A model being analysed or rewritten: the `ir.Model` plus inferred shapes and dtypes (by tensor name).
 
-    `structure` is the model as loaded, without its large weights (`io.skeleton`), for signatures
-    and verification inputs; `source` is the file it was loaded from (None for an in-memory model);
-    `holders` maps id(node inside a body) to its top-level control-flow node.
+    `structure` is the model as loaded (functions inlined), without its large weights
+    (`io.skeleton`), for signatures and verification inputs; `source` is the file it was loaded from
+    (None for an in-memory model); `holders` maps id(node inside a body) to its top-level
+    control-flow node; `kept_functions` the model-local functions left as calls, with why.
     """
 
     model: ir.Model
@@ -69,6 +82,7 @@ class OnnxGraph:
     name: str = "model"
     holders: dict[int, ir.Node] = field(default_factory=dict)
     source: Path | None = None
+    kept_functions: dict[ir.OperatorIdentifier, str] = field(default_factory=dict)
 
     @property
     def graph(self) -> ir.Graph:
@@ -140,7 +154,14 @@ def _has_contrib_ops(model: onnx.ModelProto) -> bool:
 
 def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference, or ONNX Runtime's symbolic one where the graph has contrib ops (which
-    ONNX's does not know); best effort: unknown shapes make the analysis decline."""
+    ONNX's does not know); best effort: unknown shapes make the analysis decline. A declared type
+    or shape (`value_info`, a graph output) that contradicts what a node computes is refused
+    (`InputError`): the analysis would otherwise trust it."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+    except Exception as e:  # strict mode fails on every node it cannot infer; only contradictions are refused
+        _refuse_contradictions(e)
+        inferred = None
     if _has_contrib_ops(light):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -148,10 +169,23 @@ def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
             return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
         except Exception:
             pass
+    if inferred is not None:
+        return inferred
     try:
         return onnx.shape_inference.infer_shapes(light, data_prop=True)
     except Exception:
         return light
+
+
+def _refuse_contradictions(error: Exception) -> None:
+    for line in str(error).splitlines():
+        if "existing shape differ" in line or "differs from existing" in line:
+            found = re.search(r"op_type:([^,]*), node name: ([^)]*)\): \[\w+\] (.*)", line)
+            where = f"node {found[2]} ({found[1]}): {found[3]}" if found else line.strip()
+            raise InputError(
+                f"the declared type or shape of a tensor (value_info or a graph output) contradicts what "
+                f"its node computes: {where}; correct or remove the declaration"
+            ) from error
 
 
 def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: Path | None = None) -> OnnxGraph:
@@ -170,6 +204,7 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
             raise UnsupportedModelError(
                 f"{name}: cannot be analysed: {type(e).__name__}: {str(e).splitlines()[0]}"
             ) from e
+    kept = inline_functions(model)
     structure = skeleton(model)
     graph = model.graph
     seen: set[str] = set()
@@ -178,12 +213,69 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
         if not node.name or node.name in seen:
             node.name = f"{node.op_type}_{index}" if not node.name else f"{node.name}_{index}"
         seen.add(node.name)
-    shapes, dtypes = infer_shapes(structure)
+    try:
+        shapes, dtypes = infer_shapes(structure)
+    except InputError as e:
+        raise InputError(f"{name}: {e}") from e
     for node in graph:
         value = attr(node, "value") if node.op_type == "Constant" else None
         if isinstance(value, ir.TensorProtocol):
-            shapes.setdefault(node.outputs[0].name, tuple(value.shape.numpy()))
-    return OnnxGraph(model, structure, shapes, dtypes, name, body_holders(graph), source)
+            shapes.setdefault(name_of(node.outputs[0]), tuple(value.shape.numpy()))
+    return OnnxGraph(model, structure, shapes, dtypes, name, body_holders(graph), source, kept)
+
+
+# --- model-local functions ---------------------------------------------------------------------
+
+INLINED_FROM = "normpass.inlined_from"  # metadata of a node while it is inlined: the call's name
+
+
+def inline_functions(model: ir.Model) -> dict[ir.OperatorIdentifier, str]:
+    """Inline every call of a model-local function that can be, in place (see the module docstring).
+
+    Returns the functions left as calls, each with why it could not be inlined.
+    """
+    if not model.functions:
+        return {}
+    calls = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.op_identifier() in model.functions]
+    calls += [n for f in model.functions.values() for n in f.all_nodes() if n.op_identifier() in model.functions]
+    called = {n.op_identifier() for n in calls}
+    kept = {key: why for key in called if (why := _not_inlinable(model, model.functions[key], calls))}
+    for call in calls:
+        if call.op_identifier() not in kept:
+            call.metadata_props[INLINED_FROM] = call.name or call.op_type
+    for function in model.functions.values():
+        for node in function:
+            node.name = node.name or (node.outputs[0].name if node.outputs else None) or node.op_type
+    try:
+        InlinePass(criteria=lambda function: function.identifier() not in kept)(model)
+    except ir.passes.PreconditionError as e:  # functions calling each other in a cycle: nothing was inlined
+        kept = {key: f"it cannot be inlined: {e}" for key in called}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        origin = node.metadata_props.pop(INLINED_FROM, None)
+        if origin is not None and node.op_identifier() not in kept:  # a kept call is no inlined node
+            node.name = f"{origin}/{node.name}"
+    for function in model.functions.values():
+        for node in function.all_nodes():
+            node.metadata_props.pop(INLINED_FROM, None)
+    return kept
+
+
+def _not_inlinable(model: ir.Model, function: ir.Function, calls: list[ir.Node]) -> str | None:
+    """Why the inliner cannot inline `function`'s calls, or None."""
+    for domain, version in function.opset_imports.items():
+        if model.opset_imports.get(domain, version) != version:
+            return (
+                f"its opset import {domain or 'ai.onnx'} {version} differs from the model's "
+                f"{model.opset_imports[domain]}"
+            )
+    for call in calls:
+        if call.op_identifier() != function.identifier():
+            continue
+        if len(call.inputs) > len(function.inputs):
+            return f"{call.name} passes it more inputs than it declares"
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in call.attributes.values()):
+            return f"{call.name} passes it a graph attribute"
+    return None
 
 
 # --- control flow ------------------------------------------------------------------------------
@@ -223,7 +315,7 @@ def outer_reads(node: ir.Node) -> list[ir.Value]:
 
 
 def _rank(ctx: OnnxGraph, tensor: ir.Value) -> int | None:
-    shape = ctx.shapes.get(tensor.name)
+    shape = ctx.shapes.get(name_of(tensor))
     return None if shape is None else len(shape)
 
 
@@ -388,11 +480,61 @@ def _resize(ctx, node):
     if scales is not None and np.size(scales):
         return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, scales, 1)))
     sizes, in_shape = _input_values(node, 3), ctx.shapes.get(node.inputs[0].name)
-    if sizes is None or attr(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
+    if attr(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
         return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, None, 1)))
+    if sizes is None:
+        copied = _copied_dims(ctx, node.inputs[0], input_at(node, 3))
+        targets = range(rank) if axes is None else [_axis(int(a), rank) for a in axes]
+        resized = None if copied is None else [int(c != a) for c, a in zip(copied, targets, strict=False)]
+        return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, resized, 0)))
     in_dims = [in_shape[a] for a in (range(rank) if axes is None else [_axis(int(a), rank) for a in axes])]
     resized = [int(size != dim) for size, dim in zip(np.ravel(sizes), in_dims, strict=False)]
     return NodeKind.LAYOUT, Mix(tuple(_unchanged_axes(rank, axes, resized, 0)))
+
+
+def _copied_dims(ctx, data: ir.Value, sizes: ir.Value | None) -> list[int | None] | None:
+    """Per entry of a Resize's run-time `sizes`, the axis of `data` whose size it copies (None: another value).
+
+    Recognises sizes = Concat(Slice(Shape(data)), …), as torch exports `F.interpolate(size=…)`: the
+    leading entries are the data's own batch and channel sizes, so those axes are not resized. Other
+    parts of the Concat must have a static length; anything else is not recognised (None).
+    """
+    producer = None if sizes is None else sizes.producer()
+    parts = producer.inputs if producer is not None and producer.op_type == "Concat" else [sizes]
+    copied: list[int | None] = []
+    for part in parts:
+        axes = None if part is None else _shape_slice(ctx, data, part)
+        if axes is not None:
+            copied += axes
+            continue
+        shape = None if part is None else ctx.shapes.get(str(part.name))
+        if shape is None or len(shape) != 1 or not isinstance(shape[0], int):
+            return None
+        copied += [None] * shape[0]
+    return copied
+
+
+def _shape_slice(ctx, data: ir.Value, part: ir.Value) -> list[int] | None:
+    """The axes of `data` whose sizes `part` holds, if it is Shape(data) or a constant unit-step Slice of it."""
+    node, bounds = part.producer(), slice(None)
+    if node is not None and node.op_type == "Slice" and len(node.inputs) >= 3:
+        starts, ends = (constant_values(t) for t in node.inputs[1:3])
+        axes, steps = _input_values(node, 3), _input_values(node, 4)
+        if (
+            starts is None
+            or ends is None
+            or np.size(starts) != 1
+            or (input_at(node, 3) is not None and (axes is None or np.ravel(axes).tolist() not in ([0], [-1])))
+            or (input_at(node, 4) is not None and (steps is None or np.ravel(steps).tolist() != [1]))
+        ):
+            return None
+        source = node.inputs[0]
+        node = None if source is None else source.producer()
+        bounds = slice(int(np.ravel(starts)[0]), int(np.ravel(ends)[0]))
+    rank = _rank(ctx, data)
+    if node is None or node.op_type != "Shape" or node.inputs[0] is not data or rank is None:
+        return None
+    return list(range(rank))[attr(node, "start", 0) : attr(node, "end", rank)][bounds]
 
 
 def _average_pool(ctx, node):
@@ -528,35 +670,40 @@ def classify(ctx: OnnxGraph, node: ir.Node):
         return NodeKind.OTHER, Opaque(f"cannot be analysed ({type(e).__name__}: {e})")
 
 
-def norm_matches(nodes, outputs: set[str]) -> Iterator[tuple[ir.Node, str, object]]:
+def norm_matches(nodes, context: MatchContext) -> Iterator[tuple[ir.Node, str, tuple[NormType, NormMatch]]]:
     """(anchor node, op shown to users, (norm type, match)) of every norm among `nodes`."""
     in_norm: set[int] = set()
-    scope = {id(node) for node in nodes}
     for node in nodes:
         if id(node) in in_norm:
             continue
-        found = match_single_op(node, outputs) or match_decomposed(node, outputs, scope)
+        single = match_single_op(node, context.graph_outputs)
+        found = (*single, node.op_type) if single is not None else match_decomposed(node, context)
         if found is not None:
-            norm_type, match = found
+            norm_type, match, op = found
             in_norm.update(id(n) for n in match.nodes)
-            yield node, node.op_type if len(match.nodes) == 1 else f"decomposed {norm_type.value}", found
+            yield node, op, (norm_type, match)
 
 
-def _nested_norms(node: ir.Node) -> list[NormInfo]:
-    """The norms inside the bodies of `node`, each declined with where it is."""
-    nested = list(nested_nodes(node))
-    where = {id(inner): place for inner, place in nested}
+def _declined_norms(nodes: list[tuple[ir.Node, str]], outputs: set[str], why: str, prefix: str = "") -> list[NormInfo]:
+    """The norms among `nodes` (each with where it is), named `prefix` + anchor, declined: "inside {where}: {why}"."""
+    where = {id(node): place for node, place in nodes}
+    context = MatchContext(outputs, {id(node) for node, _ in nodes})
     norms = []
-    for anchor, op, (norm_type, match) in norm_matches([inner for inner, _ in nested], set()):
-        norm = norm_info(anchor.name, op, norm_type, match, None)
-        norm.unsupported = f"inside {where[id(anchor)]}: norms in control-flow bodies are not rewritten"
+    for anchor, op, (norm_type, match) in norm_matches([node for node, _ in nodes], context):
+        norm = norm_info(prefix + (anchor.name or anchor.op_type), op, norm_type, match, None)
+        norm.unsupported = f"inside {where[id(anchor)]}: {why}"
         norms.append(norm)
     return norms
 
 
+def _nested_norms(node: ir.Node) -> list[NormInfo]:
+    """The norms inside the bodies of `node`, each declined with where it is."""
+    return _declined_norms(list(nested_nodes(node)), set(), "norms in control-flow bodies are not rewritten")
+
+
 def _control_flow(node: ir.Node) -> tuple[NodeKind, Opaque, list[str]]:
     """A control-flow node reads its inputs and every outer-scope tensor of its bodies."""
-    reads = [t.name for t in outer_reads(node)]
+    reads = [name_of(t) for t in outer_reads(node)]
     reason = "control flow: a shift reaching its inputs" + (
         f" or what its bodies read ({', '.join(reads)})" if reads else ""
     )
@@ -566,16 +713,19 @@ def _control_flow(node: ir.Node) -> tuple[NodeKind, Opaque, list[str]]:
 def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
     """Classify every node of `ctx` and recognise its normalizations (those in bodies are declined)."""
     graph = ctx.graph
-    outputs = {t.name for t in graph.outputs}
+    outputs = {name_of(t) for t in graph.outputs}
     zmg = ZeroMeanGraph(model_name=ctx.name, shapes=ctx.shapes)
-    zmg.graph_inputs = {t.name for t in graph.inputs}
+    zmg.graph_inputs = {name_of(t) for t in graph.inputs}
     zmg.graph_outputs = outputs
     for tensor in graph_values(graph):
         if is_constant(tensor):
-            zmg.constants[tensor.name] = lambda t=tensor: constant_values(t)
+            zmg.constants[name_of(tensor)] = _loader(tensor)
     in_norm: set[int] = set()
-    for node, op, (norm_type, match) in norm_matches(list(graph), outputs):
-        zmg.norms.append(norm_info(node.name, op, norm_type, match, _rank(ctx, match.x)))
+    context = MatchContext(outputs, {id(node) for node in graph}, ctx.shapes, ctx.dtypes)
+    for node, op, (norm_type, match) in norm_matches(list(graph), context):
+        if norm_type is NormType.LAYER and match.unsupported is None and len(match.nodes) == 1:
+            _check_affine(ctx, node, match)
+        zmg.norms.append(norm_info(name_of(node), op, norm_type, match, _rank(ctx, match.x)))
         in_norm.update(id(n) for n in match.nodes)
     norms_by_anchor = {norm.ref.nodes[0].name: norm for norm in zmg.norms}
     for node in graph:
@@ -588,18 +738,52 @@ def build_zero_mean_graph(ctx: OnnxGraph) -> ZeroMeanGraph:
             continue
         if id(node) in in_norm:
             continue
-        inputs = ["" if t is None else t.name for t in node.inputs]
+        inputs = [name_of(t) for t in node.inputs]
         if bodies(node):
             kind, rule, reads = _control_flow(node)
             inputs += [name for name in reads if name not in inputs]
         else:
             kind, rule = classify(ctx, node)
-        zmg.add_node(ZNode(node.name, node.op_type, kind, rule, inputs, [t.name for t in node.outputs], node))
-    for node in graph:
-        for norm in _nested_norms(node):
-            zmg.norms.append(norm)
-            zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
+        zmg.add_node(ZNode(name_of(node), node.op_type, kind, rule, inputs, [name_of(t) for t in node.outputs], node))
+    declined = [norm for node in graph for norm in _nested_norms(node)]
+    for key, why in ctx.kept_functions.items():
+        function = ctx.model.functions[key]
+        where = [(node, f"model-local function {function.name}") for node in function]
+        outputs = {name_of(t) for t in function.outputs}
+        declined += _declined_norms(
+            where, outputs, f"not rewritten: the function is not inlined ({why})", f"{function.name}/"
+        )
+    for norm in declined:
+        zmg.norms.append(norm)
+        zmg.add_node(ZNode(norm.name, norm.op, NodeKind.NORM, NormRule(norm), [], [], norm.ref))
     return zmg
+
+
+def _loader(tensor: ir.Value) -> Callable[[], np.ndarray]:
+    """What reads the values of the constant `tensor` when the analysis first asks for them."""
+
+    def load() -> np.ndarray:
+        values = constant_values(tensor)
+        if values is None:  # a malformed node on its way from the initializers
+            raise UnsupportedModelError(f"constant {name_of(tensor)}: its values cannot be computed")
+        return values
+
+    return load
+
+
+def _check_affine(ctx: OnnxGraph, node: ir.Node, match) -> None:
+    """Refuse (`InputError`) a LayerNorm op whose γ or β does not fit its input's trailing dims (each
+    equal, or 1): the model is invalid, ONNX Runtime refuses to run it, and no rewrite can use it.
+    (A decomposed norm may apply γ to a reshaped tensor, as ONNX's own expansion does: not checked.)"""
+    x_shape = ctx.shapes.get(match.x.name) or ()
+    for role, tensor in (("scale", match.gamma), ("bias", match.beta)):
+        shape = () if tensor is None else ctx.shapes.get(tensor.name) or ()
+        pairs = list(zip(shape[::-1], x_shape[::-1], strict=False))
+        if any(isinstance(a, int) and isinstance(b, int) and a not in (b, 1) for a, b in pairs):
+            raise InputError(
+                f"{ctx.name}: node {node.name}: its {role} {tensor.name} has shape {list(shape)}, which does not "
+                f"fit its input's shape {list(x_shape)}; the model is invalid (ONNX Runtime refuses to run it)"
+            )
 
 
 def graph_values(graph: ir.Graph) -> Iterator[ir.Value]:

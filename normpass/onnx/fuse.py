@@ -6,16 +6,17 @@ s = a + b; y = RMSNorm(s)·γ becomes one `com.microsoft.SkipSimplifiedLayerNorm
 whose outputs are (y, -, -, s); s is kept only where the residual stream goes on. The fused node
 takes the Add's place in the node order, so everything that read s still comes after it.
 Only same-shape, run-time operands in float or float16 qualify (ORT registers the op for those
-alone: a double model keeps the pair), the dtype read from γ's initializer. When one of them is itself t + c, with c a constant
-1-D bias and t + c read by nothing else (a linear layer's bias `Add`), that Add goes into the
-op's bias input too: s = a + t + c = Skip(a, t, γ, c), as ORT's own BiasSkipLayerNorm fusion does.
+alone: a double model keeps the pair), the dtype read from γ's initializer. When one of them is
+itself t + c, with c a constant 1-D bias and t + c read by nothing else (a linear layer's bias
+`Add`), that Add goes into the op's bias input too: s = a + t + c = Skip(a, t, γ, c), as ORT's own
+BiasSkipLayerNorm fusion does.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from .values import attr, input_at, is_initializer, take_over
+from .values import attr, input_at, is_initializer, name_of, take_over
 
 MS_DOMAIN = "com.microsoft"
 SKIP_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)  # ORT's kernels for SkipSimplifiedLayerNormalization
@@ -31,12 +32,14 @@ def ort_fuses_into_skip_layer_norm(x: ir.Value, shapes: dict[str, tuple | None],
     if add is None or add.op_type != "Add" or len(add.inputs) != 2 or len(x.uses()) != 1 or x.name in graph_outputs:
         return False
     first, second = add.inputs
-    shape = shapes.get(first.name)
+    if first is None or second is None:
+        return False
+    shape = shapes.get(name_of(first))
     return (
         not is_initializer(first)
         and not is_initializer(second)
         and shape is not None
-        and shapes.get(second.name) == shape
+        and shapes.get(name_of(second)) == shape
         and len(shape) in (2, 3)
     )
 
@@ -57,40 +60,45 @@ def _vector_dims(value: ir.Value) -> tuple | None:
 def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
     """Rewrite `model` in place; returns the number of fused pairs."""
     graph = model.graph
-    outputs = {o.name for o in graph.outputs}
+    graph_outputs = {o.name for o in graph.outputs}
     fused: set[int] = set()  # ids of the Adds fused (each fused once)
     count = 0
     for norm in list(graph):
-        add = (
-            norm.inputs[0].producer()
+        x = (
+            norm.inputs[0]
             if norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx")
             else None
         )
+        add = x.producer() if x is not None else None
         if add is None or add.op_type != "Add" or id(add) in fused or len(add.inputs) != 2 or add.graph is not graph:
             continue
         gamma = input_at(norm, 1)
         if gamma is None or not gamma.is_initializer() or gamma.dtype not in SKIP_DTYPES:
             continue
         first, second = add.inputs
-        shape = shapes.get(first.name)
+        if first is None or second is None:
+            continue
+        shape = shapes.get(name_of(first))
         if (
             _is_constant(first)
             or _is_constant(second)
             or shape is None
-            or shapes.get(second.name) != shape
+            or shapes.get(name_of(second)) != shape
             or len(shape) not in (2, 3)
         ):
             continue
         if attr(norm, "axis", -1) not in (-1, len(shape) - 1):
             continue
         total = add.outputs[0]
-        keep_sum = len(total.uses()) > 1 or total.name in outputs
+        keep_sum = len(total.uses()) > 1 or total.name in graph_outputs
         inputs, note = [first, second, gamma], f"normpass: fused with residual Add {add.name}"
         removed = [norm, add]
         for index in (1, 0):
             bias_add = inputs[index].producer()
-            split = None if bias_add is None or id(bias_add) in fused else _bias_split(bias_add, shape, shapes)
-            if split is not None and len(inputs[index].uses()) == 1 and inputs[index].name not in outputs:
+            if bias_add is None or id(bias_add) in fused:
+                continue
+            split = _bias_split(bias_add, shape, shapes)
+            if split is not None and len(inputs[index].uses()) == 1 and inputs[index].name not in graph_outputs:
                 inputs[index] = split[0]
                 inputs.append(split[1])
                 removed.append(bias_add)
@@ -98,7 +106,7 @@ def fuse_skip_rms(model: ir.Model, shapes: dict[str, tuple | None]) -> int:
                 break
         y = norm.outputs[0]
         taken_over = [(y, _like(y))] + ([(total, _like(total))] if keep_sum else [])
-        outputs = [new for _, new in taken_over]
+        outputs = [new for _, new in taken_over]  # (y, -, -, sum) where the sum is kept
         skip = ir.node(
             "SkipSimplifiedLayerNormalization",
             inputs,
@@ -129,6 +137,8 @@ def _bias_split(node: ir.Node, shape: tuple, shapes: dict) -> tuple[ir.Value, ir
     if node.op_type != "Add" or len(node.inputs) != 2:
         return None
     for t, c in (node.inputs, node.inputs[::-1]):
-        if _vector_dims(c) == (shape[-1],) and _vector_dims(t) is None and shapes.get(t.name) == shape:
+        if t is None or c is None:
+            continue
+        if _vector_dims(c) == (shape[-1],) and _vector_dims(t) is None and shapes.get(name_of(t)) == shape:
             return t, c
     return None

@@ -5,7 +5,9 @@ input is never modified; a path is read lazily, its external weights memory-mapp
 refuses, with `VerificationError`, a rewrite that changes the model's inputs or outputs
 (checked even without verification), or whose outputs differ from the
 original's beyond the dtype's tolerance on any verification run (`verify`: both values of
-boolean inputs, a second size for dynamic dims).
+boolean inputs, a second size for dynamic dims); and, with `WeightOverflowError`, verified or
+not, one whose new weights overflow their dtype (`targets.refuse_overflow`: an fp16 weight whose
+centred values become ±inf), where they are computed: a large weight when the model is written.
 
 What `fold_onnx` emits depends on where the model will run (`FoldOptions.target`, `provider`):
 
@@ -32,6 +34,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import onnx
@@ -40,13 +43,20 @@ import onnx_ir as ir
 from .. import __version__
 from ..core.analysis import plan as make_plan
 from ..core.plan import FoldPlan
-from ..errors import InputError, UnsupportedModelError, VerificationError
-from ..io import checked_model, interface, load_ir, save_onnx_atomic
+from ..errors import InputError, UnsupportedModelError, VerificationError, WeightOverflowError
+from ..io import checked_model, interface, load_ir, save_onnx_atomic, to_proto
 from .export import export_model
 from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
+from .graphsurgeon import from_graphsurgeon, to_graphsurgeon
 from .rewrite import RMS_OPS, Rewriter
-from .verify import Comparison, check_input_shapes, check_signature, verify
+from .verify import Comparison, Model, check_input_shapes, check_signature, verify
+
+if TYPE_CHECKING:
+    import onnx_graphsurgeon as gs
+
+# What fold_onnx and inspect_onnx take: a ModelProto, an .onnx path, or an onnx-graphsurgeon Graph.
+ModelSource = Union[onnx.ModelProto, str, os.PathLike, "gs.Graph"]
 
 RMS_OPSET = 23  # RMSNormalization
 RMS_IR_VERSION = 11  # the IR version that goes with opset 23; ONNX Runtime 1.31 accepts ≤ 13
@@ -99,7 +109,9 @@ class FoldResult:
     comparison: Comparison | None
     affine_notes: dict[str, str]
     seconds: dict[str, float]
+    modified: bool = True  # whether the folded model differs from the input (see FoldPass)
     emitted: dict = field(default_factory=dict)  # target, provider, RMS op, number of skip fusions
+    shapes: dict = field(default_factory=dict, repr=False)  # the original's inferred shapes, by tensor name
     _proto: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -108,8 +120,14 @@ class FoldResult:
             self._proto = in_memory_proto(self.ir_model)
         return self._proto
 
+    def graphsurgeon(self) -> gs.Graph:
+        """The folded model as an onnx-graphsurgeon `Graph` (the `graphsurgeon` extra), made from `model`."""
+        return to_graphsurgeon(self.model)
+
     def save(self, path: str | os.PathLike) -> None:
-        """Write the folded model to `path` atomically (its weights in `path.data` where `io.save_ir` puts them)."""
+        """Write the folded model to `path` atomically (its weights in `path.data` where `io.save_ir` puts them);
+        a large changed weight is computed now, and refused here if it overflows (`WeightOverflowError`:
+        nothing is written)."""
         save_onnx_atomic(self.ir_model, path)
 
     @property
@@ -143,7 +161,7 @@ def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], second
 
 def in_memory_proto(model: ir.Model) -> onnx.ModelProto:
     """`model` as a ModelProto with every weight inside it (external data read in)."""
-    proto = ir.to_proto(model)
+    proto = to_proto(model)
     base_dirs = {
         v.const_value.base_dir
         for v in model.graph.initializers.values()
@@ -175,31 +193,81 @@ def _to_rms_opset(ctx: OnnxGraph) -> OnnxGraph:
 
 
 def open_graph(model: onnx.ModelProto | str | os.PathLike, name: str = "model") -> OnnxGraph:
-    """The graph of `model`: a path is loaded lazily (external weights stay on disk), a ModelProto is wrapped, not copied."""
+    """The graph of `model`: a path is loaded lazily (external weights stay on disk), a ModelProto is
+    wrapped, not copied."""
     if isinstance(model, (str, os.PathLike)):
         return load_graph(load_ir(model), name, Path(model))
     return load_graph(checked_model(model, name), name)
 
 
-def inspect_onnx(model: onnx.ModelProto | str, insert_centering: bool = True, name: str = "model") -> FoldPlan:
-    """Which norms of `model` (a ModelProto or the path of an .onnx file) fold exactly, and why the others do not."""
-    return make_plan(build_zero_mean_graph(open_graph(model, name)), insert_centering)
+def inspect_onnx(model: ModelSource, insert_centering: bool = True, name: str = "model") -> FoldPlan:
+    """Which norms of `model` (a ModelProto, an .onnx path or an onnx-graphsurgeon Graph) fold exactly, and why
+    the others do not."""
+    return make_plan(build_zero_mean_graph(open_graph(from_graphsurgeon(model), name)), insert_centering)
 
 
-def fold_onnx(
-    model: onnx.ModelProto | str | os.PathLike, options: FoldOptions | None = None, name: str = "model"
-) -> FoldResult:
-    """Fold every provable LayerNorm of `model` (a ModelProto, not modified, or an .onnx path, read
-    lazily) into an RMSNorm; verify unless told not to."""
+def fold_onnx(model: ModelSource, options: FoldOptions | None = None, name: str = "model") -> FoldResult:
+    """Fold every provable LayerNorm of `model` into an RMSNorm; verify unless told not to.
+
+    `model`: a ModelProto (not modified), the path of an .onnx file (read lazily) or an
+    onnx-graphsurgeon `Graph` (exported to a ModelProto first; `FoldResult.graphsurgeon()` gives
+    the result back as one). The same fold as `FoldPass`, which runs on an `ir.Model`.
+    """
     options = options or FoldOptions()
+    options.emission()  # bad options are refused before the model is read
+    model = from_graphsurgeon(model)
+    ctx = open_graph(model, name)
+    return _fold(ctx, ctx.source or model, options, name)
+
+
+class FoldPass(ir.passes.FunctionalPass):
+    """The exact fold as an onnx-ir pass, for `ir.passes.PassManager` pipelines (beside onnx-ir's and
+    onnxscript's passes): `FoldPass(FoldOptions(...))(model)` → `PassResult(folded model, modified)`.
+
+    Functional, as onnx-ir defines it: the input `ir.Model` is never changed. The pass clones it
+    (nodes and values; weights are shared, and every weight the fold changes is a new tensor),
+    rewrites the clone and verifies it against the input, exactly as `fold_onnx` does.
+
+    * `modified` is True when the returned model differs from the input: a norm folded, a
+      residual Add fused, or the opset converted for `RMSNormalization`. Run again on its own
+      output the pass finds nothing to fold and returns False, so a `PassManager` with several
+      steps converges; a model with nothing to fold comes back as an unannotated clone.
+    * Errors: options are checked when the pass is made (`InputError`); `requires` refuses input
+      shapes that do not fit the model (onnx-ir raises `PreconditionError` from the `InputError`);
+      `call` raises `VerificationError` when the folded model does not match the input, and
+      `UnsupportedModelError` when it cannot be analysed or run. Then nothing is returned and the
+      input is as it was. Inside a `PassManager` these surface as its `PassError`, with the
+      normpass error as the cause.
+    * `result`: the `FoldResult` of the latest call (the plan with every norm's decision, the
+      verification, `report()`), which the `PassResult` a `PassManager` returns does not carry.
+    """
+
+    def __init__(self, options: FoldOptions | None = None, name: str = "model"):
+        super().__init__()
+        self.options = options or FoldOptions()
+        self.options.emission()
+        self.name = name
+        self.result: FoldResult | None = None
+
+    def requires(self, model: ir.Model) -> None:
+        check_input_shapes(interface(model), self.options.input_shapes)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.result = _fold(load_graph(model.clone(), self.name), model, self.options, self.name)
+        folded = self.result.ir_model if self.result.modified else model.clone()
+        return ir.passes.PassResult(folded, modified=self.result.modified)
+
+
+def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str) -> FoldResult:
+    """Fold `ctx`'s model in place and verify it against `original` (the same model, untouched: its
+    path, its ModelProto or the `ir.Model` it was cloned from)."""
     rms_op, fuse_skip = options.emission()
     seconds = {}
     start = time.perf_counter()
-    ctx = open_graph(model, name)
     before = ctx.structure
     check_input_shapes(before, options.input_shapes)
-    original = ctx.source or model
-    if rms_op == "onnx":
+    converted = rms_op == "onnx" and ctx.opset < RMS_OPSET
+    if converted:
         ctx = _to_rms_opset(ctx)
     zmg = build_zero_mean_graph(ctx)
     fold_plan = make_plan(zmg, options.insert_centering)
@@ -219,29 +287,47 @@ def fold_onnx(
     seconds["analysis"] = time.perf_counter() - start
     start = time.perf_counter()
     notes = rewriter.apply(fold_plan, options.migrate_affine) if fold_plan.folded else {}
-    rewritten = _annotate(ctx, fold_plan, rewriter.docs)
+    rewritten = ctx.model
+    if fold_plan.folded or converted:  # a model left as it was carries no note (a second run keeps the first's)
+        rewritten = _annotate(ctx, fold_plan, rewriter.docs)
     fused = fuse_skip_rms(rewritten, ctx.shapes) if fuse_skip else 0
+    modified = bool(fold_plan.folded) or converted or fused > 0
     seconds["rewrite"] = time.perf_counter() - start
-    comparison = None
+    done = f"{len(fold_plan.folded)} of {fold_plan.total} norms folded"
+    comparison = checked(original, rewritten, before, options, name, done, ("fold", "folded"), seconds)
+    emitted = {"target": options.target, "provider": options.provider, "rms_op": rms_op, "skip_fused": fused}
+    return FoldResult(rewritten, fold_plan, comparison, notes, seconds, modified, emitted, ctx.shapes)
+
+
+def checked(
+    original, rewritten: ir.Model, before: onnx.ModelProto, options, name: str, done: str, verb: tuple, seconds: dict
+) -> Comparison | None:
+    """`rewritten`'s signature checked against `before` (the original's structure) and, with `options.verify`,
+    its outputs against `original`'s (`verify.verify`, with `options.input_shapes` and `options.seed`).
+
+    `done` says what the rewrite did ("3 of 5 norms folded"), `verb` names it ("fold", "folded"). Raises
+    `VerificationError` on a mismatch, `UnsupportedModelError` where the result cannot run; records
+    `seconds["verify"]`.
+    """
     if not options.verify:
         check_signature(before, interface(rewritten), name)  # verify() checks it first
-    else:
-        start = time.perf_counter()
-        try:
-            comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
-        except UnsupportedModelError as e:
-            raise UnsupportedModelError(
-                f"{name}: {len(fold_plan.folded)} of {fold_plan.total} norms folded, but the result "
-                f"could not be verified ({e}); nothing written; fold without verification "
-                "to write it unverified"
-            ) from e
-        seconds["verify"] = time.perf_counter() - start
-        if not comparison.passed:
-            raise VerificationError(
-                f"{name}: folded model does not match the original: {comparison.failures()}; nothing written"
-            )
-    emitted = {"target": options.target, "provider": options.provider, "rms_op": rms_op, "skip_fused": fused}
-    return FoldResult(rewritten, fold_plan, comparison, notes, seconds, emitted)
+        return None
+    start = time.perf_counter()
+    try:
+        comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
+    except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
+        raise
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(
+            f"{name}: {done}, but the result could not be verified ({e}); nothing written; "
+            f"{verb[0]} without verification to write it unverified"
+        ) from e
+    seconds["verify"] = time.perf_counter() - start
+    if not comparison.passed:
+        raise VerificationError(
+            f"{name}: {verb[1]} model does not match the original: {comparison.failures()}; nothing written"
+        )
+    return comparison
 
 
 def _is_half(ctx, zmg, fold_plan: FoldPlan) -> bool:

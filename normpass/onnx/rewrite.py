@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,17 +37,20 @@ from .constants import constant_values, is_constant
 from .frontend import OnnxGraph, einsum_weight_axis, graph_values
 from .patterns import SKIP_BIAS_INPUT
 from .targets import AffinePlan, Namer, affine_plan, derived_initializer, move_affine, new_initializer, set_input
-from .values import attr, input_at, take_over
+from .values import attr, input_at, name_of, take_over
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
+# A map of a constant's output features along an axis (None: the constant is constant along it), e.g.
+# `algebra.centre`; every layer's output along that axis changes by the same map (seed 003 §3).
+AxisMap = Callable[[np.ndarray, "int | None"], np.ndarray]
 MS_DOMAIN = "com.microsoft"
 DOC_PREFIX = "normpass: "
 
 
-def _bias_centred(values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarray:
-    """Centre a bias that broadcasts into an output of rank `out_rank` along `out_axis`."""
+def _bias_along(along: AxisMap, values: np.ndarray, out_rank: int, out_axis: int) -> np.ndarray:
+    """`along` applied to a bias that broadcasts into an output of rank `out_rank`, along its axis `out_axis`."""
     axis = out_axis - (out_rank - values.ndim)
-    return centre(values, axis if axis >= 0 and values.shape[axis] != 1 else None)
+    return along(values, axis if axis >= 0 and values.shape[axis] != 1 else None)
 
 
 def new_value(unique: Namer, name: str, dtype: np.dtype | None) -> ir.Value:
@@ -119,59 +123,70 @@ class Rewriter:
     zmg: ZeroMeanGraph
     rms_op: str = "simplified"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.docs: dict[str, str] = {}  # node name → what normpass did to it (→ NodeProto.doc_string)
         self._copies: dict[tuple[str, str], ir.Value] = {}
-        self._loaded: dict[str, np.ndarray | None] = {}
+        self._loaded: dict[str, np.ndarray] = {}
         self._affines: dict[str, AffinePlan] = {}
         self._unique = Namer(self.ctx.graph)
 
     # --- constants, copy-on-write ---------------------------------------------------------------
 
-    def _replace_input(self, node: ir.Node, index: int, transform: str, make) -> None:
+    def _replace_input(self, node: ir.Node, index: int, transform: str, make, change: str = "rewritten") -> None:
         """Point `node.inputs[index]` at a new constant `make(old values)`, shared per transform (a large one,
-        which must keep its shape and dtype, is computed when written: `targets.derived_initializer`)."""
+        which must keep its shape and dtype, is computed when written: `targets.derived_initializer`, which
+        refuses values that overflow, naming the old constant and `change`, e.g. "centred for ln")."""
         old = node.inputs[index]
-        key = (old.name, transform)
+        assert old is not None, f"{node.name}: input {index} is absent"  # the plan names present inputs only
+        key = (name_of(old), transform)
         if key not in self._copies:
             name = self._unique(f"{old.name}.{transform.split(':')[0]}")
-            self._copies[key] = derived_initializer(self.ctx.graph, name, old, make)
+            self._copies[key] = derived_initializer(self.ctx.graph, name, old, make, change)
         set_input(node, index, self._copies[key])
 
     def centre_layer(self, centring: Centring, norms: list[str]) -> None:
+        self.map_layer(centring, centre, "centred", f"centred for {', '.join(norms)}")
+
+    def map_layer(self, centring: Centring, along: AxisMap, tag: str, change: str) -> None:
+        """Apply `along` to the output features of the layer or constant `centring` names (copy-on-write).
+
+        The copies are shared per (constant, `tag`, axis): give each distinct map its own `tag`. `change`
+        says what was done, for the node's note and for a refusal ("centred for ln_1").
+        """
         node: ir.Node = self.zmg.nodes[centring.node].ref
-        doc = f"weights centred for {', '.join(norms)}"
         if centring.input_index is not None:  # found by name: a node's model may list a subset of its inputs
             index = next(i for i, t in enumerate(node.inputs) if t is not None and t.name == centring.tensor)
-            self._replace_input(node, index, f"centred:{centring.axis}", lambda v: centre(v, centring.axis))
+            self._replace_input(node, index, f"{tag}:{centring.axis}", lambda v: along(v, centring.axis), change)
         elif node.op_type == "Gemm":
-            self._replace_input(
-                node, 1, f"centred:{1 - attr(node, 'transB', 0)}", lambda v: centre(v, 1 - attr(node, "transB", 0))
-            )
+            axis = 1 - attr(node, "transB", 0)
+            self._replace_input(node, 1, f"{tag}:{axis}", lambda v: along(v, axis), change)
             if input_at(node, 2) is not None:
-                self._replace_input(node, 2, "centred:bias", lambda v: _bias_centred(v, 2, 1))
+                self._replace_input(node, 2, f"{tag}:bias", lambda v: _bias_along(along, v, 2, 1), change)
         elif node.op_type == "MatMul":
-            self._replace_input(node, 1, "centred:-1", lambda v: centre(v, v.ndim - 1))
+            self._replace_input(node, 1, f"{tag}:-1", lambda v: along(v, v.ndim - 1), change)
         elif node.op_type == "Conv":
-            self._replace_input(node, 1, "centred:0", lambda v: centre(v, 0))
+            self._replace_input(node, 1, f"{tag}:0", lambda v: along(v, 0), change)
             if input_at(node, 2) is not None:
-                self._replace_input(node, 2, "centred:0", lambda v: centre(v, 0))
+                self._replace_input(node, 2, f"{tag}:0", lambda v: along(v, 0), change)
         elif node.op_type == "Gather":
-            self._replace_input(node, 0, "centred:1", lambda v: centre(v, 1))
+            self._replace_input(node, 0, f"{tag}:1", lambda v: along(v, 1), change)
         elif node.op_type == "Mul":
-            self._absorb_layer_scale(centring, norms)
+            self._absorb_layer_scale(centring, along, tag, change)
         elif node.op_type == "Einsum":
             index = 0 if is_constant(node.inputs[0]) else 1
+            assert centring.axis is not None  # a layer's centring is along an axis
             axis = einsum_weight_axis(attr(node, "equation"), index, centring.axis)
-            self._replace_input(node, index, f"centred:{axis}", lambda v: centre(v, axis))
+            self._replace_input(node, index, f"{tag}:{axis}", lambda v: along(v, axis), change)
         else:
-            raise TypeError(f"no centring rule for {node.op_type} {node.name}")
-        self._note(node.name, doc)
+            raise TypeError(f"no rule to map the output features of {node.op_type} {node.name}")
+        self._note(name_of(node), f"weights {change}")
 
-    def _absorb_layer_scale(self, centring: Centring, norms: list[str]) -> None:
-        """(x·W + b)⊙s → x·centre(W⊙s) + centre(b⊙s), and the Mul's factor becomes ones."""
-        mul = self.zmg.nodes[centring.node]
-        factor_index, linear, add = layer_scale(self.zmg, mul, centring.axis)
+    def _absorb_layer_scale(self, centring: Centring, along: AxisMap, tag: str, change: str) -> None:
+        """(x·W + b)⊙s → x·along(W⊙s) + along(b⊙s), and the Mul's factor becomes ones."""
+        mul, axis = self.zmg.nodes[centring.node], centring.axis
+        found = layer_scale(self.zmg, mul, axis) if axis is not None else None
+        assert axis is not None and found is not None  # planned only where `layer_scale` matched
+        factor_index, linear, add = found
         node, scale = linear.ref, np.ravel(self._values(mul.ref.inputs[factor_index]))
         out_axis = {"MatMul": -1, "Gemm": 1 - attr(node, "transB", 0), "Conv": 0}[node.op_type]
 
@@ -180,23 +195,27 @@ class Rewriter:
             shape[axis] = -1
             return (values * scale.reshape(shape)).astype(values.dtype)
 
-        tag = f"scaled:{mul.name}"
-        self._replace_input(node, 1, tag, lambda v: scaled(v, out_axis))
-        if node.op_type != "MatMul" and input_at(node, 2) is not None:
-            self._replace_input(node, 2, tag, lambda v: (v * scale).astype(v.dtype))  # [..., out] or scalar
+        scaling, scaled_change = f"scaled:{mul.name}", f"scaled by LayerScale {mul.name}"
+        absorbed = bool(np.all(scale == 1))  # by an earlier pass (a fold before a rotation): only `along` is left
+        if not absorbed:
+            self._replace_input(node, 1, scaling, lambda v: scaled(v, out_axis), scaled_change)
+        if node.op_type != "MatMul" and input_at(node, 2) is not None and not absorbed:
+            self._replace_input(node, 2, scaling, lambda v: (v * scale).astype(v.dtype), scaled_change)
         if add is not None:
             index = next(i for i, t in enumerate(add.inputs) if self.zmg.is_constant(t))
-            out_rank = len(self.zmg.shape(add.outputs[0]))
+            out_rank = len(self.zmg.shape(add.outputs[0]) or ())  # known: the proof read it
             factor = self._values(mul.ref.inputs[factor_index])
             self._replace_input(
                 add.ref,
                 index,
-                tag,
-                lambda v: _bias_centred(np.asarray(v * factor, dtype=v.dtype), out_rank, centring.axis),
+                f"{scaling}:{tag}",
+                lambda v: _bias_along(along, np.asarray(v * factor, dtype=v.dtype), out_rank, axis),
+                f"{scaled_change} and {change}",
             )
-        self.centre_layer(Centring(linear.name, centring.axis), norms)
-        self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like)
-        self._note(mul.name, f"LayerScale absorbed into {linear.name} for {', '.join(norms)}")
+        self.map_layer(Centring(linear.name, axis), along, tag, change)
+        if not absorbed:
+            self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like, "replaced by ones")
+        self._note(mul.name, f"LayerScale absorbed into {linear.name} (weights {change})")
 
     # --- inserted centring ----------------------------------------------------------------------
 
@@ -214,7 +233,7 @@ class Rewriter:
             )
         )
         sub = ir.node("Sub", [tensor, mean], outputs=[centred], name=self._unique(f"{tensor.name}.centring"))
-        self._note(sub.name, "inserted centring x − mean(x)")
+        self._note(name_of(sub), "inserted centring x − mean(x)")
         graph.append(sub)
         for use in uses:
             use.node.replace_input_with(use.idx, centred)
@@ -261,7 +280,8 @@ class Rewriter:
             if self._beta(norm) is not None and affine.full is None and affine.beta is None:
                 stranded[decision.name] = (
                     "proven foldable, kept as a LayerNorm: its β has no linear layer or residual bias to move into, "
-                    "and RMSNorm plus a separate β Add costs more than the LayerNorm (--fold-with-beta-add folds it anyway)"
+                    "and RMSNorm plus a separate β Add costs more than the LayerNorm "
+                    "(--fold-with-beta-add folds it anyway)"
                 )
         return stranded
 
@@ -290,7 +310,11 @@ class Rewriter:
         dtype = (
             original_gamma.dtype if original_gamma is not None else self._dtype(match.x)
         )  # x may be an inserted centring
-        scale = gamma if gamma is not None else np.ones(self._width(norm), dtype=dtype)
+        scale = gamma
+        if scale is None:
+            width = self._width(norm)
+            assert width is not None  # the proof read the input's shape
+            scale = np.ones(width, dtype=dtype)
         out = self._new_value(y.name, self._dtype(y))
         rms_out = out if beta is None else self._new_value(f"{y.name}.rms", self._dtype(y))
         doc = f"LayerNorm {norm.name} folded into an RMSNorm (input proven zero-mean); {note}"
@@ -303,11 +327,11 @@ class Rewriter:
             beta_const = new_initializer(self.ctx.graph, self._unique(f"{norm.name}.beta"), beta)
             nodes.append(ir.node("Add", [rms_out, beta_const], outputs=[out], name=add_name))
         for node in nodes:
-            self._note(node.name, doc)
+            self._note(name_of(node), doc)
         self.ctx.graph.extend(nodes)
         take_over(y, out)
-        if skip is not None and skip[1] is not None:
-            take_over(match.skip_sum, skip[2])
+        if skip is not None and skip[1] is not None and skip[2] is not None:
+            take_over(skip[1], skip[2])
         self.ctx.graph.remove(match.nodes, safe=True)
         return note
 
@@ -344,6 +368,7 @@ class Rewriter:
                 x = summed
             return adds + self._rms_nodes(norm, x, scale, out)
         # no RMS op computes x / (√mean(x²) + ε): only the chain is exact
+        assert norm.axis is not None  # a folded norm normalizes one axis
         return rms_nodes(
             self.ctx.graph,
             self._unique,
@@ -359,14 +384,18 @@ class Rewriter:
             norm.ref.eps_outside_root,
         )
 
-    def _values(self, tensor: ir.Value) -> np.ndarray | None:
-        """A constant's values, loaded once per rewrite (read-only)."""
-        if tensor.name not in self._loaded:
-            self._loaded[tensor.name] = constant_values(tensor)
-        return self._loaded[tensor.name]
+    def _values(self, tensor: ir.Value) -> np.ndarray:
+        """A constant's values, loaded once per rewrite (read-only); the plan reads constants only."""
+        name = name_of(tensor)
+        if name not in self._loaded:
+            values = constant_values(tensor)
+            if values is None:
+                raise TypeError(f"{name} is not a constant")
+            self._loaded[name] = values
+        return self._loaded[name]
 
     def _dtype(self, tensor: ir.Value) -> np.dtype:
-        known = self.ctx.dtypes.get(tensor.name)
+        known = self.ctx.dtypes.get(name_of(tensor))
         return np.dtype(
             known if known is not None else tensor.dtype.numpy() if tensor.dtype is not None else np.float32
         )

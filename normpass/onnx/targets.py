@@ -5,8 +5,8 @@ the surrogates) remove the affine where that is exact:
 
 * **γ and β into linear layers.** When every path from y reaches, through reshapes that keep the
   feature axis, a linear layer that contracts over the features (MatMul with a constant weight,
-  Gemm, the packed QKV projection of `com.microsoft.Attention`), then (u⊙γ + β)·W + b = u·W' + b' with W' = diag(γ)·W and b' = b + β·W
-  (`algebra.migrate_affine`; a Gemm's β·W is scaled by α/β_g).
+  Gemm, the packed QKV projection of `com.microsoft.Attention`), then (u⊙γ + β)·W + b = u·W' + b'
+  with W' = diag(γ)·W and b' = b + β·W (`algebra.migrate_affine`; a Gemm's β·W is scaled by α/β_g).
 * **β alone across a residual Add.** When each consumer is such a layer or an `Add(y, s)` whose
   other summand s carries a bias c through Adds nothing else reads, then
   Add(y, s) = Add(y − β, s + β): c' = c + β, and the other readers take β·W as above. γ stays
@@ -18,6 +18,7 @@ whatever else read the old one (a tied LM head, a deduplicated bias) keeps readi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,11 +26,12 @@ import onnx_ir as ir
 
 from ..core.algebra import migrate_affine
 from ..core.analysis import regroup_axis
+from ..errors import WeightOverflowError
 from ..io import drop_pages
 from .constants import constant_values, is_constant
 from .frontend import SHAPE_READERS, OnnxGraph
 from .patterns import SKIP_BIAS_INPUT
-from .values import attr, input_at, is_initializer, readers
+from .values import attr, input_at, is_initializer, name_of, readers
 
 LAZY_MIN_BYTES = 2**20  # derived weights at least this large are computed when written
 
@@ -64,7 +66,7 @@ def private_bias(tensor: ir.Value, width: int, graph_outputs: set[str]) -> tuple
         if is_feature_vector(constant_values(operand), width):
             return node, index
     for operand in node.inputs:
-        if constant_values(operand) is None and is_private(operand, graph_outputs):
+        if operand is not None and constant_values(operand) is None and is_private(operand, graph_outputs):
             found = private_bias(operand, width, graph_outputs)
             if found is not None:
                 return found
@@ -114,13 +116,14 @@ def migration_targets(
     """Where a per-feature affine on `tensor` (its last axis) can go, or None.
 
     Every path from `tensor` must reach, through reshapes that keep the feature axis, the input of
-    a reader of shapes only (`Shape`, `Size`: it does not see the affine) or of a linear layer that contracts over it (and can take a bias when `needs_bias`). `other(consumer,
-    tensor, axis)` may claim a consumer that is not such a layer by returning a target of its own
-    (anything not None); by default nothing else is accepted.
+    a reader of shapes only (`Shape`, `Size`: it does not see the affine) or of a linear layer that
+    contracts over it (and can take a bias when `needs_bias`). `other(consumer, tensor, axis)` may
+    claim a consumer that is not such a layer by returning a target of its own (anything not None);
+    by default nothing else is accepted.
     """
     targets = []
-    shape = ctx.shapes.get(tensor.name)
-    frontier = [(tensor, shape and len(shape) - 1)]
+    shape = ctx.shapes.get(name_of(tensor))
+    frontier = [(tensor, len(shape) - 1 if shape else None)]
     while frontier:
         current, axis = frontier.pop()
         if current.name in graph_outputs or not current.uses() or axis is None:
@@ -135,7 +138,9 @@ def migration_targets(
                 return None
             if consumer.op_type in REGROUP_OPS:
                 out = consumer.outputs[0]
-                frontier.append((out, regroup_axis(ctx.shapes.get(current.name), ctx.shapes.get(out.name), axis)))
+                frontier.append(
+                    (out, regroup_axis(ctx.shapes.get(name_of(current)), ctx.shapes.get(name_of(out)), axis))
+                )
                 continue
             target = linear_target(ctx, graph_outputs, consumer, axis, needs_bias)
             if target is None:
@@ -148,17 +153,14 @@ def linear_target(
     ctx: OnnxGraph, graph_outputs: set[str], consumer: ir.Node, axis: int, needs_bias: bool
 ) -> LinearTarget | None:
     """The target if `consumer` is a linear layer contracting over `axis` (and can take a bias if needed)."""
-    rank = len(ctx.shapes.get(consumer.inputs[0].name) or ())
-    weight = consumer.inputs[1] if len(consumer.inputs) > 1 else None
-    weight_shape = None if weight is None else ctx.shapes.get(weight.name)
+    rank = len(ctx.shapes.get(name_of(consumer.inputs[0])) or ())
+    weight = input_at(consumer, 1)
+    weight_shape = None if weight is None else ctx.shapes.get(name_of(weight))
     if weight is None or not is_constant(weight) or weight_shape is None or len(weight_shape) != 2 or axis != rank - 1:
         return None
     if consumer.op_type == "Gemm" and not attr(consumer, "transA", 0):
-        if (
-            (input_at(consumer, 2) is not None
-            and not is_constant(consumer.inputs[2]))
-            or (needs_bias
-            and attr(consumer, "beta", 1.0) == 0)
+        if (input_at(consumer, 2) is not None and not is_constant(consumer.inputs[2])) or (
+            needs_bias and attr(consumer, "beta", 1.0) == 0
         ):
             return None
         return LinearTarget(consumer, attr(consumer, "transB", 0), consumer, 2)
@@ -191,7 +193,7 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
             return None
         if tensor not in consumer.inputs:
             return None
-        in_shape, out_shape = ctx.shapes.get(tensor.name), ctx.shapes.get(consumer.outputs[0].name)
+        in_shape, out_shape = ctx.shapes.get(name_of(tensor)), ctx.shapes.get(name_of(consumer.outputs[0]))
         if (
             not in_shape
             or not out_shape
@@ -205,7 +207,7 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
         values = constant_values(other)
         if is_feature_vector(values, width):
             return SumTarget(consumer, consumer, other_index)
-        if values is None and is_private(other, graph_outputs):
+        if other is not None and values is None and is_private(other, graph_outputs):
             found = private_bias(other, width, graph_outputs)
             if found is not None:
                 return SumTarget(consumer, found[0], found[1])
@@ -253,20 +255,56 @@ def new_initializer(graph: ir.Graph, name: str, values: np.ndarray) -> ir.Value:
     return value
 
 
-def derived_initializer(graph: ir.Graph, name: str, source: ir.Value, make) -> ir.Value:
-    """A new initializer of `graph` holding `make(values of source)`, of the source's dtype and shape.
+def _all_finite(values: np.ndarray | None) -> bool:
+    """Whether no value is ±inf or NaN (None: no values), without a temporary the size of `values`: finite
+    values of at most 32 bits cannot sum to ±inf in float64, so the sum is finite exactly when they all
+    are (wider values: their extremes)."""
+    if values is None or values.size == 0:
+        return True
+    if values.dtype.itemsize <= 4:
+        return bool(np.isfinite(values.sum(dtype=np.float64)))
+    return bool(np.isfinite(values.min()) and np.isfinite(values.max()))
+
+
+def refuse_overflow(
+    values: np.ndarray, sources: Iterable[np.ndarray | None], what: str, migrated: bool = False
+) -> np.ndarray:
+    """`values`, unless they overflow their dtype: every source finite, some value ±inf or NaN. Then no
+    model of that dtype computes the rewrite exactly, verified or not: `WeightOverflowError`, naming
+    `what` ("initializer W centred for ln"). `migrated`: `what` is an affine migration, which the
+    fold can do without."""
+    if _all_finite(values) or not all(_all_finite(s) for s in sources):
+        return values
+    dtype = values.dtype.name
+    remedy = "fold without affine migration (γ and β then stay in the norm), or " if migrated else ""
+    raise WeightOverflowError(
+        f"{what} overflows {dtype} (finite weights become ±inf), so no {dtype} model computes this rewrite "
+        f"exactly: {remedy}convert the model to float32; nothing written"
+    )
+
+
+def derived_initializer(
+    graph: ir.Graph, name: str, source: ir.Value, make, change: str, migrated: bool = False
+) -> ir.Value:
+    """A new initializer of `graph` holding `make(values of source)`, of the source's dtype and shape:
+    the source after `change` (e.g. "centred for ln"), refused where that overflows (`refuse_overflow`).
 
     A source initializer of at least `LAZY_MIN_BYTES` gives an `ir.LazyTensor`: computed from the
     source (memory-mapped, or itself derived) each time it is written, and not held in between, so
-    a large model's changed weights are never all in memory. Others are computed now.
+    a large model's changed weights are never all in memory (an overflow is then refused when the
+    model is written: the atomic write leaves nothing). Others are computed now.
     """
+    what = f"initializer {name_of(source)} {change}"
     tensor = source.const_value if is_initializer(source) else None
     if tensor is None or tensor.nbytes < LAZY_MIN_BYTES:
-        return new_initializer(graph, name, make(constant_values(source)))
+        values = constant_values(source)
+        return new_initializer(graph, name, refuse_overflow(make(values), [values], what, migrated))
 
     def compute() -> ir.Tensor:
-        values = np.ascontiguousarray(make(tensor.numpy()))
+        source_values = tensor.numpy()
+        values = np.ascontiguousarray(make(source_values))
         drop_pages(tensor)
+        refuse_overflow(values, [source_values], what, migrated)
         if values.shape != tuple(tensor.shape.numpy()) or ir.DataType.from_numpy(values.dtype) != tensor.dtype:
             raise AssertionError(f"{name}: a derived weight changed its shape or dtype")
         return ir.Tensor(values, name=name)
@@ -305,10 +343,14 @@ def move_affine(
     changed = []
     for target in targets:
         if isinstance(target, SumTarget):
-            bias = constant_values(target.holder.inputs[target.index])
+            old = target.holder.inputs[target.index]
+            bias = constant_values(old)
+            assert bias is not None  # a sum target's bias is a constant (`_sum_claim`)
             moved = (bias.astype(np.float64) + np.asarray(beta, dtype=np.float64).reshape(-1)).reshape(bias.shape)
-            renew(target.holder, target.index, moved.astype(bias.dtype), "beta")
-            changed.append(target.holder.name)
+            what = f"initializer {name_of(old)} plus a folded norm's β"
+            moved = refuse_overflow(moved.astype(bias.dtype), [bias, beta], what, migrated=True)
+            renew(target.holder, target.index, moved, "beta")
+            changed.append(name_of(target.holder))
             continue
         linear = target.node
         bias = None
@@ -322,16 +364,22 @@ def move_affine(
                 graph,
                 name_for(linear, 1, "affine"),
                 weight,
-                lambda w: migrate_affine(w, None, gamma, None, target.in_axis)[0],
+                # bound now: a large weight is computed when written, after this loop has moved on
+                lambda w, axis=target.in_axis: migrate_affine(w, None, gamma, None, axis)[0],
+                "multiplied by a folded norm's γ",
+                migrated=True,
             )
             set_input(linear, 1, scaled)
-        new_bias = (
-            bias
-            if beta is None
-            else migrate_affine(constant_values(weight), bias, None, beta, target.in_axis, shift_scale)[1]
-        )
+        new_bias = bias
+        if beta is not None:
+            weights = constant_values(weight)
+            assert weights is not None  # a linear target's weight is a constant (`linear_target`)
+            shifted = migrate_affine(weights, bias, None, beta, target.in_axis, shift_scale)[1]
+            assert shifted is not None  # β is given
+            what = f"the bias of {name_of(linear)} plus a folded norm's β·W"
+            new_bias = refuse_overflow(shifted, [weights, bias, beta], what, migrated=True)
         drop_pages(weight.const_value)
         if new_bias is not None and target.bias_node is not None:
             renew(target.bias_node, target.bias_index, new_bias, "affine")
-        changed.append(linear.name)
+        changed.append(name_of(linear))
     return changed

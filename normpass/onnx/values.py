@@ -22,6 +22,13 @@ def attr(node: ir.Node, name: str, default=None):
     return list(value) if isinstance(value, tuple) else value
 
 
+def name_of(item: ir.Value | ir.Node | None) -> str:
+    """The name of a value or node; "" for an absent optional input and for an unnamed value or node
+    (onnx-ir allows them; every value of a loaded model is named, and `frontend.load_graph` names
+    every node)."""
+    return "" if item is None else item.name or ""
+
+
 def readers(value: ir.Value) -> list[ir.Node]:
     """The nodes reading `value`, once per input slot it fills (bodies included)."""
     return [use.node for use in value.uses()]
@@ -47,7 +54,8 @@ def bodies(node: ir.Node) -> list[tuple[str, ir.Graph]]:
 
 
 def take_over(old: ir.Value, new: ir.Value) -> None:
-    """`new` replaces `old` for every reader and as a graph output, under `old`'s name (and shape, where `new` has none)."""
+    """`new` replaces `old` for every reader and as a graph output, under `old`'s name (and shape, where `new`
+    has none)."""
     old.replace_all_uses_with(new, replace_graph_outputs=True)
     if new.shape is None:
         new.shape = old.shape

@@ -36,7 +36,15 @@ import onnx
 import onnx_ir as ir
 
 from ..errors import InputError, UnsupportedModelError, VerificationError
-from ..io import keeps_external_data, may_exceed_proto_limit, release_weights, save_external, save_ir, skeleton
+from ..io import (
+    keeps_external_data,
+    may_exceed_proto_limit,
+    release_weights,
+    save_external,
+    save_ir,
+    skeleton,
+    to_proto,
+)
 from .precision import bf16_as_fp32, uses_bf16
 
 if TYPE_CHECKING:
@@ -112,7 +120,8 @@ class Comparison:
         )
 
     def exercised(self) -> str:
-        """What ran, e.g. "3 runs: x 2x8, cond scalar with booleans true, false; x 3x5, cond scalar with booleans random"."""
+        """What ran, e.g. "3 runs: x 2x8, cond scalar with booleans true, false; x 3x5, cond scalar with booleans
+        random"."""
         done = [run for run in self.runs if run.skipped is None]
         fills: dict[str, list] = {}
         for run in done:
@@ -153,7 +162,7 @@ def _options(optimize: bool = False) -> ort.SessionOptions:
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.add_session_config_entry("session.disable_prepacking", "1")  # no second, packed copy of the weights
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # fatal only: what a failure says is in the exception it raises, not a log line
     return options
 
 
@@ -231,7 +240,7 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
     for node in model.graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    bounds = {}
+    bounds: dict[str, int] = {}
     for graph_input in model.graph.input:
         frontier, seen = [graph_input.name], set()
         while frontier:
@@ -376,7 +385,8 @@ def check_signature(original: onnx.ModelProto, rewritten: onnx.ModelProto, name:
         old, new = _signature(before), _signature(after)
         if len(old) != len(new) or not all(map(_same, old, new)):
             changed = next(
-                (f"{a} became {b}" for a, b in zip(old, new, strict=False) if not _same(a, b)), f"{len(old)} became {len(new)}"
+                (f"{a} became {b}" for a, b in zip(old, new, strict=False) if not _same(a, b)),
+                f"{len(old)} became {len(new)}",
             )
             raise VerificationError(
                 f"{name}: the rewrite changed the model's {kind} (name, element type, rank): "
@@ -411,7 +421,7 @@ def _in_memory(model: Model, shape: onnx.ModelProto) -> onnx.ModelProto | None:
     names = [node.name for node in shape.graph.node if node.name]
     if not uses_bf16(shape) and len(names) == len(set(names)):
         return None
-    return ir.to_proto(model) if isinstance(model, ir.Model) else onnx.load(str(model))
+    return to_proto(model) if isinstance(model, ir.Model) else onnx.load(str(model))
 
 
 class Runner:
@@ -429,7 +439,7 @@ class Runner:
         source = self.model
         if isinstance(source, ir.Model):
             if not keeps_external_data(source):
-                source = ir.to_proto(source).SerializeToString()
+                source = to_proto(source).SerializeToString()
             else:
                 self._tmp = tempfile.TemporaryDirectory()
                 source = Path(self._tmp.name) / "model.onnx"
@@ -461,7 +471,8 @@ def verify(
     if isinstance(rewritten, ir.Model):
         release_weights(rewritten)  # what the rewrite read of the original's file is not held while the sessions run
     check_signature(before, after, name)
-    done, runs = [], []
+    done: list[tuple[dict, dict, dict]] = []
+    runs: list[Run] = []
     with Runner(original, before) as reference_runner:
         for index, (bools, dims) in enumerate(verification_runs(before)):
             feeds = make_inputs(

@@ -77,6 +77,12 @@ class TorchFoldReport:
 def _arguments(model, example_inputs, example_kwargs) -> tuple[tuple, dict]:
     if not isinstance(model, nn.Module):
         raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise InputError(
+            f"{type(model).__name__}: {meta} is on the meta device (a shape without values); load the "
+            "weights first, e.g. model.to_empty(device='cpu') and then load_state_dict"
+        )
     if model.training:
         raise InputError(
             f"{type(model).__name__} is in training mode; folding is an inference rewrite: call model.eval() first"

@@ -159,10 +159,9 @@ def _describe_failure(error: BaseException) -> str:
 # --- torch.export ------------------------------------------------------------------------------
 
 
-def _val_shape(value) -> tuple | None:
-    if isinstance(value, torch.Tensor):
-        return tuple(d if isinstance(d, int) else str(d) for d in value.shape)
-    return None
+def _val_shape(value: torch.Tensor) -> tuple:
+    """A fake tensor's shape: ints, and symbolic sizes by name."""
+    return tuple(d if isinstance(d, int) else str(d) for d in value.shape)
 
 
 def _module_stack(node: torch.fx.Node) -> list[tuple[str, str]]:
@@ -184,8 +183,8 @@ def _owner(model: nn.Module, tensor: torch.Tensor, stack: tuple[str, ...], fqns:
             if held is tensor:
                 return Attr(path, name)
     if len(fqns) == 1:
-        module, _, name = fqns[0].rpartition(".")
-        return Attr(module, name)
+        owner, _, name = fqns[0].rpartition(".")
+        return Attr(owner, name)
     return None
 
 
@@ -194,8 +193,8 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
     paths: dict[int, list[str]] = {}
     for name, tensor in model.named_parameters(remove_duplicate=False):
         paths.setdefault(id(tensor), []).append(name)
-    for name, tensor in model.named_buffers(remove_duplicate=False):
-        paths.setdefault(id(tensor), []).append(name)
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        paths.setdefault(id(buffer), []).append(name)
     return paths
 
 
@@ -308,12 +307,12 @@ def _export_call(node: torch.fx.Node, outputs: list[str], names: dict[str, str])
     stack = _module_stack(node)
     call_key, module = stack[-1] if stack else ("", "")
     bound = _bind(node)
-    if bound is None:  # higher-order ops and other non-ATen targets
-        op, target = str(node.target), str(node.target)
-        bound = {"inputs": [*node.args, *node.kwargs.values()]}
-    else:
+    if bound is not None and isinstance(node.target, torch._ops.OpOverload):
         op = node.target.overloadpacket.__name__
         target = f"aten.{op}"
+    else:  # higher-order ops and other non-ATen targets
+        op, target = str(node.target), str(node.target)
+        bound = {"inputs": [*node.args, *node.kwargs.values()]}
     args = {key: _convert(value, names) for key, value in bound.items()}
     return Call(node.name, op, args, outputs, target, module, call_key, tuple(path for _, path in stack))
 
@@ -449,10 +448,9 @@ def _module_call(module: nn.Module, path: str, args: tuple, kwargs: dict) -> tup
     def param(name):
         return None if getattr(module, name, None) is None else Ref(_constant_name(f"{path}.{name}"))
 
-    kind = type(module)
-    if kind is nn.Linear:
+    if type(module) is nn.Linear:
         return "linear", {"input": x, "weight": param("weight"), "bias": param("bias")}
-    if kind in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+    if type(module) in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
         return "convolution", {
             "input": x,
             "weight": param("weight"),
@@ -460,9 +458,9 @@ def _module_call(module: nn.Module, path: str, args: tuple, kwargs: dict) -> tup
             "transposed": False,
             "groups": module.groups,
         }
-    if kind is nn.Embedding and module.max_norm is None:
+    if type(module) is nn.Embedding and module.max_norm is None:
         return "embedding", {"weight": param("weight"), "indices": x}
-    if kind is nn.LayerNorm:
+    if type(module) is nn.LayerNorm:
         return "layer_norm", {
             "input": x,
             "normalized_shape": list(module.normalized_shape),
@@ -470,7 +468,7 @@ def _module_call(module: nn.Module, path: str, args: tuple, kwargs: dict) -> tup
             "bias": param("bias"),
             "eps": module.eps,
         }
-    if kind is nn.GroupNorm:
+    if type(module) is nn.GroupNorm:
         return "group_norm", {
             "input": x,
             "num_groups": module.num_groups,
@@ -478,20 +476,20 @@ def _module_call(module: nn.Module, path: str, args: tuple, kwargs: dict) -> tup
             "bias": param("bias"),
             "eps": module.eps,
         }
-    if kind is nn.RMSNorm:
+    if type(module) is nn.RMSNorm:
         return "rms_norm", {
             "input": x,
             "normalized_shape": list(module.normalized_shape),
             "weight": param("weight"),
             "eps": module.eps,
         }
-    if kind in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
+    if type(module) in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
         return "dropout", {"input": x, "p": module.p, "train": module.training}
-    if kind is nn.Identity:
+    if type(module) is nn.Identity:
         return "alias", {"self": x}
-    if kind is nn.Softmax:
+    if type(module) is nn.Softmax:
         return "softmax", {"self": x, "dim": module.dim}
-    if kind is nn.Flatten:
+    if type(module) is nn.Flatten:
         return "flatten", {"self": x, "start_dim": module.start_dim, "end_dim": module.end_dim}
     return None
 
@@ -520,13 +518,9 @@ def _check_no_visible_mutation(graph_module: torch.fx.GraphModule) -> None:
     for node in graph_module.graph.nodes:
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
         inplace = (
-            (node.op in ("call_method", "call_function")
-            and name.endswith("_")
-            and not name.endswith("__"))
-            or (node.op == "call_function"
-            and (node.target is operator.setitem or node.kwargs.get("inplace")))
-            or (node.op == "call_module"
-            and getattr(modules.get(node.target), "inplace", False))
+            (node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__"))
+            or (node.op == "call_function" and (node.target is operator.setitem or node.kwargs.get("inplace")))
+            or (node.op == "call_module" and getattr(modules.get(node.target), "inplace", False))
         )
         target = node.args[0] if node.args else None
         if inplace and isinstance(target, torch.fx.Node) and len(target.users) > 1:
@@ -610,7 +604,7 @@ def _traced_call(node: torch.fx.Node, modules: dict, names: dict[str, str]) -> C
     try:
         if node.op == "call_module":
             target = f"nn.{type(modules[node.target]).__name__}"
-            lowered = _module_call(modules[node.target], node.target, node.args, node.kwargs)
+            lowered = _module_call(modules[node.target], str(node.target), node.args, node.kwargs)
             module = call_key = node.target
         elif node.op == "call_method":
             target = f"Tensor.{node.target}"

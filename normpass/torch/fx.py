@@ -23,6 +23,7 @@ of the same module); other nodes by `module path/fx node`; constants by their pa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,7 @@ from ..core.rules import (
     Opaque,
     Permute,
     Regroup,
+    Rule,
     Scale,
     Select,
     ShiftInvariant,
@@ -112,7 +114,7 @@ class TorchGraph:
 @dataclass(frozen=True)
 class Classified:
     kind: NodeKind
-    rule: object
+    rule: Rule
     inputs: list[str] | None = None  # None: every tensor argument, in order
     linear: LinearParams | None = None
     identity: bool = False
@@ -315,10 +317,11 @@ def _cat(ctx, call):  # zero-mean parts concatenate to zero mean
 
 def _select_axes(ctx, call, dims) -> Classified:
     rank = ctx.rank(call.args["self"])
-    axes = [_axis(d, rank) for d in dims] if isinstance(dims, (list, tuple)) else None
-    if axes is None or None in axes:
+    axes = [_axis(d, rank) for d in dims] if isinstance(dims, (list, tuple)) else [None]
+    known = tuple(axis for axis in axes if axis is not None)
+    if len(known) != len(axes):  # dims not a list, or an axis that cannot be resolved
         return Classified(NodeKind.LAYOUT, Select(None), [call.args["self"]])
-    return Classified(NodeKind.LAYOUT, Select(tuple(axes)), [call.args["self"]])
+    return Classified(NodeKind.LAYOUT, Select(known), [call.args["self"]])
 
 
 def _slice(ctx, call):  # slice / split / narrow / roll along `dim`: other axes' slices stay whole
@@ -516,7 +519,8 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
         if own
         else (
             f"{call.target} is called inside {type(module).__name__} {call.module or '(root)'}.forward, not by an "
-            "nn.LayerNorm module: the PyTorch rewrite replaces nn.LayerNorm modules only (the ONNX front end can fold it)"
+            "nn.LayerNorm module: the PyTorch rewrite replaces nn.LayerNorm modules only "
+            "(the ONNX front end can fold it)"
         )
     )
     info = NormInfo(
@@ -600,7 +604,7 @@ def build_zero_mean_graph(model: nn.Module, capture: Capture, name: str = "model
     zmg.graph_inputs = set(capture.inputs)
     zmg.graph_outputs = set(capture.outputs)
     for tensor_name, tensor in capture.constants.items():
-        zmg.constants[tensor_name] = lambda t=tensor: to_numpy(t)
+        zmg.constants[tensor_name] = functools.partial(to_numpy, tensor)
     tg = TorchGraph(model, capture, zmg)
     ctx = _Context(capture)
     taken: set[str] = set()

@@ -1,0 +1,82 @@
+"""`normpass rotate MODEL -o OUT [--report R.json]`: fold, rotate every provable residual stream, verify, write.
+
+The rotation makes the model quantize better (QuaRot): run ONNX Runtime's quantizer on OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..core.orthogonal import KINDS
+from ..onnx.passes import PROVIDERS, TARGETS
+from ..onnx.rotate import RotateOptions, RotateResult, rotate_onnx
+from ..onnx.verify import parse_input_shapes
+from .common import add_model_arguments, add_verification_arguments, checked_paths, model_source, save_result
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        "rotate",
+        help="fold, then rotate residual streams by an orthogonal matrix (exact; spreads outliers for quantization)",
+        description="Fold every provable LayerNorm into an RMSNorm with its affine moved into the next layers, "
+        "prove which residual streams are read only by such norms and linear layers, rotate each by an "
+        "orthogonal matrix (writers W·Q, readers Qᵀ·W: no op is added), and verify against the original.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("-o", "--output", required=True, help="where to write the rotated model")
+    parser.add_argument("--report", help="write a JSON report here")
+    parser.add_argument(
+        "--rotation",
+        choices=KINDS,
+        default="hadamard",
+        help="hadamard: a seeded randomised Hadamard matrix where the hidden size allows one (12·2ᵏ, 20·2ᵏ, "
+        "28·2ᵏ, 2ᵏ …), else a random orthogonal one (default); orthogonal: always a random orthogonal one",
+    )
+    parser.add_argument(
+        "--rotation-seed", type=int, default=0, help="seed of the rotation (stream i uses seed + i; default 0)"
+    )
+    parser.add_argument(
+        "--target", choices=TARGETS, default="ort", help="the fold's target: ort (default) or onnx (standard ops)"
+    )
+    parser.add_argument(
+        "--provider", choices=PROVIDERS, default="cuda", help="the fold's execution provider, as for fold"
+    )
+    add_verification_arguments(parser)
+
+
+def summary(label: str, result: RotateResult, out) -> list[str]:
+    """The lines `rotate` prints: the counts and error, then each stream not rotated and norm not folded, with why."""
+    rotation = result.rotation
+    error = "not verified" if result.comparison is None else result.comparison.describe()
+    matrices = sorted(set(result.matrices.values()))
+    lines = [
+        f"{label}: {result.folded} of {result.plan.total} norms folded, {len(rotation.rotatable)} of "
+        f"{len(rotation.streams)} residual streams rotated{' (' + ', '.join(matrices) + ')' if matrices else ''} "
+        f"({error}); wrote {out}"
+    ]
+    for stream in rotation.streams:
+        if not stream.rotatable:
+            lines.append(f"  not rotated: the stream of {stream.name}: {stream.reason}")
+    for decision in result.plan.decisions:
+        if not decision.foldable:
+            lines.append(f"  not folded {decision.name}: {decision.reason}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    out, inputs = checked_paths(args)
+    options = RotateOptions(
+        rotation=args.rotation,
+        rotation_seed=args.rotation_seed,
+        target=args.target,
+        provider=args.provider,
+        insert_centering=not args.no_insert_centering,
+        verify=not args.no_verify,
+        input_shapes=parse_input_shapes(args.input_shape),
+        seed=args.seed,
+    )
+    model, label = model_source(args)
+    result = rotate_onnx(model, options, name=label)
+    save_result(result, out, inputs, label, args.report)
+    print("\n".join(summary(label, result, out)))
+    return 0

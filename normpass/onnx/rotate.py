@@ -1,0 +1,260 @@
+"""The rotation pass for ONNX models: fold → prove which residual streams rotate → rotate them → verify.
+
+A residual stream read only by RMSNorms without affine (and residual adds) is invariant under any
+orthogonal Q: RMSNorm(xQ) = RMSNorm(x)·Q (DESIGN §2b, `core/rotation.py`). So:
+
+1. **Fold** (`fold_onnx`): every provable LayerNorm becomes an RMS op with γ and β migrated into the
+   linear layers it feeds; a norm whose β can go nowhere is folded too (`fold_with_beta_add`: a
+   LayerNorm would block the rotation), keeping γ in the RMS op and β as an `Add`.
+2. **Prove** (`core/rotation.plan_rotation`) on the folded model's zero-mean graph which tensors form
+   each stream, every writer a constant linear map or a constant, every reader an RMSNorm over the
+   whole hidden axis, a residual `Add`, or a linear layer (`reader_weight`, below); refuse the others
+   with the node and the reason. An RMS op that kept γ gives it up here: its readers absorb it.
+3. **Rotate** each provable stream by its own Q (`core/orthogonal.rotation_matrix`: a seeded
+   randomised Hadamard matrix by default): writers' output features `W → W·Q` (weights, biases,
+   embedding tables, constants added into the stream, LayerScales after a layer), readers' input
+   features `W → Qᵀ·diag(γ)·W`, constants after a norm that kept γ `c → (c⊘γ)·Q`, that norm's γ → ones.
+   Every changed constant is a new initializer (copy-on-write), shared by every use that takes the
+   same map, so weights tied before stay tied where their uses are rotated alike; no op is added.
+4. **Verify** against the original model, as `fold` does.
+
+Readers (`reader_weight`): input 0 of `MatMul` contracted over its last axis (weight: axis −2),
+`Gemm` over axis 1 (or 0 with transA; weight: axis 0, or 1 with transB), and `Conv` /
+`ConvTranspose` with group 1 over the channel axis 1 (weight axis 1 and 0), each with a constant weight.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from .. import __version__
+from ..core.algebra import rotate
+from ..core.graph import ZNode
+from ..core.orthogonal import KINDS, rotation_matrix
+from ..core.plan import FoldPlan
+from ..core.rotation import RotationPlan, Stream, gamma_of, plan_rotation
+from ..errors import InputError, UnsupportedModelError
+from .constants import is_constant
+from .export import export_model
+from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
+from .graphsurgeon import from_graphsurgeon
+from .passes import FoldOptions, FoldResult, ModelSource, checked, fold_onnx
+from .rewrite import Rewriter
+from .values import attr, input_at
+from .verify import structure
+
+STANDARD = ("", "ai.onnx")
+
+
+@dataclass
+class RotateOptions:
+    rotation: str = "hadamard"  # "hadamard": randomised Hadamard where the size allows, else random orthogonal
+    rotation_seed: int = 0  # stream i is rotated by the matrix of seed rotation_seed + i
+    target: str = "ort"  # the fold's options (FoldOptions)
+    provider: str = "cuda"
+    rms_op: str | None = None
+    insert_centering: bool = True
+    fuse_skip: bool | None = None
+    verify: bool = True
+    input_shapes: dict = field(default_factory=dict)
+    seed: int = 0  # of the verification inputs
+
+    def fold_options(self) -> FoldOptions:
+        """The fold that prepares the rotation: affine migrated, every provable norm folded, not verified alone."""
+        if self.rotation not in KINDS:
+            raise InputError(f"rotation {self.rotation!r}: choose one of {', '.join(KINDS)}")
+        return FoldOptions(
+            target=self.target,
+            provider=self.provider,
+            rms_op=self.rms_op,
+            insert_centering=self.insert_centering,
+            migrate_affine=True,
+            fold_with_beta_add=True,
+            fuse_skip=self.fuse_skip,
+            verify=False,
+            input_shapes=self.input_shapes,
+            seed=self.seed,
+        )
+
+
+@dataclass
+class RotateResult(FoldResult):
+    """A fold's result (the plan of the fold that came first) with the rotation's: `rotation` says which
+    streams were rotated and why the others were not, `matrices` what rotated each (by stream name)."""
+
+    rotation: RotationPlan = field(default_factory=lambda: RotationPlan([]))
+    matrices: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def rotated(self) -> int:
+        return len(self.rotation.rotatable)
+
+    def report(self) -> dict:
+        rotation = self.rotation.to_json()
+        for stream in rotation["streams"]:
+            stream["matrix"] = self.matrices.get(stream["stream"])
+        return super().report() | {"rotation": rotation}
+
+
+def reader_weight(ctx: OnnxGraph, node: ir.Node, index: int, axis: int) -> tuple[int, int] | None:
+    """(weight input, its input-feature axis) if `node` contracts input `index` along `axis` with a constant weight."""
+    data, weight = input_at(node, 0), input_at(node, 1)
+    if index != 0 or node.domain not in STANDARD or data is None or weight is None or not is_constant(weight):
+        return None
+    rank, weight_rank = (len(ctx.shapes.get(str(t.name)) or ()) for t in (data, weight))
+    if node.op_type == "MatMul" and rank and weight_rank and axis == rank - 1:
+        return 1, max(weight_rank - 2, 0)
+    if node.op_type == "Gemm" and axis == 1 - attr(node, "transA", 0):
+        return 1, attr(node, "transB", 0)
+    if node.op_type in ("Conv", "ConvTranspose") and attr(node, "group", 1) == 1 and axis == 1:
+        return 1, 1 if node.op_type == "Conv" else 0
+    return None
+
+
+def _reads(ctx: OnnxGraph, node: ZNode, index: int, axis: int) -> bool:
+    return isinstance(node.ref, ir.Node) and reader_weight(ctx, node.ref, index, axis) is not None
+
+
+def _along(values: np.ndarray, axis: int | None, matrix: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """A writer's constant with its output features rotated; one constant along them (axis None) must be zero."""
+    if axis is not None:
+        return rotate(values, axis, matrix, scale)
+    if np.any(values != 0):  # the proof refuses such constants; a broadcast bias of a centred layer is zero
+        raise UnsupportedModelError("a constant that is not zero is broadcast along a rotated stream's axis")
+    return values
+
+
+class Rotator(Rewriter):
+    """Rotates the streams of a plan in one graph (see the module docstring); `docs` collects per-node notes."""
+
+    def rotate_stream(self, stream: Stream, matrix: np.ndarray, label: str) -> None:
+        """Rotate `stream` by `matrix`; `label` tells this stream's copies from another's.
+
+        A constant's rotated copy is shared by every use that takes the same map (the same axis, no γ): an
+        embedding table tied to an LM head that reads it as [vocab, hidden] stays one tensor, E·Q.
+        """
+        gammas = {
+            name: gamma_of(self.zmg, self.zmg.norm_by_name(name)).astype(np.float64) for name in stream.moved_gamma
+        }
+        for centring, scale in stream.writers.items():
+            inverse = None if scale is None else 1.0 / gammas[scale]
+            along = partial(_along, matrix=matrix, scale=inverse)
+            tag = f"rotated:{label}:{'' if scale is None else '/' + scale}"
+            self.map_layer(centring, along, tag, f"rotated along their output features ({stream.name})")
+        for reader in stream.readers:
+            node = self.zmg.nodes[reader.node].ref
+            found = reader_weight(self.ctx, node, reader.index, reader.axis)
+            assert found is not None  # the plan's readers are those `reader_weight` found
+            index, axis = found
+            gamma = None if reader.scale is None else gammas[reader.scale]
+            self._replace_input(
+                node,
+                index,
+                f"rotated:{label}:{'' if reader.scale is None else '*' + reader.scale}:{axis}",
+                lambda v, a=axis, g=gamma: rotate(v, a, matrix, g),
+                f"rotated back along their input features ({stream.name})",
+            )
+            moved = "" if reader.scale is None else f", γ of {reader.scale} absorbed"
+            self._note(node.name, f"input features rotated back ({stream.name}){moved}")
+        for name in stream.moved_gamma:
+            match = self.zmg.norm_by_name(name).ref
+            for node in match.nodes:
+                for index, value in enumerate(node.inputs):
+                    if value is match.gamma:
+                        self._replace_input(node, index, "unit", np.ones_like, "replaced by ones")
+                        self._note(node.name, f"γ moved into the layers it feeds ({stream.name})")
+
+
+def merged_shapes(original: dict, folded: dict, input_dims: set[str]) -> dict:
+    """Shapes for the folded graph: the original's, on which the fold's proofs ran (a tensor keeps its name
+    and shape through the fold), with the static dims that inference on the folded graph found where the
+    original's are unknown (ONNX Runtime's symbolic inference, which knows its contrib ops, may find more).
+    Two static dims that disagree become unknown. Symbols are kept only where they mean the same in both:
+    the original's own, and the graph inputs' dim names (`input_dims`); another inference's other symbols
+    (`unk__3`) are unknown."""
+
+    def dim(ours, theirs):
+        if isinstance(ours, int) and isinstance(theirs, int):
+            return ours if ours == theirs else None
+        return theirs if isinstance(theirs, int) else ours
+
+    merged = {}
+    for tensor, shape in folded.items():
+        known = original.get(tensor)
+        if shape is None or (known is not None and len(known) != len(shape)):
+            merged[tensor] = known
+        elif known is None:
+            merged[tensor] = tuple(d if isinstance(d, int) or d in input_dims else None for d in shape)
+        else:
+            merged[tensor] = tuple(dim(ours, theirs) for ours, theirs in zip(known, shape, strict=True))
+    return merged | {t: s for t, s in original.items() if t not in folded}
+
+
+def _input_dims(graph: ir.Graph) -> set[str]:
+    """The names of the graph inputs' symbolic dims."""
+    dims = [d for value in graph.inputs if value.shape is not None for d in value.shape]
+    return {d.value for d in dims if isinstance(d, ir.SymbolicDim) and d.value}
+
+
+def _fold_and_plan(model, options: RotateOptions, name: str) -> tuple[FoldResult, Rotator, RotationPlan]:
+    folded = fold_onnx(model, options.fold_options(), name)
+    ctx = load_graph(folded.ir_model, name)
+    ctx.shapes.update(merged_shapes(folded.shapes, ctx.shapes, _input_dims(ctx.graph)))
+    zmg = build_zero_mean_graph(ctx)
+    return folded, Rotator(ctx, zmg, folded.emitted["rms_op"]), plan_rotation(zmg, partial(_reads, ctx))
+
+
+def inspect_rotation(
+    model: ModelSource, options: RotateOptions | None = None, name: str = "model"
+) -> tuple[FoldPlan, RotationPlan]:
+    """What `rotate_onnx` would fold and which streams it could rotate, and why the others not (nothing verified)."""
+    folded, _, rotation = _fold_and_plan(from_graphsurgeon(model), options or RotateOptions(), name)
+    return folded.plan, rotation
+
+
+def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: str = "model") -> RotateResult:
+    """Fold `model` (a ModelProto, not modified, an .onnx path, or an onnx-graphsurgeon `Graph`), rotate every
+    provable residual stream, and verify the result against `model` unless told not to."""
+    options = options or RotateOptions()
+    options.fold_options()  # bad options are refused before the model is read
+    model = from_graphsurgeon(model)
+    start = time.perf_counter()
+    folded, rotator, rotation = _fold_and_plan(model, options, name)
+    seconds = {"fold": time.perf_counter() - start}
+    start = time.perf_counter()
+    matrices = {}
+    for index, stream in enumerate(rotation.rotatable):
+        assert stream.width is not None  # a stream without a static width is refused
+        matrix, matrices[stream.name] = rotation_matrix(stream.width, options.rotation, options.rotation_seed + index)
+        rotator.rotate_stream(stream, matrix, str(index))
+    RemoveUnusedNodesPass()(rotator.ctx.model)
+    rotator.ctx.graph.sort()
+    metadata = {
+        "normpass.version": __version__,
+        "normpass.rotated": f"{len(rotation.rotatable)} of {len(rotation.streams)} residual streams rotated",
+        "normpass.rotations": "; ".join(f"{stream}: {what}" for stream, what in matrices.items()),
+    }
+    rotated = export_model(rotator.ctx.model, rotator.docs, metadata)
+    seconds["rotate"] = time.perf_counter() - start
+    done = f"{len(rotation.rotatable)} of {len(rotation.streams)} residual streams rotated"
+    before = structure(Path(model) if isinstance(model, (str, os.PathLike)) else model)
+    comparison = checked(model, rotated, before, options, name, done, ("rotate", "rotated"), seconds)
+    return RotateResult(
+        rotated,
+        folded.plan,
+        comparison,
+        folded.affine_notes,
+        seconds,
+        modified=folded.modified or bool(rotation.rotatable),
+        emitted=folded.emitted,
+        rotation=rotation,
+        matrices=matrices,
+    )

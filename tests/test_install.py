@@ -1,0 +1,100 @@
+"""normpass without PyTorch: the ONNX path never imports it, and what needs it says which extra to install.
+
+The first tests run normpass in a subprocess where `import torch` fails (`sys.modules["torch"] =
+None`). The last installs the built wheel alone into a fresh virtual environment and uses it
+there; it needs the wheel's path in `NORMPASS_WHEEL` (`.ci/run` builds the wheel and sets it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+WITHOUT_TORCH = "import sys; sys.modules['torch'] = None; "  # then `import torch` raises ModuleNotFoundError
+CLI = "from normpass.cli.main import main; sys.exit(main(sys.argv[1:]))"
+TORCH_EXTRA = "pip install 'normpass[torch]'"
+
+
+def pre_ln_stack(path: Path) -> Path:
+    """A 1-layer fp32 pre-LN transformer (3 LayerNorms, external weights) by tools/synthetic_stack.py (NumPy, onnx)."""
+    subprocess.run(
+        [sys.executable, str(TOOLS / "synthetic_stack.py"), str(path), "--params", "5e3", "--dtype", "float32"]
+        + ["--hidden", "16", "--heads", "2", "--vocab", "48"],
+        check=True,
+        capture_output=True,
+    )
+    return path
+
+
+def without_torch(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH + code, *args], capture_output=True, text=True)
+
+
+def test_the_torch_api_without_torch_is_one_line_naming_the_extra():
+    for code in ("import normpass; normpass.fold", "from normpass import inspect", "import normpass.torch.api"):
+        run = without_torch(code)
+        assert run.returncode == 1
+        last = run.stderr.strip().splitlines()[-1]
+        assert last.startswith("normpass.errors.MissingExtraError: ") and last.endswith(TORCH_EXTRA), run.stderr
+    run = without_torch("import normpass\ntry:\n    normpass.fold\nexcept ImportError as e:\n    print(e)")
+    assert run.returncode == 0 and run.stdout.strip().endswith(TORCH_EXTRA)
+
+
+def test_the_cli_without_torch_folds_onnx_and_refuses_torch_input_in_one_line(tmp_path):
+    model = pre_ln_stack(tmp_path / "stack.onnx")
+    run = without_torch(CLI, "fold", str(model), "-o", str(tmp_path / "out.onnx"))
+    assert run.returncode == 0, run.stderr
+    assert "2 of 3 norms folded into RMSNorm" in run.stdout
+    for flags, extra in ((["--torch", "package.module:factory"], TORCH_EXTRA), (["--builtin", "gpt2"], "[models]")):
+        run = without_torch(CLI, "fold", *flags, "-o", str(tmp_path / "torch.onnx"))
+        assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert run.stderr.startswith("normpass fold: error: ") and extra in run.stderr
+    assert not (tmp_path / "torch.onnx").exists()
+
+
+WHEEL = os.environ.get("NORMPASS_WHEEL")
+
+
+@pytest.mark.skipif(not WHEEL, reason="set NORMPASS_WHEEL to a built wheel to test it in a fresh venv (.ci/run does)")
+def test_the_wheel_alone_installs_without_torch_and_folds_an_onnx_file(tmp_path):
+    wheel = Path(str(WHEEL))
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert {name.split("/")[0] for name in names} == {
+        "normpass",
+        f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info",
+    }
+    assert "normpass/py.typed" in names and "normpass/models/data/sentences.txt" in names
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python, normpass = venv / "bin" / "python", venv / "bin" / "normpass"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    installed = subprocess.run([str(python), "-m", "pip", "list", "--format", "json"], capture_output=True, text=True)
+    packages = {p["name"].lower() for p in json.loads(installed.stdout)}
+    assert {"normpass", "onnx", "onnxruntime", "onnx-ir", "numpy", "networkx"} <= packages
+    assert not {p for p in packages if p == "torch" or p.startswith(("nvidia", "triton"))}
+
+    model = pre_ln_stack(tmp_path / "stack.onnx")
+    report = tmp_path / "report.json"
+    run = subprocess.run(
+        [str(normpass), "fold", str(model), "-o", str(tmp_path / "out.onnx"), "--report", str(report)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    folded = json.loads(report.read_text())
+    assert (folded["folded"], folded["total"], folded["verified"]) == (2, 3, True)
+
+    run = subprocess.run(
+        [str(normpass), "fold", "--torch", "m:f", "-o", str(tmp_path / "t.onnx")], capture_output=True, text=True
+    )
+    assert run.returncode == 2 and run.stderr.strip().endswith(TORCH_EXTRA), run.stderr
+    run = subprocess.run([str(python), "-c", "import normpass; normpass.fold"], capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].endswith(TORCH_EXTRA), run.stderr
