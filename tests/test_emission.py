@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 import pytest
@@ -167,6 +169,7 @@ def residual_model(dtype: str, gen) -> onnx.ModelProto:
         W2=randn(gen, D, 5),
         c2=randn(gen, 5),
     )
+    arrays: dict[str, Any] = {name: values.astype(np_type) for name, values in weights.items()}
     return build(
         f"""{HEADER}
 agraph ({dtype}[B, {S}, 6] x) => ({dtype}[B, {S}, 5] y) {{
@@ -179,7 +182,7 @@ agraph ({dtype}[B, {S}, 6] x) => ({dtype}[B, {S}, 5] y) {{
   m2 = MatMul(n2, W2)
   y = Add(m2, c2)
 }}""",
-        **{name: values.astype(np_type) for name, values in weights.items()},
+        **arrays,
     )
 
 

@@ -145,7 +145,7 @@ def _fractions(text: str) -> tuple[float, float, float]:
         raise InputError(f"--split {text!r}: expected three fractions FIT,VAL,TEST, e.g. 0.5,0.25,0.25") from None
     if len(parts) != 3:
         raise InputError(f"--split {text!r}: expected three fractions FIT,VAL,TEST, e.g. 0.5,0.25,0.25")
-    return parts  # type: ignore[return-value]
+    return parts[0], parts[1], parts[2]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -528,7 +528,7 @@ class BudgetMissed(VerificationError):
     `model` is the refused model, for inspection (tools measure it); never the pass's result.
     """
 
-    def __init__(self, report: ReplaceReport, message: str, model: object = None):
+    def __init__(self, report: ReplaceReport, message: str, model: Any = None):
         super().__init__(message)
         self.report = report
         self.model = model

@@ -53,7 +53,7 @@ from .frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_valu
 from .passes import in_memory_proto
 from .rewrite import Rewriter, new_value, rms_nodes
 from .targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
-from .values import take_over
+from .values import name_of, take_over
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 
@@ -162,6 +162,8 @@ class Emitter(Rewriter):
         """Replace `norm` by `surrogate` in the graph (see the module docstring)."""
         match = norm.ref
         width = width_of(self.ctx.shapes, norm)
+        axis = norm.axis
+        assert width is not None and axis is not None, f"{norm.name}: candidates have one axis of known width"
         dtype = self._dtype(match.x)
         emission = Emission()
         x, y = match.x, match.y
@@ -196,9 +198,9 @@ class Emitter(Rewriter):
                     f"shifted:{norm.name}",
                     lambda b: (b.astype(np.float64) - shift).reshape(b.shape).astype(b.dtype),
                 )
-                self._note(holder.name, f"absorbed the calibrated shift of {norm.name}")
-                emission.shift = f"migrated into {holder.name}"
-                emission.changed.append(holder.name)
+                self._note(name_of(holder), f"absorbed the calibrated shift of {norm.name}")
+                emission.shift = f"migrated into {name_of(holder)}"
+                emission.changed.append(name_of(holder))
             else:
                 current = add("Sub", [current, self._const(f"{norm.name}.shift", shift.astype(dtype))], "shift")
                 emission.shift = "Sub"
@@ -222,7 +224,7 @@ class Emitter(Rewriter):
                     current,
                     scale_const,
                     out,
-                    norm.axis,
+                    axis,
                     float(surrogate.epsilon),
                     dtype,
                 )
@@ -268,7 +270,7 @@ class Emitter(Rewriter):
         if not nodes and y.name in self.graph_outputs:
             current = add("Identity", [current], "identity")  # an identity surrogate on a graph output
         for node in nodes:
-            self._note(node.name, doc)
+            self._note(name_of(node), doc)
         if nodes:  # where the norm was: the graph stays topologically sorted
             self.graph.insert_before(match.nodes[0], nodes)
             take_over(y, current)
@@ -313,9 +315,9 @@ def light_model(
         value.const_value = None
         graph.inputs.append(value)
     if extra_outputs:
-        values = {v.name: v for v in graph_values(graph)}
+        by_name = {v.name: v for v in graph_values(graph)}
         for name, dtype in extra_outputs.items():
-            value = values[name]
+            value = by_name[name]
             if value.type is None:
                 value.type = ir.TensorType(ir.DataType.from_numpy(np.dtype(dtype)))
             if value not in graph.outputs:

@@ -162,10 +162,10 @@ def fold(
         start = time.perf_counter()
         _verify(model, folded, args, kwargs, report)
         seconds["verify"] = time.perf_counter() - start
-        if not report.comparison.passed:
-            raise VerificationError(
-                f"{name}: folded module does not match the original: {report.comparison.failures()}"
-            )
+        comparison = report.comparison
+        assert comparison is not None  # set by _verify
+        if not comparison.passed:
+            raise VerificationError(f"{name}: folded module does not match the original: {comparison.failures()}")
     return folded, report
 
 
@@ -258,4 +258,6 @@ def export_onnx(module: nn.Module, example_inputs: tuple, path, dynamic_shapes=N
             f"torch.onnx.export failed on the folded module: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}"
         ) from e
+    if program is None:
+        raise UnsupportedModelError("torch.onnx.export returned no ONNX program for the folded module")
     save_onnx_atomic(program.model_proto, path)

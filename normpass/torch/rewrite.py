@@ -33,6 +33,7 @@ from torch import nn
 from ..core.algebra import centre, migrate_affine
 from ..core.analysis import ShiftChecker
 from ..core.plan import Blocker, Centring, FoldPlan, NormDecision
+from ..core.rules import Linear
 from .capture import Attr
 from .fx import NodeRef, NormSite, TorchGraph, to_numpy
 from .targets import BiasTarget, claim_residual, migration_targets
@@ -54,7 +55,9 @@ class RMSNormWithBias(nn.RMSNorm):
 
 def _edits_of(tg: TorchGraph, centring: Centring) -> list[tuple[str, str, int | None]] | str:
     """(node, constant, axis) reads that `centring` edits, or why it cannot be done on a module."""
+    reads: list[tuple[str, str, int | None]]
     if centring.input_index is not None:
+        assert centring.tensor is not None  # a constant's centring names it
         reads = [(centring.node, centring.tensor, centring.axis)]
     else:
         linear = tg.zmg.nodes[centring.node].ref.linear
@@ -73,6 +76,7 @@ def _harmless(tg: TorchGraph, checker: ShiftChecker, node: str, tensor: str, axi
     linear = znode.ref.linear if isinstance(znode.ref, NodeRef) else None
     if linear is None or (tensor, axis) not in ((linear.weight, linear.out_axis), (linear.bias, linear.bias_axis)):
         return f"it is also read by {node}, which centring it would change"
+    assert isinstance(znode.rule, Linear)  # the node of a linear layer
     blocker = checker.removed(znode.outputs[0], znode.rule.axis)
     return None if blocker is None else f"it is also read by {node}, where centring is unsafe: {blocker.reason}"
 
@@ -143,8 +147,9 @@ def _planned_edits(tg: TorchGraph, decisions: list[NormDecision], decline):
         if failed:
             decline(decision, decision.name, failed)
             continue
-        for node, tensor, axis in (read for reads in planned for read in reads):
+        for node, tensor, axis in (read for reads in planned if not isinstance(reads, str) for read in reads):
             attr = tg.attr(node, tensor)
+            assert attr is not None  # checked by _edits_of
             edits.setdefault(attr, {})[(node, tensor)] = axis
             needs.setdefault(attr, set()).add(decision.name)
     return edits, needs
@@ -178,6 +183,12 @@ class _Editor:
 
     def get(self, attr: Attr) -> torch.Tensor | None:
         return getattr(self.module.get_submodule(attr.module), attr.name)
+
+    def parameter(self, attr: Attr) -> torch.Tensor:
+        """The tensor at `attr`, which must be set."""
+        tensor = self.get(attr)
+        assert tensor is not None, f"{attr} is a parameter or buffer"
+        return tensor
 
     def set(self, attr: Attr, values: np.ndarray) -> None:
         owner = self.module.get_submodule(attr.module)
@@ -216,7 +227,7 @@ def _wide(tensor: torch.Tensor) -> np.ndarray:
 
 def add_to_bias(editor: _Editor, attr: Attr, values: np.ndarray) -> None:
     """attr += values (float64 arithmetic, rounded once to the parameter's dtype)."""
-    current = editor.get(attr)
+    current = editor.parameter(attr)
     editor.set(attr, (_wide(current) + values).reshape(tuple(current.shape)))
 
 
@@ -233,14 +244,17 @@ def move_affine(tg: TorchGraph, editor: _Editor, targets: list, gamma, beta) -> 
             continue
         linear = target.ref.linear
         weight_attr = tg.attr(target.name, linear.weight)
+        assert weight_attr is not None, f"{target.name}'s weight is a parameter (checked by migration_targets)"
         bias_attr = None if linear.bias is None else tg.attr(target.name, linear.bias)
-        bias = None if bias_attr is None else _wide(editor.get(bias_attr))
-        new_weight, new_bias = migrate_affine(_wide(editor.get(weight_attr)), bias, gamma, beta, linear.in_axis)
+        bias = None if bias_attr is None else _wide(editor.parameter(bias_attr))
+        new_weight, new_bias = migrate_affine(_wide(editor.parameter(weight_attr)), bias, gamma, beta, linear.in_axis)
         editor.set(weight_attr, new_weight)
-        if bias_attr is not None:
+        if new_bias is not None and bias_attr is not None:
             editor.set(bias_attr, new_bias)
         elif new_bias is not None:
-            editor.add_bias(editor.module.get_submodule(weight_attr.module), new_bias)
+            owner = editor.module.get_submodule(weight_attr.module)
+            assert isinstance(owner, nn.Linear), f"{weight_attr.module} gains a bias: an nn.Linear"
+            editor.add_bias(owner, new_bias)
         changed.append(target.name)
     return changed
 
@@ -250,6 +264,7 @@ def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, full, beta_only)
     norm = tg.zmg.norm_by_name(norm_name)
     path = norm.ref.module
     layer_norm = editor.module.get_submodule(path)
+    assert isinstance(layer_norm, nn.LayerNorm), f"{path} was captured as an nn.LayerNorm"
     gamma, beta = layer_norm.weight, layer_norm.bias
     shape, eps = layer_norm.normalized_shape, layer_norm.eps
     like = {} if gamma is None else {"dtype": gamma.dtype, "device": gamma.device}
@@ -300,10 +315,14 @@ def apply(
         targets[norm.name] = (full, beta_only)
     axes: dict[Attr, int | None] = {}
     for centring in plan.centrings:
-        for node, tensor, axis in _edits_of(tg, centring):
-            axes[tg.attr(node, tensor)] = axis
+        edits = _edits_of(tg, centring)
+        assert not isinstance(edits, str), f"restrict() checked the centring of {centring.node}: {edits}"
+        for node, tensor, axis in edits:
+            attr = tg.attr(node, tensor)
+            assert attr is not None  # checked by _edits_of
+            axes[attr] = axis
     for attr, axis in axes.items():
-        editor.set(attr, centre(_wide(editor.get(attr)), axis))
+        editor.set(attr, centre(_wide(editor.parameter(attr)), axis))
     notes = {d.name: _swap_norm(tg, editor, d.name, *targets[d.name]) for d in plan.folded}
     editor.forget_hf_ties()
     return notes, editor.untied
