@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, missing_extra
 
 Batch = dict  # input name -> np.ndarray, axis 0 = samples
 TOKENIZER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -211,7 +211,7 @@ def tokenize(
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise InputError(f"{where}: reading text needs the tokenizers library: pip install tokenizers") from None
+        raise missing_extra(f"{where}: reading text", "the tokenizers library", "text") from None
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own exception type for malformed files
