@@ -172,6 +172,17 @@ def test_cli_refuses_mismatch_with_exit_1(gpt2_pair, tmp_path, capsys):
     assert "outputs differ" in capsys.readouterr().err
 
 
+def test_cli_times_a_model_within_an_explicit_bound(gpt2_pair, tmp_path, capsys):
+    wrong = _perturbed(gpt2_pair[1], tmp_path / "wrong.onnx")
+    args = ["bench", gpt2_pair[0], wrong, "--repeats", "1", "--seq", "8", "--no-progress", "--json"]
+    assert main([*args, str(tmp_path / "tight.json"), "--max-diff", "1e-6"]) == 1
+    assert "--max-diff" in capsys.readouterr().err and not (tmp_path / "tight.json").exists()
+    assert main([*args, str(tmp_path / "loose.json"), "--max-diff", "10"]) == 0
+    result = json.loads((tmp_path / "loose.json").read_text())["points"][0]["results"]["optimized"]
+    assert result["checked"] and result["bound"] == 10 and 1e-6 < result["max_rel_error"] <= 10
+    assert main([*args, str(tmp_path / "bad.json"), "--max-diff", "-1"]) == 2
+
+
 def test_cli_missing_model_exit_2(gpt2_pair, tmp_path, capsys):
     assert main(["bench", gpt2_pair[0], str(tmp_path / "nope.onnx")]) == 2
     assert "no such file" in capsys.readouterr().err

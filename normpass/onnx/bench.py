@@ -9,7 +9,9 @@ output allocation out), and then:
 
 1. one reference run per model; a candidate whose outputs differ from the baseline's (the first
    model) beyond the dtype's tolerance (`verify.REL_TOLERANCE`) is refused with
-   `VerificationError`, unless that model is marked `check=False` (a bound, not an equivalent);
+   `VerificationError`, unless that model carries its own `bound` on the relative error (a
+   surrogate model, which keeps an accuracy budget rather than the outputs) or is marked
+   `check=False` (a bound on speed, not an equivalent: every norm deleted);
 2. `warmup` untimed rounds, then `repeats` timed rounds (more if a time budget per point is
    given). A round runs every model once, in an order rotated every round, so drift in machine
    load (other processes, clock changes) hits all models alike instead of whichever ran last.
@@ -69,11 +71,16 @@ CSV_FIELDS = (
 
 @dataclass
 class Candidate:
-    """A model to time: `path` of an .onnx file (external data beside it), `check` against the baseline."""
+    """A model to time: `path` of an .onnx file (external data beside it), `check` against the baseline.
+
+    `bound`: the largest relative error against the baseline accepted instead of the dtype's
+    tolerance (models whose outputs differ by design, e.g. `normpass replace` outputs).
+    """
 
     label: str
     path: str
     check: bool = True
+    bound: float | None = None
     proto: onnx.ModelProto | None = field(default=None, repr=False)  # loaded once, without external data
 
     def graph(self) -> onnx.ModelProto:
@@ -337,12 +344,21 @@ def bench_point(
     checks = {}
     for candidate in candidates[1:]:
         comparison = compare_outputs(runners[base.label].outputs, runners[candidate.label].outputs, shapes)
-        if candidate.check and not comparison.passed:
+        if candidate.bound is None:
+            passed, failures = comparison.passed, comparison.failures()
+        else:
+            passed = comparison.max_rel_error <= candidate.bound
+            failures = f"relative error {comparison.max_rel_error:.3g} > the bound {candidate.bound:g}"
+        if candidate.check and not passed:
             raise VerificationError(
-                f"{candidate.path} at batch {batch}, seq {seq}: outputs differ from "
-                f"{base.path}: {comparison.failures()}; not comparing their speed"
+                f"{candidate.path} at batch {batch}, seq {seq}: outputs differ from {base.path}: {failures}; "
+                "not comparing their speed (a model that differs by design needs an explicit bound: Candidate.bound)"
             )
-        checks[candidate.label] = {"max_rel_error": comparison.max_rel_error, "checked": candidate.check}
+        checks[candidate.label] = {
+            "max_rel_error": comparison.max_rel_error,
+            "checked": candidate.check,
+            "bound": candidate.bound,
+        }
     results = summarize(interleave(runners, repeats, warmup, bar, budget_s), base.label)
     for label, check in checks.items():
         results[label] |= check
