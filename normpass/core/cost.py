@@ -50,6 +50,7 @@ class Emission:
     gamma: str = ""
     beta: str = ""
     changed: list[str] = field(default_factory=list)  # layers whose constants were rewritten
+    unfused_adds: int = 0  # Adds (counted in `ops`) that ran fused with the norm and now run alone
 
     @property
     def cost(self) -> float:
@@ -63,4 +64,5 @@ class Emission:
             "gamma": self.gamma,
             "beta": self.beta,
             "rewritten_layers": sorted(set(self.changed)),
+            "unfused_adds": self.unfused_adds,
         }

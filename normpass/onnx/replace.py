@@ -311,7 +311,9 @@ def replace_onnx(
             "normpass.surrogate.fit": ", ".join(f"{n}={s.kind}" for n, s in surrogates),
             "normpass.budget": str(p.search.budget),
         }
-        final = export_model(ctx, p.folded, {**p.docs, **emitter.docs}, properties)
+        final = export_model(
+            ctx, p.folded, {**p.docs, **emitter.docs}, properties, fuse_skip=bench.rms_op == "simplified"
+        )
         runner = Runner(final)
         return final, [runner.run(b, bench.output_names) for b in test], emissions, _count_ops(final)
 

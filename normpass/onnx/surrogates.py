@@ -30,6 +30,13 @@ does this for every remaining LayerNorm.
 Norms are those of the front end's zero-mean graph (`build_zero_mean_graph`), built once per
 working graph; the RMS core is the exact pass's `rms_nodes`.
 
+**Fusions ORT loses.** ONNX Runtime runs a LayerNormalization whose input is a residual `Add`
+(and that Add's bias `Add`) as one `SkipLayerNormalization` kernel. Removing the norm leaves those
+Adds to run alone, so they are priced into the emission (`Emission.unfused_adds`): a surrogate
+there costs at least one Add more than its own ops. An rms surrogate (`SimplifiedLayerNormalization`
+reading x) gets its Adds back: the final model fuses them into `SkipSimplifiedLayerNormalization`
+(`export_model(fuse_skip=True)`).
+
 `light_model` turns a working graph into a model whose large constants are graph inputs (fed at
 run time), so that an ONNX Runtime session per trial costs milliseconds instead of serialising
 every weight; `export_model` writes the final model with every weight in it. What an emission
@@ -50,6 +57,7 @@ from ..core.surrogates import NormSpec, Surrogate
 from .constants import constant_values
 from .export import export_model as annotate
 from .frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
+from .fuse import fuse_skip_rms, skip_fused_adds
 from .passes import in_memory_proto
 from .rewrite import Rewriter, new_value, rms_nodes
 from .targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
@@ -158,6 +166,13 @@ class Emitter(Rewriter):
 
     # surrogates
 
+    def _skip_fused_adds(self, norm: NormInfo) -> int:
+        """The Adds ORT would run inside this norm's SkipLayerNormalization (`fuse.skip_fused_adds`)."""
+        nodes = norm.ref.nodes
+        if len(nodes) != 1 or nodes[0].op_type != "LayerNormalization":
+            return 0
+        return skip_fused_adds(norm.ref.x, self.ctx.shapes, self.graph_outputs)
+
     def emit(self, norm: NormInfo, surrogate: Surrogate) -> Emission:
         """Replace `norm` by `surrogate` in the graph (see the module docstring)."""
         match = norm.ref
@@ -168,6 +183,7 @@ class Emitter(Rewriter):
         # decide on the original wiring, before the norm's nodes go
         target = shift_target(norm, width, self.graph_outputs) if surrogate.has_shift else None
         output = affine_plan(self.ctx, self.graph_outputs, y, width, needs_bias=True)
+        fused_adds = self._skip_fused_adds(norm)
         doc = f"{surrogate.kind} surrogate for {norm.name} ({norm.op})"
         nodes: list[ir.Node] = []
         current = x
@@ -264,6 +280,11 @@ class Emitter(Rewriter):
         for name in moved_to:
             self._note(name, f"absorbed {'γ/β' if output.full is not None else 'β'} of the {norm.name} surrogate")
 
+        refused = surrogate.kind == "rms" and self.rms_op == "simplified" and emission.shift != "Sub"
+        if fused_adds and not (refused and dtype in (np.float32, np.float16)):
+            emission.ops["Add"] += fused_adds  # they ran inside ORT's SkipLayerNormalization
+            emission.unfused_adds = fused_adds
+
         # the last emitted op's output takes y's place; with nothing emitted, y's readers read x
         if not nodes and y.name in self.graph_outputs:
             current = add("Identity", [current], "identity")  # an identity surrogate on a graph output
@@ -328,9 +349,16 @@ def light_model(
 
 
 def export_model(
-    ctx: OnnxGraph, source: onnx.ModelProto, docs: dict[str, str], properties: dict[str, str]
+    ctx: OnnxGraph, source: onnx.ModelProto, docs: dict[str, str], properties: dict[str, str], fuse_skip: bool = False
 ) -> onnx.ModelProto:
-    """The final model: every weight inside, `source`'s opsets and metadata plus `properties`."""
+    """The final model: every weight inside, `source`'s opsets and metadata plus `properties`.
+
+    `fuse_skip`: residual Adds before `SimplifiedLayerNormalization`s fused into ORT's
+    `SkipSimplifiedLayerNormalization` (`fuse.fuse_skip_rms`), which ORT's own optimizer does not
+    do: an rms surrogate then keeps the fusion the LayerNorm it replaces had.
+    """
     RemoveUnusedNodesPass()(ctx.model)
+    if fuse_skip:
+        fuse_skip_rms(ctx.model, ctx.shapes)
     ctx.graph.sort()
     return in_memory_proto(annotate(ctx.model, docs, properties))
