@@ -84,6 +84,7 @@ class ReplaceOptions:
     norms: tuple[str, ...] | None = None  # restrict the candidates to these norms
     migrate_affine: bool = True  # move c, γ and β into adjacent layers where exact
     rms_op: str = "simplified"  # ONNX: the op of exact folds and rms surrogates
+    provider: str | None = None  # ONNX: price ONNX Runtime's fusions on this provider (cpu, cuda)  [--provider]
     insert_centering: bool = True  # ONNX exact pass: may insert an explicit x − mean(x)
     reservoir: int = 8192  # tokens sampled per norm for least squares
     batch_size: int = 16
@@ -119,6 +120,8 @@ class ReplaceOptions:
             )
         if not 0 <= self.check < 1:
             raise InputError(f"check {self.check}: the share of validation held back must be in [0, 1)")
+        if self.provider not in (None, "cpu", "cuda"):
+            raise InputError(f"provider {self.provider!r}: choose cpu or cuda (or none: ops priced alone)")
         if self.target not in ("original", "local"):
             raise InputError(f"target {self.target!r}: choose original or local")
         only_cheaper = self.kind == "auto" if self.only_cheaper is None else self.only_cheaper

@@ -30,12 +30,14 @@ does this for every remaining LayerNorm.
 Norms are those of the front end's zero-mean graph (`build_zero_mean_graph`), built once per
 working graph; the RMS core is the exact pass's `rms_nodes`.
 
-**Fusions ORT loses.** ONNX Runtime runs a LayerNormalization whose input is a residual `Add`
-(and that Add's bias `Add`) as one `SkipLayerNormalization` kernel. Removing the norm leaves those
-Adds to run alone, so they are priced into the emission (`Emission.unfused_adds`): a surrogate
-there costs at least one Add more than its own ops. An rms surrogate (`SimplifiedLayerNormalization`
-reading x) gets its Adds back: the final model fuses them into `SkipSimplifiedLayerNormalization`
-(`export_model(fuse_skip=True)`).
+**Fusions** (priced for a `provider`, `ReplaceOptions.provider`). ONNX Runtime runs a
+LayerNormalization whose input is a residual `Add` (and that Add's bias `Add`) as one
+`SkipLayerNormalization` kernel, so that is the norm's cost (`norm_cost`; on the CPU provider that
+kernel is slower than the LayerNorm and Adds it fuses, docs/BENCHMARKS.md). Removing the norm
+leaves those Adds to run alone: they are priced into the emission (`Emission.unfused_adds`). An
+rms surrogate (`SimplifiedLayerNormalization` reading x) gets them back: the final model fuses
+them into `SkipSimplifiedLayerNormalization` (`export_model(fuse_skip=True)`, with or without a
+provider), which ORT's optimizer does not do.
 
 `light_model` turns a working graph into a model whose large constants are graph inputs (fed at
 run time), so that an ONNX Runtime session per trial costs milliseconds instead of serialising
@@ -66,13 +68,18 @@ from .values import take_over
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 
 
-def norm_cost(norm: NormInfo) -> float:
+def norm_cost(norm: NormInfo, fused_adds: int = 0, provider: str | None = None) -> float:
     """Estimated cost of the original norm (its ops), in LayerNorm units.
 
-    In a decomposed norm the ops right after a ReduceMean up to the reciprocal of the root
-    (Add(ε), Sqrt, Reciprocal, Casts) work on reduced tensors and cost ~0.
+    A LayerNorm that ORT fuses with its residual Add (`fused_adds` > 0, `Emitter.ort_fused_adds`)
+    runs as one SkipLayerNormalization: on the CPU provider a slow kernel (`OP_COST`); elsewhere
+    priced as the LayerNorm (the CUDA kernel is not measured). In a decomposed norm the ops right after a ReduceMean up
+    to the reciprocal of the root (Add(ε), Sqrt, Reciprocal, Casts) work on reduced tensors and
+    cost ~0.
     """
     nodes = norm.ref.nodes
+    if fused_adds and provider == "cpu":
+        return OP_COST["SkipLayerNormalization"]
     if len(nodes) == 1:
         return OP_COST.get(nodes[0].op_type, 1.0)
     total, reduced = 0.0, False
@@ -141,8 +148,9 @@ def shift_target(norm: NormInfo, width: int, graph_outputs: set[str]) -> tuple[i
 class Emitter(Rewriter):
     """Rewrites one working graph (norms from its zero-mean graph); `docs` collects per-node notes."""
 
-    def __init__(self, ctx: OnnxGraph, rms_op: str = "simplified"):
+    def __init__(self, ctx: OnnxGraph, rms_op: str = "simplified", provider: str | None = None):
         super().__init__(ctx, build_zero_mean_graph(ctx), rms_op)
+        self.provider = provider  # None: ORT's fusions are not priced
         self.graph = ctx.graph
         self.graph_outputs = self.zmg.graph_outputs
         self.norms = {norm.name: norm for norm in self.zmg.norms}
@@ -166,10 +174,11 @@ class Emitter(Rewriter):
 
     # surrogates
 
-    def _skip_fused_adds(self, norm: NormInfo) -> int:
-        """The Adds ORT would run inside this norm's SkipLayerNormalization (`fuse.skip_fused_adds`)."""
+    def ort_fused_adds(self, norm: NormInfo) -> int:
+        """The Adds ORT would run inside this norm's SkipLayerNormalization (`fuse.skip_fused_adds`);
+        0 when no provider is priced."""
         nodes = norm.ref.nodes
-        if len(nodes) != 1 or nodes[0].op_type != "LayerNormalization":
+        if self.provider is None or len(nodes) != 1 or nodes[0].op_type != "LayerNormalization":
             return 0
         return skip_fused_adds(norm.ref.x, self.ctx.shapes, self.graph_outputs)
 
@@ -183,7 +192,7 @@ class Emitter(Rewriter):
         # decide on the original wiring, before the norm's nodes go
         target = shift_target(norm, width, self.graph_outputs) if surrogate.has_shift else None
         output = affine_plan(self.ctx, self.graph_outputs, y, width, needs_bias=True)
-        fused_adds = self._skip_fused_adds(norm)
+        fused_adds = self.ort_fused_adds(norm)
         doc = f"{surrogate.kind} surrogate for {norm.name} ({norm.op})"
         nodes: list[ir.Node] = []
         current = x
@@ -281,7 +290,10 @@ class Emitter(Rewriter):
             self._note(name, f"absorbed {'γ/β' if output.full is not None else 'β'} of the {norm.name} surrogate")
 
         refused = surrogate.kind == "rms" and self.rms_op == "simplified" and emission.shift != "Sub"
-        if fused_adds and not (refused and dtype in (np.float32, np.float16)):
+        if fused_adds and refused and dtype == np.float32:  # export_model(fuse_skip=True) fuses them again
+            del emission.ops["SimplifiedLayerNormalization"]
+            emission.ops["SkipSimplifiedLayerNormalization"] += 1
+        elif fused_adds:
             emission.ops["Add"] += fused_adds  # they ran inside ORT's SkipLayerNormalization
             emission.unfused_adds = fused_adds
 
