@@ -54,16 +54,13 @@ def skip_fused_adds(x: ir.Value, shapes: dict[str, tuple | None], graph_outputs:
     if not ort_fuses_into_skip_layer_norm(x, shapes, graph_outputs):
         return 0
     add = x.producer()
-    assert add is not None
-    shape = shapes[name_of(add.inputs[0])]
+    assert add is not None  # a residual Add (checked above)
+    shape = shapes.get(name_of(add.inputs[0]))
     for operand in add.inputs:
-        producer = operand.producer() if operand is not None else None
-        if (
-            producer is not None
-            and _bias_split(producer, shape, shapes) is not None
-            and len(operand.uses()) == 1
-            and operand.name not in graph_outputs
-        ):
+        if operand is None or shape is None or operand.name in graph_outputs or len(operand.uses()) != 1:
+            continue
+        producer = operand.producer()
+        if producer is not None and _bias_split(producer, shape, shapes) is not None:
             return 2
     return 1
 
