@@ -85,6 +85,15 @@ def test_unchecked_candidate_is_timed_and_its_error_reported(gpt2_pair, tmp_path
     assert not result["checked"] and result["max_rel_error"] > 1e-2
 
 
+def test_cpu_clock_times_runs_by_process_time(gpt2_pair):
+    candidates = [bench.Candidate("original", gpt2_pair[0]), bench.Candidate("folded", gpt2_pair[1])]
+    report = bench.run_benchmark(candidates, [(1, 8)], repeats=REPEATS, warmup=0, progress=False, clock="cpu")
+    assert report["settings"]["clock"] == "cpu"
+    assert all(t > 0 for r in report["points"][0]["results"].values() for t in r["runs_ms"])
+    with pytest.raises(InputError, match="clock"):
+        bench.run_benchmark(candidates, [(1, 8)], provider="cuda", clock="cpu", progress=False)
+
+
 def test_refuses_different_signatures(gpt2_pair, registry_export):
     candidates = [bench.Candidate("original", gpt2_pair[0]), bench.Candidate("vit", str(registry_export("vit")))]
     with pytest.raises(InputError, match="differ"):

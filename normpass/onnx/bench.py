@@ -16,7 +16,10 @@ output allocation out), and then:
    given). A round runs every model once, in an order rotated every round, so drift in machine
    load (other processes, clock changes) hits all models alike instead of whichever ran last.
 
-Per model: the median and quartiles of the run times. Per candidate: `ratio` = its median / the
+Run times are wall-clock (`clock="wall"`) or, on the CPU, the process's CPU time around each run
+(`clock="cpu"`: with one intra-op thread, time spent waiting for a core while other processes
+run is not counted, which makes a loaded machine's figures usable). Per model: the median and
+quartiles of the run times. Per candidate: `ratio` = its median / the
 baseline's median (below 1 is faster) and the quartiles of the per-round ratios, which show the
 noise: a ratio whose quartile range contains 1 is not a difference this run could resolve.
 
@@ -132,8 +135,9 @@ def open_session(
 class Runner:
     """One model in one session, inputs and outputs bound to the device once; `time_run` times one run."""
 
-    def __init__(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], provider: str):
+    def __init__(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], provider: str, clock: str = "wall"):
         self.session = session
+        self.clock = time.process_time if clock == "cpu" else time.perf_counter
         self.device = provider  # OrtValue device names are the provider keys: "cpu", "cuda"
         names = [o.name for o in session.get_outputs()]
         self.outputs = dict(zip(names, session.run(names, feeds), strict=False))  # the reference run
@@ -153,11 +157,11 @@ class Runner:
         bind(name, value)
 
     def time_run(self) -> float:
-        start = time.perf_counter()
+        start = self.clock()
         self.session.run_with_iobinding(self.binding)
         if self.device != "cpu":
             self.binding.synchronize_outputs()
-        return time.perf_counter() - start
+        return self.clock() - start
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -335,11 +339,12 @@ def bench_point(
     budget_s: float = 0.0,
     seed: int = 0,
     bar=None,
+    clock: str = "wall",
 ) -> dict:
     """Time every candidate at one point (see the module docstring); the first is the baseline."""
     feeds = make_feeds(candidates[0].graph(), batch, seq, seed)
     shapes = {k: list(v.shape) for k, v in feeds.items()}
-    runners = {c.label: Runner(open_session(c.path, provider, threads), feeds, provider) for c in candidates}
+    runners = {c.label: Runner(open_session(c.path, provider, threads), feeds, provider, clock) for c in candidates}
     base = candidates[0]
     checks = {}
     for candidate in candidates[1:]:
@@ -377,8 +382,11 @@ def run_benchmark(
     seed: int = 0,
     progress: bool = True,
     sweep: str | None = None,
+    clock: str = "wall",
 ) -> dict:
     """`bench_point` at every (batch, seq) point; returns the JSON report."""
+    if clock not in ("wall", "cpu") or (clock == "cpu" and provider != "cpu"):
+        raise InputError(f"clock {clock!r}: wall, or cpu (CPU time, with the cpu provider only)")
     if len(candidates) < 2:
         raise InputError("give at least two models: a baseline and a candidate")
     if repeats < 1 or warmup < 0:
@@ -402,6 +410,7 @@ def run_benchmark(
                     budget_s=budget_s,
                     seed=seed,
                     bar=bar,
+                    clock=clock,
                 )
             )
     finally:
@@ -417,6 +426,7 @@ def run_benchmark(
             "seed": seed,
             "sweep": sweep,
             "io_binding": True,
+            "clock": clock,
             "graph_optimization": "ORT_ENABLE_ALL",
             "load_average_before": list(load_before),
             "load_average_after": list(os.getloadavg()),
