@@ -444,6 +444,7 @@ def profile_ops(
     threads: int = 0,
     runs: int = 3,
     statistic: str = "mean",
+    config: dict[str, str] | None = None,
 ) -> dict[str, dict[str, float]]:
     """ORT's profiler: kernel milliseconds per run by op type, for each labelled model.
 
@@ -452,7 +453,7 @@ def profile_ops(
     whose events are dropped. `statistic` "mean" averages each node's kernel time over the runs;
     "min" takes each node's fastest run, then sums per op type: profiled durations are wall time,
     so on a loaded machine a kernel is preempted in some runs, and its fastest run is one that
-    was not.
+    was not. `config`: session config entries (e.g. `{"session.set_denormal_as_zero": "1"}`).
     """
     if statistic not in ("mean", "min"):
         raise InputError(f"statistic {statistic!r}: mean or min")
@@ -465,6 +466,8 @@ def profile_ops(
             options.log_severity_level = 3
             options.enable_profiling = True
             options.profile_file_prefix = os.path.join(tmp, f"profile-{len(sessions)}")
+            for key, value in (config or {}).items():
+                options.add_session_config_entry(key, value)
             sessions[label] = ort.InferenceSession(path, options, providers=[PROVIDERS[provider]])
         order = list(sessions)
         for round_index in range(runs + 1):
