@@ -491,8 +491,8 @@ def profile_ops(
                     durations[index] += event["dur"] / 1e3
             per_op: dict[str, float] = {}
             for (op, _), durations in per_node.items():
-                value = min(durations) if statistic == "min" else sum(durations) / runs
-                per_op[op] = per_op.get(op, 0.0) + value
+                ms = min(durations) if statistic == "min" else sum(durations) / runs
+                per_op[op] = per_op.get(op, 0.0) + ms
             result[label] = dict(sorted(per_op.items(), key=lambda item: -item[1]))
     return result
 
