@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             sweep=sweep,
         )
     except VerificationError as e:
-        raise VerificationError(f"{e}; give --max-diff REL to time it anyway") from e
+        raise VerificationError(str(e).replace("Candidate.bound", "--max-diff REL")) from e
     except _onnx_runtime_errors() as e:  # a model that loads but does not run: the input's fault
         raise InputError(
             f"{args.original}, {args.optimized}: ONNX Runtime cannot run them: {str(e).splitlines()[0]}; "
