@@ -85,6 +85,25 @@ def test_unchecked_candidate_is_timed_and_its_error_reported(gpt2_pair, tmp_path
     assert not result["checked"] and result["max_rel_error"] > 1e-2
 
 
+def test_cpu_clock_times_runs_by_process_time(gpt2_pair):
+    candidates = [bench.Candidate("original", gpt2_pair[0]), bench.Candidate("folded", gpt2_pair[1])]
+    report = bench.run_benchmark(candidates, [(1, 8)], repeats=REPEATS, warmup=0, progress=False, clock="cpu")
+    assert report["settings"]["clock"] == "cpu"
+    assert all(t > 0 for r in report["points"][0]["results"].values() for t in r["runs_ms"])
+    with pytest.raises(InputError, match="clock"):
+        bench.run_benchmark(candidates, [(1, 8)], provider="cuda", clock="cpu", progress=False)
+
+
+def test_profile_takes_each_nodes_fastest_run(gpt2_pair):
+    paths = {"original": gpt2_pair[0], "folded": gpt2_pair[1]}
+    feeds = bench.make_feeds(onnx.load(gpt2_pair[0], load_external_data=False), 1, 8)
+    fastest = bench.profile_ops(paths, feeds, threads=1, runs=3, statistic="min")
+    assert set(fastest) == set(paths) and fastest["original"]["MatMul"] > 0
+    assert "LayerNormalization" in fastest["original"] and "LayerNormalization" not in fastest["folded"]
+    with pytest.raises(InputError, match="statistic"):
+        bench.profile_ops(paths, feeds, statistic="median")
+
+
 def test_refuses_different_signatures(gpt2_pair, registry_export):
     candidates = [bench.Candidate("original", gpt2_pair[0]), bench.Candidate("vit", str(registry_export("vit")))]
     with pytest.raises(InputError, match="differ"):
@@ -170,6 +189,17 @@ def test_cli_refuses_mismatch_with_exit_1(gpt2_pair, tmp_path, capsys):
     wrong = _perturbed(gpt2_pair[1], tmp_path / "wrong.onnx")
     assert main(["bench", gpt2_pair[0], wrong, "--repeats", "1", "--seq", "8", "--no-progress"]) == 1
     assert "outputs differ" in capsys.readouterr().err
+
+
+def test_cli_times_a_model_within_an_explicit_bound(gpt2_pair, tmp_path, capsys):
+    wrong = _perturbed(gpt2_pair[1], tmp_path / "wrong.onnx")
+    args = ["bench", gpt2_pair[0], wrong, "--repeats", "1", "--seq", "8", "--no-progress", "--json"]
+    assert main([*args, str(tmp_path / "tight.json"), "--max-diff", "1e-6"]) == 1
+    assert "--max-diff" in capsys.readouterr().err and not (tmp_path / "tight.json").exists()
+    assert main([*args, str(tmp_path / "loose.json"), "--max-diff", "10"]) == 0
+    result = json.loads((tmp_path / "loose.json").read_text())["points"][0]["results"]["optimized"]
+    assert result["checked"] and result["bound"] == 10 and 1e-6 < result["max_rel_error"] <= 10
+    assert main([*args, str(tmp_path / "bad.json"), "--max-diff", "-1"]) == 2
 
 
 def test_cli_missing_model_exit_2(gpt2_pair, tmp_path, capsys):

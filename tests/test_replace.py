@@ -25,6 +25,7 @@ from conftest import build, check_structure, randn, run_ort
 
 from normpass.calibration import load_batches, split_batches
 from normpass.cli.main import main
+from normpass.core.cost import OP_COST
 from normpass.core.replace import BudgetMissed, ReplaceOptions
 from normpass.errors import InputError
 from normpass.onnx.replace import input_spec, replace_onnx
@@ -173,11 +174,46 @@ def test_a_shape_reader_of_the_norm_input_does_not_block_shift_and_centring(gen)
     assert row["input_centring"] == ["m1", "l1"] and row["emission"]["shift"] == "migrated into l1", row["emission"]
     check_structure(result.model)
     counts = collections.Counter(n.op_type for n in result.model.graph.node)
-    assert counts["SimplifiedLayerNormalization"] == 1 and counts["Sub"] == 0 and counts["Shape"] == 1
+    # the residual and bias Adds run inside the rms op, as ORT ran them inside SkipLayerNormalization
+    assert counts["SkipSimplifiedLayerNormalization"] == 1 and counts["SimplifiedLayerNormalization"] == 0
+    assert counts["Add"] == 1 and counts["Sub"] == 0 and counts["Shape"] == 1
     feeds = zero_mean_rows(32)
     reference, replaced = run_ort(model, feeds)["out"], run_ort(result.model, feeds)["out"]
     cos = np.sum(reference * replaced, -1) / np.linalg.norm(reference, axis=-1) / np.linalg.norm(replaced, axis=-1)
     assert cos.min() > 0.99
+
+
+def test_no_surrogate_is_emitted_that_costs_more_than_its_norm(gen):
+    # POST_LN: ORT runs the norm fused with its residual and bias Adds (SkipLayerNormalization)
+    weights = dict(W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), g=1 + randn(gen, 8, scale=0.2))
+    weights |= dict(bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8, scale=0.3), b2=randn(gen, 8))
+    model = build(POST_LN, **weights)
+    calibration = {"a": randn(gen, 96, 8)}
+    # ops priced alone: DyT (Mul α, Tanh; γ, β migrate into W2) costs 1.1 LayerNorms: the norm is kept
+    kept = replace_onnx(model, calibration, ReplaceOptions(kind="dyt", budget="cos=0.01", **FAST))
+    (row,) = kept.report.to_json()["norms"]
+    assert row["decision"] == "kept" and row["reason"].startswith("no surrogate pays: the cheapest, dyt, would cost")
+    assert row["candidates"][0]["cost"] > row["original_cost"] == 1.0 and row["candidates"][0]["alone"] is None
+    assert collections.Counter(n.op_type for n in kept.model.graph.node)["LayerNormalization"] == 1
+    # priced for ORT's CPU provider: the norm is a SkipLayerNormalization, DyT plus its two unfused Adds pays
+    options = ReplaceOptions(kind="dyt", budget="cos=0.01", provider="cpu", **FAST)
+    replaced = replace_onnx(model, calibration, options)
+    (row,) = replaced.report.to_json()["norms"]
+    assert row["decision"] == "replaced" and row["original_cost"] == OP_COST["SkipLayerNormalization"]
+    emission = row["emission"]
+    assert emission["ops"] == {"Mul": 1, "Tanh": 1, "Add": 2} and emission["unfused_adds"] == 2
+    assert emission["cost"] < row["original_cost"] and emission["gamma"].startswith("migrated")
+    check_structure(replaced.model)
+    counts = collections.Counter(n.op_type for n in replaced.model.graph.node)
+    assert counts["LayerNormalization"] == 0 and counts["Tanh"] == 1 and counts["Mul"] == 1 and counts["Add"] == 3
+    # numerics: ONNX Runtime computes the fitted DyT, y = γ tanh(α (x − c)) + β, in place of the norm
+    dyt = replaced.report.surrogates[row["name"]]
+    feeds = {"a": randn(gen, 16, 8)}
+    a = feeds["a"].astype(np.float64)
+    expected = dyt(a @ weights["W1"] + weights["b1"] + a) @ weights["W2"] + weights["b2"]
+    np.testing.assert_allclose(run_ort(replaced.model, feeds)["out"], expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(InputError, match="provider"):
+        replace_onnx(model, calibration, ReplaceOptions(provider="tpu", **FAST))
 
 
 def test_cli_writes_model_and_report_and_leaves_the_input_alone(bert, tmp_path, capsys):
@@ -293,7 +329,13 @@ def test_minilm_rms_surrogates_hold_the_budget_on_held_out_sentences(minilm):
     holdout = module.batches(sentences[200:232], batch_size=16)
     wanted = ("node_layer_norm_1", "node_layer_norm_3", "node_layer_norm_5")
     options = ReplaceOptions(
-        kind="rms", budget="cos=0.999", holdout=holdout, split=(0.6, 0.4, 0.0), norms=wanted, orders=("input",)
+        kind="rms",
+        budget="cos=0.999",
+        holdout=holdout,
+        split=(0.6, 0.4, 0.0),
+        norms=wanted,
+        orders=("input",),
+        provider="cpu",
     )
     result = replace_onnx(model, calib, options, name="minilm")
     report = result.report.to_json()
@@ -301,10 +343,16 @@ def test_minilm_rms_surrogates_hold_the_budget_on_held_out_sentences(minilm):
     assert report["test"]["cos_min"] >= 0.999 and report["samples"]["test"] == 32
     replaced = [n for n in report["norms"] if n["decision"] == "replaced"]
     for norm in replaced:  # c into the dense bias, β into Q/K/V or FFN biases and across the residual Add
-        assert norm["emission"]["ops"] == {"SimplifiedLayerNormalization": 1}
+        # the residual and bias Adds ORT fused into SkipLayerNormalization are fused again, into the rms op
+        assert norm["emission"]["ops"] == {"SkipSimplifiedLayerNormalization": 1}
+        assert norm["original_cost"] == OP_COST["SkipLayerNormalization"]
+        assert norm["emission"]["cost"] == OP_COST["SkipSimplifiedLayerNormalization"]
         assert norm["emission"]["shift"].startswith("migrated") and norm["emission"]["beta"].startswith("migrated")
         assert norm["input_centring"]
     check_structure(result.model)
+    counts = collections.Counter(n.op_type for n in result.model.graph.node)
+    assert counts["SkipSimplifiedLayerNormalization"] == len(replaced)
+    assert counts["LayerNormalization"] == module.EXPECTED_NORMS - 1 - len(replaced)
 
 
 # --- calibration text --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from conftest import build, check_structure, initializers, op_counts, randn, run
 
 from normpass.core.analysis import prove, safe_centrings
 from normpass.core.budget import Budget, Metrics, compare
+from normpass.core.cost import OP_COST
 from normpass.core.plan import Centring
 from normpass.core.stats import Reservoir, Welford, token_rows
 from normpass.core.surrogates import (
@@ -238,9 +239,9 @@ def _surrogate(kind, gen) -> Surrogate:
     return Surrogate("derf", gamma, beta, shift=-0.25, alpha=0.6, extra={"s": 0.15})
 
 
-def _emit(model, kind, gen, rms_op="simplified"):
+def _emit(model, kind, gen, rms_op="simplified", provider="cpu"):
     ctx = load_graph(model)
-    emitter = Emitter(ctx, rms_op)
+    emitter = Emitter(ctx, rms_op, provider)
     norm = next(iter(emitter.norms.values()))
     surrogate = _surrogate(kind, gen)
     emission = emitter.emit(norm, surrogate)
@@ -278,13 +279,26 @@ def test_emission_in_a_post_ln_block_is_exact(gen, kind):
     np.testing.assert_array_equal(b3, (w["b3"].astype(np.float64) + surrogate.beta).astype(np.float32))
     np.testing.assert_array_equal(new["Wq"], w["Wq"])  # γ stays, so Wq is not copied
     assert ops["Add"] == 5  # the model's own five; no Add for β
+    # ORT ran the residual and bias Adds inside the norm's SkipLayerNormalization: they are priced in,
+    # except for rms, whose final export fuses them into SkipSimplifiedLayerNormalization again
     expected = {
-        "rms": {"SimplifiedLayerNormalization": 1},
-        "affine": {"Mul": 1},
-        "dyt": {"Mul": 2, "Tanh": 1},
-        "derf": {"Mul": 2, "Erf": 1},
+        "rms": {"SkipSimplifiedLayerNormalization": 1},
+        "affine": {"Mul": 1, "Add": 2},
+        "dyt": {"Mul": 2, "Tanh": 1, "Add": 2},
+        "derf": {"Mul": 2, "Erf": 1, "Add": 2},
     }[kind]
-    assert dict(emission.ops) == expected
+    assert dict(emission.ops) == expected and emission.unfused_adds == (0 if kind == "rms" else 2)
+    assert emission.cost < OP_COST["SkipLayerNormalization"]
+    alone = _emit(model, kind, np.random.default_rng(0), provider=None)[2]  # no provider: ops priced alone
+    assert (
+        dict(alone.ops)
+        == {
+            "rms": {"SimplifiedLayerNormalization": 1},
+            "affine": {"Mul": 1},
+            "dyt": {"Mul": 2, "Tanh": 1},
+            "derf": {"Mul": 2, "Erf": 1},
+        }[kind]
+    )
     if kind == "rms":
         rms = next(n for n in out.graph.node if n.op_type == "SimplifiedLayerNormalization")
         np.testing.assert_array_equal(new[rms.input[1]], surrogate.gamma.astype(np.float32))
@@ -302,7 +316,8 @@ def test_affine_fully_migrates_into_linear_consumers(gen):
     model = build(LINEAR_ONLY, **w)
     out, surrogate, emission = _emit(model, "affine", gen)
     check_structure(out)
-    assert emission.cost == 0 and not emission.ops
+    # nothing is emitted: what is left are the residual and bias Adds ORT fused into the norm
+    assert dict(emission.ops) == {"Add": 2} and emission.unfused_adds == 2 and emission.cost == 2 * OP_COST["Add"]
     assert collections.Counter(n.op_type for n in out.graph.node) == collections.Counter({"MatMul": 3, "Add": 4})
     new = initializers(out)
     for name in ("q", "k"):
@@ -355,8 +370,10 @@ def test_input_centring_is_exact_and_removes_the_linear_mean(gen):
 @pytest.mark.parametrize(
     "text, ops",
     [
-        (BLOCK, {"Mul": 2, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1}),  # γ stays: the chain's last Mul
-        (LINEAR_ONLY, {"Mul": 1, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1}),  # γ/β migrate: it ends at the Div
+        # γ stays: the chain's last Mul (and the Adds ORT fused into the norm run alone)
+        (BLOCK, {"Mul": 2, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1, "Add": 2}),
+        # γ/β migrate: it ends at the Div
+        (LINEAR_ONLY, {"Mul": 1, "ReduceMean": 1, "Add(ε)": 1, "Sqrt": 1, "Div": 1, "Add": 2}),
     ],
 )
 def test_decomposed_rms_core_is_the_exact_pass_chain(gen, text, ops):

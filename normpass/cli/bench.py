@@ -2,7 +2,8 @@
 
 Interleaved runs after warm-up at one point (`--batch`, `--seq`) or along a sweep
 (`--sweep seq=64,256,1024`); medians and the ratio per point (see `normpass.onnx.bench`). Refuses
-(exit 1) when the two models' outputs differ beyond the dtype's tolerance.
+(exit 1) when the two models' outputs differ beyond the dtype's tolerance, unless `--max-diff REL`
+bounds the relative error explicitly (a `normpass replace` output keeps a budget, not the outputs).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import InputError
+from ..errors import InputError, VerificationError
 from ..io import check_paths, load_onnx, model_files, replacing, write_text_atomic
 
 
@@ -39,6 +40,14 @@ def add_parser(sub) -> None:
         help="time per point: short points get more than --repeats runs (default 0: --repeats only)",
     )
     parser.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (default 0: ORT's choice)")
+    parser.add_argument(
+        "--max-diff",
+        type=float,
+        metavar="REL",
+        help="time OPTIMIZED even though its outputs differ, if its max relative error against ORIGINAL "
+        "is at most REL (e.g. 0.05 for a normpass replace output); default: refuse any difference "
+        "beyond the dtype's tolerance",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     parser.add_argument("--json", metavar="PATH", help="write the full report (every run time) as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write one row per point and model as CSV")
@@ -66,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         sweep, values = parse_sweep(args.sweep)
         points = [(v, args.seq) if sweep == "batch" else (args.batch, v) for v in values]
-    candidates = [Candidate("original", args.original), Candidate("optimized", args.optimized)]
+    if args.max_diff is not None and not args.max_diff >= 0:
+        raise InputError(f"--max-diff {args.max_diff}: give a relative error >= 0")
+    candidates = [Candidate("original", args.original), Candidate("optimized", args.optimized, bound=args.max_diff)]
     try:
         report = run_benchmark(
             candidates,
@@ -80,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             sweep=sweep,
         )
+    except VerificationError as e:
+        raise VerificationError(str(e).replace("Candidate.bound", "--max-diff REL")) from e
     except _onnx_runtime_errors() as e:  # a model that loads but does not run: the input's fault
         raise InputError(
             f"{args.original}, {args.optimized}: ONNX Runtime cannot run them: {str(e).splitlines()[0]}; "

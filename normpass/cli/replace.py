@@ -127,6 +127,13 @@ def add_parser(sub) -> None:
         "--rms-op", choices=RMS_OPS, default="simplified", help="RMS op for exact folds and rms surrogates"
     )
     parser.add_argument(
+        "--provider",
+        choices=("cpu", "cuda"),
+        help="price what ONNX Runtime runs on this execution provider: a LayerNorm it fuses with its residual "
+        "Add (SkipLayerNormalization; a slow kernel on cpu) and the Adds a surrogate leaves unfused there "
+        "(default: ops priced alone)",
+    )
+    parser.add_argument(
         "--mask-input", metavar="NAME", help="attention-mask input (default: the rank-2 input named *mask*)"
     )
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch for .npz data (default 16)")
@@ -175,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         insert_centering=not args.no_insert_centering,
         norms=tuple(args.norm) if args.norm else None,
         rms_op=args.rms_op,
+        provider=args.provider,
         batch_size=args.batch_size,
         tokenizer=args.tokenizer,
         max_length=args.max_length,

@@ -14,8 +14,15 @@ from dataclasses import dataclass, field
 # each, interleaved: LN 5.5 ms, SimplifiedLayerNormalization 3.0, Add/Sub/Mul 2.4–2.7,
 # Tanh 3.1, Erf 7.3). Memory-bound elementwise ops cost about half a LayerNorm each, so an
 # affine that keeps both a Mul and an Add saves nothing. Ops on reduced tensors cost ~0.
+#
+# Fused norms (ONNX Runtime 1.32, CPU, one thread, all-MiniLM-L6-v2 at 1×128 and 8×128 tokens, the
+# profiler's kernel times, docs/BENCHMARKS.md): SkipLayerNormalization, the LayerNorm that ORT
+# fuses with its residual and bias Adds, costs 7.6 LayerNorms — three times the LayerNorm and
+# the two Adds it replaces; SkipSimplifiedLayerNormalization costs 1.5–1.8.
 OP_COST = {
     "LayerNormalization": 1.0,
+    "SkipLayerNormalization": 7.5,
+    "SkipSimplifiedLayerNormalization": 1.6,
     "SimplifiedLayerNormalization": 0.55,
     "RMSNormalization": 0.55,
     "Add": 0.5,
@@ -50,6 +57,7 @@ class Emission:
     gamma: str = ""
     beta: str = ""
     changed: list[str] = field(default_factory=list)  # layers whose constants were rewritten
+    unfused_adds: int = 0  # Adds (counted in `ops`) that ran fused with the norm and now run alone
 
     @property
     def cost(self) -> float:
@@ -63,4 +71,5 @@ class Emission:
             "gamma": self.gamma,
             "beta": self.beta,
             "rewritten_layers": sorted(set(self.changed)),
+            "unfused_adds": self.unfused_adds,
         }

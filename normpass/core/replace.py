@@ -9,8 +9,9 @@ surrogates, run on calibration batches (collecting each norm's input, or the out
    (every greedy decision), *check* (the back-off, below) and *test* (the final figures and the
    gate) — or test comes from a separate holdout. No split decides what another measures.
 2. **Candidates.** Per norm and allowed kind a surrogate is fitted (`core/surrogates.py`); its
-   emission says what it costs (`core/cost.py`). With `kind="auto"` only candidates cheaper than
-   the norm they replace are fitted.
+   emission says what it costs (`core/cost.py`). The cost rule (`pays`): no candidate whose
+   emission costs more than the norm it replaces is used, whatever the kind asked for (the norm is
+   kept and the report says why); with `kind="auto"` (`only_cheaper`) it must cost less.
 3. **Sequential calibration** (DaMN, seed 000 App. C): a replaced norm is fitted on statistics
    collected with every earlier (topologically upstream) replacement in place; a state is a set of
    (norm, kind), always rebuilt and recalibrated in topological order, so the model judged is the
@@ -83,6 +84,7 @@ class ReplaceOptions:
     norms: tuple[str, ...] | None = None  # restrict the candidates to these norms
     migrate_affine: bool = True  # move c, γ and β into adjacent layers where exact
     rms_op: str = "simplified"  # ONNX: the op of exact folds and rms surrogates
+    provider: str | None = None  # ONNX: price ONNX Runtime's fusions on this provider (cpu, cuda)  [--provider]
     insert_centering: bool = True  # ONNX exact pass: may insert an explicit x − mean(x)
     reservoir: int = 8192  # tokens sampled per norm for least squares
     batch_size: int = 16
@@ -118,6 +120,8 @@ class ReplaceOptions:
             )
         if not 0 <= self.check < 1:
             raise InputError(f"check {self.check}: the share of validation held back must be in [0, 1)")
+        if self.provider not in (None, "cpu", "cuda"):
+            raise InputError(f"provider {self.provider!r}: choose cpu or cuda (or none: ops priced alone)")
         if self.target not in ("original", "local"):
             raise InputError(f"target {self.target!r}: choose original or local")
         only_cheaper = self.kind == "auto" if self.only_cheaper is None else self.only_cheaper
@@ -394,6 +398,12 @@ class OrderResult:
         }
 
 
+def pays(cost: float, own: float, only_cheaper: bool) -> bool:
+    """The cost rule: a surrogate whose emission costs more than the norm it replaces is never
+    emitted (the norm is kept); with `only_cheaper` it must cost less."""
+    return cost < own if only_cheaper else cost <= own
+
+
 def candidate_pool(search: Search, kinds: tuple[str, ...], only_cheaper: bool) -> dict[str, list[Candidate]]:
     """Every allowed (norm, kind) alone on the model: its damage on select, cost and fit error."""
     pool: dict[str, list[Candidate]] = {}
@@ -405,10 +415,13 @@ def candidate_pool(search: Search, kinds: tuple[str, ...], only_cheaper: bool) -
                 continue
             candidate = Candidate(norm.name, kind)
             candidate.cost = search.structural_cost(norm.name, kind)
-            if only_cheaper and candidate.cost >= own:
-                found.append(candidate)  # not fitted: it could not save anything
+            if not pays(candidate.cost, own, only_cheaper):
+                found.append(candidate)  # not fitted: it would cost more (or, only_cheaper, not less)
                 continue
             candidate.cost = search.emission(norm.name, kind).cost
+            if not pays(candidate.cost, own, only_cheaper):
+                found.append(candidate)  # fitted, but its emission with these parameters does not pay
+                continue
             candidate.fit_error = search.surrogate(norm.name, kind, ()).fit_error
             candidate.alone = search.evaluate(((norm.name, kind),))
             candidate.usage = search.budget.usage(candidate.alone)
@@ -681,7 +694,7 @@ def _report(
                     "cost": c.cost,
                     "fit_error": c.fit_error,
                     "alone": None if c.alone is None else {**c.alone.to_json(), "budget_used": c.usage},
-                    "skipped": None if c.alone is not None else "not cheaper than the norm it would replace",
+                    "skipped": None if c.alone is not None else _unpaid(c.cost, own),
                 }
                 for c in pool.get(name, [])
             ]
@@ -743,10 +756,22 @@ def _report(
     }
 
 
+def _unpaid(cost: float, own: float) -> str:
+    return (
+        f"would cost {cost:.2f} where the norm costs {own:.2f} "
+        f"({'more' if cost > own else 'no less'}; LayerNorm units, core/cost.py)"
+    )
+
+
 def _kept_reason(search: Search, selection: Selection, pool, name: str, state: tuple) -> str:
     usable = _usable(pool, name)
     if not usable:
-        return "no surrogate kind is cheaper than this norm" if pool.get(name) else "no applicable surrogate"
+        if not pool.get(name):
+            return "no applicable surrogate"
+        cheapest = min(pool[name], key=lambda c: c.cost)
+        return (
+            f"no surrogate pays: the cheapest, {cheapest.kind}, {_unpaid(cheapest.cost, search.bench.norm_cost(name))}"
+        )
     if all(c.usage > search.margin for c in usable):
         return "every surrogate alone already breaks the budget on the selection split"
     if name in dict(selection.chosen.greedy) and state != selection.chosen.greedy:

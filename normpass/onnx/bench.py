@@ -9,12 +9,17 @@ output allocation out), and then:
 
 1. one reference run per model; a candidate whose outputs differ from the baseline's (the first
    model) beyond the dtype's tolerance (`verify.REL_TOLERANCE`) is refused with
-   `VerificationError`, unless that model is marked `check=False` (a bound, not an equivalent);
+   `VerificationError`, unless that model carries its own `bound` on the relative error (a
+   surrogate model, which keeps an accuracy budget rather than the outputs) or is marked
+   `check=False` (a bound on speed, not an equivalent: every norm deleted);
 2. `warmup` untimed rounds, then `repeats` timed rounds (more if a time budget per point is
    given). A round runs every model once, in an order rotated every round, so drift in machine
    load (other processes, clock changes) hits all models alike instead of whichever ran last.
 
-Per model: the median and quartiles of the run times. Per candidate: `ratio` = its median / the
+Run times are wall-clock (`clock="wall"`) or, on the CPU, the process's CPU time around each run
+(`clock="cpu"`: with one intra-op thread, time spent waiting for a core while other processes
+run is not counted, which makes a loaded machine's figures usable). Per model: the median and
+quartiles of the run times. Per candidate: `ratio` = its median / the
 baseline's median (below 1 is faster) and the quartiles of the per-round ratios, which show the
 noise: a ratio whose quartile range contains 1 is not a difference this run could resolve.
 
@@ -69,11 +74,16 @@ CSV_FIELDS = (
 
 @dataclass
 class Candidate:
-    """A model to time: `path` of an .onnx file (external data beside it), `check` against the baseline."""
+    """A model to time: `path` of an .onnx file (external data beside it), `check` against the baseline.
+
+    `bound`: the largest relative error against the baseline accepted instead of the dtype's
+    tolerance (models whose outputs differ by design, e.g. `normpass replace` outputs).
+    """
 
     label: str
     path: str
     check: bool = True
+    bound: float | None = None
     proto: onnx.ModelProto | None = field(default=None, repr=False)  # loaded once, without external data
 
     def graph(self) -> onnx.ModelProto:
@@ -125,8 +135,9 @@ def open_session(
 class Runner:
     """One model in one session, inputs and outputs bound to the device once; `time_run` times one run."""
 
-    def __init__(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], provider: str):
+    def __init__(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], provider: str, clock: str = "wall"):
         self.session = session
+        self.clock = time.process_time if clock == "cpu" else time.perf_counter
         self.device = provider  # OrtValue device names are the provider keys: "cpu", "cuda"
         names = [o.name for o in session.get_outputs()]
         self.outputs = dict(zip(names, session.run(names, feeds), strict=False))  # the reference run
@@ -146,11 +157,11 @@ class Runner:
         bind(name, value)
 
     def time_run(self) -> float:
-        start = time.perf_counter()
+        start = self.clock()
         self.session.run_with_iobinding(self.binding)
         if self.device != "cpu":
             self.binding.synchronize_outputs()
-        return time.perf_counter() - start
+        return self.clock() - start
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -328,21 +339,31 @@ def bench_point(
     budget_s: float = 0.0,
     seed: int = 0,
     bar=None,
+    clock: str = "wall",
 ) -> dict:
     """Time every candidate at one point (see the module docstring); the first is the baseline."""
     feeds = make_feeds(candidates[0].graph(), batch, seq, seed)
     shapes = {k: list(v.shape) for k, v in feeds.items()}
-    runners = {c.label: Runner(open_session(c.path, provider, threads), feeds, provider) for c in candidates}
+    runners = {c.label: Runner(open_session(c.path, provider, threads), feeds, provider, clock) for c in candidates}
     base = candidates[0]
     checks = {}
     for candidate in candidates[1:]:
         comparison = compare_outputs(runners[base.label].outputs, runners[candidate.label].outputs, shapes)
-        if candidate.check and not comparison.passed:
+        if candidate.bound is None:
+            passed, failures = comparison.passed, comparison.failures()
+        else:
+            passed = comparison.max_rel_error <= candidate.bound
+            failures = f"relative error {comparison.max_rel_error:.3g} > the bound {candidate.bound:g}"
+        if candidate.check and not passed:
             raise VerificationError(
-                f"{candidate.path} at batch {batch}, seq {seq}: outputs differ from "
-                f"{base.path}: {comparison.failures()}; not comparing their speed"
+                f"{candidate.path} at batch {batch}, seq {seq}: outputs differ from {base.path}: {failures}; "
+                "not comparing their speed (a model that differs by design needs an explicit bound: Candidate.bound)"
             )
-        checks[candidate.label] = {"max_rel_error": comparison.max_rel_error, "checked": candidate.check}
+        checks[candidate.label] = {
+            "max_rel_error": comparison.max_rel_error,
+            "checked": candidate.check,
+            "bound": candidate.bound,
+        }
     results = summarize(interleave(runners, repeats, warmup, bar, budget_s), base.label)
     for label, check in checks.items():
         results[label] |= check
@@ -361,8 +382,11 @@ def run_benchmark(
     seed: int = 0,
     progress: bool = True,
     sweep: str | None = None,
+    clock: str = "wall",
 ) -> dict:
     """`bench_point` at every (batch, seq) point; returns the JSON report."""
+    if clock not in ("wall", "cpu") or (clock == "cpu" and provider != "cpu"):
+        raise InputError(f"clock {clock!r}: wall, or cpu (CPU time, with the cpu provider only)")
     if len(candidates) < 2:
         raise InputError("give at least two models: a baseline and a candidate")
     if repeats < 1 or warmup < 0:
@@ -386,6 +410,7 @@ def run_benchmark(
                     budget_s=budget_s,
                     seed=seed,
                     bar=bar,
+                    clock=clock,
                 )
             )
     finally:
@@ -401,6 +426,7 @@ def run_benchmark(
             "seed": seed,
             "sweep": sweep,
             "io_binding": True,
+            "clock": clock,
             "graph_optimization": "ORT_ENABLE_ALL",
             "load_average_before": list(load_before),
             "load_average_after": list(os.getloadavg()),
@@ -412,14 +438,25 @@ def run_benchmark(
 
 
 def profile_ops(
-    paths: dict[str, str], feeds: dict[str, np.ndarray], provider: str = "cpu", threads: int = 0, runs: int = 3
+    paths: dict[str, str],
+    feeds: dict[str, np.ndarray],
+    provider: str = "cpu",
+    threads: int = 0,
+    runs: int = 3,
+    statistic: str = "mean",
+    config: dict[str, str] | None = None,
 ) -> dict[str, dict[str, float]]:
     """ORT's profiler: kernel milliseconds per run by op type, for each labelled model.
 
     Less sensitive to other load on the machine than wall time, since it counts only the time
     inside each kernel. The models run in interleaved rounds; the first run of each is a warm-up
-    whose events are dropped.
+    whose events are dropped. `statistic` "mean" averages each node's kernel time over the runs;
+    "min" takes each node's fastest run, then sums per op type: profiled durations are wall time,
+    so on a loaded machine a kernel is preempted in some runs, and its fastest run is one that
+    was not. `config`: session config entries (e.g. `{"session.set_denormal_as_zero": "1"}`).
     """
+    if statistic not in ("mean", "min"):
+        raise InputError(f"statistic {statistic!r}: mean or min")
     sessions: dict[str, ort.InferenceSession] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, path in paths.items():
@@ -429,6 +466,8 @@ def profile_ops(
             options.log_severity_level = 3
             options.enable_profiling = True
             options.profile_file_prefix = os.path.join(tmp, f"profile-{len(sessions)}")
+            for key, value in (config or {}).items():
+                options.add_session_config_entry(key, value)
             sessions[label] = ort.InferenceSession(path, options, providers=[PROVIDERS[provider]])
         order = list(sessions)
         for round_index in range(runs + 1):
@@ -439,13 +478,21 @@ def profile_ops(
         for label, sess in sessions.items():
             with open(sess.end_profiling()) as handle:
                 events = json.load(handle)
-            first = min((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
-            warm_up_end = first["ts"] + first["dur"]
-            per_op: dict[str, float] = {}
+            model_runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])[1:]
+            per_node: dict[tuple[str, str], list[float]] = {}  # (op, node) → ms in each timed run
             for event in events:
-                if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] > warm_up_end:
-                    op = event["args"]["op_name"]
-                    per_op[op] = per_op.get(op, 0.0) + event["dur"] / 1e3 / runs
+                if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
+                    continue
+                index = next(
+                    (i for i, r in enumerate(model_runs) if r["ts"] <= event["ts"] <= r["ts"] + r["dur"]), None
+                )
+                if index is not None:
+                    durations = per_node.setdefault((event["args"]["op_name"], event["name"]), [0.0] * runs)
+                    durations[index] += event["dur"] / 1e3
+            per_op: dict[str, float] = {}
+            for (op, _), durations in per_node.items():
+                ms = min(durations) if statistic == "min" else sum(durations) / runs
+                per_op[op] = per_op.get(op, 0.0) + ms
             result[label] = dict(sorted(per_op.items(), key=lambda item: -item[1]))
     return result
 

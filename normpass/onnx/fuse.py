@@ -44,6 +44,27 @@ def ort_fuses_into_skip_layer_norm(x: ir.Value, shapes: dict[str, tuple | None],
     )
 
 
+def skip_fused_adds(x: ir.Value, shapes: dict[str, tuple | None], graph_outputs: set[str]) -> int:
+    """How many `Add`s ORT runs inside the SkipLayerNormalization of the LayerNorm reading `x`.
+
+    The residual `Add(a, b)` when `ort_fuses_into_skip_layer_norm`, and a linear layer's bias
+    `Add(t, c)` writing a or b (read by nothing else), which its fusion takes as the bias input.
+    Removing the norm leaves these Adds to run on their own; 0 when ORT fuses nothing there.
+    """
+    if not ort_fuses_into_skip_layer_norm(x, shapes, graph_outputs):
+        return 0
+    add = x.producer()
+    assert add is not None  # a residual Add (checked above)
+    shape = shapes.get(name_of(add.inputs[0]))
+    for operand in add.inputs:
+        if operand is None or shape is None or operand.name in graph_outputs or len(operand.uses()) != 1:
+            continue
+        producer = operand.producer()
+        if producer is not None and _bias_split(producer, shape, shapes) is not None:
+            return 2
+    return 1
+
+
 def _is_constant(value: ir.Value) -> bool:
     """An initializer (overridable ones too) or a `Constant` node's output."""
     producer = value.producer()

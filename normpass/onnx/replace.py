@@ -136,6 +136,8 @@ class OnnxBench:
         mask_input: str | None,
         output_names: list[str],
         rms_op: str,
+        provider: str | None,
+        fused_adds: dict[str, int],
     ):
         self.base, self.shapes, self.dtypes, self.name = base, shapes, dtypes, name
         self.norms = norms
@@ -145,6 +147,8 @@ class OnnxBench:
         self.mask_input = mask_input
         self.output_names = output_names
         self.rms_op = rms_op
+        self.fused_adds = fused_adds
+        self.provider = provider
         self.weights: dict[str, np.ndarray] = {}  # values of untouched large weights, converted once
 
     def spec(self, norm: str) -> NormSpec:
@@ -154,12 +158,12 @@ class OnnxBench:
         return self.widths[norm]
 
     def norm_cost(self, norm: str) -> float:
-        return norm_cost(self.by_name[norm])
+        return norm_cost(self.by_name[norm], self.fused_adds[norm], self.provider)
 
     def build(self, surrogates: list[tuple[str, Surrogate]]):
         """A working graph of the base with `surrogates` emitted: (graph, emitter, emissions)."""
         ctx = open_graph(self.base, self.shapes, self.name, self.dtypes)
-        emitter = Emitter(ctx, self.rms_op)
+        emitter = Emitter(ctx, self.rms_op, self.provider)
         emissions = {norm: emitter.emit(emitter.norms[norm], surrogate) for norm, surrogate in surrogates}
         return ctx, emitter, emissions
 
@@ -241,7 +245,7 @@ def prepare(
     original = build_zero_mean_graph(load_graph(model, name)).norms
     unfolded = {n.output for n in original if n.name not in exact}
     ctx = load_graph(folded.model, name)
-    emitter = Emitter(ctx, options.rms_op)
+    emitter = Emitter(ctx, options.rms_op, options.provider)
     norms = [n for n in emitter.norms.values() if n.output in unfolded]
     candidates, declined = eligible(
         name, norms, exact, options, kinds, lambda n: width_of(ctx.shapes, n), front_end_reason
@@ -273,7 +277,19 @@ def prepare(
                 "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model"
             )
 
-    bench = OnnxBench(base, ctx.shapes, ctx.dtypes, name, candidates, mask_input, reference.outputs, options.rms_op)
+    fused_adds = {n.name: emitter.ort_fused_adds(n) for n in candidates}
+    bench = OnnxBench(
+        base,
+        ctx.shapes,
+        ctx.dtypes,
+        name,
+        candidates,
+        mask_input,
+        reference.outputs,
+        options.rms_op,
+        options.provider,
+        fused_adds,
+    )
     frame = Frame(name, "onnx", [(n.name, n.op) for n in original], exact, declined, centred, kinds, _count_ops(model))
     return Prepared(
         Search(bench, splits, budget, options), frame, bench, folded.model, emitter.docs, kinds, only_cheaper, started
@@ -311,7 +327,9 @@ def replace_onnx(
             "normpass.surrogate.fit": ", ".join(f"{n}={s.kind}" for n, s in surrogates),
             "normpass.budget": str(p.search.budget),
         }
-        final = export_model(ctx, p.folded, {**p.docs, **emitter.docs}, properties)
+        final = export_model(
+            ctx, p.folded, {**p.docs, **emitter.docs}, properties, fuse_skip=bench.rms_op == "simplified"
+        )
         runner = Runner(final)
         return final, [runner.run(b, bench.output_names) for b in test], emissions, _count_ops(final)
 

@@ -30,6 +30,15 @@ does this for every remaining LayerNorm.
 Norms are those of the front end's zero-mean graph (`build_zero_mean_graph`), built once per
 working graph; the RMS core is the exact pass's `rms_nodes`.
 
+**Fusions** (priced for a `provider`, `ReplaceOptions.provider`). ONNX Runtime runs a
+LayerNormalization whose input is a residual `Add` (and that Add's bias `Add`) as one
+`SkipLayerNormalization` kernel, so that is the norm's cost (`norm_cost`; on the CPU provider that
+kernel is slower than the LayerNorm and Adds it fuses, docs/BENCHMARKS.md). Removing the norm
+leaves those Adds to run alone: they are priced into the emission (`Emission.unfused_adds`). An
+rms surrogate (`SimplifiedLayerNormalization` reading x) gets them back: the final model fuses
+them into `SkipSimplifiedLayerNormalization` (`export_model(fuse_skip=True)`, with or without a
+provider), which ORT's optimizer does not do.
+
 `light_model` turns a working graph into a model whose large constants are graph inputs (fed at
 run time), so that an ONNX Runtime session per trial costs milliseconds instead of serialising
 every weight; `export_model` writes the final model with every weight in it. What an emission
@@ -50,6 +59,7 @@ from ..core.surrogates import NormSpec, Surrogate
 from .constants import constant_values
 from .export import export_model as annotate
 from .frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
+from .fuse import fuse_skip_rms, skip_fused_adds
 from .passes import in_memory_proto
 from .rewrite import Rewriter, new_value, rms_nodes
 from .targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
@@ -58,13 +68,18 @@ from .values import name_of, take_over
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 
 
-def norm_cost(norm: NormInfo) -> float:
+def norm_cost(norm: NormInfo, fused_adds: int = 0, provider: str | None = None) -> float:
     """Estimated cost of the original norm (its ops), in LayerNorm units.
 
-    In a decomposed norm the ops right after a ReduceMean up to the reciprocal of the root
-    (Add(ε), Sqrt, Reciprocal, Casts) work on reduced tensors and cost ~0.
+    A LayerNorm that ORT fuses with its residual Add (`fused_adds` > 0, `Emitter.ort_fused_adds`)
+    runs as one SkipLayerNormalization: on the CPU provider a slow kernel (`OP_COST`); elsewhere
+    priced as the LayerNorm (the CUDA kernel is not measured). In a decomposed norm the ops right after a ReduceMean up
+    to the reciprocal of the root (Add(ε), Sqrt, Reciprocal, Casts) work on reduced tensors and
+    cost ~0.
     """
     nodes = norm.ref.nodes
+    if fused_adds and provider == "cpu":
+        return OP_COST["SkipLayerNormalization"]
     if len(nodes) == 1:
         return OP_COST.get(nodes[0].op_type, 1.0)
     total, reduced = 0.0, False
@@ -133,8 +148,9 @@ def shift_target(norm: NormInfo, width: int, graph_outputs: set[str]) -> tuple[i
 class Emitter(Rewriter):
     """Rewrites one working graph (norms from its zero-mean graph); `docs` collects per-node notes."""
 
-    def __init__(self, ctx: OnnxGraph, rms_op: str = "simplified"):
+    def __init__(self, ctx: OnnxGraph, rms_op: str = "simplified", provider: str | None = None):
         super().__init__(ctx, build_zero_mean_graph(ctx), rms_op)
+        self.provider = provider  # None: ORT's fusions are not priced
         self.graph = ctx.graph
         self.graph_outputs = self.zmg.graph_outputs
         self.norms = {norm.name: norm for norm in self.zmg.norms}
@@ -158,6 +174,14 @@ class Emitter(Rewriter):
 
     # surrogates
 
+    def ort_fused_adds(self, norm: NormInfo) -> int:
+        """The Adds ORT would run inside this norm's SkipLayerNormalization (`fuse.skip_fused_adds`);
+        0 when no provider is priced."""
+        nodes = norm.ref.nodes
+        if self.provider is None or len(nodes) != 1 or nodes[0].op_type != "LayerNormalization":
+            return 0
+        return skip_fused_adds(norm.ref.x, self.ctx.shapes, self.graph_outputs)
+
     def emit(self, norm: NormInfo, surrogate: Surrogate) -> Emission:
         """Replace `norm` by `surrogate` in the graph (see the module docstring)."""
         match = norm.ref
@@ -170,6 +194,7 @@ class Emitter(Rewriter):
         # decide on the original wiring, before the norm's nodes go
         target = shift_target(norm, width, self.graph_outputs) if surrogate.has_shift else None
         output = affine_plan(self.ctx, self.graph_outputs, y, width, needs_bias=True)
+        fused_adds = self.ort_fused_adds(norm)
         doc = f"{surrogate.kind} surrogate for {norm.name} ({norm.op})"
         nodes: list[ir.Node] = []
         current = x
@@ -266,6 +291,14 @@ class Emitter(Rewriter):
         for name in moved_to:
             self._note(name, f"absorbed {'γ/β' if output.full is not None else 'β'} of the {norm.name} surrogate")
 
+        refused = surrogate.kind == "rms" and self.rms_op == "simplified" and emission.shift != "Sub"
+        if fused_adds and refused and dtype == np.float32:  # export_model(fuse_skip=True) fuses them again
+            del emission.ops["SimplifiedLayerNormalization"]
+            emission.ops["SkipSimplifiedLayerNormalization"] += 1
+        elif fused_adds:
+            emission.ops["Add"] += fused_adds  # they ran inside ORT's SkipLayerNormalization
+            emission.unfused_adds = fused_adds
+
         # the last emitted op's output takes y's place; with nothing emitted, y's readers read x
         if not nodes and y.name in self.graph_outputs:
             current = add("Identity", [current], "identity")  # an identity surrogate on a graph output
@@ -330,9 +363,16 @@ def light_model(
 
 
 def export_model(
-    ctx: OnnxGraph, source: onnx.ModelProto, docs: dict[str, str], properties: dict[str, str]
+    ctx: OnnxGraph, source: onnx.ModelProto, docs: dict[str, str], properties: dict[str, str], fuse_skip: bool = False
 ) -> onnx.ModelProto:
-    """The final model: every weight inside, `source`'s opsets and metadata plus `properties`."""
+    """The final model: every weight inside, `source`'s opsets and metadata plus `properties`.
+
+    `fuse_skip`: residual Adds before `SimplifiedLayerNormalization`s fused into ORT's
+    `SkipSimplifiedLayerNormalization` (`fuse.fuse_skip_rms`), which ORT's own optimizer does not
+    do: an rms surrogate then keeps the fusion the LayerNorm it replaces had.
+    """
     RemoveUnusedNodesPass()(ctx.model)
+    if fuse_skip:
+        fuse_skip_rms(ctx.model, ctx.shapes)
     ctx.graph.sort()
     return in_memory_proto(annotate(ctx.model, docs, properties))
