@@ -233,13 +233,19 @@ def surrogate_markdown(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _point(shape: str) -> tuple[int, int]:
+    """ "8x128" → (8, 128): batch and sequence length."""
+    batch, _, seq = shape.partition("x")
+    return int(batch), int(seq)
+
+
 def run_surrogates(args: argparse.Namespace) -> None:
     extra: dict[str, dict[str, pathlib.Path]] = collections.defaultdict(dict)  # model → label → path
     for spec in args.distilled:
         target, path = spec.split("=", 1)
         name, _, label = target.partition(":")
         extra[name][label or "distilled"] = pathlib.Path(path)
-    points = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
+    points = [_point(shape) for shape in args.shapes]
     reports = []
     for name in args.models:
         start = time.time()
