@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 
 import numpy as np
 import onnx
@@ -257,5 +258,7 @@ def test_bad_torch_calibration_is_refused_with_a_reason(bert):
         normpass.replace(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).eval(), [(nan,)] * 2, OPTIONS)
     with pytest.raises(InputError, match="do not fit"):
         normpass.replace(module, [(torch.zeros(8, 4, dtype=torch.long), torch.zeros(1))], OPTIONS)
+    with pytest.raises(InputError, match="provider prices ONNX Runtime's fusions"):
+        normpass.replace(module, [(torch.zeros(8, 4, dtype=torch.long),)], dataclasses.replace(OPTIONS, provider="cpu"))
     counts = collections.Counter(type(m).__name__ for m in module.modules())
     assert counts["LayerNorm"] == 5  # still the user's module

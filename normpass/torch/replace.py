@@ -419,6 +419,11 @@ def prepare(module: nn.Module, calibration, options: ReplaceOptions | None = Non
     """Data, the `base`, the original's outputs, and the core's `Search`."""
     options = options or ReplaceOptions()
     budget, kinds, only_cheaper = options.checked()
+    if options.provider is not None:
+        raise InputError(
+            "provider prices ONNX Runtime's fusions in an ONNX graph, which a module does not have: "
+            "leave it unset, or export the module and use replace_onnx"
+        )
     name = name or type(module).__name__
     _arguments(module, (), None)  # an nn.Module in eval mode
     started = time.perf_counter()
