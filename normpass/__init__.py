@@ -45,7 +45,6 @@ TORCH_API = {
     "distill": "distill",
     "DistillOptions": "distill",
     "DistillReport": "distill",
-    "DistillMissed": "distill",
 }
 
 
@@ -61,7 +60,6 @@ __all__ = [
     "Affine",
     "BudgetMissed",
     "Derf",
-    "DistillMissed",
     "DistillOptions",
     "DistillReport",
     "DyT",

@@ -34,10 +34,10 @@ import numpy as np
 import onnx
 import torch
 
-from normpass import __version__
+from normpass import BudgetMissed, __version__
 from normpass.core.budget import compare
 from normpass.models import minilm, text
-from normpass.torch.distill import DistillMissed, DistillOptions, distill
+from normpass.torch.distill import DistillOptions, distill
 
 NORM_OPS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "ReduceMean")
 
@@ -114,7 +114,8 @@ def main(argv=None) -> int:
         try:
             student, report = distill(module, str(calibration), options, name="all-MiniLM-L6-v2")
             data = report.to_json()
-        except DistillMissed as e:
+        except BudgetMissed as e:  # measured all the same: the figures say by how much
+            assert isinstance(e.model, torch.nn.Module)
             student, data = e.model, e.report.to_json()
         distilled_wall, distilled_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         figures = {

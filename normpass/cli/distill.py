@@ -12,15 +12,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
 
 from ..core.budget import Budget
+from ..core.replace import BudgetMissed
 from ..errors import InputError, VerificationError
 from ..io import calibration_files, check_paths, save_onnx_atomic, write_text_atomic
 from ..onnx.verify import compare_outputs
 from ..onnx.verify import run as run_onnx
 from .fold import _factory_file
-from .replace import _fractions, add_calibration_arguments
+from .replace import _fractions, add_calibration_arguments, calibration_options
 
 DEFAULT_BUDGET = "cos=0.99"
 ONNX_REFUSAL = (
@@ -103,12 +103,7 @@ def _options(args: argparse.Namespace):
         eval_every=args.eval_every,
         margin=args.margin,
         time_limit=args.time_limit,
-        batch_size=args.batch_size,
-        tokenizer=args.tokenizer,
-        max_length=args.max_length,
-        mask_input=args.mask_input,
-        seed=args.seed,
-        progress=sys.stderr.isatty() if args.progress is None else args.progress,
+        **calibration_options(args),
     )
     try:
         options.budget = Budget.parse(str(options.budget))
@@ -157,13 +152,13 @@ def run(args: argparse.Namespace) -> int:
     out = check_paths(inputs_files, {"-o": args.output, "--report": args.report})["-o"]
     options = _options(args)
     from ..torch.api import load_factory, to_onnx
-    from ..torch.distill import DistillMissed, distill
+    from ..torch.distill import distill
 
     label = f"torch:{args.torch}"
     module, inputs = load_factory(args.torch)
     try:
         student, report = distill(module, args.calib, options, name=label)
-    except DistillMissed as e:
+    except BudgetMissed as e:
         if args.report:
             write_text_atomic(json.dumps({"output": None, **e.report.to_json()}, indent=2) + "\n", args.report)
         raise

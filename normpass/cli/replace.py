@@ -151,6 +151,18 @@ def add_calibration_arguments(
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress")
 
 
+def calibration_options(args: argparse.Namespace) -> dict:
+    """The options `add_calibration_arguments` sets that `ReplaceOptions` and `DistillOptions` share."""
+    return {
+        "batch_size": args.batch_size,
+        "tokenizer": args.tokenizer,
+        "max_length": args.max_length,
+        "mask_input": args.mask_input,
+        "seed": args.seed,
+        "progress": sys.stderr.isatty() if args.progress is None else args.progress,
+    }
+
+
 def _fractions(text: str) -> tuple[float, float, float]:
     try:
         parts = tuple(float(p) for p in text.split(","))
@@ -188,13 +200,8 @@ def run(args: argparse.Namespace) -> int:
         insert_centering=not args.no_insert_centering,
         norms=tuple(args.norm) if args.norm else None,
         rms_op=args.rms_op,
-        batch_size=args.batch_size,
-        tokenizer=args.tokenizer,
-        max_length=args.max_length,
         samples=args.samples,
-        mask_input=args.mask_input,
-        seed=args.seed,
-        progress=sys.stderr.isatty() if args.progress is None else args.progress,
+        **calibration_options(args),
     )
     try:
         options.budget = options.checked()[0]

@@ -36,7 +36,7 @@ The original module is the teacher, the calibration inputs are the data; there a
    `Surrogate` and are emitted into the trained module by `torch/replace.emit`, as `replace`
    writes them (c, γ, β migrated into adjacent layers where exact); the result is verified
    against the unmigrated student (fp32 rounding only).
-7. **Gate** on test: the emitted student against the original. A miss raises `DistillMissed`,
+7. **Gate** on test: the emitted student against the original. A miss raises `BudgetMissed`,
    which carries the report (and the student, for inspection).
 
 Seeded: the splits, the batch order and the initial state follow `seed`; the same seed on the
@@ -59,7 +59,7 @@ from torch.utils import _pytree as pytree
 from .. import __version__
 from ..calibration import Batch, sample_count
 from ..core.budget import Budget, Metrics
-from ..core.replace import Candidate, ReplaceOptions, Search, candidate_pool
+from ..core.replace import BudgetMissed, Candidate, ReplaceOptions, ReplaceReport, Search, candidate_pool
 from ..errors import InputError, VerificationError
 from ..onnx.verify import compare_outputs
 from .replace import Prepared, _run, _set_module, _tensors, emit, prepare
@@ -135,39 +135,9 @@ class DistillOptions:
 
 
 @dataclass
-class DistillReport:
-    """What `distill` did: `to_json()` is the `--report` file."""
-
-    data: dict
-    emissions: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return self.data
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.data["passed"])
-
-    @property
-    def replaced(self) -> int:
-        return int(self.data["replaced"])
-
-    @property
-    def test(self) -> dict:
-        return self.data["test"]
-
-    def decisions(self) -> dict[str, str]:
-        """Per norm: exact, replaced, kept or unsupported."""
-        return {row["name"]: row["decision"] for row in self.data["norms"]}
-
-
-class DistillMissed(VerificationError):
-    """The distilled student misses the budget on the test split; `report` says what was tried."""
-
-    def __init__(self, report: DistillReport, message: str, model: nn.Module | None = None):
-        super().__init__(message)
-        self.report = report
-        self.model = model
+class DistillReport(ReplaceReport):
+    """What `distill` did: `to_json()` is the `--report` file (rounds, the decide and test figures,
+    every norm's decision); `surrogates` the trained surrogates before migration."""
 
 
 # --- the student ---------------------------------------------------------------------------------
@@ -461,7 +431,7 @@ def distill(
     """A copy of `module` whose norms are trained reduction-free surrogates (the module docstring).
 
     `calibration`: as for `replace` (an iterable of input dicts or tuples, or a file). Raises
-    `DistillMissed` when the student misses the budget on the test split.
+    `BudgetMissed` when the student misses the budget on the test split.
     """
     options = options or DistillOptions()
     started = time.perf_counter()
@@ -526,9 +496,9 @@ def distill(
     data = _report(p, options, budget, ranked, kept, surrogates, emissions, rounds, calibrated, decide, test, seconds)
     data["samples"] = samples
     data["passed"] = passed
-    report = DistillReport(data, emissions)
+    report = DistillReport(data, surrogates, emissions)
     if not passed:
-        raise DistillMissed(
+        raise BudgetMissed(
             report,
             f"{p.frame.name}: the distilled student misses the budget {budget} on the test split "
             f"(cos min {test.cos_min:.6f}, {len(surrogates)} norms replaced, decide split: cos min "
