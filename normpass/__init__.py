@@ -16,6 +16,9 @@ Public API:
   surrogate modules (`Affine`, `ScaleBias`, `DyT`, `Derf`, `ShiftedRMSNorm`); `apply_surrogates`
   builds such a module from surrogates fitted elsewhere; `smooth_removal` wraps each surrogate in a
   `SmoothRemoval` with its norm, for training.
+* Label-free distillation (the `torch` extra): `distill(module, calibration, DistillOptions(...))`
+  → `(module, DistillReport)`, the norms replaced by reduction-free surrogates trained against the
+  module itself (DaMN's smooth removal), emitted as `replace` emits them.
 """
 
 __version__ = "0.1.0"
@@ -39,6 +42,9 @@ TORCH_API = {
     "SmoothRemoval": "surrogates",
     "smooth_removal": "surrogates",
     "apply_surrogates": "replace",
+    "distill": "distill",
+    "DistillOptions": "distill",
+    "DistillReport": "distill",
 }
 
 
@@ -54,6 +60,8 @@ __all__ = [
     "Affine",
     "BudgetMissed",
     "Derf",
+    "DistillOptions",
+    "DistillReport",
     "DyT",
     "FoldOptions",
     "FoldPass",
@@ -73,6 +81,7 @@ __all__ = [
     "UnsupportedModelError",
     "VerificationError",
     "apply_surrogates",
+    "distill",
     "fold",
     "fold_onnx",
     "inspect",

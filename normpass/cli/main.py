@@ -11,9 +11,17 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, fold, guard, inspect, replace, rotate, viz
+from . import bench, distill, fold, guard, inspect, replace, rotate, viz
 
-COMMANDS = {"inspect": inspect, "fold": fold, "rotate": rotate, "viz": viz, "bench": bench, "replace": replace}
+COMMANDS = {
+    "inspect": inspect,
+    "fold": fold,
+    "rotate": rotate,
+    "viz": viz,
+    "bench": bench,
+    "replace": replace,
+    "distill": distill,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,15 @@ def add_parser(sub) -> None:
     )
     add_model_arguments(parser)
     parser.add_argument("-o", "--output", required=True, help="where to write the model")
+    add_calibration_arguments(
+        parser,
+        "cos=0.999",
+        "0.4,0.4,0.2",
+        "FIT,VAL,TEST",
+        "fitting, validation (selection and its check) and the final test",
+        ", or 'synthetic' (seeded random inputs, for demos and tests only)",
+    )
+    parser.add_argument("--samples", type=int, default=64, help="samples of synthetic data (default 64)")
     parser.add_argument(
         "--with",
         dest="kind",
@@ -36,41 +45,6 @@ def add_parser(sub) -> None:
         help="surrogate kind: auto (per norm, the cheapest that keeps the budget; default), rms "
         "(calibrated RMSNorm of x − c), affine (DaMN), scalebias (α·x+β, α a scalar), dyt (γ·tanh(αx)+β), "
         "derf (γ·erf(αx+s)+β)",
-    )
-    parser.add_argument(
-        "--calib",
-        required=True,
-        metavar="DATA",
-        help="calibration inputs: an .npz (one array per graph input, axis 0 = samples), a directory "
-        'of NAME.npy files, a .txt (one sentence per line) or .jsonl (a "text" field per line) file with '
-        "--tokenizer, or 'synthetic' (seeded random inputs, for demos and tests only)",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="the model's tokenizer.json (the tokenizers library) for .txt/.jsonl calibration text; it makes "
-        "the inputs the model has among input_ids, attention_mask, token_type_ids",
-    )
-    parser.add_argument(
-        "--max-length", type=int, default=128, help="tokens per sentence of calibration text (default 128)"
-    )
-    parser.add_argument(
-        "--budget",
-        action="append",
-        default=[],
-        metavar="TERM=V",
-        help="accuracy to keep, e.g. cos=0.999 (min per-sample cosine), rel=0.01 (max relative "
-        "error), top1=0.99 (arg-max agreement); repeat or comma-separate (default cos=0.999)",
-    )
-    parser.add_argument(
-        "--holdout", metavar="DATA", help="held-out inputs for the final check (default: a split of --calib)"
-    )
-    parser.add_argument(
-        "--split",
-        default="0.4,0.4,0.2",
-        metavar="FIT,VAL,TEST",
-        help="fractions of --calib for fitting, validation (selection and its check) and the final test "
-        "(default 0.4,0.4,0.2; with --holdout the third is ignored)",
     )
     parser.add_argument(
         "--check",
@@ -133,16 +107,67 @@ def add_parser(sub) -> None:
         "Add (SkipLayerNormalization; a slow kernel on cpu) and the Adds a surrogate leaves unfused there "
         "(default: ops priced alone)",
     )
+
+
+def add_calibration_arguments(
+    parser: argparse.ArgumentParser, budget: str, split: str, split_names: str, split_roles: str, more_data: str = ""
+) -> None:
+    """The calibration data, budget and report options `replace` and `distill` share."""
+    parser.add_argument(
+        "--calib",
+        required=True,
+        metavar="DATA",
+        help="calibration inputs: an .npz (one array per model input, axis 0 = samples), a directory "
+        'of NAME.npy files, or a .txt (one sentence per line) or .jsonl (a "text" field per line) file with '
+        f"--tokenizer{more_data}",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="the model's tokenizer.json (the tokenizers library) for .txt/.jsonl calibration text; it makes "
+        "the inputs the model has among input_ids, attention_mask, token_type_ids",
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=128, help="tokens per sentence of calibration text (default 128)"
+    )
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="TERM=V",
+        help="accuracy to keep, e.g. cos=0.999 (min per-sample cosine), rel=0.01 (max relative "
+        f"error), top1=0.99 (arg-max agreement); repeat or comma-separate (default {budget})",
+    )
+    parser.add_argument(
+        "--holdout", metavar="DATA", help="held-out inputs for the final check (default: a split of --calib)"
+    )
+    parser.add_argument(
+        "--split",
+        default=split,
+        metavar=split_names,
+        help=f"fractions of --calib for {split_roles} (default {split}; with --holdout the third is ignored)",
+    )
     parser.add_argument(
         "--mask-input", metavar="NAME", help="attention-mask input (default: the rank-2 input named *mask*)"
     )
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per batch for .npz data (default 16)")
-    parser.add_argument("--samples", type=int, default=64, help="samples of synthetic data (default 64)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per batch (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the splits, sampling and synthetic data")
-    parser.add_argument("--report", help="write a JSON report here")
+    parser.add_argument("--report", help="write a JSON report here (also when the budget is missed)")
     bar = parser.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="show progress bars")
-    bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="show progress")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress")
+
+
+def calibration_options(args: argparse.Namespace) -> dict:
+    """The options `add_calibration_arguments` sets that `ReplaceOptions` and `DistillOptions` share."""
+    return {
+        "batch_size": args.batch_size,
+        "tokenizer": args.tokenizer,
+        "max_length": args.max_length,
+        "mask_input": args.mask_input,
+        "seed": args.seed,
+        "progress": sys.stderr.isatty() if args.progress is None else args.progress,
+    }
 
 
 def _fractions(text: str) -> tuple[float, float, float]:
@@ -183,13 +208,8 @@ def run(args: argparse.Namespace) -> int:
         norms=tuple(args.norm) if args.norm else None,
         rms_op=args.rms_op,
         provider=args.provider,
-        batch_size=args.batch_size,
-        tokenizer=args.tokenizer,
-        max_length=args.max_length,
         samples=args.samples,
-        mask_input=args.mask_input,
-        seed=args.seed,
-        progress=sys.stderr.isatty() if args.progress is None else args.progress,
+        **calibration_options(args),
     )
     try:
         options.budget = options.checked()[0]

@@ -23,6 +23,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, replace
 
+import onnx
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -245,19 +246,24 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple]:
     return module, (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 
 
-def export_onnx(module: nn.Module, example_inputs: tuple, path, dynamic_shapes=None) -> None:
-    """Export `module` with `torch.onnx.export(dynamo=True)` and write it atomically to `path`."""
-    from ..io import save_onnx_atomic
-
+def to_onnx(module: nn.Module, example_inputs: tuple, dynamic_shapes=None) -> onnx.ModelProto:
+    """`module` exported with `torch.onnx.export(dynamo=True)`; a failure is an `UnsupportedModelError`."""
     try:
         program = torch.onnx.export(
             module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False
         )
     except Exception as e:
         raise UnsupportedModelError(
-            f"torch.onnx.export failed on the folded module: {type(e).__name__}: "
+            f"torch.onnx.export failed on the {type(module).__name__} module: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}"
         ) from e
     if program is None:
-        raise UnsupportedModelError("torch.onnx.export returned no ONNX program for the folded module")
-    save_onnx_atomic(program.model_proto, path)
+        raise UnsupportedModelError(f"torch.onnx.export gave no ONNX program for the {type(module).__name__} module")
+    return program.model_proto
+
+
+def export_onnx(module: nn.Module, example_inputs: tuple, path, dynamic_shapes=None) -> None:
+    """Export `module` with `torch.onnx.export(dynamo=True)` and write it atomically to `path`."""
+    from ..io import save_onnx_atomic
+
+    save_onnx_atomic(to_onnx(module, example_inputs, dynamic_shapes), path)
