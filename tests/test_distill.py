@@ -158,6 +158,10 @@ def test_cli_distills_exports_and_checks_the_onnx_file(cli_files, capsys):
     model = onnx.load(str(out))
     onnx.checker.check_model(model)
     assert "wrote" in capsys.readouterr().out
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])  # not only the example's shape
+    (name,) = [i.name for i in session.get_inputs()]
+    (result,) = session.run(None, {name: np.random.default_rng(1).integers(0, VOCAB, (3, LENGTH - 5))})
+    assert result.shape[0] == 3 and np.isfinite(result).all()
 
 
 def test_cli_keeps_one_more_norm_per_round_then_writes_only_the_report_on_exit_1(cli_files, capsys):

@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--torch",
         metavar="PACKAGE.MODULE:FACTORY",
-        help="the model: FACTORY() returns (module, example_inputs); the example inputs shape the export",
+        help="the model: FACTORY() returns (module, example_inputs); the example inputs trace the export, "
+        "whose input dimensions stay dynamic where the module allows it",
     )
     parser.add_argument("-o", "--output", required=True, help="where to write the distilled model (ONNX)")
     add_calibration_arguments(parser, DEFAULT_BUDGET, "0.7,0.15,0.15", "TRAIN,DECIDE,TEST", "training, deciding")

@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
         help="fold a PyTorch model instead: FACTORY() returns (module, example_inputs); the folded "
         "module is exported to ONNX at -o (--target, --provider, --rms-op, --fold-with-beta-add, "
         "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, "
-        "verification uses the example inputs)",
+        "verification uses the example inputs; input dimensions stay dynamic where the module allows it)",
     )
 
 

@@ -247,7 +247,16 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple]:
 
 
 def to_onnx(module: nn.Module, example_inputs: tuple, dynamic_shapes=None) -> onnx.ModelProto:
-    """`module` exported with `torch.onnx.export(dynamo=True)`; a failure is an `UnsupportedModelError`."""
+    """`module` exported with `torch.onnx.export(dynamo=True)`; a failure is an `UnsupportedModelError`.
+
+    Without `dynamic_shapes`, every dimension of every tensor input is `Dim.AUTO`: dynamic where
+    the module allows it, so the file runs at other batch sizes and lengths than the examples'.
+    """
+    if dynamic_shapes is None:
+        dynamic_shapes = tuple(
+            {axis: torch.export.Dim.AUTO for axis in range(x.dim())} if isinstance(x, torch.Tensor) else None
+            for x in example_inputs
+        )
     try:
         program = torch.onnx.export(
             module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False
