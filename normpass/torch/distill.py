@@ -82,7 +82,7 @@ class DistillOptions:
     rounds: int = 3  # training rounds; each after the first keeps one more norm  [--rounds]
     steps: int = 300  # optimizer steps per round  [--steps]
     ramp: float = 0.3  # share of the first round's steps over which α goes 1 → 0  [--ramp]
-    train: str = "all"  # surrogates | linears | all  [--train]
+    train: str = "linears"  # surrogates | linears | all  [--train]
     lr: float = 5e-5  # the module's own parameters  [--lr]
     lr_surrogates: float = 1e-3  # the surrogates' parameters  [--lr-surrogates]
     output_weight: float = 10.0  # w of the output term of the loss
