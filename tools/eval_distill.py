@@ -76,6 +76,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--lr", type=float, default=DistillOptions.lr, help="learning rate of the model's parameters")
+    parser.add_argument(
+        "--output-weight",
+        type=float,
+        default=DistillOptions.output_weight,
+        help="weight of the output term of the loss",
+    )
     parser.add_argument("--train-params", default=DistillOptions.train, choices=("surrogates", "linears", "all"))
     parser.add_argument("--time-limit", type=float, default=12 * 60, help="seconds of training at most")
     parser.add_argument("--seed", type=int, default=0)
@@ -109,6 +115,7 @@ def main(argv=None) -> int:
             steps=args.steps,
             train=args.train_params,
             lr=args.lr,
+            output_weight=args.output_weight,
             eval_every=args.eval_every,
             time_limit=args.time_limit,
             batch_size=args.batch_size,
