@@ -82,6 +82,21 @@ def test_smooth_removal_ends_at_alpha_zero_with_plain_surrogates_left(bert, dist
     assert float(cos.min()) >= 0.98
 
 
+def test_by_default_the_linear_layers_train_and_the_embeddings_do_not(bert, distilled):
+    module, _ = bert
+    student, report = distilled
+    frozen, _ = normpass.distill(
+        module, calibration(), DistillOptions(budget="cos=0.99", keep=1, train="surrogates", **FAST)
+    )
+    assert report.to_json()["train"] == "linears"
+    trained, untrained = student.state_dict(), frozen.state_dict()
+    tables = [k for k, v in trained.items() if "embeddings" in k and "LayerNorm" not in k and v.dim() == 2]
+    assert tables and all(torch.equal(trained[k], untrained[k]) for k in tables)
+    linears = [path for path, m in student.named_modules() if isinstance(m, nn.Linear)]
+    changed = [p for p in linears if not torch.equal(trained[f"{p}.weight"], untrained[f"{p}.weight"])]
+    assert len(changed) == len(linears)
+
+
 def test_training_stops_when_the_budget_holds_on_the_decide_split(bert):
     module, _ = bert
     options = DistillOptions(budget="cos=0.9", steps=100, ramp=0.05, eval_every=2, batch_size=8, calibration_samples=32)

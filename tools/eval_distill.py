@@ -69,10 +69,20 @@ def main(argv=None) -> int:
     parser.add_argument("--kind", default="affine")
     parser.add_argument("--keep", default="2", help="a count, or comma-separated norm names")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--calibration-samples", type=int, default=DistillOptions.calibration_samples, help="sentences that calibrate"
+    )
     parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--train-params", default="all", choices=("surrogates", "linears", "all"))
+    parser.add_argument("--lr", type=float, default=DistillOptions.lr, help="learning rate of the model's parameters")
+    parser.add_argument(
+        "--output-weight",
+        type=float,
+        default=DistillOptions.output_weight,
+        help="weight of the output term of the loss",
+    )
+    parser.add_argument("--train-params", default=DistillOptions.train, choices=("surrogates", "linears", "all"))
     parser.add_argument("--time-limit", type=float, default=12 * 60, help="seconds of training at most")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -104,9 +114,12 @@ def main(argv=None) -> int:
             rounds=args.rounds,
             steps=args.steps,
             train=args.train_params,
+            lr=args.lr,
+            output_weight=args.output_weight,
             eval_every=args.eval_every,
             time_limit=args.time_limit,
             batch_size=args.batch_size,
+            calibration_samples=args.calibration_samples,
             tokenizer=str(minilm.model_dir() / "tokenizer.json"),
             seed=args.seed,
             progress=args.progress,

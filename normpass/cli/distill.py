@@ -64,8 +64,8 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--train",
         choices=("surrogates", "linears", "all"),
-        default="all",
-        help="what trains besides the surrogates: nothing, the linear layers (and kept norms), or all (default)",
+        default="linears",
+        help="what trains besides the surrogates: nothing, the linear layers and kept norms (default), or all",
     )
     parser.add_argument("--lr", type=float, default=5e-5, help="learning rate of the model's parameters")
     parser.add_argument("--lr-surrogates", type=float, default=1e-3, help="learning rate of the surrogates")

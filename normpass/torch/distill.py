@@ -27,8 +27,8 @@ The original module is the teacher, the calibration inputs are the data; there a
    teacher's mean per-feature variance there (on the first training batches); f the module's
    outputs, flattened per sample; w = `output_weight`. The teacher is the exactly folded module
    (the original's function, verified by `fold`). Parameters trained (`train`): "surrogates"
-   only; "linears": also every `nn.Linear` and the kept norms; "all": every parameter but the
-   replaced norms' own γ/β, which no longer reach the output.
+   only; "linears" (the default): also every `nn.Linear` and the kept norms; "all": every
+   parameter but the replaced norms' own γ/β, which no longer reach the output.
 5. **Stop.** Once α is 0, every `eval_every` steps (and at a round's end) the student is judged on
    decide; the round stops when it keeps the budget there within `margin`. `time_limit` seconds
    end training early (the report says so).
@@ -82,7 +82,7 @@ class DistillOptions:
     rounds: int = 3  # training rounds; each after the first keeps one more norm  [--rounds]
     steps: int = 300  # optimizer steps per round  [--steps]
     ramp: float = 0.3  # share of the first round's steps over which α goes 1 → 0  [--ramp]
-    train: str = "all"  # surrogates | linears | all  [--train]
+    train: str = "linears"  # surrogates | linears | all  [--train]
     lr: float = 5e-5  # the module's own parameters  [--lr]
     lr_surrogates: float = 1e-3  # the surrogates' parameters  [--lr-surrogates]
     output_weight: float = 10.0  # w of the output term of the loss
