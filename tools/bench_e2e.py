@@ -81,7 +81,7 @@ MODELS = {
     "bert-base-shape": (registry.bert_base_shape, "seq", [64, 256, 512]),
     "minilm": (lambda: minilm, "seq", [64, 128, 256]),  # real weights; --surrogates
     "vit-b16-shape": (registry.vit_b16_shape, "batch", [1, 4]),
-    # GPT-2-small with a 4096-row position table, for seq 4096 (the longest point)
+    # GPT-2-small with a 4096-row position table, for seq 4096 (the longest point measured)
     "gpt2-small-shape-4k": (
         lambda: registry.gpt2_small_shape("gpt2-small-shape-4k", n_positions=4096),
         "seq",
