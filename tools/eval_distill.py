@@ -21,7 +21,6 @@ threads (the machine may be shared: CPU time says what the run itself used).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import pathlib
@@ -31,15 +30,14 @@ import tempfile
 import time
 
 import numpy as np
-import onnx
 import torch
 
 from normpass import BudgetMissed, __version__
+from normpass.cli.distill import NORM_OPS, norm_ops
 from normpass.core.budget import compare
 from normpass.models import minilm, text
+from normpass.torch.api import to_onnx
 from normpass.torch.distill import DistillOptions, distill
-
-NORM_OPS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "ReduceMean")
 
 
 def embed(module, sentences: list[str]) -> list[dict[str, np.ndarray]]:
@@ -50,13 +48,11 @@ def embed(module, sentences: list[str]) -> list[dict[str, np.ndarray]]:
         ]
 
 
-def onnx_ops(module, directory: pathlib.Path) -> dict[str, int]:
-    """The norm ops a dynamo export of `module` computes."""
+def onnx_ops(module) -> dict[str, int]:
+    """The norm ops a dynamo export of `module` computes (as `normpass distill` counts them)."""
     example = minilm.encode(["An example sentence for the export.", "A second one."])
     inputs = tuple(torch.from_numpy(example[name]) for name in minilm.INPUT_NAMES)
-    path = directory / "student.onnx"
-    torch.onnx.export(module, inputs, str(path), dynamo=True, verbose=False)
-    counts = collections.Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+    counts = norm_ops(to_onnx(module, inputs))
     return {op: counts.get(op, 0) for op in NORM_OPS}
 
 
@@ -134,7 +130,7 @@ def main(argv=None) -> int:
         figures = {
             name: compare(embed(module, group), embed(student, group)).to_json() for name, group in judged.items()
         }
-        ops = onnx_ops(student, directory)
+        ops = onnx_ops(student)
     result = {
         "model": "all-MiniLM-L6-v2",
         "source": args.source,

@@ -20,7 +20,7 @@ from ..io import calibration_files, check_paths, save_onnx_atomic, write_text_at
 from ..onnx.verify import compare_outputs
 from ..onnx.verify import run as run_onnx
 from .fold import _factory_file
-from .replace import _fractions, add_calibration_arguments, calibration_options
+from .replace import add_calibration_arguments, calibration_options
 
 DEFAULT_BUDGET = "cos=0.99"
 ONNX_REFUSAL = (
@@ -92,8 +92,6 @@ def _options(args: argparse.Namespace):
     options = DistillOptions(
         kind=args.kind,
         budget=",".join(args.budget or [DEFAULT_BUDGET]),
-        split=_fractions(args.split),
-        holdout=args.holdout,
         keep=_keep(args.keep),
         rounds=args.rounds,
         steps=args.steps,

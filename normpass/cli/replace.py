@@ -161,6 +161,8 @@ def add_calibration_arguments(
 def calibration_options(args: argparse.Namespace) -> dict:
     """The options `add_calibration_arguments` sets that `ReplaceOptions` and `DistillOptions` share."""
     return {
+        "split": _fractions(args.split),
+        "holdout": args.holdout,
         "batch_size": args.batch_size,
         "tokenizer": args.tokenizer,
         "max_length": args.max_length,
@@ -196,9 +198,7 @@ def run(args: argparse.Namespace) -> int:
         sequential=not args.parallel,
         orders=tuple(o.strip() for o in args.orders.split(",") if o.strip()),
         policy=args.policy,
-        split=_fractions(args.split),
         check=args.check,
-        holdout=args.holdout,
         margin=args.margin,
         check_margin=args.check_margin,
         write_best=args.write_best,
