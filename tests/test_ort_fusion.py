@@ -4,21 +4,23 @@
   `SessionOptions.optimized_model_filepath`): the folded model has no more `Add` nodes and at
   least as many fused skip norms (`Skip*LayerNormalization`) as the original, and the same number
   of norms in all.
-* ORT's Python transformers optimizer (`optimize_model(model_type="gpt2")`) fuses the folded GPT-2's
-  residual Adds into `SkipSimplifiedLayerNormalization` as it fuses the original's into
-  `SkipLayerNormalization`. It leaves the folded model a few more Adds; which, and why, is in
-  docs/BENCHMARKS.md ("Fusions").
+* ORT's Python transformers optimizer (`ortopt.py`), in both orders (fold → optimize, optimize → fold),
+  on TorchScript and dynamo exports, for the CUDA and the CPU provider: every fusion, every
+  Gemm → MatMul conversion and no more nodes than the optimizer's output for the original.
 """
 
 from __future__ import annotations
 
 import collections
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import check_structure
 
-from normpass.onnx.passes import fold_onnx
+from normpass.onnx.bench import make_feeds
+from normpass.onnx.passes import FoldOptions, fold_onnx
 
 NORM_OPS = (
     "LayerNormalization",
@@ -60,20 +62,75 @@ def test_session_optimizer_unfuses_nothing(name, registry_export, tmp_path):
     assert after["LayerNormalization"] + after["SkipLayerNormalization"] == 1
 
 
-def test_transformers_optimizer_fuses_folded_gpt2(registry_export, tmp_path):
-    from onnxruntime.transformers.optimizer import optimize_model
+# Registry models of a type ORT's transformers optimizer knows, their exports, and the fold's providers.
+OPTIMIZED = [
+    (name, form, provider)
+    for name in ("gpt2", "bert", "vit")
+    for form in ("torchscript", "dynamo")
+    for provider in ("cuda", "cpu")
+]
 
-    original = registry_export("gpt2")
-    folded = _fold_to(original, tmp_path / "gpt2.rms.onnx")
-    counts = {}
-    for tag, path in (("original", original), ("folded", folded)):
-        optimized = optimize_model(str(path), model_type="gpt2", num_heads=4, hidden_size=64)
-        counts[tag] = collections.Counter(n.op_type for n in optimized.model.graph.node)
-    before, after = counts["original"], counts["folded"]
-    assert (
-        before["SkipLayerNormalization"]
-        == after["SkipSimplifiedLayerNormalization"] + after["SkipLayerNormalization"]
-        == 4
-    ), (before, after)
-    assert after["SkipLayerNormalization"] == 1  # the kept final LayerNorm
-    assert before["LayerNormalization"] == after["SimplifiedLayerNormalization"] == 1
+
+def _kept_beta_adds(result) -> int:
+    """The β Adds a fold kept on purpose (for the CPU provider it folds a norm ORT would otherwise fuse into its
+    slow CPU SkipLayerNormalization)."""
+    return sum("β kept as an Add" in (norm["affine"] or "") for norm in result.report()["norms"])
+
+
+@pytest.mark.parametrize(("name", "form", "provider"), OPTIMIZED)
+def test_transformers_optimizer_loses_no_fusion_in_either_order(name, form, provider, registry_export):
+    """fold → optimize and optimize → fold both have every fusion, every Gemm → MatMul conversion and no more
+    nodes than the optimizer's output for the original; both compute the original's outputs."""
+    from normpass import models as builtin_models
+    from normpass.onnx.ortopt import OrtOptimizer, fusion_losses, optimize
+
+    entry = builtin_models.get(name)
+    settings = OrtOptimizer(entry.ort_model_type, entry.num_heads, entry.hidden_size, use_gpu=provider == "cuda")
+    source = onnx.load(str(registry_export(name, form)))
+    reference, _ = optimize(source, settings)
+    folded = fold_onnx(source, FoldOptions(provider=provider))
+    fold_first, _ = optimize(folded.model, settings)
+    optimize_first = fold_onnx(source, FoldOptions(provider=provider, ort_optimizer=settings))
+    assert folded.folded == entry.expected_rewritten + (_kept_beta_adds(folded) if provider == "cpu" else 0)
+    assert fusion_losses(reference, fold_first, extra_nodes=_kept_beta_adds(folded)) == []
+    assert fusion_losses(reference, optimize_first.model, extra_nodes=_kept_beta_adds(optimize_first)) == []
+    assert optimize_first.folded == entry.expected_rewritten
+    check_structure(folded.model)  # (ORT's optimizer may leave out the com.microsoft opset import its ops need)
+    check_structure(optimize_first.model)
+    feeds = make_feeds(source, 2, 7)
+    expected = _run(source, feeds)
+    for model in (fold_first, optimize_first.model):
+        for want, got in zip(expected, _run(model, feeds), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def _run(model: onnx.ModelProto, feeds) -> list:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def test_fusion_losses_names_what_the_fold_would_lose_without_its_matmul_conversion(registry_export, monkeypatch):
+    """Without the fold's own Gemm → MatMul conversion, ORT's gpt2 optimizer keeps the Conv1D Gemms that read
+    an RMS op, with their Reshapes and shape arithmetic: the comparison names exactly that."""
+    from normpass.onnx import passes
+    from normpass.onnx.ortopt import OrtOptimizer, fusion_losses, optimize
+
+    settings = OrtOptimizer("gpt2", 4, 64)
+    source = onnx.load(str(registry_export("gpt2", "torchscript")))
+    reference, _ = optimize(source, settings)
+    monkeypatch.setattr(passes, "gemms_to_matmuls", lambda model, shapes: 0)
+    losses = fusion_losses(reference, optimize(fold_onnx(source).model, settings)[0])
+    assert len(losses) == 2, losses
+    assert losses[0].startswith("Gemm → MatMul: 6 Gemm and 7 MatMul, the reference has 2 and 11"), losses
+    assert losses[1].startswith("278 nodes instead of 179"), losses
+
+
+def test_fold_notes_the_order_for_the_transformers_optimizer(registry_export):
+    """A raw export with attention gets the note; the optimizer's own output does not."""
+    from normpass.onnx.ortopt import OrtOptimizer
+
+    source = onnx.load(str(registry_export("gpt2")))
+    assert "run it before the fold" in " ".join(fold_onnx(source).notes)
+    assert fold_onnx(source, FoldOptions(ort_optimizer=OrtOptimizer("gpt2", 4, 64))).notes == []

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..io import write_text_atomic
+from ..onnx.ortopt import OrtOptimizer
 from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 from ..onnx.rewrite import RMS_OPS
 from ..onnx.verify import parse_input_shapes
@@ -57,6 +58,13 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--no-fuse-skip", action="store_true", help="never fuse residual Adds into SkipSimplifiedLayerNormalization"
     )
+    parser.add_argument(
+        "--ort-optimizer",
+        metavar="TYPE[:HEADS:HIDDEN]",
+        help="run ONNX Runtime's transformers optimizer (model type bert, gpt2, vit, swin, …; heads and hidden "
+        "size detected unless given) first and fold its output: the order that keeps every fusion; for the GPU "
+        "with --provider cuda, else for the CPU; verified against MODEL as given",
+    )
     add_verification_arguments(parser)
     parser.add_argument(
         "--torch",
@@ -79,12 +87,14 @@ def _factory_file(spec: str | None) -> dict[str, Path]:
     return {"--torch's module": Path(origin)} if origin and Path(origin).is_file() else {}
 
 
-def _print_summary(label: str, plan, comparison, out, extra: str = "") -> None:
+def _print_summary(label: str, plan, comparison, out, extra: str = "", notes: list[str] | None = None) -> None:
     error = "not verified" if comparison is None else comparison.describe()
     print(f"{label}: {len(plan.folded)} of {plan.total} norms folded into RMSNorm ({error}{extra}); wrote {out}")
     for decision in plan.decisions:
         if not decision.foldable:
             print(f"  kept {decision.name}: {decision.reason}")
+    for note in notes or []:
+        print(f"note: {note}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,11 +112,16 @@ def run(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         input_shapes=parse_input_shapes(args.input_shape),
         seed=args.seed,
+        ort_optimizer=None
+        if args.ort_optimizer is None
+        else OrtOptimizer.parse(args.ort_optimizer, use_gpu=args.provider == "cuda"),
     )
     model, label = model_source(args)
     result = fold_onnx(model, options, name=label)
     save_result(result, out, inputs, label, args.report)
-    _print_summary(label, result.plan, result.comparison, out)
+    optimized = result.emitted.get("ort_optimizer")
+    extra = f"; after ORT's {optimized['model_type']} optimizer" if optimized else ""
+    _print_summary(label, result.plan, result.comparison, out, extra, result.notes)
     return 0
 
 

@@ -13,7 +13,9 @@ What `fold_onnx` emits depends on where the model will run (`FoldOptions.target`
 
 * target "ort" (ONNX Runtime, default): `SimplifiedLayerNormalization`, and a residual Add fused
   into `com.microsoft.SkipSimplifiedLayerNormalization`, except for fp16 models on the CPU
-  provider, whose fp16 Skip kernel is slower than the unfused pair (docs/BENCHMARKS.md);
+  provider, whose fp16 Skip kernel is slower than the unfused pair (docs/BENCHMARKS.md); a
+  flattened `Reshape → Gemm → Reshape` (HF Conv1D) reading an RMS op becomes `MatMul → Add`, as
+  ORT's transformers optimizer does after a LayerNorm but not after an RMS op (`matmul.py`);
 * target "onnx": standard ops only (opset-23 `RMSNormalization`, or the decomposed chain).
 
 A proven fold whose non-zero β could move nowhere would leave RMSNorm + a separate `Add`, which
@@ -49,6 +51,8 @@ from .export import export_model
 from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .graphsurgeon import from_graphsurgeon, to_graphsurgeon
+from .matmul import gemms_to_matmuls
+from .ortopt import OrtOptimizer, optimize, ordering_note
 from .rewrite import RMS_OPS, Rewriter
 from .verify import Comparison, Model, check_input_shapes, check_signature, verify
 
@@ -78,9 +82,14 @@ class FoldOptions:
     verify: bool = True
     input_shapes: dict = field(default_factory=dict)
     seed: int = 0
+    # With target "ort": run ORT's transformers optimizer first and fold its output (`ortopt.py`), verified
+    # against the model as given.
+    ort_optimizer: OrtOptimizer | None = None
 
     def emission(self) -> tuple[str, bool | None]:
         """The RMS op and the skip-fusion choice (None: decided per dtype), after checking the options."""
+        if self.ort_optimizer is not None and self.target != "ort":
+            raise InputError("the ORT optimizer option is for the target ort; the target onnx emits standard ops only")
         if self.target not in TARGETS:
             raise InputError(f"target {self.target!r}: choose one of {', '.join(TARGETS)}")
         if self.provider not in PROVIDERS:
@@ -110,7 +119,8 @@ class FoldResult:
     affine_notes: dict[str, str]
     seconds: dict[str, float]
     modified: bool = True  # whether the folded model differs from the input (see FoldPass)
-    emitted: dict = field(default_factory=dict)  # target, provider, RMS op, number of skip fusions
+    emitted: dict = field(default_factory=dict)  # target, provider, RMS op, number of skip fusions, …
+    notes: list[str] = field(default_factory=list)  # what the user should know about the result
     shapes: dict = field(default_factory=dict, repr=False)  # the original's inferred shapes, by tensor name
     _proto: onnx.ModelProto | None = field(default=None, repr=False)
 
@@ -137,7 +147,7 @@ class FoldResult:
     def report(self) -> dict:
         report = fold_report(self.plan, self.comparison, self.affine_notes, self.seconds)
         report["input_shapes"] = {} if self.comparison is None else self.comparison.input_shapes
-        return report | self.emitted
+        return report | self.emitted | {"notes": self.notes}
 
 
 def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], seconds: dict[str, float]) -> dict:
@@ -217,7 +227,17 @@ def fold_onnx(model: ModelSource, options: FoldOptions | None = None, name: str 
     options.emission()  # bad options are refused before the model is read
     model = from_graphsurgeon(model)
     ctx = open_graph(model, name)
-    return _fold(ctx, ctx.source or model, options, name)
+    original = ctx.source or model
+    if options.ort_optimizer is None:
+        return _fold(ctx, original, options, name)
+    start = time.perf_counter()
+    optimized, fused = optimize(in_memory_proto(ctx.model), options.ort_optimizer)
+    seconds = time.perf_counter() - start
+    result = _fold(load_graph(optimized, name), original, options, name)
+    result.seconds["ort_optimizer"] = seconds
+    result.emitted["ort_optimizer"] = vars(options.ort_optimizer) | {"fused": fused}
+    result.modified = True
+    return result
 
 
 class FoldPass(ir.passes.FunctionalPass):
@@ -246,6 +266,8 @@ class FoldPass(ir.passes.FunctionalPass):
         super().__init__()
         self.options = options or FoldOptions()
         self.options.emission()
+        if self.options.ort_optimizer is not None:
+            raise InputError("FoldPass does not run ORT's transformers optimizer: run it as the step before the pass")
         self.name = name
         self.result: FoldResult | None = None
 
@@ -286,17 +308,35 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str) -> F
         fuse_skip = not (options.provider == "cpu" and _is_half(ctx, zmg, fold_plan))
     seconds["analysis"] = time.perf_counter() - start
     start = time.perf_counter()
-    notes = rewriter.apply(fold_plan, options.migrate_affine) if fold_plan.folded else {}
+    note = ordering_note(ctx.model.graph) if options.target == "ort" and fold_plan.folded else None
+    affine_notes = rewriter.apply(fold_plan, options.migrate_affine) if fold_plan.folded else {}
     rewritten = ctx.model
     if fold_plan.folded or converted:  # a model left as it was carries no note (a second run keeps the first's)
         rewritten = _annotate(ctx, fold_plan, rewriter.docs)
+    matmuls = gemms_to_matmuls(rewritten, ctx.shapes) if options.target == "ort" and fold_plan.folded else 0
     fused = fuse_skip_rms(rewritten, ctx.shapes) if fuse_skip else 0
     modified = bool(fold_plan.folded) or converted or fused > 0
     seconds["rewrite"] = time.perf_counter() - start
     done = f"{len(fold_plan.folded)} of {fold_plan.total} norms folded"
     comparison = checked(original, rewritten, before, options, name, done, ("fold", "folded"), seconds)
-    emitted = {"target": options.target, "provider": options.provider, "rms_op": rms_op, "skip_fused": fused}
-    return FoldResult(rewritten, fold_plan, comparison, notes, seconds, modified, emitted, ctx.shapes)
+    emitted = {
+        "target": options.target,
+        "provider": options.provider,
+        "rms_op": rms_op,
+        "skip_fused": fused,
+        "gemms_to_matmul": matmuls,
+    }
+    return FoldResult(
+        rewritten,
+        fold_plan,
+        comparison,
+        affine_notes,
+        seconds,
+        modified,
+        emitted,
+        notes=[note] if note else [],
+        shapes=ctx.shapes,
+    )
 
 
 def checked(
