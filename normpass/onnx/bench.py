@@ -7,7 +7,7 @@ optimizations on (`ORT_ENABLE_ALL`, what a deployment runs), its inputs and outp
 through IO binding (on the GPU this keeps host↔device copies out of the timing; on the CPU it keeps
 output allocation out), and then:
 
-1. one reference run per model; a candidate whose outputs differ from the baseline's (the first
+1. one reference run per model (on CUDA with TF32 off); a candidate whose outputs differ from the baseline's (the first
    model) beyond the dtype's tolerance (`verify.REL_TOLERANCE`) is refused with
    `VerificationError`, unless that model carries its own `bound` on the relative error (a
    surrogate model, which keeps an accuracy budget rather than the outputs) or is marked
@@ -25,8 +25,9 @@ noise: a ratio whose quartile range contains 1 is not a difference this run coul
 
 `run_benchmark` returns a JSON-ready dict; `to_csv` and `plot` render it. The CUDA path
 (`provider="cuda"`: CUDAExecutionProvider, inputs and outputs bound in GPU memory, outputs
-synchronized after each run) differs from the CPU one only in the device name; it has not been run
-on a GPU yet.
+synchronized after each run) differs from the CPU one in the device name and in the output check,
+which runs each model once more with TF32 off (`_checked_outputs`): the timed sessions keep ORT's
+default, TF32 matrix products in fp32 models.
 """
 
 from __future__ import annotations
@@ -109,11 +110,16 @@ def make_feeds(model: onnx.ModelProto, batch: int, seq: int, seed: int = 0) -> d
 
 
 def open_session(
-    model: str | bytes, provider: str = "cpu", threads: int = 0, optimized_model_path: str | None = None
+    model: str | bytes,
+    provider: str = "cpu",
+    threads: int = 0,
+    optimized_model_path: str | None = None,
+    tf32: bool = True,
 ) -> ort.InferenceSession:
     """An ORT session for a model path (or serialized model) with every graph optimization on.
 
-    `threads` 0 leaves ORT's default; `optimized_model_path` saves the graph ORT actually runs.
+    `threads` 0 leaves ORT's default; `optimized_model_path` saves the graph ORT actually runs;
+    `tf32` False turns off the CUDA provider's TF32 matrix products (on by default there).
     """
     if provider not in PROVIDERS:
         raise InputError(f"provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
@@ -129,6 +135,8 @@ def open_session(
     options.log_severity_level = 3
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
+    if provider == "cuda" and not tf32:
+        return ort_session(model, options, [(PROVIDERS[provider], {"use_tf32": "0"})])
     return ort_session(model, options, [PROVIDERS[provider]])
 
 
@@ -223,6 +231,24 @@ def machine() -> dict:
         "onnx": onnx.__version__,
         "numpy": np.__version__,
     }
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name as `nvidia-smi` gives it (e.g. "NVIDIA H200"), or None without one."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = done.stdout.strip().splitlines()
+    return first[0].split(",")[0].strip() if first else None
 
 
 class _NoBar:
@@ -344,11 +370,13 @@ def bench_point(
     """Time every candidate at one point (see the module docstring); the first is the baseline."""
     feeds = make_feeds(candidates[0].graph(), batch, seq, seed)
     shapes = {k: list(v.shape) for k, v in feeds.items()}
+    outputs = _checked_outputs(candidates, feeds, provider, threads)
     runners = {c.label: Runner(open_session(c.path, provider, threads), feeds, provider, clock) for c in candidates}
+    outputs = outputs or {label: runner.outputs for label, runner in runners.items()}
     base = candidates[0]
     checks = {}
     for candidate in candidates[1:]:
-        comparison = compare_outputs(runners[base.label].outputs, runners[candidate.label].outputs, shapes)
+        comparison = compare_outputs(outputs[base.label], outputs[candidate.label], shapes)
         if candidate.bound is None:
             passed, failures = comparison.passed, comparison.failures()
         else:
@@ -368,6 +396,30 @@ def bench_point(
     for label, check in checks.items():
         results[label] |= check
     return {"batch": batch, "seq": seq, "input_shapes": shapes, "results": results}
+
+
+def _checked_outputs(candidates: list[Candidate], feeds: dict, provider: str, threads: int) -> dict | None:
+    """On CUDA, each candidate's outputs from a session with TF32 off, to compare with the dtype's tolerance.
+
+    ORT's CUDA provider computes fp32 MatMuls in TF32 by default (10-bit mantissas): an fp32 model and its
+    exact rewrite then differ by ~5e-4 relative on GPT-2-small, above the fp32 tolerance, through no fault
+    of the rewrite. The timed sessions keep TF32 on, as deployed. None on the CPU, and where no model has an
+    fp32 weight matrix (TF32 touches nothing): the timed sessions' own reference runs are compared.
+    """
+    if provider != "cuda" or not any(_has_fp32_matrices(c.graph()) for c in candidates):
+        return None
+    outputs = {}
+    for candidate in candidates:
+        session = open_session(candidate.path, provider, threads, tf32=False)
+        outputs[candidate.label] = dict(
+            zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True)
+        )
+        del session
+    return outputs
+
+
+def _has_fp32_matrices(model: onnx.ModelProto) -> bool:
+    return any(t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 2 for t in model.graph.initializer)
 
 
 def run_benchmark(
@@ -416,7 +468,7 @@ def run_benchmark(
     finally:
         bar.close()
     return {
-        "machine": machine(),
+        "machine": machine() | ({"device": gpu_name()} if provider == "cuda" else {}),
         "settings": {
             "provider": provider,
             "threads": threads,
