@@ -198,6 +198,12 @@ def test_cli_keeps_one_more_norm_per_round_then_writes_only_the_report_on_exit_1
         (["--calib", "{dir}/calib.npz", "--keep", "model.nothing"], "no candidate norm"),
         (["--calib", "{dir}/calib.npz", "--steps", "0"], "--steps"),
         (["--calib", "{dir}/calib.npz", "--budget", "cos=2"], "--budget"),
+        (["--calib", "{dir}/calib.npz", "--device", "tpu"], "--device 'tpu': give cpu, cuda or cuda:N"),
+        pytest.param(
+            ["--calib", "{dir}/calib.npz", "--device", "cuda"],
+            "sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device"),
+        ),
     ],
 )
 def test_cli_refuses_bad_calibration_and_options_with_one_line(cli_files, capsys, args, message):

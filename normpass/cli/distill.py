@@ -74,6 +74,12 @@ def add_parser(sub) -> None:
         "--margin", type=float, default=1.0, help="share of the budget's allowance the decide split may use (1.0)"
     )
     parser.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop training after this long")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the student trains and is judged: cpu (default), cuda or cuda:N (the calibration before "
+        "training and the emission after it run on the CPU)",
+    )
 
 
 def _keep(values: list[str] | None) -> tuple[str, ...] | int:
@@ -102,11 +108,13 @@ def _options(args: argparse.Namespace):
         eval_every=args.eval_every,
         margin=args.margin,
         time_limit=args.time_limit,
+        device=args.device,
         **calibration_options(args),
     )
     try:
         options.budget = Budget.parse(str(options.budget))
         options.replace_options().checked()
+        options.torch_device()
     except InputError as e:  # the library's message starts with the option's name
         name, _, rest = str(e).partition(" ")
         flag = {"kind": "with"}.get(name, name.replace("_", "-"))

@@ -96,6 +96,21 @@ class DistillOptions:
     mask_input: str | None = None  # [--mask-input]
     seed: int = 0  # [--seed]
     progress: bool = False  # one updating line on stderr  [--progress]
+    device: str = "cpu"  # where the student trains and is judged: cpu, cuda, cuda:N  [--device]
+
+    def torch_device(self) -> torch.device:
+        """The training device, checked: a CUDA device must exist."""
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise InputError(f"device {self.device!r}: give cpu, cuda or cuda:N") from e
+        if device.type not in ("cpu", "cuda"):
+            raise InputError(f"device {self.device!r}: give cpu, cuda or cuda:N")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InputError(f"device {self.device!r}: this PyTorch sees no CUDA device (torch.cuda.is_available())")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise InputError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return device
 
     def replace_options(self) -> ReplaceOptions:
         """The surrogate pass's options for the start (step 1): roles fit/select/test, no check split."""
@@ -269,10 +284,10 @@ def learning_rate_scale(step: int, steps: int) -> float:
 class Trainer:
     """Rounds of AdamW on the student against the teacher (steps 4 and 5 of the module docstring)."""
 
-    def __init__(self, p: Prepared, options: DistillOptions, train: list[Batch], budget: Budget):
+    def __init__(self, p: Prepared, options: DistillOptions, train: list[Batch], budget: Budget, device: torch.device):
         self.p, self.options, self.budget = p, options, budget
         self.teacher = p.bench.base
-        self.train = [_tensors(b) for b in train]
+        self.train = [_tensors(b, device) for b in train]
         self.mask_input = p.bench.mask_input
         self.paths = {n.name: n.ref.module for n in p.bench.norms}
         self.rng = np.random.default_rng(options.seed)
@@ -437,6 +452,7 @@ def distill(
     started = time.perf_counter()
     replace_options = options.replace_options()
     budget, _, _ = replace_options.checked()
+    device = options.torch_device()
     torch.manual_seed(options.seed)
     p = prepare(module, calibration, replace_options, name)
     search = p.search
@@ -462,7 +478,11 @@ def distill(
     calibrated = search.judge("select", [_run(student, b) for b in search.splits.batches["select"]])
     prepared_at = time.perf_counter()
 
-    trainer = Trainer(p, options, train, budget)
+    # The teacher (the pass's own folded copy, not `module`) and the student train on `device`, and come
+    # back to the CPU for emission and the final judgement.
+    p.bench.base.to(device)
+    student.to(device)
+    trainer = Trainer(p, options, train, budget, device)
     rounds: list[Round] = []
     holds = False
     while blends:
@@ -478,6 +498,8 @@ def distill(
         print(file=sys.stderr)
     for blend in blends.values():
         blend.alpha.fill_(0.0)
+    p.bench.base.to("cpu")
+    student.to("cpu")
     trained_at = time.perf_counter()
 
     if blends:

@@ -111,12 +111,19 @@ def load(source, module: nn.Module, options: ReplaceOptions) -> list[Batch]:
     return load_batches(source, spec, options.batch_size, options.tokenizer, options.max_length)
 
 
-def _tensors(batch: Batch) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+def _tensors(batch: Batch, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in batch.items()}
+
+
+def _device(module: nn.Module) -> torch.device | None:
+    """The device of `module`'s parameters (None: it has none)."""
+    parameter = next(module.parameters(), None)
+    return None if parameter is None else parameter.device
 
 
 def _run(module: nn.Module, batch: Batch) -> dict[str, np.ndarray]:
-    return {k: to_numpy(v) for k, v in _outputs(module, (), _tensors(batch)).items()}
+    """`module`'s outputs on `batch` (moved to the module's device), as NumPy arrays."""
+    return {k: to_numpy(v) for k, v in _outputs(module, (), _tensors(batch, _device(module))).items()}
 
 
 # --- where a surrogate's terms go ----------------------------------------------------------------

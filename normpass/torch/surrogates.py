@@ -65,12 +65,7 @@ class SurrogateNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = x if self.shift is None else x - self.shift
-        y = self.core(u)
-        if self.gamma is not None:
-            y = y * self.gamma
-        if self.beta is not None:
-            y = y + self.beta
-        return y
+        return _scale_shift(self.core(u), self.gamma, self.beta)
 
     def ops(self) -> collections.Counter:
         """The ONNX ops an export of this module computes (γ inside an RMS op costs nothing extra)."""
@@ -121,6 +116,16 @@ class SurrogateNorm(nn.Module):
         return []
 
 
+def _scale_shift(y: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """y ⊙ scale + bias, each term optional; both as one `addcmul` (one kernel in eager mode instead of a Mul
+    and an Add, each a pass over the activations; `torch.onnx.export` writes it as Mul and Add)."""
+    if scale is not None and bias is not None:
+        return torch.addcmul(bias, y, scale)
+    if scale is not None:
+        return y * scale
+    return y if bias is None else y + bias
+
+
 class Affine(SurrogateNorm):
     """DaMN's calibrated affine: γ ⊙ x + β."""
 
@@ -138,6 +143,10 @@ class ScaleBias(SurrogateNorm):
 
     def core(self, u: torch.Tensor) -> torch.Tensor:
         return u if self.alpha is None else u * self.alpha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = x if self.shift is None else x - self.shift
+        return _scale_shift(u, self.alpha, self.beta)  # α·u + β, one addcmul
 
     def ops(self) -> collections.Counter:
         ops = super().ops()
