@@ -1,4 +1,4 @@
-"""One-norm kernels in ONNX Runtime (CPU): what does an RMSNorm save over a LayerNorm, per call?
+"""One-norm kernels in ONNX Runtime (CPU or CUDA): what does an RMSNorm save over a LayerNorm, per call?
 
 Each variant is a tiny ONNX model over x (and, for the skip variants, a residual `skip`) of shape
 [tokens, d], with γ and β as initializers:
@@ -19,14 +19,19 @@ Each variant is a tiny ONNX model over x (and, for the skip variants, a residual
 * SkipSimplifiedLayerNorm + Add(β): a folded last norm of a residual stack whose β could not
   migrate, against the SkipLayerNorm ORT runs when that norm is kept;
 * affine (Mul+Add): `x·γ + β`, the cost of a calibrated affine surrogate that did not fold away;
-* Identity: a copy of x, the floor for any op that reads and writes [tokens, d].
+* Identity: a copy of x, the floor for any op that reads and writes [tokens, d];
+* one op each, the prices of `core/cost.py`: Mul(γ), Add(β), Tanh, Erf, Add (two run-time tensors), and
+  DyT as it is emitted with γ and β kept (Mul, Tanh, Mul, Add) or migrated (Mul, Tanh);
+* Add(bias) + Add(residual) → sum: what a deleted norm leaves where ORT fused it with both Adds,
+  against SkipLayerNorm(bias), the fused norm it replaces.
 
 Skip variants write the residual sum as a second output, as they do inside a transformer. Two
 token counts by default: 256 (x fits in L2 cache: the kernels' arithmetic matters) and 8192
 (memory-bound: bytes moved matter).
 For every dtype and width d, all variants run in the same interleaved rounds (`normpass.onnx.bench`:
 IO binding, outputs preallocated, ORT_ENABLE_ALL; the ops ORT actually ran are listed, to show
-that nothing was fused or cast behind the benchmark's back). Ratios: non-skip variants against
+that nothing was fused or cast behind the benchmark's back). `--provider cuda` runs them on ORT's
+CUDA provider (inputs and outputs in GPU memory). Ratios: non-skip variants against
 LayerNorm, skip variants against SkipLayerNorm, with the quartiles of the per-round ratios.
 
     python tools/bench_kernels.py --tokens 256 8192 --widths 768 1024 4096 --dtypes fp32 fp16 \\
@@ -89,6 +94,27 @@ VARIANTS = {
         17,
     ),
     "Identity": (lambda: [helper.make_node("Identity", ["x"], ["y"])], ["x"], ["y"], 17),
+    "Mul(γ)": (lambda: [helper.make_node("Mul", ["x", "gamma"], ["y"])], ["x"], ["y"], 17),
+    "Add(β)": (lambda: [helper.make_node("Add", ["x", "beta"], ["y"])], ["x"], ["y"], 17),
+    "Tanh": (lambda: [helper.make_node("Tanh", ["x"], ["y"])], ["x"], ["y"], 17),
+    "Erf": (lambda: [helper.make_node("Erf", ["x"], ["y"])], ["x"], ["y"], 17),
+    "DyT (Mul, Tanh, Mul, Add)": (
+        lambda: [
+            helper.make_node("Mul", ["x", "alpha"], ["a"]),
+            helper.make_node("Tanh", ["a"], ["t"]),
+            helper.make_node("Mul", ["t", "gamma"], ["m"]),
+            helper.make_node("Add", ["m", "beta"], ["y"]),
+        ],
+        ["x"],
+        ["y"],
+        17,
+    ),
+    "DyT, γ β migrated (Mul, Tanh)": (
+        lambda: [helper.make_node("Mul", ["x", "alpha"], ["a"]), helper.make_node("Tanh", ["a"], ["y"])],
+        ["x"],
+        ["y"],
+        17,
+    ),
     "SkipLayerNorm": (
         lambda: [
             helper.make_node(
@@ -169,6 +195,27 @@ VARIANTS = {
         ["y", "sum"],
         17,
     ),
+    "SkipLayerNorm(bias)": (
+        lambda: [
+            helper.make_node(
+                "SkipLayerNormalization",
+                ["x", "skip", "gamma", "beta", "bias"],
+                ["y", "", "", "sum"],
+                domain=MS,
+                epsilon=EPS,
+            )
+        ],
+        ["x", "skip"],
+        ["y", "sum"],
+        17,
+    ),
+    "Add (residual)": (lambda: [helper.make_node("Add", ["x", "skip"], ["sum"])], ["x", "skip"], ["sum"], 17),
+    "Add(bias) + Add(residual)": (
+        lambda: [helper.make_node("Add", ["x", "bias"], ["xb"]), helper.make_node("Add", ["xb", "skip"], ["sum"])],
+        ["x", "skip"],
+        ["sum"],
+        17,
+    ),
 }
 SKIP_GROUP = (
     "SkipLayerNorm",
@@ -178,6 +225,9 @@ SKIP_GROUP = (
     "Add(bias) + SkipSimplifiedLayerNorm",
     "SkipSimplifiedLayerNorm(bias)",
     "SkipSimplifiedLayerNorm + Add(β)",
+    "SkipLayerNorm(bias)",
+    "Add (residual)",
+    "Add(bias) + Add(residual)",
 )
 
 
@@ -189,37 +239,39 @@ def build(label: str, dtype: str, tokens: int, width: int, rng: np.random.Genera
     initializers = [
         numpy_helper.from_array((1 + 0.2 * rng.standard_normal(width)).astype(np_type), "gamma"),
         numpy_helper.from_array((0.2 * rng.standard_normal(width)).astype(np_type), "beta"),
+        numpy_helper.from_array((0.2 * rng.standard_normal(width)).astype(np_type), "bias"),
+        numpy_helper.from_array(np.array(0.5, np_type), "alpha"),
     ]
     graph = helper.make_graph(
         nodes,
         label,
-        [helper.make_tensor_value_info(name, elem, [tokens, width]) for name in inputs],
-        [helper.make_tensor_value_info(name, elem, [tokens, width]) for name in outputs],
+        [helper.make_tensor_value_info(name, elem, [1, tokens, width]) for name in inputs],
+        [helper.make_tensor_value_info(name, elem, [1, tokens, width]) for name in outputs],
         [i for i in initializers if i.name in used],
     )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=11 if opset >= 23 else 8)
 
 
-def ran_ops(model: onnx.ModelProto, threads: int) -> list[str]:
+def ran_ops(model: onnx.ModelProto, provider: str, threads: int) -> list[str]:
     """The op types of the graph ORT runs after its optimizations."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "optimized.onnx")
-        bench.open_session(model.SerializeToString(), "cpu", threads, optimized_model_path=path)
+        bench.open_session(model.SerializeToString(), provider, threads, optimized_model_path=path)
         return [node.op_type for node in onnx.load(path).graph.node]
 
 
 def measure(dtype: str, tokens: int, width: int, args, bar) -> dict:
     rng = np.random.default_rng(width)
     np_type = DTYPES[dtype][0]
-    feeds = {name: rng.standard_normal((tokens, width)).astype(np_type) for name in ("x", "skip")}
+    feeds = {name: rng.standard_normal((1, tokens, width)).astype(np_type) for name in ("x", "skip")}
     runners, ops = {}, {}
     for label in args.variants:
         model = build(label, dtype, tokens, width, rng)
-        ops[label] = ran_ops(model, args.threads)
-        session = bench.open_session(model.SerializeToString(), "cpu", args.threads)
+        ops[label] = ran_ops(model, args.provider, args.threads)
+        session = bench.open_session(model.SerializeToString(), args.provider, args.threads)
         wanted = {i.name for i in session.get_inputs()}
-        runners[label] = bench.Runner(session, {k: v for k, v in feeds.items() if k in wanted}, "cpu")
+        runners[label] = bench.Runner(session, {k: v for k, v in feeds.items() if k in wanted}, args.provider)
     times = bench.interleave(runners, args.repeats, args.warmup, bar)
     results = bench.summarize(times, "LayerNorm") if "LayerNorm" in times else bench.summarize(times, next(iter(times)))
     skips = [k for k in SKIP_GROUP if k in times]
@@ -263,6 +315,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads (0: ORT's default)")
+    parser.add_argument("--provider", choices=tuple(bench.PROVIDERS), default="cpu")
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="only these (default: all)")
     parser.add_argument("--json", help="write every run time here")
     args = parser.parse_args()
@@ -277,7 +330,8 @@ def main() -> None:
         for width in args.widths
     ]
     bar.close()
-    bench.finish_tool_run(points, vars(args), start, load, bench.machine(), markdown(points), args.json)
+    machine = bench.machine() | ({"device": bench.gpu_name()} if args.provider == "cuda" else {})
+    bench.finish_tool_run(points, vars(args), start, load, machine, markdown(points), args.json)
 
 
 if __name__ == "__main__":

@@ -1,40 +1,57 @@
-"""PyTorch (CPU) speed of folded models: eager and torch.compile, original vs folded vs norms deleted.
+"""PyTorch speed of folded and surrogate models: eager and torch.compile, against the original and
+every norm deleted, on the CPU or a CUDA GPU.
 
 The same model shapes as tools/bench_e2e.py (GPT-2-small, BERT-base, ViT-B/16; seeded weights),
-fp32. Variants, timed in the same interleaved rounds (`normpass.onnx.bench.interleave`, medians and
-per-round ratio quartiles), under `torch.inference_mode()`:
+fp32 by default (`--dtype fp16` on a GPU). Variants, timed in the same interleaved rounds
+(`normpass.onnx.bench.interleave`, medians and per-round ratio quartiles), under
+`torch.inference_mode()`, each run ending with `torch.cuda.synchronize()` on a GPU:
 
 * `original`: the `transformers` module;
 * `folded`: `normpass.torch.api.fold(model, example_inputs)` (LayerNorm modules replaced by
   RMSNorm modules on centred weights, γ/β migrated into the next Linear layers where possible);
   its outputs are checked against the original's at every point (fp32 tolerance);
-* `identity`: every `nn.LayerNorm` replaced by `nn.Identity`: the bound (outputs differ).
+* `identity`: every `nn.LayerNorm` replaced by `nn.Identity`: the bound (outputs differ);
+* with `--surrogates KIND …`, `replaced-KIND`: what `normpass.replace` emits when it replaces every
+  norm that does not fold exactly by a surrogate of that kind (`normpass.torch.replace.apply_surrogates`,
+  terms migrated into adjacent layers where exact; seeded γ, β and α, not fitted: this measures
+  speed, not accuracy). A pre-LN model folds all its norms but the last; a post-LN one (BERT) folds
+  only the embedding norm, so every other norm becomes a surrogate.
 
 Modes: `eager`, and `compile` (`torch.compile`, inductor, `dynamic=False`, compiled once per
-variant and shape during warm-up; compile time is reported, not timed). Compiling is slow on two
+variant and shape during warm-up; compile time is reported, not timed; `original`, `folded` and
+`identity` only). Compiling is slow on two
 cores, so it runs at one point per model (`MODELS`), a subset of the eager points.
 
     python tools/bench_torch.py --models gpt2-small-shape --threads 1 --repeats 5 --budget 20 \\
         --json /tmp/torch-gpt2.json
+    python tools/bench_torch.py --device cuda --dtype fp16 --surrogates affine dyt --json /tmp/torch-cuda.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import os
 import time
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from normpass import models as builtin_models
+from normpass.core.replace import ReplaceOptions
+from normpass.core.surrogates import Surrogate
 from normpass.models import registry
 from normpass.onnx import bench
 from normpass.onnx.verify import compare_outputs
 from normpass.torch.api import fold
+from normpass.torch.replace import apply_surrogates, base
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+TOLERANCE = {"fp32": None, "fp16": 1e-2}  # the folded model's check: the dtype's tolerance, or this relative bound
 
 # name → (registry entry factory, sweep axis, eager points, compile points)
 MODELS = {
@@ -48,8 +65,8 @@ class TorchRunner:
     """A module (or its `torch.compile`d form) and its inputs; `time_run` times one forward pass (the
     interface `bench.interleave` uses)."""
 
-    def __init__(self, module: Callable[..., torch.Tensor], inputs: tuple):
-        self.module, self.inputs = module, inputs
+    def __init__(self, module: Callable[..., torch.Tensor], inputs: tuple, device: str = "cpu"):
+        self.module, self.inputs, self.cuda = module, inputs, device.startswith("cuda")
 
     def forward(self) -> torch.Tensor:
         with torch.inference_mode():
@@ -58,6 +75,8 @@ class TorchRunner:
     def time_run(self) -> float:
         start = time.perf_counter()
         self.forward()
+        if self.cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
 
@@ -67,6 +86,24 @@ def without_norms(model: nn.Module) -> nn.Module:
         if isinstance(module, nn.LayerNorm):
             bound.set_submodule(name, nn.Identity())
     return bound
+
+
+def with_surrogates(model: nn.Module, example: tuple, kind: str, seed: int = 0) -> nn.Module:
+    """`model` as `normpass.replace` emits it with every norm that does not fold exactly replaced by a `kind`
+    surrogate (seeded terms, not fitted: for timing)."""
+    bound = dict(inspect.signature(model.forward).bind(*example).arguments)
+    candidates = base(model, bound, ReplaceOptions(kind=kind), type(model).__name__).candidates
+    rng = np.random.default_rng(seed)
+    surrogates = {}
+    for norm in candidates:
+        module = model.get_submodule(norm.ref.module)
+        assert isinstance(module, nn.LayerNorm)
+        width = int(module.normalized_shape[-1])
+        surrogates[norm.name] = Surrogate(
+            kind, 1 + 0.1 * rng.standard_normal(width), 0.1 * rng.standard_normal(width), alpha=0.5
+        )
+    replaced, _ = apply_surrogates(model, example, surrogates, ReplaceOptions(kind=kind))
+    return replaced
 
 
 def measure(name: str, args) -> list[dict]:
@@ -80,25 +117,33 @@ def measure(name: str, args) -> list[dict]:
         flush=True,
     )
     variants = {"original": original, "folded": folded, "identity": without_norms(original)}
+    variants |= {f"replaced-{kind}": with_surrogates(original, example, kind) for kind in args.surrogates}
+    dtype = DTYPES[args.dtype]
+    variants = {label: module.to(args.device, dtype).eval() for label, module in variants.items()}
     results = []
     for mode, points in (("eager", eager_points), ("compile", compile_points)):
         for point in args.points or points:
             batch, seq = (point, 1) if axis == "batch" else (1, point)
-            inputs = entry.make_inputs(batch, seq, 0)
+            inputs = tuple(
+                t.to(args.device, dtype) if t.is_floating_point() else t.to(args.device)
+                for t in entry.make_inputs(batch, seq, 0)
+            )
             compile_seconds = {}
             runners = {}
-            for label, module in variants.items():
+            timed = variants if mode == "eager" else {k: variants[k] for k in ("original", "folded", "identity")}
+            for label, module in timed.items():
                 if mode == "compile":
                     start = time.time()
-                    runner = TorchRunner(torch.compile(module, dynamic=False), inputs)
+                    runner = TorchRunner(torch.compile(module, dynamic=False), inputs, args.device)
                     runner.forward()  # compiles
                     compile_seconds[label] = time.time() - start
                 else:
-                    runner = TorchRunner(module, inputs)
+                    runner = TorchRunner(module, inputs, args.device)
                 runners[label] = runner
-            outputs = {label: {"output": runner.forward().numpy()} for label, runner in runners.items()}
+            outputs = {label: {"output": runner.forward().float().cpu().numpy()} for label, runner in runners.items()}
             comparison = compare_outputs(outputs["original"], outputs["folded"])
-            if not comparison.passed:
+            bound = TOLERANCE[args.dtype]
+            if not (comparison.passed if bound is None else comparison.max_rel_error <= bound):
                 raise SystemExit(f"{name} {mode} {batch}x{seq}: folded output differs: {comparison.failures()}")
             times = bench.interleave(runners, args.repeats, args.warmup, budget_s=args.budget)
             summary = bench.summarize(times, "original")
@@ -108,6 +153,8 @@ def measure(name: str, args) -> list[dict]:
                     "model": name,
                     "mode": mode,
                     "input": list(inputs[0].shape),
+                    "device": args.device,
+                    "dtype": args.dtype,
                     "results": summary,
                     "compile_seconds": compile_seconds,
                 }
@@ -123,9 +170,9 @@ def markdown(points: list[dict], header: bool = True) -> str:
         [
             (
                 "| model | mode | input | original ms | folded ms | folded/original (quartiles) | identity ms "
-                "| identity/original | gap to bound (% of original) |"
+                "| identity/original | gap to bound (% of original) | replaced: ratio (quartiles) |"
             ),
-            "|---|---|---|---:|---:|---|---:|---:|---:|",
+            "|---|---|---|---:|---:|---|---:|---:|---:|---|",
         ]
         if header
         else []
@@ -133,10 +180,15 @@ def markdown(points: list[dict], header: bool = True) -> str:
     for point in points:
         o, f, i = (point["results"][k] for k in ("original", "folded", "identity"))
         shape = "×".join(str(d) for d in point["input"])
+        replaced = ", ".join(
+            f"{label[len('replaced-') :]} {r['ratio']:.3f} ({r['ratio_p25']:.3f}–{r['ratio_p75']:.3f})"
+            for label, r in point["results"].items()
+            if label.startswith("replaced-")
+        )
         lines.append(
-            f"| {point['model']} | {point['mode']} | {shape} | {o['median_ms']:.1f} | {f['median_ms']:.1f} "
-            f"| {f['ratio']:.3f} ({f['ratio_p25']:.3f}–{f['ratio_p75']:.3f}) | {i['median_ms']:.1f} "
-            f"| {i['ratio']:.3f} | {100 * (f['ratio'] - i['ratio']):.1f} |"
+            f"| {point['model']} | {point['mode']} | {shape} | {o['median_ms']:.2f} | {f['median_ms']:.2f} "
+            f"| {f['ratio']:.3f} ({f['ratio_p25']:.3f}–{f['ratio_p75']:.3f}) | {i['median_ms']:.2f} "
+            f"| {i['ratio']:.3f} | {100 * (f['ratio'] - i['ratio']):.1f} | {replaced or '—'} |"
         )
     return "\n".join(lines)
 
@@ -149,15 +201,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--budget", type=float, default=20.0, help="seconds per point: more repeats for short points")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    parser.add_argument(
+        "--surrogates", nargs="*", default=[], choices=("affine", "scalebias", "dyt", "derf"), help="replaced-KIND"
+    )
     parser.add_argument("--json", help="write every run time here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     start, load = time.time(), os.getloadavg()
     points = [point for name in args.models for point in measure(name, args)]
-    bench.finish_tool_run(
-        points, vars(args), start, load, bench.machine() | {"torch": torch.__version__}, markdown(points), args.json
-    )
+    machine = bench.machine() | {"torch": torch.__version__}
+    if args.device.startswith("cuda"):
+        machine["device"] = bench.gpu_name() or torch.cuda.get_device_name(args.device)
+    bench.finish_tool_run(points, vars(args), start, load, machine, markdown(points), args.json)
 
 
 if __name__ == "__main__":

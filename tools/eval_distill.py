@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=12 * 60, help="seconds of training at most")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where the student trains: cpu, cuda, cuda:N")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
@@ -119,6 +120,7 @@ def main(argv=None) -> int:
             tokenizer=str(minilm.model_dir() / "tokenizer.json"),
             seed=args.seed,
             progress=args.progress,
+            device=args.device,
         )
         try:
             student, report = distill(module, str(calibration), options, name="all-MiniLM-L6-v2")
@@ -154,6 +156,7 @@ def main(argv=None) -> int:
         "wall_s": round(distilled_wall, 1),
         "cpu_s": round(distilled_cpu, 1),
         "threads": args.threads,
+        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
         "load_average": os.getloadavg(),
         "machine": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),

@@ -1,0 +1,271 @@
+"""The GPU benchmark of record: normpass against ONNX Runtime's own pipeline on CUDA, and in PyTorch.
+
+Two steps, so that the GPU machine only times:
+
+    python tools/bench_gpu.py prepare --cache /tmp/gpu-cache            # on any CPU: exports, optimizer, folds
+    python tools/bench_gpu.py run --cache /tmp/gpu-cache --out docs/results/gpu-DATE   # on the GPU machine
+
+`prepare` builds, per model (`MODELS`: the registry's GPT-2-small shape with 4096 positions, BERT-base
+shape, ViT-B/16 shape; seeded weights) from its TorchScript export (as HF Optimum exports), in fp32 and
+fp16 (ORT's `convert_float_to_float16(keep_io_types=True)` as the last step, as ORT's documentation
+does it):
+
+* `raw`: the export as it is, and `raw-folded`: `normpass fold --provider cuda` of it;
+* `ort-opt`: ORT's transformers optimizer (`optimize_model(model_type, use_gpu=True, opt_level=0)`):
+  what users deploy;
+* `opt-fold`: the optimizer, then the fold (`normpass fold --ort-optimizer TYPE`);
+* `fold-opt`: the fold, then the optimizer;
+* `opt-identity`: every LayerNorm deleted, then the optimizer: the bound on what any norm removal
+  buys (its outputs differ; not checked).
+
+`run` times them on ORT's CUDA provider (`normpass.onnx.bench.run_benchmark`: IO binding, interleaved
+rounds, ORT_ENABLE_ALL, outputs checked against `ort-opt` with TF32 off: fp32 at the fp32 tolerance,
+fp16 within a relative error of 0.05) and, with `--torch`, `normpass.fold` in PyTorch eager and
+compiled (`tools/bench_torch.py`, fp16). It writes `records.json`: one record per model, dtype,
+point and baseline, each naming the device as `nvidia-smi` does, the provider, dtype, model, batch,
+seq, the baseline (`ort-opt` or `raw`) and per variant `median_ms` and `ratio` (the median of the
+per-round ratios' run, as `bench.summarize` gives it) with the quartiles of the per-round ratios;
+and the full reports beside it (`ort-MODEL.DTYPE.json`, `torch.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+import warnings
+
+import onnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_e2e
+
+from normpass.models import forms, registry
+from normpass.onnx import bench
+from normpass.onnx.ortopt import OrtOptimizer, optimize
+from normpass.onnx.passes import FoldOptions, fold_onnx
+
+# name → (registry entry factory, points as (batch, seq), fp32 points)
+MODELS = {
+    "gpt2-small-shape-4k": (
+        lambda: registry.gpt2_small_shape("gpt2-small-shape-4k", n_positions=4096),
+        [(1, 128), (1, 1024), (1, 4096), (8, 1024)],
+        [(1, 1024)],
+    ),
+    "bert-base-shape": (registry.bert_base_shape, [(1, 128), (8, 512)], [(8, 512)]),
+    "vit-b16-shape": (registry.vit_b16_shape, [(1, 1), (64, 1), (256, 1)], [(64, 1)]),
+}
+VARIANTS = ("ort-opt", "opt-fold", "fold-opt", "opt-identity", "raw", "raw-folded")
+BASELINES = {"ort-opt": ("opt-fold", "fold-opt", "opt-identity"), "raw": ("raw-folded",)}
+FP16_BOUND = 0.05  # relative error of an fp16 variant against the fp16 `ort-opt`
+
+
+def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ORT's fp16 conversion of a copy of `model`, inputs and outputs kept fp32, as its documentation's
+    pipeline ends (ORT's converter rewrites the model it is given)."""
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    wrapped = OnnxModel(copy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped.convert_float_to_float16(keep_io_types=True)
+    return wrapped.model
+
+
+def prepare(name: str, cache: pathlib.Path) -> dict[str, dict[str, str]]:
+    """Every variant of `name` in fp32 and fp16 (the module docstring), written under `cache/name`."""
+    entry = MODELS[name][0]()
+    root = cache / name
+    root.mkdir(parents=True, exist_ok=True)
+    export = forms.export_form(entry, root / "export.onnx", "torchscript")
+    raw = onnx.load(str(export))
+    settings = OrtOptimizer(entry.ort_model_type, entry.num_heads, entry.hidden_size, use_gpu=True)
+    folded = fold_onnx(raw, FoldOptions(provider="cuda"), name=name)
+    models = {
+        "raw": raw,
+        "raw-folded": folded.model,
+        "ort-opt": optimize(raw, settings)[0],
+        "opt-fold": fold_onnx(raw, FoldOptions(provider="cuda", ort_optimizer=settings), name=name).model,
+        "fold-opt": optimize(folded.model, settings)[0],
+        "opt-identity": optimize(bench_e2e.without_norms(raw), settings)[0],
+    }
+    paths: dict[str, dict[str, str]] = {"fp32": {}, "fp16": {}}
+    for label in VARIANTS:
+        half = to_fp16(models[label])  # before the fp32 model is saved: saving moves its weights out
+        for dtype, model in (("fp32", models[label]), ("fp16", half)):
+            path = root / f"{label}.{dtype}.onnx"
+            bench_e2e.save(model, path)
+            paths[dtype][label] = str(path)
+    print(f"{name}: {folded.folded} of {folded.plan.total} norms folded; variants in {root}", flush=True)
+    return paths
+
+
+def records(report: dict, device: str, provider: str, name: str, dtype: str) -> list[dict]:
+    """The benchmark's points as records, one per baseline (`BASELINES`), ratios from the same rounds."""
+    out = []
+    for point in report["points"]:
+        for baseline, labels in BASELINES.items():
+            times = {label: [t / 1e3 for t in point["results"][label]["runs_ms"]] for label in (baseline, *labels)}
+            summary = bench.summarize(times, baseline)
+            out.append(
+                {
+                    "device": device,
+                    "provider": provider,
+                    "dtype": dtype,
+                    "model": name,
+                    "batch": point["batch"],
+                    "seq": point["seq"],
+                    "baseline": baseline,
+                    "baseline_ms": summary[baseline]["median_ms"],
+                    "variants": {
+                        label: {
+                            "median_ms": summary[label]["median_ms"],
+                            "ratio": summary[label]["ratio"],
+                            "ratio_p25": summary[label]["ratio_p25"],
+                            "ratio_p75": summary[label]["ratio_p75"],
+                            "max_rel_error": point["results"][label].get("max_rel_error"),
+                        }
+                        for label in labels
+                    },
+                }
+            )
+    return out
+
+
+def run_ort(args: argparse.Namespace, manifest: dict, device: str) -> list[dict]:
+    found = []
+    for name, by_dtype in manifest.items():
+        for dtype in args.dtypes:
+            paths = by_dtype[dtype]
+            candidates = [
+                bench.Candidate(
+                    label,
+                    paths[label],
+                    check=label != "opt-identity",
+                    bound=FP16_BOUND if dtype == "fp16" and label != "opt-identity" else None,
+                )
+                for label in VARIANTS
+            ]
+            points = MODELS[name][1] if dtype == "fp16" else MODELS[name][2]
+            start = time.time()
+            report = bench.run_benchmark(
+                candidates,
+                points,
+                provider=args.provider,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                budget_s=args.budget,
+                progress=False,
+            )
+            if args.ran_ops:
+                report["ran_ops"] = {
+                    c.label: bench_e2e.ran_ops(pathlib.Path(c.path), args.provider, 0) for c in candidates
+                }
+            (args.out / f"ort-{name}.{dtype}.json").write_text(json.dumps(report, indent=1) + "\n")
+            got = records(report, device, args.provider, name, dtype)
+            found += got
+            (args.out / "records.partial.json").write_text(json.dumps(found, indent=1) + "\n")
+            for record in got:
+                cells = ", ".join(f"{k} {v['ratio']:.3f}" for k, v in record["variants"].items())
+                print(
+                    f"{name} {dtype} {record['batch']}x{record['seq']} vs {record['baseline']} "
+                    f"{record['baseline_ms']:.2f} ms: {cells}",
+                    flush=True,
+                )
+            print(f"  ({time.time() - start:.0f} s)", flush=True)
+    return found
+
+
+def run(args: argparse.Namespace) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((args.cache / "manifest.json").read_text()) if args.models else {}
+    manifest = {name: paths for name, paths in manifest.items() if name in args.models}
+    device = bench.gpu_name() or "unknown GPU"
+    found = run_ort(args, manifest, device) if manifest else []
+    machine = bench.machine() | {"device": device}
+    if args.torch:
+        import bench_torch
+        import torch
+
+        machine["torch"] = torch.__version__
+        torch_args = argparse.Namespace(
+            device="cuda",
+            dtype="fp16",
+            repeats=args.repeats,
+            warmup=args.warmup,
+            budget=args.budget,
+            points=None,
+            surrogates=args.surrogates,
+        )
+        points = []
+        for name, (eager, compiled) in TORCH_POINTS.items():
+            bench_torch.MODELS[name] = (*bench_torch.MODELS[name][:2], eager, compiled)
+            points += bench_torch.measure(name, torch_args)
+        (args.out / "torch.json").write_text(json.dumps({"machine": machine, "points": points}, indent=1) + "\n")
+        print(bench_torch.markdown(points), flush=True)
+        found += [
+            {
+                "device": device,
+                "provider": f"torch-{p['mode']}",
+                "dtype": "fp16",
+                "model": p["model"],
+                "batch": p["input"][0],
+                "seq": p["input"][1] if len(p["input"]) == 2 else 1,
+                "baseline": "original",
+                "baseline_ms": p["results"]["original"]["median_ms"],
+                "variants": {
+                    label: {k: r.get(k) for k in ("median_ms", "ratio", "ratio_p25", "ratio_p75", "max_rel_error")}
+                    for label, r in p["results"].items()
+                    if label != "original"
+                },
+            }
+            for p in points
+        ]
+    (args.out / "records.json").write_text(json.dumps({"machine": machine, "records": found}, indent=1) + "\n")
+
+
+# PyTorch points (eager, compiled): batch for ViT, sequence length otherwise
+TORCH_POINTS = {
+    "vit-b16-shape": ([8, 64, 256], [64]),
+    "gpt2-small-shape": ([256, 1024], [1024]),
+    "bert-base-shape": ([512], []),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    prep = sub.add_parser("prepare", help="build every variant (CPU)")
+    prep.add_argument("--cache", type=pathlib.Path, required=True)
+    prep.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    timing = sub.add_parser("run", help="time the prepared variants (GPU)")
+    timing.add_argument("--cache", type=pathlib.Path, required=True)
+    timing.add_argument("--out", type=pathlib.Path, required=True)
+    timing.add_argument("--models", nargs="*", choices=tuple(MODELS), default=list(MODELS), help="none: PyTorch only")
+    timing.add_argument("--dtypes", nargs="+", choices=("fp16", "fp32"), default=["fp16", "fp32"])
+    timing.add_argument("--provider", choices=tuple(bench.PROVIDERS), default="cuda", help="cpu: to try it here")
+    timing.add_argument("--repeats", type=int, default=20)
+    timing.add_argument("--warmup", type=int, default=3)
+    timing.add_argument("--budget", type=float, default=3.0, help="seconds per point: more repeats for short points")
+    timing.add_argument("--ran-ops", action="store_true", help="also count the ops ORT runs (a session more each)")
+    timing.add_argument("--torch", action="store_true", help="also PyTorch eager and compiled (fp16, CUDA)")
+    timing.add_argument("--surrogates", nargs="*", default=[], help="with --torch: replaced-KIND variants")
+    args = parser.parse_args()
+    if args.step == "prepare":
+        args.cache.mkdir(parents=True, exist_ok=True)
+        manifest_path = args.cache / "manifest.json"
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+        for name in args.models:
+            manifest[name] = prepare(name, args.cache)
+            manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+        (args.cache / "DONE").write_text("\n".join(sorted(manifest)) + "\n")
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
