@@ -25,7 +25,7 @@ from conftest import build, check_structure, randn, run_ort
 
 from normpass.calibration import load_batches, split_batches
 from normpass.cli.main import main
-from normpass.core.cost import OP_COST
+from normpass.core.cost import CPU_COST
 from normpass.core.replace import BudgetMissed, ReplaceOptions
 from normpass.errors import InputError
 from normpass.onnx.replace import input_spec, replace_onnx
@@ -199,7 +199,7 @@ def test_no_surrogate_is_emitted_that_costs_more_than_its_norm(gen):
     options = ReplaceOptions(kind="dyt", budget="cos=0.01", provider="cpu", **FAST)
     replaced = replace_onnx(model, calibration, options)
     (row,) = replaced.report.to_json()["norms"]
-    assert row["decision"] == "replaced" and row["original_cost"] == OP_COST["SkipLayerNormalization"]
+    assert row["decision"] == "replaced" and row["original_cost"] == CPU_COST["SkipLayerNormalization"]
     emission = row["emission"]
     assert emission["ops"] == {"Mul": 1, "Tanh": 1, "Add": 2} and emission["unfused_adds"] == 2
     assert emission["cost"] < row["original_cost"] and emission["gamma"].startswith("migrated")
@@ -214,6 +214,38 @@ def test_no_surrogate_is_emitted_that_costs_more_than_its_norm(gen):
     np.testing.assert_allclose(run_ort(replaced.model, feeds)["out"], expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(InputError, match="provider"):
         replace_onnx(model, calibration, ReplaceOptions(provider="tpu", **FAST))
+
+
+@pytest.mark.parametrize("kind", ["dyt", "affine"])
+def test_on_cuda_a_surrogate_that_leaves_the_skip_fusions_adds_is_kept_out(gen, kind):
+    """ORT's CUDA provider runs the post-LN norm with its residual and bias Adds as one SkipLayerNormalization
+    kernel (0.8 LayerNorms, core/cost.py CUDA_COST): a reduction-free surrogate leaves those two Adds as two
+    kernels of their own (1.5), whatever migrates, so the norm stays; for the CPU provider both pay."""
+    from normpass.core.cost import CUDA_COST
+
+    weights = dict(W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), g=1 + randn(gen, 8, scale=0.2))
+    weights |= dict(bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8, scale=0.3), b2=randn(gen, 8))
+    model = build(POST_LN, **weights)
+    calibration = {"a": randn(gen, 96, 8)}
+    cuda = replace_onnx(model, calibration, ReplaceOptions(kind=kind, budget="cos=0.01", provider="cuda", **FAST))
+    (row,) = cuda.report.to_json()["norms"]
+    assert row["decision"] == "kept" and row["original_cost"] == CUDA_COST["SkipLayerNormalization"]
+    assert row["candidates"][0]["cost"] >= 2 * CUDA_COST["Add"] > row["original_cost"]
+    cpu = replace_onnx(model, calibration, ReplaceOptions(kind=kind, budget="cos=0.01", provider="cpu", **FAST))
+    assert cpu.report.to_json()["norms"][0]["decision"] == "replaced"
+
+
+def test_on_cuda_an_rms_surrogate_fused_with_the_adds_pays(gen):
+    from normpass.core.cost import CUDA_COST
+
+    weights = dict(W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), g=1 + randn(gen, 8, scale=0.2))
+    weights |= dict(bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8, scale=0.3), b2=randn(gen, 8))
+    calibration = {"a": randn(gen, 96, 8)}
+    options = ReplaceOptions(kind="rms", budget="cos=0.01", provider="cuda", **FAST)
+    result = replace_onnx(build(POST_LN, **weights), calibration, options)
+    (row,) = result.report.to_json()["norms"]
+    assert row["decision"] == "replaced" and row["emission"]["cost"] <= CUDA_COST["SkipLayerNormalization"]
+    assert collections.Counter(n.op_type for n in result.model.graph.node)["SkipSimplifiedLayerNormalization"] == 1
 
 
 def test_cli_writes_model_and_report_and_leaves_the_input_alone(bert, tmp_path, capsys):
@@ -345,8 +377,8 @@ def test_minilm_rms_surrogates_hold_the_budget_on_held_out_sentences(minilm):
     for norm in replaced:  # c into the dense bias, β into Q/K/V or FFN biases and across the residual Add
         # the residual and bias Adds ORT fused into SkipLayerNormalization are fused again, into the rms op
         assert norm["emission"]["ops"] == {"SkipSimplifiedLayerNormalization": 1}
-        assert norm["original_cost"] == OP_COST["SkipLayerNormalization"]
-        assert norm["emission"]["cost"] == OP_COST["SkipSimplifiedLayerNormalization"]
+        assert norm["original_cost"] == CPU_COST["SkipLayerNormalization"]
+        assert norm["emission"]["cost"] == CPU_COST["SkipSimplifiedLayerNormalization"]
         assert norm["emission"]["shift"].startswith("migrated") and norm["emission"]["beta"].startswith("migrated")
         assert norm["input_centring"]
     check_structure(result.model)

@@ -19,7 +19,7 @@ from conftest import build, check_structure, initializers, op_counts, randn, run
 
 from normpass.core.analysis import prove, safe_centrings
 from normpass.core.budget import Budget, Metrics, compare
-from normpass.core.cost import OP_COST
+from normpass.core.cost import CPU_COST
 from normpass.core.plan import Centring
 from normpass.core.stats import Reservoir, Welford, token_rows
 from normpass.core.surrogates import (
@@ -288,7 +288,7 @@ def test_emission_in_a_post_ln_block_is_exact(gen, kind):
         "derf": {"Mul": 2, "Erf": 1, "Add": 2},
     }[kind]
     assert dict(emission.ops) == expected and emission.unfused_adds == (0 if kind == "rms" else 2)
-    assert emission.cost < OP_COST["SkipLayerNormalization"]
+    assert emission.cost < CPU_COST["SkipLayerNormalization"]
     alone = _emit(model, kind, np.random.default_rng(0), provider=None)[2]  # no provider: ops priced alone
     assert (
         dict(alone.ops)
@@ -317,7 +317,7 @@ def test_affine_fully_migrates_into_linear_consumers(gen):
     out, surrogate, emission = _emit(model, "affine", gen)
     check_structure(out)
     # nothing is emitted: what is left are the residual and bias Adds ORT fused into the norm
-    assert dict(emission.ops) == {"Add": 2} and emission.unfused_adds == 2 and emission.cost == 2 * OP_COST["Add"]
+    assert dict(emission.ops) == {"Add": 2} and emission.unfused_adds == 2 and emission.cost == 2 * CPU_COST["Add"]
     assert collections.Counter(n.op_type for n in out.graph.node) == collections.Counter({"MatMul": 3, "Add": 4})
     new = initializers(out)
     for name in ("q", "k"):

@@ -746,7 +746,7 @@ def _report(
         "norm_cost": {
             "replaced_norms_before": original_cost,
             "replaced_norms_after": replaced_cost,
-            "unit": "one LayerNormalization over the same tensor (estimated, see core/cost.py OP_COST)",
+            "unit": "one LayerNormalization over the same tensor (estimated, see core/cost.py OP_COSTS)",
         },
         "ops": {"before": frame.ops_before, "after": ops_after},
         "norms": rows,

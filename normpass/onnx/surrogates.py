@@ -53,7 +53,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ..core.analysis import ShiftChecker, safe_centrings
-from ..core.cost import OP_COST, Emission
+from ..core.cost import Emission, costs
 from ..core.graph import NormInfo, NormType
 from ..core.surrogates import NormSpec, Surrogate
 from .constants import constant_values
@@ -69,27 +69,28 @@ LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light 
 
 
 def norm_cost(norm: NormInfo, fused_adds: int = 0, provider: str | None = None) -> float:
-    """Estimated cost of the original norm (its ops), in LayerNorm units.
+    """Estimated cost of the original norm (its ops), in LayerNorm units of `provider`'s table (`core/cost.py`).
 
     A LayerNorm that ORT fuses with its residual Add (`fused_adds` > 0, `Emitter.ort_fused_adds`)
-    runs as one SkipLayerNormalization: on the CPU provider a slow kernel (`OP_COST`); elsewhere
-    priced as the LayerNorm (the CUDA kernel is not measured). In a decomposed norm the ops right after a ReduceMean up
+    runs as one SkipLayerNormalization kernel: on the CPU provider a slow one (7.5 LayerNorms), on
+    CUDA one pass over the activations (0.8). In a decomposed norm the ops right after a ReduceMean up
     to the reciprocal of the root (Add(ε), Sqrt, Reciprocal, Casts) work on reduced tensors and
     cost ~0.
     """
+    table = costs(provider)
     nodes = norm.ref.nodes
-    if fused_adds and provider == "cpu":
-        return OP_COST["SkipLayerNormalization"]
+    if fused_adds and provider is not None:
+        return table["SkipLayerNormalization"]
     if len(nodes) == 1:
-        return OP_COST.get(nodes[0].op_type, 1.0)
+        return table.get(nodes[0].op_type, 1.0)
     total, reduced = 0.0, False
     for node in nodes:
         if node.op_type == "ReduceMean":
-            total, reduced = total + OP_COST["ReduceMean"], True
+            total, reduced = total + table["ReduceMean"], True
         elif reduced and node.op_type in ("Add", "Sqrt", "Reciprocal", "Cast"):
-            total += OP_COST["Sqrt"]
+            total += table["Sqrt"]
         elif node.op_type != "Cast":
-            total, reduced = total + OP_COST.get(node.op_type, 0.5), False
+            total, reduced = total + table.get(node.op_type, table["Add"]), False
     return total
 
 
@@ -189,7 +190,7 @@ class Emitter(Rewriter):
         axis = norm.axis
         assert width is not None and axis is not None, f"{norm.name}: candidates have one axis of known width"
         dtype = self._dtype(match.x)
-        emission = Emission()
+        emission = Emission(provider=self.provider)
         x, y = match.x, match.y
         # decide on the original wiring, before the norm's nodes go
         target = shift_target(norm, width, self.graph_outputs) if surrogate.has_shift else None

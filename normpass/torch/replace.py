@@ -41,7 +41,7 @@ from torch import nn
 from ..calibration import Batch, InputSpec, check_indices, find_mask_input, load_batches
 from ..core.algebra import centre
 from ..core.analysis import ShiftChecker, safe_centrings
-from ..core.cost import OP_COST, Emission
+from ..core.cost import CPU_COST, Emission
 from ..core.graph import NormInfo, NormType
 from ..core.replace import (
     Frame,
@@ -182,7 +182,7 @@ def terms(where: Placement, surrogate: Surrogate, migrate: bool) -> Terms:
 def norm_cost(norm: NormInfo) -> float:
     """The norm's cost in `core/cost.py` units, as `torch.onnx.export` writes it: one LayerNormalization,
     or one RMSNormalization."""
-    return OP_COST["LayerNormalization"] if norm.norm_type is NormType.LAYER else OP_COST["RMSNormalization"]
+    return CPU_COST["LayerNormalization"] if norm.norm_type is NormType.LAYER else CPU_COST["RMSNormalization"]
 
 
 # --- the working copy ----------------------------------------------------------------------------
