@@ -1,13 +1,18 @@
-"""A torch.onnx export → `normpass fold` → ONNX Runtime's transformers optimizer → inference.
+"""A torch.onnx export → ONNX Runtime's transformers optimizer and `normpass fold`, in both orders → inference.
 
 The pipeline of a model deployed on ONNX Runtime: export (here a small seeded GPT-2 from
-`transformers` code, exported with `torch.onnx.export(dynamo=False)` as HF Optimum does), fold
-its LayerNorms with the `normpass` command, then let `onnxruntime.transformers.optimizer` fuse
-the rest. The optimizer fuses a residual `Add` into a folded norm as it fuses one into a
-LayerNorm, so the folded model keeps every skip fusion the original gets:
-`SkipSimplifiedLayerNormalization` where `SkipLayerNormalization` was, and no `Add` left feeding
-a norm that the original's optimization fused (GPT-2's embedding sum stays an `Add` in both). The
-optimized folded model then runs in ONNX Runtime and is compared with the original.
+`transformers` code, exported with `torch.onnx.export(dynamo=False)` as HF Optimum does), let
+`onnxruntime.transformers.optimizer` fuse it, fold its LayerNorms. Two ways, each checked against
+the optimizer's output for the unfolded export (`normpass.onnx.ortopt.fusion_losses`: every fused
+op, every `Gemm → MatMul` conversion, no more nodes) and run against the original:
+
+* one step, the order that holds for every model: `normpass fold MODEL --ort-optimizer gpt2:4:64`
+  runs the optimizer first and folds its output (`SkipLayerNormalization` becomes
+  `SkipSimplifiedLayerNormalization`, every other fusion stays);
+* two steps, fold then optimize, as a pipeline that already runs the optimizer after other passes
+  would: the fold turns the Conv1D projections next to a folded norm into `MatMul` itself, as the
+  optimizer does only after a LayerNorm; on GPT-2 nothing is lost either. (The optimizer's Attention
+  fusions start from LayerNorm nodes: where they fire, fold after the optimizer.)
 
     python examples/fold_ort_optimizer.py [WORKDIR]      # needs normpass[models] for the export
 
@@ -24,60 +29,40 @@ from pathlib import Path
 import numpy as np
 import onnx
 from _shared import cli, max_rel_error, op_counts, run, tiny_gpt2, token_ids
-from onnxruntime.transformers.optimizer import optimize_model
 
-NORM_OPS = ("LayerNormalization", "SimplifiedLayerNormalization")
+from normpass.onnx.ortopt import OrtOptimizer, fusion_losses, optimize
 
 
-def fold(model: Path, out: Path) -> dict:
-    """`normpass fold MODEL -o OUT --report R`, as on the command line; the report."""
+def fold(model: Path, out: Path, *options: str) -> dict:
+    """`normpass fold MODEL -o OUT --report R [OPTIONS]`, as on the command line; the report."""
     report = out.with_suffix(".json")
     command = [sys.executable, "-m", "normpass", "fold", str(model), "-o", str(out), "--report", str(report)]
-    subprocess.run(command, check=True, capture_output=True, text=True)
+    subprocess.run([*command, *options], check=True, capture_output=True, text=True)
     return json.loads(report.read_text())
-
-
-def optimize(model: Path, out: Path, model_type: str, num_heads: int, hidden_size: int) -> dict[str, int]:
-    """ONNX Runtime's transformers optimizer on `model` (portable level 1), written to `out`; its op counts."""
-    optimized = optimize_model(
-        str(model), model_type=model_type, num_heads=num_heads, hidden_size=hidden_size, opt_level=1, use_gpu=False
-    )
-    optimized.save_model_to_file(str(out))
-    return op_counts(optimized.model.graph.node)
-
-
-def unfused_adds(model: onnx.ModelProto) -> list[str]:
-    """Adds of two run-time tensors that feed a norm unfused."""
-    constants = {t.name for t in model.graph.initializer}
-    producers = {out: node for node in model.graph.node for out in node.output}
-    return [
-        producers[node.input[0]].name
-        for node in model.graph.node
-        if node.op_type in NORM_OPS
-        and (add := producers.get(node.input[0])) is not None
-        and add.op_type == "Add"
-        and not constants & set(add.input)
-    ]
 
 
 def fold_and_optimize(
     model: Path, workdir: Path, model_type: str, num_heads: int, hidden_size: int, feeds: dict[str, np.ndarray]
 ) -> dict:
-    """Fold and optimize `model`, optimize the original too, run the original and the result; what each step did."""
+    """The optimizer's output for `model`, and the fold with the optimizer in each order: ops, losses, errors."""
+    settings = OrtOptimizer(model_type, num_heads, hidden_size)
+    baseline, _ = optimize(onnx.load(str(model)), settings)
+    one_step = workdir / f"{model.stem}.opt.rms.onnx"
+    report = fold(model, one_step, "--ort-optimizer", f"{model_type}:{num_heads}:{hidden_size}")
     folded = workdir / f"{model.stem}.rms.onnx"
-    report = fold(model, folded)
-    optimized, baseline = workdir / f"{model.stem}.rms.opt.onnx", workdir / f"{model.stem}.opt.onnx"
-    ops = optimize(folded, optimized, model_type, num_heads, hidden_size)
-    baseline_ops = optimize(model, baseline, model_type, num_heads, hidden_size)
-    return {
-        "folded": report["folded"],
-        "norms": report["total"],
-        "ops": ops,
-        "baseline_ops": baseline_ops,
-        "unfused_adds": unfused_adds(onnx.load(str(optimized))),
-        "baseline_unfused_adds": unfused_adds(onnx.load(str(baseline))),
-        "max_rel_error": max_rel_error(run(model, feeds), run(optimized, feeds)),
-    }
+    fold(model, folded)
+    two_steps = workdir / f"{model.stem}.rms.opt.onnx"
+    onnx.save(optimize(onnx.load(str(folded)), settings)[0], str(two_steps))
+    reference = run(model, feeds)
+    results = {"folded": report["folded"], "norms": report["total"], "baseline_ops": op_counts(baseline.graph.node)}
+    for label, path in (("optimize_then_fold", one_step), ("fold_then_optimize", two_steps)):
+        result = onnx.load(str(path))
+        results[label] = {
+            "ops": op_counts(result.graph.node),
+            "losses": fusion_losses(baseline, result),
+            "max_rel_error": max_rel_error(reference, run(path, feeds)),
+        }
+    return results
 
 
 def main(workdir: Path) -> dict:
