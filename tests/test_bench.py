@@ -205,3 +205,41 @@ def test_cli_times_a_model_within_an_explicit_bound(gpt2_pair, tmp_path, capsys)
 def test_cli_missing_model_exit_2(gpt2_pair, tmp_path, capsys):
     assert main(["bench", gpt2_pair[0], str(tmp_path / "nope.onnx")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+class _FakeSession:
+    def __init__(self, path: str, calls: list):
+        calls.append(path)
+
+    def get_outputs(self):
+        return [type("Output", (), {"name": "y"})()]
+
+    def run(self, names, feeds):
+        return [np.zeros(1)]
+
+
+@pytest.mark.parametrize(("provider", "fp16", "opened"), [("cuda", False, 2), ("cuda", True, 0), ("cpu", False, 0)])
+def test_cuda_outputs_are_checked_with_tf32_off_where_a_model_has_fp32_matrices(
+    gpt2_pair, tmp_path, monkeypatch, provider, fp16, opened
+):
+    """ORT's CUDA provider computes fp32 MatMuls in TF32 by default: the check runs each model once more with
+    use_tf32=0 where TF32 could touch it (fp32 weight matrices), and only on CUDA."""
+    paths = list(gpt2_pair)
+    if fp16:
+        from normpass.onnx.precision import to_fp16
+
+        paths = [str(tmp_path / f"{i}.onnx") for i in range(2)]
+        for source, path in zip(gpt2_pair, paths, strict=True):
+            onnx.save(to_fp16(onnx.load(source)), path)
+    calls: list = []
+    seen_tf32: list = []
+
+    def fake_open(path, provider, threads=0, optimized_model_path=None, tf32=True):
+        seen_tf32.append(tf32)
+        return _FakeSession(path, calls)
+
+    monkeypatch.setattr(bench, "open_session", fake_open)
+    candidates = [bench.Candidate(label, path) for label, path in zip(("a", "b"), paths, strict=True)]
+    outputs = bench._checked_outputs(candidates, {}, provider, 0)
+    assert len(calls) == opened and seen_tf32 == [False] * opened
+    assert (outputs is None) == (opened == 0)
