@@ -25,6 +25,11 @@ class UnsupportedModelError(NormpassError):
     exit_code = 2
 
 
+class InputsRejectedError(UnsupportedModelError):
+    """The model as given does not run on the inputs verification made for it (a shape it does not take):
+    the user must give the input shapes."""
+
+
 class WeightOverflowError(UnsupportedModelError):
     """A rewrite's new weights overflow their dtype (finite before, ±inf after): no model of that dtype
     computes the rewrite exactly, whether or not verification runs."""

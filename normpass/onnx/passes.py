@@ -45,7 +45,7 @@ import onnx_ir as ir
 from .. import __version__
 from ..core.analysis import plan as make_plan
 from ..core.plan import FoldPlan
-from ..errors import InputError, UnsupportedModelError, VerificationError, WeightOverflowError
+from ..errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
 from ..io import checked_model, interface, load_ir, save_onnx_atomic, to_proto
 from .export import export_model
 from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
@@ -233,10 +233,9 @@ def fold_onnx(model: ModelSource, options: FoldOptions | None = None, name: str 
     start = time.perf_counter()
     optimized, fused = optimize(in_memory_proto(ctx.model), options.ort_optimizer)
     seconds = time.perf_counter() - start
-    result = _fold(load_graph(optimized, name), original, options, name)
+    result = _fold(load_graph(optimized, name), original, options, name, optimized=True)
     result.seconds["ort_optimizer"] = seconds
     result.emitted["ort_optimizer"] = vars(options.ort_optimizer) | {"fused": fused}
-    result.modified = True
     return result
 
 
@@ -280,9 +279,11 @@ class FoldPass(ir.passes.FunctionalPass):
         return ir.passes.PassResult(folded, modified=self.result.modified)
 
 
-def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str) -> FoldResult:
+def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str, optimized: bool = False) -> FoldResult:
     """Fold `ctx`'s model in place and verify it against `original` (the same model, untouched: its
-    path, its ModelProto or the `ir.Model` it was cloned from)."""
+    path, its ModelProto or the `ir.Model` it was cloned from; `optimized`: `ctx` is ORT's transformers
+    optimizer's output for it, a rewrite to verify too). A model left as it was that does not run on the
+    verification inputs is written unverified: there is nothing to verify."""
     rms_op, fuse_skip = options.emission()
     seconds = {}
     start = time.perf_counter()
@@ -315,10 +316,16 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str) -> F
         rewritten = _annotate(ctx, fold_plan, rewriter.docs)
     matmuls = gemms_to_matmuls(rewritten, ctx.shapes) if options.target == "ort" and fold_plan.folded else 0
     fused = fuse_skip_rms(rewritten, ctx.shapes) if fuse_skip else 0
-    modified = bool(fold_plan.folded) or converted or fused > 0
+    modified = bool(fold_plan.folded) or converted or fused > 0 or optimized
     seconds["rewrite"] = time.perf_counter() - start
     done = f"{len(fold_plan.folded)} of {fold_plan.total} norms folded"
-    comparison = checked(original, rewritten, before, options, name, done, ("fold", "folded"), seconds)
+    try:
+        comparison = checked(original, rewritten, before, options, name, done, ("fold", "folded"), seconds)
+    except InputsRejectedError:
+        if modified:
+            raise
+        # nothing rewritten and the model does not take the verification inputs: there is nothing to verify
+        comparison = None
     emitted = {
         "target": options.target,
         "provider": options.provider,
@@ -358,7 +365,8 @@ def checked(
     except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
         raise
     except UnsupportedModelError as e:
-        raise UnsupportedModelError(
+        wrapper = InputsRejectedError if isinstance(e, InputsRejectedError) else UnsupportedModelError
+        raise wrapper(
             f"{name}: {done}, but the result could not be verified ({e}); nothing written; "
             f"{verb[0]} without verification to write it unverified"
         ) from e

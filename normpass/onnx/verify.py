@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..errors import InputError, UnsupportedModelError, VerificationError
+from ..errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError
 from ..io import (
     keeps_external_data,
     may_exceed_proto_limit,
@@ -487,7 +487,7 @@ def verify(
             except Exception as e:  # the original need not accept other sizes than the given ones; say so instead
                 if not dims:
                     sizes = ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in run_shapes.items())
-                    raise UnsupportedModelError(
+                    raise InputsRejectedError(
                         f"{name}: the original model does not run on the verification inputs ({sizes}): "
                         f"{str(e).splitlines()[0][:200]}; give the input shapes the model expects"
                     ) from e
