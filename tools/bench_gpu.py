@@ -4,6 +4,7 @@ Two steps, so that the GPU machine only times:
 
     python tools/bench_gpu.py prepare --cache /tmp/gpu-cache            # on any CPU: exports, optimizer, folds
     python tools/bench_gpu.py run --cache /tmp/gpu-cache --out docs/results/gpu-DATE   # on the GPU machine
+    python tools/bench_gpu.py run --cache /tmp/gpu-cache --out OUT --provider cpu --dtypes fp32 --points 1x128
 
 `prepare` builds, per model (`MODELS`: the registry's GPT-2-small shape with 4096 positions, BERT-base
 shape, ViT-B/16 shape; seeded weights) from its TorchScript export (as HF Optimum exports), in fp32 and
@@ -150,7 +151,7 @@ def run_ort(args: argparse.Namespace, manifest: dict, device: str) -> list[dict]
                 )
                 for label in VARIANTS
             ]
-            points = MODELS[name][1] if dtype == "fp16" else MODELS[name][2]
+            points = args.points or (MODELS[name][1] if dtype == "fp16" else MODELS[name][2])
             start = time.time()
             report = bench.run_benchmark(
                 candidates,
@@ -236,6 +237,12 @@ TORCH_POINTS = {
 }
 
 
+def _point(text: str) -> tuple[int, int]:
+    """ "8x128" → (8, 128); the sequence length is ignored for ViT."""
+    batch, _, seq = text.partition("x")
+    return int(batch), int(seq or 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="step", required=True)
@@ -248,6 +255,9 @@ def main() -> None:
     timing.add_argument("--models", nargs="*", choices=tuple(MODELS), default=list(MODELS), help="none: PyTorch only")
     timing.add_argument("--dtypes", nargs="+", choices=("fp16", "fp32"), default=["fp16", "fp32"])
     timing.add_argument("--provider", choices=tuple(bench.PROVIDERS), default="cuda", help="cpu: to try it here")
+    timing.add_argument(
+        "--points", nargs="+", type=_point, metavar="BATCHxSEQ", help="these points for every model and dtype"
+    )
     timing.add_argument("--repeats", type=int, default=20)
     timing.add_argument("--warmup", type=int, default=3)
     timing.add_argument("--budget", type=float, default=3.0, help="seconds per point: more repeats for short points")
