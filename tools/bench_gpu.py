@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     manifest = json.loads((args.cache / "manifest.json").read_text()) if args.models else {}
     manifest = {name: paths for name, paths in manifest.items() if name in args.models}
-    device = bench.gpu_name() or "unknown GPU"
+    device = (bench.gpu_name() or "unknown GPU") if args.provider == "cuda" else bench.machine()["cpu"]
     found = run_ort(args, manifest, device) if manifest else []
     machine = bench.machine() | {"device": device}
     if args.torch:
