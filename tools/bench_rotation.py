@@ -37,6 +37,15 @@ Models:
         --cache /tmp/normpass-rotation --json /tmp/normpass-rotation/report.json
 
 Variants and quantized models are cached in `--cache` (delete it to rebuild).
+
+`--splits N` measures instead whether the rotation's gain holds on unseen data: the original and the
+rotated DINOv2-S quantized INT8 static per tensor on N seeded partitions of the 18 photographs (8
+calibrate, 10 judge; the first is the fixed split above), the median and the worst ratio of their
+errors; `--recipes` adds `linear-only`: only the layers with a constant weight quantized
+(`op_types_to_quantize` MatMul, Gemm, Conv; attention's Q·Kᵀ and P·V excluded), the quantizer's own
+options for keeping attention scores and probabilities, Softmax, norms and Adds in fp32.
+
+    python tools/bench_rotation.py --splits 6 --json /tmp/normpass-rotation/splits.json
 """
 
 from __future__ import annotations
@@ -163,10 +172,16 @@ class Reader(CalibrationDataReader):
 
 
 def quantize(
-    source: pathlib.Path, method: str, calibration: list[dict], out: pathlib.Path, exclude: list[str]
+    source: pathlib.Path,
+    method: str,
+    calibration: list[dict],
+    out: pathlib.Path,
+    exclude: list[str],
+    op_types: list[str] | None = None,
 ) -> pathlib.Path:
     """`source` quantized by ONNX Runtime's `method` (see the module docstring) into `out`, unless cached;
-    the nodes named in `exclude` stay in fp32.
+    the nodes named in `exclude` stay in fp32, and with `op_types` (static only) only ops of those types
+    are quantized.
 
     Written in a scratch directory and moved into place, its weights file (if any) before the model.
     """
@@ -188,6 +203,7 @@ def quantize(
                     weight_type=QuantType.QInt8,
                     use_external_data_format=large,
                     nodes_to_exclude=exclude,
+                    op_types_to_quantize=op_types,
                 )
             elif method == "int8-dynamic":
                 quantize_dynamic(
@@ -333,6 +349,74 @@ def evaluate(name: str, cache: pathlib.Path, per_photo: int, sequences: int, rep
     return result
 
 
+def activation_matmuls(path: pathlib.Path) -> list[str]:
+    """The MatMuls whose two inputs are both run-time tensors (attention's Q·Kᵀ and P·V): the layers whose
+    per-tensor INT8 error a rotation of the residual stream cannot reach."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    constants = {i.name for i in graph.initializer}
+    constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    return [n.name for n in graph.node if n.op_type == "MatMul" and not constants & set(n.input)]
+
+
+def photo_splits(count: int, per_photo: int) -> list[tuple[list[str], list[str]]]:
+    """`count` seeded partitions of the 18 photographs into 8 that calibrate and 10 that judge (the first is
+    the fixed split `dinov2_inputs` uses); every image of a split's judging set is unseen by its calibration."""
+    photos = CALIBRATION_PHOTOS + HELD_OUT_PHOTOS
+    splits = [(list(CALIBRATION_PHOTOS), list(HELD_OUT_PHOTOS))]
+    for seed in range(1, count):
+        order = [photos[i] for i in np.random.default_rng(seed).permutation(len(photos))]
+        splits.append((order[: len(CALIBRATION_PHOTOS)], order[len(CALIBRATION_PHOTOS) :]))
+    return splits
+
+
+LINEAR_OPS = ["MatMul", "Gemm", "Conv"]
+
+
+def evaluate_splits(cache: pathlib.Path, splits: int, per_photo: int, recipes: list[str]) -> dict:
+    """INT8 static per-tensor error of the original and the rotated DINOv2-S on several disjoint
+    calibration/judging splits of the photographs, per recipe: `default` (ORT's `quantize_static`, QDQ, every
+    op type it quantizes), `linear-only` (only the layers with a constant weight: `op_types_to_quantize`
+    MatMul, Gemm and Conv, attention's activation-by-activation MatMuls excluded; Softmax, norms and Adds
+    stay fp32)."""
+    paths, notes = fp32_variants("dinov2", cache)
+    paths = {v: paths[v] for v in ("original", "rotated")}
+    excluded = {v: activation_matmuls(p) for v, p in paths.items()}
+    rows = []
+    for index, (calibrate, judge) in enumerate(photo_splits(splits, per_photo)):
+        calibration = [{"input_image": c} for n in calibrate for c in photo_crops(n, per_photo, seed=1)]
+        held_out = [{"input_image": c} for n in judge for c in photo_crops(n, per_photo, seed=2)]
+        reference = outputs(paths["original"], held_out)
+        for recipe in recipes:
+            errors = {}
+            for variant, path in paths.items():
+                out = cache / "dinov2" / f"{variant}.int8-static.split{index}.{recipe}.onnx"
+                linear = recipe == "linear-only"
+                exclude = excluded[variant] if linear else []
+                quantized = quantize(path, "int8-static", calibration, out, exclude, LINEAR_OPS if linear else None)
+                errors[variant] = output_errors(reference, outputs(quantized, held_out), False)
+            ratio = errors["rotated"]["mean"] / errors["original"]["mean"]
+            rows.append(
+                {
+                    "split": index,
+                    "calibrate": calibrate,
+                    "judge": judge,
+                    "recipe": recipe,
+                    "errors": errors,
+                    "ratio": ratio,
+                }
+            )
+            print(
+                f"  split {index} {recipe}: original {errors['original']['mean']:.4f}, rotated "
+                f"{errors['rotated']['mean']:.4f} ({ratio:.2f}×)",
+                flush=True,
+            )
+    summary = {}
+    for recipe in recipes:
+        ratios = [r["ratio"] for r in rows if r["recipe"] == recipe]
+        summary[recipe] = {"median_ratio": statistics.median(ratios), "worst_ratio": max(ratios), "splits": len(ratios)}
+    return {"notes": notes, "excluded_matmuls": len(excluded["rotated"]), "rows": rows, "summary": summary}
+
+
 def table(results: dict) -> str:
     lines = [
         "| model | quantization | variant | mean rel. error | median | max | top-1 kept | latency ms (ratio) |",
@@ -377,10 +461,27 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=8, help="calibration and held-out sequences each (LMs)")
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds per latency comparison")
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument(
+        "--splits",
+        type=int,
+        default=0,
+        help="instead: INT8 static per-tensor error of the original and the rotated DINOv2-S on this many "
+        "calibration/judging splits of the photographs (the first is the fixed one)",
+    )
+    parser.add_argument("--recipes", nargs="+", default=["default", "linear-only"], choices=["default", "linear-only"])
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # the quantizers' advice and the libraries' progress notes
     cache = pathlib.Path(args.cache)
     started, load_before = time.time(), os.getloadavg()
+    if args.splits:
+        found = evaluate_splits(cache, args.splits, args.per_photo, args.recipes)
+        summary = "\n".join(
+            f"{recipe}: rotated / original over {v['splits']} splits: median {v['median_ratio']:.2f}×, "
+            f"worst {v['worst_ratio']:.2f}×"
+            for recipe, v in found["summary"].items()
+        )
+        bench.finish_tool_run([found], vars(args), started, load_before, bench.machine(), summary, args.json)
+        return
     results = {
         name: evaluate(name, cache, args.per_photo, args.sequences, args.repeats, args.quantizers)
         for name in args.models
