@@ -51,7 +51,8 @@ and the ops ORT runs are counted. Times are CPU time per run by default (`--cloc
 
 On a GPU (onnxruntime-gpu with CUDAExecutionProvider), `--provider cuda` folds for CUDA, times
 with inputs and outputs bound in GPU memory and profiles CUDA kernels; the cache then holds
-separate `.cuda` variants. It has not run on a GPU yet.
+separate `.cuda` variants. The GPU benchmark of record, against ONNX Runtime's transformers optimizer,
+is `tools/bench_gpu.py`.
 """
 
 from __future__ import annotations
