@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import check_structure
+from conftest import check_structure, run_ort
 
 from normpass.onnx.bench import make_feeds
 from normpass.onnx.passes import FoldOptions, fold_onnx
@@ -98,17 +98,10 @@ def test_transformers_optimizer_loses_no_fusion_in_either_order(name, form, prov
     check_structure(folded.model)  # (ORT's optimizer may leave out the com.microsoft opset import its ops need)
     check_structure(optimize_first.model)
     feeds = make_feeds(source, 2, 7)
-    expected = _run(source, feeds)
+    expected = run_ort(source, feeds)
     for model in (fold_first, optimize_first.model):
-        for want, got in zip(expected, _run(model, feeds), strict=True):
+        for want, got in zip(expected.values(), run_ort(model, feeds).values(), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
-
-
-def _run(model: onnx.ModelProto, feeds) -> list:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
 
 
 def test_fusion_losses_names_what_the_fold_would_lose_without_its_matmul_conversion(registry_export, monkeypatch):

@@ -88,7 +88,8 @@ def _factory_file(spec: str | None) -> dict[str, Path]:
 
 
 def _print_summary(label: str, plan, comparison, out, extra: str = "", notes: list[str] | None = None) -> None:
-    error = comparison.describe() if comparison else "not verified" if plan.folded else "nothing rewritten"
+    unverified = "not verified" if plan.folded else "nothing rewritten"
+    error = unverified if comparison is None else comparison.describe()
     print(f"{label}: {len(plan.folded)} of {plan.total} norms folded into RMSNorm ({error}{extra}); wrote {out}")
     for decision in plan.decisions:
         if not decision.foldable:

@@ -184,3 +184,19 @@ def constant_values(tensor: ir.Value | None) -> np.ndarray | None:
         return np.asarray(EVALUATORS[node.op_type](node, inputs))
     except (ValueError, IndexError, TypeError, KeyError):  # a malformed node: not a usable constant
         return None
+
+
+def unit_slice(node: ir.Node) -> slice | None:
+    """The bounds of a `Slice` of a 1-D tensor with constant one-element starts and ends, on axis 0 (or -1)
+    and with step 1 where those inputs are given (as exporters slice a `Shape`), else None."""
+    if node.op_type != "Slice" or len(node.inputs) < 3:
+        return None
+    starts, ends = constant_values(node.inputs[1]), constant_values(node.inputs[2])
+    axes, steps = constant_values(input_at(node, 3)), constant_values(input_at(node, 4))
+    if starts is None or ends is None or np.size(starts) != 1 or np.size(ends) != 1:
+        return None
+    if input_at(node, 3) is not None and (axes is None or np.ravel(axes).tolist() not in ([0], [-1])):
+        return None
+    if input_at(node, 4) is not None and (steps is None or np.ravel(steps).tolist() != [1]):
+        return None
+    return slice(int(np.ravel(starts)[0]), int(np.ravel(ends)[0]))

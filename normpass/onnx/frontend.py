@@ -57,9 +57,9 @@ from ..core.rules import (
 )
 from ..errors import InputError, UnsupportedModelError
 from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
-from .constants import constant_values, is_constant
+from .constants import constant_values, is_constant, unit_slice
 from .patterns import MatchContext, NormMatch, match_decomposed, match_single_op, norm_info
-from .values import attr, bodies, input_at, is_initializer, name_of
+from .values import attr, bodies, input_at, is_initializer, name_of, shape_axes
 
 SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values
 FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -555,24 +555,17 @@ def _copied_dims(ctx, data: ir.Value, sizes: ir.Value | None) -> list[int | None
 def _shape_slice(ctx, data: ir.Value, part: ir.Value) -> list[int] | None:
     """The axes of `data` whose sizes `part` holds, if it is Shape(data) or a constant unit-step Slice of it."""
     node, bounds = part.producer(), slice(None)
-    if node is not None and node.op_type == "Slice" and len(node.inputs) >= 3:
-        starts, ends = (constant_values(t) for t in node.inputs[1:3])
-        axes, steps = _input_values(node, 3), _input_values(node, 4)
-        if (
-            starts is None
-            or ends is None
-            or np.size(starts) != 1
-            or (input_at(node, 3) is not None and (axes is None or np.ravel(axes).tolist() not in ([0], [-1])))
-            or (input_at(node, 4) is not None and (steps is None or np.ravel(steps).tolist() != [1]))
-        ):
+    if node is not None and node.op_type == "Slice":
+        sliced = unit_slice(node)
+        if sliced is None:
             return None
         source = node.inputs[0]
         node = None if source is None else source.producer()
-        bounds = slice(int(np.ravel(starts)[0]), int(np.ravel(ends)[0]))
+        bounds = sliced
     rank = _rank(ctx, data)
     if node is None or node.op_type != "Shape" or node.inputs[0] is not data or rank is None:
         return None
-    return list(range(rank))[attr(node, "start", 0) : attr(node, "end", rank)][bounds]
+    return shape_axes(node, rank)[bounds]
 
 
 def _average_pool(ctx, node):

@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .constants import constant_values
-from .values import attr, input_at, name_of, take_over
+from .constants import constant_values, is_constant, unit_slice
+from .values import attr, input_at, name_of, shape_axes, take_over
 
 # The RMS ops the fold emits for ONNX Runtime: a Gemm reading one, or feeding the residual Add before one, converts.
 RMS_OPS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization"}
@@ -75,7 +75,7 @@ def _flattened_gemm(gemm: ir.Node, graph: ir.Graph, shapes: dict) -> tuple[ir.No
         return None
     if attr(gemm, "transA", 0) or attr(gemm, "transB", 0) or attr(gemm, "alpha", 1.0) != 1.0:
         return None
-    if attr(gemm, "beta", 1.0) != 1.0 or gemm.inputs[1] is None or not _is_constant(gemm.inputs[1]):
+    if attr(gemm, "beta", 1.0) != 1.0 or gemm.inputs[1] is None or not is_constant(gemm.inputs[1]):
         return None
     flat, out, bias = gemm.inputs[0], gemm.outputs[0], input_at(gemm, 2)
     flatten = None if flat is None else flat.producer()
@@ -94,11 +94,11 @@ def _flattened_gemm(gemm: ir.Node, graph: ir.Graph, shapes: dict) -> tuple[ir.No
     unflatten = uses[0].node
     if not (_reads_rms(x) or _feeds_rms_residual(unflatten.outputs[0])):
         return None
-    x_shape, weight_shape = shapes.get(name_of(x)), _static_shape(gemm.inputs[1])
+    x_shape, weight_shape = shapes.get(name_of(x)), _static_dims(gemm.inputs[1], shapes)
     if x_shape is None or len(x_shape) < 2 or weight_shape is None or len(weight_shape) != 2:
         return None
     width, features = weight_shape
-    if x_shape[-1] != width or not _bias_fits(bias, features):
+    if x_shape[-1] != width or not _bias_fits(bias, features, shapes):
         return None
     if not _is_flattening(flatten, x_shape, width, shapes):  # (the second Reshape's allowzero: no entry is a literal 0)
         return None
@@ -124,19 +124,20 @@ def _feeds_rms_residual(y: ir.Value) -> bool:
     )
 
 
-def _is_constant(value: ir.Value) -> bool:
-    return constant_values(value) is not None
+def _static_dims(value: ir.Value | None, shapes: dict) -> tuple[int, ...] | None:
+    """The static shape of a constant, read from its tensor's header or the shape inference, never from its
+    values (a weight the fold rewrote is computed only when the model is written)."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return tuple(value.const_value.shape.numpy())
+    dims = shapes.get(name_of(value))
+    return dims if dims is not None and all(isinstance(d, int) for d in dims) else None
 
 
-def _static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
-    values = None if value is None else constant_values(value)
-    return None if values is None else tuple(values.shape)
-
-
-def _bias_fits(bias: ir.Value | None, features: int) -> bool:
+def _bias_fits(bias: ir.Value | None, features: int, shapes: dict) -> bool:
     """No bias, or a constant one that broadcasts along the output features alone ([N] or [1, N])."""
-    shape = _static_shape(bias) if bias is not None else ()
-    return bias is None or shape in ((features,), (1, features))
+    return bias is None or (is_constant(bias) and _static_dims(bias, shapes) in ((features,), (1, features)))
 
 
 def _is_flattening(flatten: ir.Node, x_shape: tuple, width: int, shapes: dict) -> bool:
@@ -179,31 +180,15 @@ def _shape_dims(value: ir.Value | None, shapes: dict, budget: list[int] | None =
         picked = [int(i) for i in np.ravel(index)]
         return [inner[i] for i in picked] if all(-len(inner) <= i < len(inner) for i in picked) else None
     if op == "Slice":
-        return _sliced(node, _shape_dims(first, shapes, budget))
+        inner, bounds = _shape_dims(first, shapes, budget), unit_slice(node)
+        return None if inner is None or bounds is None else inner[bounds]
     return None
 
 
 def _shape_of(node: ir.Node, tensor: ir.Value, shapes: dict) -> list | None:
     """Shape(tensor)[start:end] as (name, axis) dims, where the tensor's rank is known."""
     shape = shapes.get(name_of(tensor))
-    if shape is None:
-        return None
-    rank = len(shape)
-    axes = list(range(rank))[attr(node, "start", 0) : attr(node, "end", rank)]
-    return [(name_of(tensor), axis) for axis in axes]
-
-
-def _sliced(node: ir.Node, inner: list | None) -> list | None:
-    """A constant, unit-step Slice of a shape tensor on axis 0."""
-    starts, ends = constant_values(input_at(node, 1)), constant_values(input_at(node, 2))
-    axes, steps = constant_values(input_at(node, 3)), constant_values(input_at(node, 4))
-    if inner is None or starts is None or ends is None or np.size(starts) != 1 or np.size(ends) != 1:
-        return None
-    if (input_at(node, 3) is not None and (axes is None or np.ravel(axes).tolist() not in ([0], [-1]))) or (
-        input_at(node, 4) is not None and (steps is None or np.ravel(steps).tolist() != [1])
-    ):
-        return None
-    return inner[int(np.ravel(starts)[0]) : int(np.ravel(ends)[0])]
+    return None if shape is None else [(name_of(tensor), axis) for axis in shape_axes(node, len(shape))]
 
 
 def _same_dim(a, b, shapes: dict) -> bool:

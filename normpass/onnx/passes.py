@@ -226,12 +226,12 @@ def fold_onnx(model: ModelSource, options: FoldOptions | None = None, name: str 
     options = options or FoldOptions()
     options.emission()  # bad options are refused before the model is read
     model = from_graphsurgeon(model)
-    ctx = open_graph(model, name)
-    original = ctx.source or model
     if options.ort_optimizer is None:
-        return _fold(ctx, original, options, name)
+        ctx = open_graph(model, name)
+        return _fold(ctx, ctx.source or model, options, name)
+    original = Path(model) if isinstance(model, (str, os.PathLike)) else model
     start = time.perf_counter()
-    optimized, fused = optimize(in_memory_proto(ctx.model), options.ort_optimizer)
+    optimized, fused = optimize(checked_model(model, name), options.ort_optimizer)
     seconds = time.perf_counter() - start
     result = _fold(load_graph(optimized, name), original, options, name, optimized=True)
     result.seconds["ort_optimizer"] = seconds

@@ -60,3 +60,8 @@ def take_over(old: ir.Value, new: ir.Value) -> None:
     if new.shape is None:
         new.shape = old.shape
     old.name, new.name = None, old.name
+
+
+def shape_axes(node: ir.Node, rank: int) -> list[int]:
+    """The axes a `Shape` node with its `start` and `end` reports of a tensor of rank `rank`."""
+    return list(range(rank))[attr(node, "start", 0) : attr(node, "end", rank)]

@@ -115,15 +115,9 @@ def _tensors(batch: Batch, device: torch.device | str | None = None) -> dict[str
     return {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in batch.items()}
 
 
-def _device(module: nn.Module) -> torch.device | None:
-    """The device of `module`'s parameters (None: it has none)."""
-    parameter = next(module.parameters(), None)
-    return None if parameter is None else parameter.device
-
-
 def _run(module: nn.Module, batch: Batch) -> dict[str, np.ndarray]:
     """`module`'s outputs on `batch` (moved to the module's device), as NumPy arrays."""
-    return {k: to_numpy(v) for k, v in _outputs(module, (), _tensors(batch, _device(module))).items()}
+    return {k: to_numpy(v) for k, v in _outputs(module, (), _tensors(batch, _like(module).get("device"))).items()}
 
 
 # --- where a surrogate's terms go ----------------------------------------------------------------
