@@ -58,6 +58,11 @@ def add_parser(sub) -> None:
         metavar="N|NAME",
         help="norms kept from the start: a count of the most damaging ones, or names (repeatable; default 0)",
     )
+    parser.add_argument(
+        "--all-norms",
+        action="store_true",
+        help="the norms the exact pass folds are replaced too (a norm-free model; default: exact folds stay)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="training rounds, each keeping one more norm (3)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per round (default 300)")
     parser.add_argument("--ramp", type=float, default=0.3, help="share of the steps removing the norms (0.3)")
@@ -99,6 +104,7 @@ def _options(args: argparse.Namespace):
         kind=args.kind,
         budget=",".join(args.budget or [DEFAULT_BUDGET]),
         keep=_keep(args.keep),
+        all_norms=args.all_norms,
         rounds=args.rounds,
         steps=args.steps,
         ramp=args.ramp,

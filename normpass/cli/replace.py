@@ -87,6 +87,11 @@ def add_parser(sub) -> None:
         help="calibrate every norm on the original model (ablation) instead of sequentially",
     )
     parser.add_argument("--norm", action="append", metavar="NAME", help="only consider these norms (repeatable)")
+    parser.add_argument(
+        "--all-norms",
+        action="store_true",
+        help="the norms the exact pass folds are candidates too (for a norm-free model; default: exact folds stay)",
+    )
     centring = parser.add_mutually_exclusive_group()
     centring.add_argument(
         "--centre-inputs",
@@ -206,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         refit=not args.no_refit,
         insert_centering=not args.no_insert_centering,
         norms=tuple(args.norm) if args.norm else None,
+        all_norms=args.all_norms,
         rms_op=args.rms_op,
         provider=args.provider,
         samples=args.samples,

@@ -58,6 +58,13 @@ def migrate_affine(
     return np.ascontiguousarray(new_weight), None if new_bias is None else new_bias.astype(dtype)
 
 
+def scale_along(values: np.ndarray, axis: int, factors: np.ndarray) -> np.ndarray:
+    """`values` with its slices along `axis` multiplied by `factors` (one per index of that axis)."""
+    shape = [1] * values.ndim
+    shape[axis] = -1
+    return values * np.asarray(factors, dtype=values.dtype).reshape(shape)
+
+
 def is_uniform(values: np.ndarray) -> bool:
     """True when every element equals the first (an affine γ that scales all features alike)."""
     flat = values.reshape(-1)

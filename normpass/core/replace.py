@@ -82,6 +82,7 @@ class ReplaceOptions:
     only_cheaper: bool | None = None  # default: True for auto
     tries: int = 2  # policy "count": candidates tried per norm, by individual damage
     norms: tuple[str, ...] | None = None  # restrict the candidates to these norms
+    all_norms: bool = False  # the norms the exact pass folds are candidates too (a norm-free model)  [--all-norms]
     migrate_affine: bool = True  # move c, γ and β into adjacent layers where exact
     rms_op: str = "simplified"  # ONNX: the op of exact folds and rms surrogates
     provider: str | None = None  # ONNX: price ONNX Runtime's fusions on this provider (cpu, cuda)  [--provider]
@@ -675,10 +676,11 @@ def _report(
 ) -> dict:
     options, budget, pool = search.options, search.budget, selection.pool
     chosen = dict(state)
+    exact = frame.exact - set(chosen)  # with all_norms a folded norm may be replaced after all
     rows = []
     for name, op in frame.norms:
         row: dict = {"name": name, "op": op}
-        if name in frame.exact:
+        if name in exact:
             row.update(decision="exact", reason="folded exactly into an RMSNorm by the exact pass", kept=False)
         elif name in frame.declined:
             row.update(decision="unsupported", reason=frame.declined[name], kept=True)
@@ -732,9 +734,9 @@ def _report(
         "calibration": "sequential" if options.sequential else "parallel",
         "samples": {role: search.splits.count(role) for role in SPLITS},
         "total": len(frame.norms),
-        "exact": len(frame.exact),
+        "exact": len(exact),
         "replaced": len(chosen),
-        "kept": len(frame.norms) - len(frame.exact) - len(chosen),
+        "kept": len(frame.norms) - len(exact) - len(chosen),
         "orders": [r.to_json(budget) for r in selection.orders],
         "chosen_order": selection.chosen.order,
         "validation": search.evaluate(state).to_json(),

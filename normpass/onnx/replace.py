@@ -21,6 +21,7 @@ test split and writes the report.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -164,7 +165,7 @@ class OnnxBench:
         """A working graph of the base with `surrogates` emitted: (graph, emitter, emissions)."""
         ctx = open_graph(self.base, self.shapes, self.name, self.dtypes)
         emitter = Emitter(ctx, self.rms_op, self.provider)
-        emissions = {norm: emitter.emit(emitter.norms[norm], surrogate) for norm, surrogate in surrogates}
+        emissions = emitter.emit_all(surrogates)
         return ctx, emitter, emissions
 
     def emission(self, norm: str, surrogate: Surrogate) -> Emission:
@@ -235,6 +236,7 @@ def prepare(
         FoldOptions(
             rms_op=options.rms_op,
             insert_centering=options.insert_centering,
+            fuse_skip=False if options.all_norms else None,  # a fused Skip op is no candidate; export fuses
             verify=True,
             input_shapes=options.input_shapes,
             seed=options.seed,
@@ -243,10 +245,14 @@ def prepare(
     )
     exact = {d.name for d in folded.plan.folded}
     original = build_zero_mean_graph(load_graph(model, name)).norms
-    unfolded = {n.output for n in original if n.name not in exact}
+    unfolded = {n.output for n in original if options.all_norms or n.name not in exact}
     ctx = load_graph(folded.model, name)
     emitter = Emitter(ctx, options.rms_op, options.provider)
     norms = [n for n in emitter.norms.values() if n.output in unfolded]
+    if options.all_norms:  # a folded norm is named as the fold wrote it: the report uses those names
+        renamed = {n.output: n.name for n in norms}
+        exact = {renamed.get(n.output, n.name) for n in original if n.name in exact}
+        original = [dataclasses.replace(n, name=renamed.get(n.output, n.name)) for n in original]
     candidates, declined = eligible(
         name, norms, exact, options, kinds, lambda n: width_of(ctx.shapes, n), front_end_reason
     )

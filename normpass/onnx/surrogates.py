@@ -55,6 +55,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.cost import Emission, costs
 from ..core.graph import NormInfo, NormType
+from ..core.stream import STREAM_KINDS, on_scaled_input, scale_limit, stream_scale
 from ..core.surrogates import NormSpec, Surrogate
 from .constants import constant_values
 from .export import export_model as annotate
@@ -62,7 +63,15 @@ from .frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_valu
 from .fuse import fuse_skip_rms, skip_fused_adds
 from .passes import in_memory_proto
 from .rewrite import Rewriter, new_value, rms_nodes
-from .targets import affine_plan, move_affine, new_initializer, private_bias, value_readers
+from .targets import (
+    affine_plan,
+    move_affine,
+    new_initializer,
+    private_bias,
+    scale_writers,
+    stream_plan,
+    value_readers,
+)
 from .values import name_of, take_over
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
@@ -156,6 +165,7 @@ class Emitter(Rewriter):
         self.graph_outputs = self.zmg.graph_outputs
         self.norms = {norm.name: norm for norm in self.zmg.norms}
         self._checker = ShiftChecker(self.zmg)
+        self._stream_inputs: dict[int, NormInfo] = {}  # id(x) → a norm emitted as a linear surrogate
 
     def _const(self, base: str, values) -> ir.Value:
         return new_initializer(self.graph, self._unique(base), values)
@@ -183,8 +193,26 @@ class Emitter(Rewriter):
             return 0
         return skip_fused_adds(norm.ref.x, self.ctx.shapes, self.graph_outputs)
 
-    def emit(self, norm: NormInfo, surrogate: Surrogate) -> Emission:
-        """Replace `norm` by `surrogate` in the graph (see the module docstring)."""
+    def emit_all(self, surrogates: list[tuple[str, Surrogate]]) -> dict[str, Emission]:
+        """Emit surrogates (in topological order); a linear one's γ that stays is carried along the
+        residual stream into the linear surrogates downstream where it can be (`core/stream.py`)."""
+        self._stream_inputs = {id(self.norms[n].ref.x): self.norms[n] for n, s in surrogates if s.kind in STREAM_KINDS}
+        carried: dict[str, np.ndarray] = {}  # norm → the per-feature scale its input is divided by
+        emissions = {}
+        for name, surrogate in surrogates:
+            if name in carried:
+                surrogate = on_scaled_input(surrogate, carried.pop(name))
+            emissions[name] = self.emit(self.norms[name], surrogate, carried)
+        self._stream_inputs = {}
+        return emissions
+
+    def _absorbs(self, consumer: ir.Node, value: ir.Value) -> bool:
+        norm = self._stream_inputs.get(id(value))
+        return norm is not None and value is norm.ref.x and any(consumer is n for n in norm.ref.nodes)
+
+    def emit(self, norm: NormInfo, surrogate: Surrogate, carried: dict[str, np.ndarray] | None = None) -> Emission:
+        """Replace `norm` by `surrogate` in the graph (see the module docstring); `carried` (from
+        `emit_all`) receives the scale of the norms downstream that read a stream γ was carried along."""
         match = norm.ref
         width = width_of(self.ctx.shapes, norm)
         axis = norm.axis
@@ -235,6 +263,15 @@ class Emitter(Rewriter):
         beta = np.asarray(surrogate.beta, dtype=np.float64)
         keep_gamma = output.full is None and not np.all(gamma == 1)
         keep_beta = output.full is None and output.beta is None and np.any(beta != 0)
+        scale = stream_scale(surrogate, width, scale_limit(np.dtype(dtype).name)) if keep_gamma else None
+        stream = None  # decided on the original wiring; its weights change after β has moved
+        if scale is not None and carried is not None and self._stream_inputs:
+            stream = stream_plan(self.ctx, self.graph_outputs, y, width, self._absorbs)
+        if stream is not None and scale is not None:
+            keep_gamma = False
+            kept_beta = beta / scale  # added to the stream, which is now divided by the scale
+        else:
+            kept_beta = beta
         if surrogate.kind == "rms":
             scale = gamma if keep_gamma else np.ones(width)
             unit = self.rms_op == "decomposed" and np.all(scale == 1)  # the chain needs no Mul by ones
@@ -266,7 +303,7 @@ class Emitter(Rewriter):
             factor = np.array(surrogate.alpha) if surrogate.kind == "scalebias" else gamma
             current = add("Mul", [current, self._const(f"{norm.name}.gamma", factor.astype(dtype))], "gamma")
         if keep_beta:
-            current = add("Add", [current, self._const(f"{norm.name}.beta", beta.astype(dtype))], "beta")
+            current = add("Add", [current, self._const(f"{norm.name}.beta", kept_beta.astype(dtype))], "beta")
 
         moved_to = []
         if output.full is not None:
@@ -291,6 +328,16 @@ class Emitter(Rewriter):
                 emission.beta = "Add" if keep_beta else "none"
         for name in moved_to:
             self._note(name, f"absorbed {'γ/β' if output.full is not None else 'β'} of the {norm.name} surrogate")
+        if stream is not None and scale is not None and carried is not None:
+            changed = move_affine(self.graph, stream.readers, scale, None, self._unique)
+            changed += scale_writers(self.graph, stream.writers, 1.0 / scale, self._unique)
+            absorbers = [self._stream_inputs[id(v)].name for v in stream.absorbed]
+            for absorber in absorbers:
+                carried[absorber] = scale
+            for name in changed:
+                self._note(name, f"absorbed γ of the {norm.name} surrogate, carried along the residual stream")
+            emission.gamma = f"carried along the residual stream into {', '.join(changed + absorbers)}"
+            emission.changed += changed
 
         refused = surrogate.kind == "rms" and self.rms_op == "simplified" and emission.shift != "Sub"
         if fused_adds and refused and dtype == np.float32:  # export_model(fuse_skip=True) fuses them again

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..core.algebra import migrate_affine
+from ..core.algebra import migrate_affine, scale_along
 from ..core.analysis import regroup_axis
 from ..errors import WeightOverflowError
 from ..io import drop_pages
@@ -382,4 +382,118 @@ def move_affine(
         if new_bias is not None and target.bias_node is not None:
             renew(target.bias_node, target.bias_index, new_bias, "affine")
         changed.append(name_of(linear))
+    return changed
+
+
+@dataclass
+class StreamPlan:
+    """Where a surrogate's γ goes along the residual stream (`core/stream.py`): the linear layers
+    reading the stream (their input rows take D), those writing into it through a residual Add (their
+    output rows and bias take 1/D), and the stream values read by linear surrogates (they take D)."""
+
+    readers: list[LinearTarget]
+    writers: list[LinearTarget]
+    absorbed: list[ir.Value]
+
+
+def _writer(ctx: OnnxGraph, graph_outputs: set[str], value: ir.Value, width: int) -> LinearTarget | None:
+    """The linear layer whose private output is `value`: a MatMul with a constant [in, width] weight,
+    alone or followed by a private Add of a constant bias, or a Gemm with a constant weight and bias."""
+    node = value.producer()
+    if node is None or not is_private(value, graph_outputs):
+        return None
+    bias_node, bias_index = None, None
+    if node.op_type == "Add" and len(node.inputs) == 2:
+        biases = [i for i, t in enumerate(node.inputs) if is_feature_vector(constant_values(t), width)]
+        product = node.inputs[1 - biases[0]] if len(biases) == 1 else None
+        if product is None or not is_private(product, graph_outputs):
+            return None
+        bias_node, bias_index = node, biases[0]
+        node = product.producer()
+        if node is None or node.op_type != "MatMul":
+            return None
+    weight = input_at(node, 1)
+    shape = None if weight is None else ctx.shapes.get(name_of(weight))
+    if weight is None or node.op_type not in ("MatMul", "Gemm") or not is_constant(weight):
+        return None
+    if shape is None or len(shape) != 2:
+        return None
+    if node.op_type == "MatMul":
+        return LinearTarget(node, 0, bias_node, bias_index) if shape[1] == width else None
+    trans_b = attr(node, "transB", 0)
+    bias = input_at(node, 2)
+    if attr(node, "transA", 0) or shape[1 - trans_b] != width:
+        return None
+    if bias is not None and not is_feature_vector(constant_values(bias), width):
+        return None
+    return LinearTarget(node, trans_b, None if bias is None else node, None if bias is None else 2)
+
+
+def stream_plan(ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int, absorbs) -> StreamPlan | None:
+    """The stream `y` starts, if every reader of it is a linear layer contracting over the features,
+    a residual Add whose other summand is a private linear writer (`_writer`), a shape reader, or a
+    node `absorbs(node, value)` accepts (a linear surrogate's norm reading `value`); None otherwise."""
+    plan = StreamPlan([], [], [])
+    frontier, seen = [y], {id(y)}
+    while frontier:
+        current = frontier.pop()
+        shape = ctx.shapes.get(name_of(current))
+        if current.name in graph_outputs or not shape or shape[-1] != width:
+            return None
+        absorbed = False
+        for consumer in ctx.readers(current):
+            if consumer.op_type in SHAPE_READERS:
+                continue
+            if absorbs(consumer, current):
+                absorbed = True
+                continue
+            if consumer.op_type == "Add" and len(consumer.inputs) == 2 and consumer.inputs[0] is not consumer.inputs[1]:
+                out = consumer.outputs[0]
+                other = consumer.inputs[1] if consumer.inputs[0] is current else consumer.inputs[0]
+                writer = None if other is None or id(other) in seen else _writer(ctx, graph_outputs, other, width)
+                if writer is None or (ctx.shapes.get(name_of(out)) or ())[-1:] != (width,):
+                    return None
+                plan.writers.append(writer)
+                if id(out) not in seen:
+                    seen.add(id(out))
+                    frontier.append(out)
+                continue
+            if consumer.inputs[0] is not current or current in consumer.inputs[1:]:
+                return None
+            target = linear_target(ctx, graph_outputs, consumer, len(shape) - 1, needs_bias=False)
+            if target is None:
+                return None
+            plan.readers.append(target)
+        if absorbed:
+            plan.absorbed.append(current)
+    nodes = [id(t.node) for t in plan.readers + plan.writers]
+    return plan if len(set(nodes)) == len(nodes) else None
+
+
+def scale_writers(graph: ir.Graph, writers: list[LinearTarget], factors: np.ndarray, unique: Namer) -> list[str]:
+    """Each writer's output features times `factors`: its weight along the output axis, its bias."""
+    changed = []
+    for target in writers:
+        node = target.node
+        out_axis = 1 - target.in_axis
+        weight = input_at(node, 1)
+        assert weight is not None  # `_writer` checked: a constant weight
+        scaled = derived_initializer(
+            graph,
+            unique(f"{weight.name}.stream"),
+            weight,
+            lambda w, axis=out_axis: scale_along(w.astype(np.float64), axis, factors).astype(w.dtype),
+            "scaled along the residual stream",
+            migrated=True,
+        )
+        set_input(node, 1, scaled)
+        if target.bias_node is not None and target.bias_index is not None:
+            bias = input_at(target.bias_node, target.bias_index)
+            values = None if bias is None else constant_values(bias)
+            assert bias is not None and values is not None  # `_writer` checked: a constant feature vector
+            moved = (values.astype(np.float64) * factors).astype(values.dtype).reshape(values.shape)
+            what = f"initializer {name_of(bias)} scaled along the residual stream"
+            moved = refuse_overflow(moved, [values], what, migrated=True)
+            set_input(target.bias_node, target.bias_index, new_initializer(graph, unique(f"{bias.name}.stream"), moved))
+        changed.append(name_of(node))
     return changed

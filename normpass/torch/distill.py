@@ -79,6 +79,7 @@ class DistillOptions:
     split: tuple[float, float, float] = (0.7, 0.15, 0.15)  # train, decide, test  [--split]
     holdout: object = None  # test data from elsewhere  [--holdout]
     keep: tuple[str, ...] | int = 0  # norms kept from the start: names, or the count of the most damaging  [--keep]
+    all_norms: bool = False  # the norms the exact pass folds are candidates too  [--all-norms]
     rounds: int = 3  # training rounds; each after the first keeps one more norm  [--rounds]
     steps: int = 300  # optimizer steps per round  [--steps]
     ramp: float = 0.3  # share of the first round's steps over which α goes 1 → 0  [--ramp]
@@ -140,6 +141,7 @@ class DistillOptions:
             check=0.0,
             holdout=self.holdout,
             migrate_affine=False,
+            all_norms=self.all_norms,
             batch_size=self.batch_size,
             tokenizer=self.tokenizer,
             max_length=self.max_length,

@@ -28,6 +28,7 @@ them, e.g. inside a `SmoothRemoval`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import time
@@ -55,14 +56,15 @@ from ..core.replace import (
     split_roles,
 )
 from ..core.stats import StatsCollector, token_rows
+from ..core.stream import STREAM_KINDS, on_scaled_input, scale_limit, stream_scale
 from ..core.surrogates import NormSpec, Surrogate
 from ..errors import InputError
 from .api import _arguments, _outputs, fold
 from .capture import Attr, capture
 from .fx import TorchGraph, build_zero_mean_graph, to_numpy
-from .rewrite import _Editor, _edits_of, _wide, add_to_bias, move_affine
+from .rewrite import _Editor, _edits_of, _wide, add_to_bias, carry_along_stream, move_affine
 from .surrogates import surrogate_module
-from .targets import BiasTarget, claim_residual, migration_targets, shift_target
+from .targets import BiasTarget, claim_residual, migration_targets, shift_target, stream_targets
 
 # --- data ----------------------------------------------------------------------------------------
 
@@ -275,13 +277,23 @@ def norm_spec(tg: TorchGraph, norm: NormInfo) -> NormSpec:
 def emit(
     base: nn.Module, tg: TorchGraph, surrogates: list[tuple[str, Surrogate]], migrate: bool = True
 ) -> tuple[nn.Module, dict[str, Emission]]:
-    """A deep copy of `base` (captured as `tg`) whose norms are the given surrogates, terms migrated where exact."""
+    """A deep copy of `base` (captured as `tg`) whose norms are the given surrogates, terms migrated where exact.
+
+    With `migrate`, a linear surrogate's γ that no linear layer can take alone is carried along the
+    residual stream (`core/stream.py`): the surrogates downstream read the stream scaled, and take
+    the scale into their own γ (`carried`).
+    """
     module = copy.deepcopy(base)
     editor = _Editor(module)
     uses = tg.uses()
     like = _like(base)
+    limit = scale_limit(str(like.get("dtype", torch.float32)).removeprefix("torch."))
+    linear_norms = {name for name, s in surrogates if s.kind in STREAM_KINDS} if migrate else set()
+    carried: dict[str, np.ndarray] = {}  # norm → the per-feature scale its input is divided by
     emissions = {}
     for name, surrogate in surrogates:
+        if name in carried:
+            surrogate = on_scaled_input(surrogate, carried.pop(name))
         norm = tg.zmg.norm_by_name(name)
         width = _candidate_width(tg, norm)
         plan = terms(placement(tg, name, width, uses), surrogate, migrate)
@@ -294,6 +306,17 @@ def emit(
             gamma = None if plan.gamma_to is None else surrogate.gamma
             beta = None if plan.beta_to is None else surrogate.beta
             emission.changed += move_affine(tg, editor, targets, gamma, beta)
+        scale = stream_scale(surrogate, width, limit) if plan.keep_gamma and migrate else None
+        stream = None if scale is None else stream_targets(tg, name, linear_norms, uses)
+        if stream is not None and scale is not None:
+            changed = carry_along_stream(tg, editor, stream, scale)
+            for absorber in stream.absorbers:
+                carried[absorber] = scale
+            emission.changed += changed
+            emission.gamma = f"carried along the residual stream into {', '.join(changed + stream.absorbers)}"
+            plan.keep_gamma = False
+            if plan.keep_beta:  # the module's output is the stream divided by the scale
+                surrogate = dataclasses.replace(surrogate, beta=np.asarray(surrogate.beta) / scale)
         replacement = surrogate_module(surrogate, width, plan.keep_shift, plan.keep_gamma, plan.keep_beta, **like)
         emission.ops.update(replacement.ops())
         _set_module(module, norm.ref.module, replacement)
@@ -397,7 +420,7 @@ def base(module: nn.Module, example: dict[str, torch.Tensor], options: ReplaceOp
     uses = tg.uses()
     candidates, declined = eligible(
         name,
-        [n for n in tg.zmg.norms if n.name not in exact],
+        [n for n in tg.zmg.norms if options.all_norms or n.name not in exact],
         exact,
         options,
         kinds,

@@ -30,13 +30,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.algebra import centre, migrate_affine
+from ..core.algebra import centre, migrate_affine, scale_along
 from ..core.analysis import ShiftChecker
 from ..core.plan import Blocker, Centring, FoldPlan, NormDecision
 from ..core.rules import Linear
 from .capture import Attr
 from .fx import NodeRef, NormSite, TorchGraph, to_numpy
-from .targets import BiasTarget, claim_residual, migration_targets
+from .targets import BiasTarget, Stream, claim_residual, migration_targets
 
 
 class RMSNormWithBias(nn.RMSNorm):
@@ -257,6 +257,22 @@ def move_affine(tg: TorchGraph, editor: _Editor, targets: list, gamma, beta) -> 
             editor.add_bias(owner, new_bias)
         changed.append(target.name)
     return changed
+
+
+def carry_along_stream(tg: TorchGraph, editor: _Editor, stream: Stream, scale: np.ndarray) -> list[str]:
+    """Carry a per-feature scale D along a residual stream (`core/stream.py`): its linear readers'
+    input rows times D, its writers' output rows and bias divided by D. Returns the changed nodes."""
+    edits = [(node, scale, "in") for node in stream.readers] + [(node, 1.0 / scale, "out") for node in stream.writers]
+    for node, factors, side in edits:
+        linear = node.ref.linear
+        weight = tg.attr(node.name, linear.weight)
+        assert weight is not None, f"{node.name}'s weight is a parameter (checked by stream_targets)"
+        axis = linear.in_axis if side == "in" else linear.out_axis
+        editor.set(weight, scale_along(_wide(editor.parameter(weight)), axis, factors))
+        bias = None if linear.bias is None or side == "in" else tg.attr(node.name, linear.bias)
+        if bias is not None:
+            editor.set(bias, scale_along(_wide(editor.parameter(bias)), linear.bias_axis, factors))
+    return [node.name for node, _, _ in edits]
 
 
 def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, full, beta_only) -> str:

@@ -107,6 +107,15 @@ def claim_residual(tg: TorchGraph, width: int, uses: dict):
     return claim
 
 
+def _norm_called_once(tg: TorchGraph, norm_name: str):
+    """(the norm, its output width) if its module is called once (an edit for it changes no other call),
+    else (None, None)."""
+    norm = tg.zmg.norm_by_name(norm_name)
+    if sum(n.ref.module == norm.ref.module for n in tg.zmg.norms) > 1:
+        return None, None
+    return norm, (tg.zmg.shape(norm.output) or (None,))[-1]
+
+
 def migration_targets(tg: TorchGraph, norm_name: str, uses: dict, needs_bias: bool, claim=None) -> list | None:
     """The linear nodes (and claimed `BiasTarget`s) that read a norm's output, if its affine can move into them.
 
@@ -116,10 +125,9 @@ def migration_targets(tg: TorchGraph, norm_name: str, uses: dict, needs_bias: bo
     that is not such a layer.
     """
     zmg = tg.zmg
-    norm = zmg.norm_by_name(norm_name)
-    if sum(n.ref.module == norm.ref.module for n in zmg.norms) > 1:
+    norm, width = _norm_called_once(tg, norm_name)
+    if norm is None:
         return None
-    width = (zmg.shape(norm.output) or (None,))[-1]
     frontier, targets = [norm.output], []
     while frontier:
         tensor = frontier.pop()
@@ -150,3 +158,89 @@ def migration_targets(tg: TorchGraph, norm_name: str, uses: dict, needs_bias: bo
         if linear.bias is None and needs_bias and type(tg.model.get_submodule(weight.module)) is not nn.Linear:
             return None  # nowhere to put β
     return targets or None
+
+
+@dataclass
+class Stream:
+    """Where a surrogate's γ goes along the residual stream (`core/stream.py`): the linear layers
+    that read the stream (their input rows take D), the linear layers that write into it through a
+    residual add (their output rows and bias take 1/D), and the surrogates that read it (they take D)."""
+
+    readers: list[ZNode]
+    writers: list[ZNode]
+    absorbers: list[str]
+
+
+def _writer(tg: TorchGraph, tensor: str, width: int, uses: dict) -> ZNode | None:
+    """The linear layer whose private output is `tensor` (through aliases only it reads), its weight
+    and bias read by it alone, with a bias (if any) along the output features."""
+    zmg = tg.zmg
+    node = zmg.producer_of(tensor)
+    ref = None if node is None else _ref(node)
+    if node is None or ref is None or not _private(tg, tensor):
+        return None
+    if ref.identity and node.inputs:
+        return _writer(tg, node.inputs[0], width, uses)
+    linear = ref.linear
+    if linear is None or not linear.migratable or linear.in_axis is None:
+        return None
+    shape = zmg.shape(linear.weight)
+    if shape is None or shape[linear.out_axis] != width:
+        return None
+    if _only_reader(uses, tg, node.name, linear.weight) is None:
+        return None
+    if linear.bias is not None and (linear.bias_axis is None or _only_reader(uses, tg, node.name, linear.bias) is None):
+        return None
+    return node
+
+
+def stream_targets(tg: TorchGraph, norm_name: str, absorbers: set[str], uses: dict) -> Stream | None:
+    """The stream a norm's output starts, if every reader of it is a private linear layer, a residual
+    add with a private linear writer, or one of `absorbers` (norms replaced by linear surrogates);
+    None otherwise (a graph output, another reader, a shared parameter)."""
+    zmg = tg.zmg
+    norm, width = _norm_called_once(tg, norm_name)
+    if norm is None or not isinstance(width, int):
+        return None
+    frontier, seen = [norm.output], {norm.output}
+    stream = Stream([], [], [])
+    while frontier:
+        tensor = frontier.pop()
+        if tensor in zmg.graph_outputs:
+            return None
+        for node, index in zmg.consumers_of(tensor):
+            ref = _ref(node)
+            keeps_width = (zmg.shape(node.outputs[0]) or (None,))[-1] == width
+            follow = None
+            if node.name in absorbers and index == 0:
+                stream.absorbers.append(node.name)
+            elif ref is not None and ref.identity and index == 0 and keeps_width:
+                follow = node.outputs[0]
+            elif ref is not None and ref.linear is not None:
+                linear = ref.linear
+                if index != 0 or linear.in_axis is None or not linear.migratable:
+                    return None
+                if _only_reader(uses, tg, node.name, linear.weight) is None:
+                    return None
+                stream.readers.append(node)
+            elif (
+                ref is not None
+                and node.kind is NodeKind.RESIDUAL
+                and ref.call.op == "add"
+                and ref.call.args.get("alpha", 1) == 1
+                and len(node.inputs) == 2
+                and keeps_width
+            ):
+                other = node.inputs[1] if node.inputs[0] == tensor else node.inputs[0]
+                writer = None if other in seen else _writer(tg, other, width, uses)
+                if writer is None:
+                    return None
+                stream.writers.append(writer)
+                follow = node.outputs[0]
+            else:
+                return None
+            if follow is not None and follow not in seen:
+                seen.add(follow)
+                frontier.append(follow)
+    linears = [n.name for n in stream.readers + stream.writers]
+    return stream if len(set(linears)) == len(linears) else None
