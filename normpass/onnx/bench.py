@@ -52,6 +52,7 @@ import onnxruntime as ort
 
 from .. import __version__
 from ..errors import InputError, VerificationError
+from ..io import write_text_atomic
 from .verify import compare_outputs, fixed_dim, make_inputs, ort_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -278,8 +279,7 @@ def finish_tool_run(
         "points": points,
     }
     if json_path:
-        with open(json_path, "w") as handle:
-            json.dump(report, handle, indent=2)
+        write_text_atomic(json.dumps(report, indent=2), json_path)
     print(table)
     print(
         f"\n{report['settings']['seconds']:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}"
