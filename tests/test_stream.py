@@ -100,19 +100,19 @@ def test_onnx_gamma_is_carried_along_the_stream_into_the_next_surrogate(gen):
     out, emissions = _emit(model, [first, second])
     check_structure(out)
     onnx.checker.check_model(out)
-    assert dict(emissions["y"].ops) == {"Sub": 1}  # x is a graph input: c stays, γ and β are gone
+    assert dict(emissions["y"].ops) == {}  # c into β (linear in x), β into bq and across the Add, γ along
     assert emissions["y"].gamma.startswith("carried along the residual stream into") and "z" in emissions["y"].gamma
     assert dict(emissions["z"].ops) == {"Mul": 1, "Add": 1}  # z is a graph output: one affine at the end
+    assert emissions["z"].shift == "none: the bias of l3 went into β"  # the writer's bias Add is gone
     ops = op_counts(out)
-    assert ops["LayerNormalization"] == 0 and ops["Mul"] == 1
+    assert ops["LayerNormalization"] == 0 and ops["Mul"] == 1 and ops["Sub"] == 0
+    assert ops["Add"] == 3  # q's bias, the residual Add, the last surrogate's β (l3's bias Add went)
     new = initializers(out)
     gamma = first.gamma
     wq = next(v for k, v in new.items() if k.startswith("Wq."))
     np.testing.assert_allclose(wq, gamma[:, None] * w["Wq"], rtol=1e-6)  # readers: input rows × γ
     w3 = next(v for k, v in new.items() if k.startswith("W3."))
     np.testing.assert_allclose(w3, w["W3"] / gamma[None, :], rtol=1e-6)  # writers: output rows ÷ γ
-    b3 = next(v for k, v in new.items() if k.startswith("b3."))
-    np.testing.assert_allclose(b3, (w["b3"] + first.beta) / gamma, rtol=1e-6)  # β moved across, then ÷ γ
     feeds = {"x": randn(gen, 2, 5, D), "h": randn(gen, 2, 5, D)}
     got = run_ort(out, feeds)
     y = first(feeds["x"].astype(np.float64))

@@ -271,23 +271,28 @@ def test_emission_in_a_post_ln_block_is_exact(gen, kind):
         assert emission.shift.startswith("migrated") and ops["Sub"] == 0
         b1 = next(v for k, v in new.items() if k.startswith("b1."))
         np.testing.assert_array_equal(b1, (w["b1"].astype(np.float64) - surrogate.shift).astype(np.float32))
+    # affine (linear in x): x's bias b1 and c go into β instead, β' = β + γ ⊙ (b1 − c), and b1's Add goes
+    linear = kind == "affine"
+    beta = surrogate.beta + (surrogate.gamma * (w["b1"] - surrogate.shift) if linear else 0.0)
+    if linear:
+        assert emission.shift == "none: the bias of l1 went into β" and not any(k.startswith("b1") for k in new)
     # β → bq' = bq + β·Wq (γ stays: the residual Add cannot take it) and across the residual Add into b3
     bq = next(v for k, v in new.items() if k.startswith("bq."))
     # (β·W is computed in the weights' precision, as the layer computes its own products)
-    np.testing.assert_allclose(bq, w["bq"] + surrogate.beta @ w["Wq"].astype(np.float64), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(bq, w["bq"] + beta @ w["Wq"].astype(np.float64), rtol=1e-6, atol=1e-6)
     b3 = next(v for k, v in new.items() if k.startswith("b3."))
-    np.testing.assert_array_equal(b3, (w["b3"].astype(np.float64) + surrogate.beta).astype(np.float32))
+    np.testing.assert_allclose(b3, (w["b3"].astype(np.float64) + beta).astype(np.float32), rtol=1e-6)
     np.testing.assert_array_equal(new["Wq"], w["Wq"])  # γ stays, so Wq is not copied
-    assert ops["Add"] == 5  # the model's own five; no Add for β
+    assert ops["Add"] == (4 if linear else 5)  # the model's own five (b1's went into β); no Add for β
     # ORT ran the residual and bias Adds inside the norm's SkipLayerNormalization: they are priced in,
     # except for rms, whose final export fuses them into SkipSimplifiedLayerNormalization again
     expected = {
         "rms": {"SkipSimplifiedLayerNormalization": 1},
-        "affine": {"Mul": 1, "Add": 2},
+        "affine": {"Mul": 1, "Add": 1},  # b1's Add went into β: the residual Add is left
         "dyt": {"Mul": 2, "Tanh": 1, "Add": 2},
         "derf": {"Mul": 2, "Erf": 1, "Add": 2},
     }[kind]
-    assert dict(emission.ops) == expected and emission.unfused_adds == (0 if kind == "rms" else 2)
+    assert dict(emission.ops) == expected and emission.unfused_adds == {"rms": 0, "affine": 1}.get(kind, 2)
     assert emission.cost < CPU_COST["SkipLayerNormalization"]
     alone = _emit(model, kind, np.random.default_rng(0), provider=None)[2]  # no provider: ops priced alone
     assert (
@@ -316,16 +321,17 @@ def test_affine_fully_migrates_into_linear_consumers(gen):
     model = build(LINEAR_ONLY, **w)
     out, surrogate, emission = _emit(model, "affine", gen)
     check_structure(out)
-    # nothing is emitted: what is left are the residual and bias Adds ORT fused into the norm
-    assert dict(emission.ops) == {"Add": 2} and emission.unfused_adds == 2 and emission.cost == 2 * CPU_COST["Add"]
-    assert collections.Counter(n.op_type for n in out.graph.node) == collections.Counter({"MatMul": 3, "Add": 4})
+    # nothing is emitted: b1's Add went into β, what is left is the residual Add ORT fused into the norm
+    assert dict(emission.ops) == {"Add": 1} and emission.unfused_adds == 1 and emission.cost == CPU_COST["Add"]
+    assert collections.Counter(n.op_type for n in out.graph.node) == collections.Counter({"MatMul": 3, "Add": 3})
     new = initializers(out)
+    beta = surrogate.beta + surrogate.gamma * w["b1"]  # γ ⊙ (x' + b1) + β
     for name in ("q", "k"):
         weight = next(v for k, v in new.items() if k.startswith(f"W{name}."))
         bias = next(v for k, v in new.items() if k.startswith(f"b{name}."))
         wide = w[f"W{name}"].astype(np.float64)
         np.testing.assert_allclose(weight, surrogate.gamma[:, None] * wide, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(bias, w[f"b{name}"] + surrogate.beta @ wide, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(bias, w[f"b{name}"] + beta @ wide, rtol=1e-6, atol=1e-6)
     feeds = _feeds(gen, "a", "r")
     got = run_ort(out, feeds)
     y = surrogate(feeds["a"].astype(np.float64) @ w["W1"] + w["b1"] + feeds["r"])

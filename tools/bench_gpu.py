@@ -17,7 +17,10 @@ does it):
 * `opt-fold`: the optimizer, then the fold (`normpass fold --ort-optimizer TYPE`);
 * `fold-opt`: the fold, then the optimizer;
 * `opt-identity`: every LayerNorm deleted, then the optimizer: the bound on what any norm removal
-  buys (its outputs differ; not checked).
+  buys (its outputs differ; not checked);
+* `opt-affine`: what `normpass replace --with affine --all-norms` writes (`norm_free`: seeded terms,
+  speed only; outputs not checked), then the optimizer: every norm gone, γ carried along the residual
+  stream, the residual writers' bias Adds taken into the surrogates' β.
 
 `run` times them on ORT's CUDA provider (`normpass.onnx.bench.run_benchmark`: IO binding, interleaved
 rounds, ORT_ENABLE_ALL, outputs checked against `ort-opt` with TF32 off: fp32 at the fp32 tolerance,
@@ -38,15 +41,20 @@ import sys
 import time
 import warnings
 
+import numpy as np
 import onnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_e2e
 
+from normpass.core.replace import ReplaceOptions
+from normpass.core.surrogates import Surrogate
 from normpass.models import forms, registry
 from normpass.onnx import bench
 from normpass.onnx.ortopt import OrtOptimizer, optimize
 from normpass.onnx.passes import FoldOptions, fold_onnx
+from normpass.onnx.replace import prepare as replace_prepare
+from normpass.onnx.surrogates import export_model
 
 # name → (registry entry factory, points as (batch, seq), fp32 points)
 MODELS = {
@@ -58,8 +66,9 @@ MODELS = {
     "bert-base-shape": (registry.bert_base_shape, [(1, 128), (8, 512)], [(8, 512)]),
     "vit-b16-shape": (registry.vit_b16_shape, [(1, 1), (64, 1), (256, 1)], [(64, 1)]),
 }
-VARIANTS = ("ort-opt", "opt-fold", "fold-opt", "opt-identity", "raw", "raw-folded")
-BASELINES = {"ort-opt": ("opt-fold", "fold-opt", "opt-identity"), "raw": ("raw-folded",)}
+VARIANTS = ("ort-opt", "opt-fold", "fold-opt", "opt-identity", "opt-affine", "raw", "raw-folded")
+BASELINES = {"ort-opt": ("opt-fold", "fold-opt", "opt-identity", "opt-affine"), "raw": ("raw-folded",)}
+UNCHECKED = ("opt-identity", "opt-affine")  # norm-free: their outputs differ from the original's
 FP16_BOUND = 0.05  # relative error of an fp16 variant against the fp16 `ort-opt`
 
 
@@ -75,6 +84,22 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
         warnings.simplefilter("ignore")
         wrapped.convert_float_to_float16(keep_io_types=True)
     return wrapped.model
+
+
+def norm_free(raw: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """`raw` as `normpass replace --with affine --all-norms` writes it, with seeded terms (speed, not
+    accuracy): every norm an affine surrogate, γ carried along the residual stream, the biases summed
+    into the norms' inputs taken into β."""
+    options = ReplaceOptions(kind="affine", all_norms=True, samples=8, budget="cos=0.01", check=0.0)
+    prepared = replace_prepare(raw, "synthetic", options, name)
+    rng = np.random.default_rng(0)
+    surrogates = []
+    for norm in prepared.bench.norms:
+        width = prepared.bench.width(norm.name)
+        gamma, beta = 1 + 0.1 * rng.standard_normal(width), 0.1 * rng.standard_normal(width)
+        surrogates.append((norm.name, Surrogate("affine", gamma, beta)))
+    ctx, emitter, _ = prepared.bench.build(surrogates)
+    return export_model(ctx, prepared.folded, emitter.docs, {})
 
 
 def prepare(name: str, cache: pathlib.Path) -> dict[str, dict[str, str]]:
@@ -93,6 +118,7 @@ def prepare(name: str, cache: pathlib.Path) -> dict[str, dict[str, str]]:
         "opt-fold": fold_onnx(raw, FoldOptions(provider="cuda", ort_optimizer=settings), name=name).model,
         "fold-opt": optimize(folded.model, settings)[0],
         "opt-identity": optimize(bench_e2e.without_norms(raw), settings)[0],
+        "opt-affine": optimize(norm_free(raw, name), settings)[0],
     }
     paths: dict[str, dict[str, str]] = {"fp32": {}, "fp16": {}}
     for label in VARIANTS:
@@ -146,8 +172,8 @@ def run_ort(args: argparse.Namespace, manifest: dict, device: str) -> list[dict]
                 bench.Candidate(
                     label,
                     paths[label],
-                    check=label != "opt-identity",
-                    bound=FP16_BOUND if dtype == "fp16" and label != "opt-identity" else None,
+                    check=label not in UNCHECKED,
+                    bound=FP16_BOUND if dtype == "fp16" and label not in UNCHECKED else None,
                 )
                 for label in VARIANTS
             ]

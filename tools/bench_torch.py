@@ -1,8 +1,9 @@
 """PyTorch speed of folded and surrogate models: eager and torch.compile, against the original and
 every norm deleted, on the CPU or a CUDA GPU.
 
-The same model shapes as tools/bench_e2e.py (GPT-2-small, BERT-base, ViT-B/16; seeded weights),
-fp32 by default (`--dtype fp16` on a GPU). Variants, timed in the same interleaved rounds
+The same model shapes as tools/bench_e2e.py (GPT-2-small, BERT-base, ViT-B/16; seeded weights) and
+all-MiniLM-L6-v2 (`minilm`: real weights, `normpass[minilm]`, mean-pooled; random token ids), fp32
+by default (`--dtype fp16` on a GPU). Variants, timed in the same interleaved rounds
 (`normpass.onnx.bench.interleave`, medians and per-round ratio quartiles), under
 `torch.inference_mode()`, each run ending with `torch.cuda.synchronize()` on a GPU:
 
@@ -15,7 +16,10 @@ fp32 by default (`--dtype fp16` on a GPU). Variants, timed in the same interleav
   norm that does not fold exactly by a surrogate of that kind (`normpass.torch.replace.apply_surrogates`,
   terms migrated into adjacent layers where exact; seeded γ, β and α, not fitted: this measures
   speed, not accuracy). A pre-LN model folds all its norms but the last; a post-LN one (BERT) folds
-  only the embedding norm, so every other norm becomes a surrogate.
+  only the embedding norm, so every other norm becomes a surrogate, its γ carried along the residual
+  stream (docs/surrogates.md) so that only the last keeps an op;
+* with `--all-norms` also `all-KIND`: every norm replaced, the folded ones too
+  (`ReplaceOptions(all_norms=True)`): the norm-free model `replace --all-norms` emits.
 
 Modes: `eager`, and `compile` (`torch.compile`, inductor, `dynamic=False`, compiled once per
 variant and shape during warm-up; compile time is reported, not timed; `original`, `folded` and
@@ -25,6 +29,8 @@ cores, so it runs at one point per model (`MODELS`), a subset of the eager point
     python tools/bench_torch.py --models gpt2-small-shape --threads 1 --repeats 5 --budget 20 \\
         --json /tmp/torch-gpt2.json
     python tools/bench_torch.py --device cuda --dtype fp16 --surrogates affine dyt --json /tmp/torch-cuda.json
+    python tools/bench_torch.py --models bert-base-shape vit-b16-shape minilm --modes eager --threads 2 \
+        --surrogates affine dyt --all-norms --json /tmp/torch-cpu-surrogates.json
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from torch import nn
 from normpass import models as builtin_models
 from normpass.core.replace import ReplaceOptions
 from normpass.core.surrogates import Surrogate
-from normpass.models import registry
+from normpass.models import minilm, registry
 from normpass.onnx import bench
 from normpass.onnx.verify import compare_outputs
 from normpass.torch.api import fold
@@ -53,11 +59,26 @@ from normpass.torch.replace import apply_surrogates, base
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 TOLERANCE = {"fp32": None, "fp16": 1e-2}  # the folded model's check: the dtype's tolerance, or this relative bound
 
+
+class MiniLM:
+    """all-MiniLM-L6-v2 (real weights, `normpass[minilm]`) with sentence-transformers' mean pooling."""
+
+    name = "minilm"
+
+    def build_torch(self):
+        return minilm.build_torch()
+
+    def make_inputs(self, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(1000, 30000, (batch, seq), generator=torch.Generator().manual_seed(seed))
+        return ids, torch.ones_like(ids)
+
+
 # name → (registry entry factory, sweep axis, eager points, compile points)
 MODELS = {
     "gpt2-small-shape": (lambda: builtin_models.get("gpt2-small-shape"), "seq", [64, 256, 1024], [256]),
     "bert-base-shape": (registry.bert_base_shape, "seq", [64, 256, 512], [256]),
     "vit-b16-shape": (registry.vit_b16_shape, "batch", [1, 4], [1]),
+    "minilm": (MiniLM, "seq", [128], [128]),
 }
 
 
@@ -88,21 +109,21 @@ def without_norms(model: nn.Module) -> nn.Module:
     return bound
 
 
-def with_surrogates(model: nn.Module, example: tuple, kind: str, seed: int = 0) -> nn.Module:
-    """`model` as `normpass.replace` emits it with every norm that does not fold exactly replaced by a `kind`
-    surrogate (seeded terms, not fitted: for timing)."""
+def with_surrogates(model: nn.Module, example: tuple, kind: str, all_norms: bool = False, seed: int = 0) -> nn.Module:
+    """`model` as `normpass.replace` emits it with every norm that does not fold exactly (`all_norms`: every
+    norm) replaced by a `kind` surrogate (seeded terms, not fitted: for timing)."""
+    options = ReplaceOptions(kind=kind, all_norms=all_norms)
     bound = dict(inspect.signature(model.forward).bind(*example).arguments)
-    candidates = base(model, bound, ReplaceOptions(kind=kind), type(model).__name__).candidates
+    b = base(model, bound, options, type(model).__name__)
     rng = np.random.default_rng(seed)
     surrogates = {}
-    for norm in candidates:
-        module = model.get_submodule(norm.ref.module)
-        assert isinstance(module, nn.LayerNorm)
-        width = int(module.normalized_shape[-1])
+    for norm in b.candidates:
+        width = int(b.tg.zmg.shape(norm.input)[-1])
+        gamma = np.full(width, 0.9) if kind == "scalebias" else 1 + 0.1 * rng.standard_normal(width)
         surrogates[norm.name] = Surrogate(
-            kind, 1 + 0.1 * rng.standard_normal(width), 0.1 * rng.standard_normal(width), alpha=0.5
+            kind, gamma, 0.1 * rng.standard_normal(width), alpha=0.9 if kind == "scalebias" else 0.5
         )
-    replaced, _ = apply_surrogates(model, example, surrogates, ReplaceOptions(kind=kind))
+    replaced, _ = apply_surrogates(model, example, surrogates, options)
     return replaced
 
 
@@ -118,10 +139,14 @@ def measure(name: str, args) -> list[dict]:
     )
     variants = {"original": original, "folded": folded, "identity": without_norms(original)}
     variants |= {f"replaced-{kind}": with_surrogates(original, example, kind) for kind in args.surrogates}
+    if args.all_norms:
+        variants |= {f"all-{kind}": with_surrogates(original, example, kind, True) for kind in args.surrogates}
     dtype = DTYPES[args.dtype]
     variants = {label: module.to(args.device, dtype).eval() for label, module in variants.items()}
     results = []
     for mode, points in (("eager", eager_points), ("compile", compile_points)):
+        if mode not in args.modes:
+            continue
         for point in args.points or points:
             batch, seq = (point, 1) if axis == "batch" else (1, point)
             inputs = tuple(
@@ -181,9 +206,9 @@ def markdown(points: list[dict], header: bool = True) -> str:
         o, f, i = (point["results"][k] for k in ("original", "folded", "identity"))
         shape = "×".join(str(d) for d in point["input"])
         replaced = ", ".join(
-            f"{label[len('replaced-') :]} {r['ratio']:.3f} ({r['ratio_p25']:.3f}–{r['ratio_p75']:.3f})"
+            f"{label.removeprefix('replaced-')} {r['ratio']:.3f} ({r['ratio_p25']:.3f}–{r['ratio_p75']:.3f})"
             for label, r in point["results"].items()
-            if label.startswith("replaced-")
+            if label.startswith(("replaced-", "all-"))
         )
         lines.append(
             f"| {point['model']} | {point['mode']} | {shape} | {o['median_ms']:.2f} | {f['median_ms']:.2f} "
@@ -206,6 +231,10 @@ def main() -> None:
     parser.add_argument(
         "--surrogates", nargs="*", default=[], choices=("affine", "scalebias", "dyt", "derf"), help="replaced-KIND"
     )
+    parser.add_argument(
+        "--all-norms", action="store_true", help="also all-KIND: every norm replaced, the folded ones too (norm-free)"
+    )
+    parser.add_argument("--modes", nargs="+", choices=("eager", "compile"), default=["eager", "compile"])
     parser.add_argument("--json", help="write every run time here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -6,7 +6,12 @@ removed and the cheapest exact form of that formula is emitted:
 * **shift c** — when every consumer of x is the norm and x is a sum (Adds whose intermediate
   results feed only the next Add) with a constant summand that broadcasts along the feature axis
   (a bias), that constant becomes b − c (copy-on-write) and no op is needed: the producing layer
-  then outputs x − c, exactly. Otherwise an explicit `Sub(x, c)`.
+  then outputs x − c, exactly. Otherwise an explicit `Sub(x, c)`. Affine and scalebias are linear
+  in x: c goes into β instead (β − γ ⊙ c), and so does that bias b, whose `Add` is removed
+  (β + γ ⊙ (b − c)): the Add ORT fused into the norm's SkipLayerNormalization does not come back.
+* **γ along the residual stream** (`emit_all`, `core/stream.py`): a linear surrogate's γ that no
+  linear layer can take alone is carried into the stream's readers and writers and the linear
+  surrogates downstream (`targets.stream_plan`, `targets.scale_writers`).
 * **core** — rms: `SimplifiedLayerNormalization` (ORT), opset-23 `RMSNormalization`, or the
   decomposed chain, emitted by the exact fold's `onnx/rewrite.py` `rms_nodes` (the chain ends at the
   division when γ is ones); affine, scalebias: nothing; dyt: `Mul(α)` → `Tanh`; derf:
@@ -47,6 +52,8 @@ costs is `core/cost.py`'s table; `norm_cost` prices the norm it replaces.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -72,7 +79,7 @@ from .targets import (
     stream_plan,
     value_readers,
 )
-from .values import name_of, take_over
+from .values import input_at, name_of, take_over
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 
@@ -210,6 +217,18 @@ class Emitter(Rewriter):
         norm = self._stream_inputs.get(id(value))
         return norm is not None and value is norm.ref.x and any(consumer is n for n in norm.ref.nodes)
 
+    def _remove_bias(self, target: tuple[ir.Node, int]) -> tuple[np.ndarray, ir.Value] | None:
+        """Remove the `Add(v, b)` that `target` (of `private_bias`) names, its readers reading v instead;
+        returns (b's values, v), or None where the Add is not one of a run-time v and a constant b."""
+        holder, index = target
+        other = input_at(holder, 1 - index)
+        values = constant_values(holder.inputs[index])
+        if holder.op_type != "Add" or other is None or values is None or constant_values(other) is not None:
+            return None
+        holder.outputs[0].replace_all_uses_with(other)
+        self.graph.remove(holder, safe=True)
+        return values.astype(np.float64).reshape(-1), other
+
     def emit(self, norm: NormInfo, surrogate: Surrogate, carried: dict[str, np.ndarray] | None = None) -> Emission:
         """Replace `norm` by `surrogate` in the graph (see the module docstring); `carried` (from
         `emit_all`) receives the scale of the norms downstream that read a stream γ was carried along."""
@@ -221,9 +240,22 @@ class Emitter(Rewriter):
         emission = Emission(provider=self.provider)
         x, y = match.x, match.y
         # decide on the original wiring, before the norm's nodes go
-        target = shift_target(norm, width, self.graph_outputs) if surrogate.has_shift else None
-        output = affine_plan(self.ctx, self.graph_outputs, y, width, needs_bias=True)
         fused_adds = self.ort_fused_adds(norm)
+        linear = surrogate.kind in STREAM_KINDS
+        target = shift_target(norm, width, self.graph_outputs) if surrogate.has_shift or linear else None
+        if linear:  # γ ⊙ (x − c) + β = γ ⊙ x' + β + γ ⊙ (b − c), x = x' + b: no Sub, and x's bias Add goes
+            removed = self._remove_bias(target) if target is not None else None
+            bias = 0.0 if removed is None else removed[0]
+            if removed is not None or surrogate.has_shift:
+                offset = bias - np.asarray(surrogate.shift, dtype=np.float64)
+                surrogate = dataclasses.replace(surrogate, beta=surrogate.beta + surrogate.gamma * offset, shift=0.0)
+            if removed is not None and target is not None:
+                emission.shift = f"none: the bias of {name_of(target[0])} went into β"
+                emission.changed.append(name_of(target[0]))
+                fused_adds = max(fused_adds - 1, 0)  # that Add is gone
+                x = removed[1] if target[0].outputs[0] is x else x
+            target = None
+        output = affine_plan(self.ctx, self.graph_outputs, y, width, needs_bias=True)
         doc = f"{surrogate.kind} surrogate for {norm.name} ({norm.op})"
         nodes: list[ir.Node] = []
         current = x
