@@ -127,6 +127,27 @@ def test_student_exports_to_onnx_without_norm_ops_for_replaced_norms(bert, disti
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+def test_all_norms_distils_a_student_without_a_norm_op_and_with_one_affine_op(bert, tmp_path):
+    """`all_norms`: the exact fold's RMSNorm is trained away too; the affine surrogates' γ is carried along
+    the residual stream, so the student's ONNX export has no norm op and one Mul (the last surrogate's)."""
+    module, inputs = bert
+    options = DistillOptions(budget="cos=0.5", all_norms=True, rounds=1, **FAST)
+    student, report = normpass.distill(module, calibration(), options)
+    data = report.to_json()
+    assert (data["total"], data["exact"], data["replaced"]) == (5, 0, 5)
+    modules = [m for _, m in student.named_modules() if isinstance(m, SurrogateNorm)]
+    assert len(modules) == 5 and sum(m.gamma is not None for m in modules) == 1
+    path = tmp_path / "norm-free.onnx"
+    torch.onnx.export(student, inputs, str(path), dynamo=True, input_names=["input_ids"], verbose=False)
+    exported = onnx.load(str(path))
+    assert not _norm_ops(exported)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"input_ids": inputs[0].numpy()})
+    with torch.no_grad():
+        want = student(*inputs).numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
 # --- the command line ----------------------------------------------------------------------------
 
 FACTORY = """

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import json
 
 import numpy as np
 import onnx
@@ -25,6 +26,7 @@ import torch
 from conftest import build, check_structure, initializers, op_counts, randn, run_ort
 
 from normpass import ReplaceOptions, models
+from normpass.cli.main import main
 from normpass.core.stream import on_scaled_input, scale_limit, stream_scale
 from normpass.core.surrogates import Surrogate
 from normpass.onnx.frontend import load_graph
@@ -200,11 +202,17 @@ def test_torch_vit_with_all_norms_affine_has_no_norm_op_but_the_last():
     assert float((a - b_).abs().max() / a.abs().max()) <= 1e-5
 
 
-def test_onnx_replace_with_all_norms_reports_folded_norms_as_replaced(registry_export):
-    model = onnx.load(str(registry_export("bert")))
+def test_onnx_replace_with_all_norms_reports_folded_norms_as_replaced(registry_export, tmp_path, capsys):
+    path = registry_export("bert")
+    model = onnx.load(str(path))
     options = ReplaceOptions(kind="affine", budget="cos=0.5", all_norms=True, samples=16, orders=("input",))
     result = replace_onnx(model, "synthetic", options)
     data = result.report.to_json()
+    out, report = tmp_path / "norm-free.onnx", tmp_path / "report.json"
+    argv = ["replace", str(path), "--with", "affine", "--all-norms", "--calib", "synthetic", "--samples", "16"]
+    assert main([*argv, "--budget", "cos=0.5", "-o", str(out), "--report", str(report)]) == 0
+    assert "0 of 5 norms folded exactly, 5 replaced" in capsys.readouterr().out
+    assert json.loads(report.read_text())["replaced"] == 5 and out.exists()
     assert (data["total"], data["exact"], data["replaced"], data["kept"]) == (5, 0, 5, 0)
     ops = collections.Counter(n.op_type for n in result.model.graph.node)
     assert not {op for op in ops if "Normalization" in op}

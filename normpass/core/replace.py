@@ -604,6 +604,10 @@ class Frame:
     kinds: tuple[str, ...]
     ops_before: dict[str, int] = field(default_factory=dict)
 
+    def exact_left(self, replaced) -> set[str]:
+        """The norms the exact fold folded that no surrogate replaced (with `all_norms` one may have)."""
+        return self.exact - set(replaced)
+
 
 def _figures(m: Metrics) -> str:
     text = f"cos min {m.cos_min:.6f}, rel max {m.rel_max:.3g}"
@@ -676,7 +680,7 @@ def _report(
 ) -> dict:
     options, budget, pool = search.options, search.budget, selection.pool
     chosen = dict(state)
-    exact = frame.exact - set(chosen)  # with all_norms a folded norm may be replaced after all
+    exact = frame.exact_left(chosen)
     rows = []
     for name, op in frame.norms:
         row: dict = {"name": name, "op": op}

@@ -329,7 +329,7 @@ def replace_onnx(
         properties = {
             "normpass.version": __version__,
             "normpass.replaced": f"{len(surrogates)} of {len(p.frame.norms)} norms replaced by surrogates, "
-            f"{len(p.frame.exact)} folded exactly",
+            f"{len(p.frame.exact_left(dict(surrogates)))} folded exactly",
             "normpass.surrogate.fit": ", ".join(f"{n}={s.kind}" for n, s in surrogates),
             "normpass.budget": str(p.search.budget),
         }

@@ -536,10 +536,11 @@ def distill(
 def _report(p, options, budget, ranked, kept, surrogates, emissions, rounds, calibrated, decide, test, seconds) -> dict:
     frame, search = p.frame, p.search
     alone = {c.norm: c for c in ranked}
+    exact = frame.exact_left(surrogates)
     rows = []
     for name, op in frame.norms:
         row: dict = {"name": name, "op": op}
-        if name in frame.exact:
+        if name in exact:
             row.update(decision="exact", reason="folded exactly into an RMSNorm by the exact pass")
         elif name in frame.declined:
             row.update(decision="unsupported", reason=frame.declined[name])
@@ -567,7 +568,7 @@ def _report(p, options, budget, ranked, kept, surrogates, emissions, rounds, cal
         "seed": options.seed,
         "calibration_samples": search.splits.count("fit"),
         "total": len(frame.norms),
-        "exact": len(frame.exact),
+        "exact": len(exact),
         "replaced": len(surrogates),
         "kept": sorted(kept, key=search.index.__getitem__),
         "rounds": [r.to_json() for r in rounds],
