@@ -18,7 +18,8 @@
 4. **Emission** (`emit`): a deep copy of the exactly folded, centred module whose norms are
    surrogate modules (`torch/surrogates.py`), with c, γ and β migrated into adjacent layers
    where exact (`torch/targets.py`): the c of `x − c` into the bias summed into x, γ and β into
-   the `nn.Linear`s that read y, or β alone across a residual add into the other summand's bias.
+   the `nn.Linear`s that read y, or β alone across a residual add into the other summand's bias;
+   an affine's γ that stays is carried along the residual stream (`core/stream.py`).
 
 The result runs eagerly, under `torch.compile` and through `torch.onnx.export`; with
 `ReplaceOptions(migrate_affine=False)` every fitted term stays in its surrogate module (to train
