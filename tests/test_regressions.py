@@ -7,6 +7,11 @@
 * a tensor attribute (`ConstantOfShape`'s `value`) must not be touched in the caller's model;
 * double models: see tests/test_emission.py (no double SkipSimplifiedLayerNormalization).
 
+Three in the surrogate pass's emission, found by a differential fuzz of it (every norm replaced,
+the emission with γ carried along the stream against one norm at a time): a decomposed norm with a
+scalar γ has its input's width; a norm reading another replaced norm's output reads what replaced
+it; a layer input centring finds for two norms is centred once.
+
 And three found on published files (tests/test_thirdparty.py): a name given to an unnamed node that
 an earlier node has (after ONNX's version converter), ranks only newer op versions infer (the target
 decided what was proven), and a model without norms run on inputs it does not take.
@@ -18,7 +23,7 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
-from conftest import assert_equivalent, build, check_structure, op_counts, randn, rng
+from conftest import assert_equivalent, build, check_structure, op_counts, randn, rng, run_ort
 from onnx import helper, numpy_helper
 
 from normpass import FoldOptions, fold_onnx
@@ -327,3 +332,88 @@ def test_a_model_without_norms_is_written_as_it_was_without_running_it(tmp_path,
     assert main(["fold", str(source), "-o", str(out)]) == 0
     assert "0 of 0 norms folded into RMSNorm (nothing rewritten)" in capsys.readouterr().out
     assert onnx.load(str(out)).graph.node[0].op_type == "Add"
+
+
+# --- the surrogate pass (a differential fuzz of its emission on tests/graphgen.py graphs) ---------
+
+
+def _replace(model: onnx.ModelProto, kind: str):
+    from normpass import ReplaceOptions, replace_onnx
+
+    options = ReplaceOptions(kind=kind, budget="cos=0.01", orders=("input",), samples=16, batch_size=8)
+    return replace_onnx(model, "synthetic", options)
+
+
+def test_replace_reads_the_width_of_a_norm_with_a_scalar_gamma_from_its_input():
+    gen = rng(2)
+    model = build(
+        f"""{HEADER}
+agraph (float[B, {D}] x, float[B, {D}] r) => (float[B, {D}] z) {{
+  m0 = MatMul(x, W0)
+  a0 = Add(m0, b0)
+  h = Relu(a0)
+  g = Add(h, r){decomposed_ln("g", "y", scale="s")}
+  z = MatMul(y, W1)
+}}""",
+        W0=randn(gen, D, D),
+        b0=randn(gen, D),
+        W1=randn(gen, D, D),
+        eps=np.array(1e-5, np.float32),
+        s=np.array(1.7, np.float32),
+    )
+    result = _replace(model, "affine")
+    (row,) = [r for r in result.report.to_json()["norms"] if r["decision"] != "exact"]
+    assert row["decision"] == "replaced" and row["parameters"]["gamma"]["max"] != row["parameters"]["gamma"]["min"]
+    check_structure(result.model)
+
+
+def test_a_norm_reading_a_replaced_norm_s_output_reads_its_surrogate():
+    """y2 = LN(y1), y1 = LN(x): the first surrogate's output takes y1's place; the second reads it."""
+    gen = rng(3)
+    model = build(
+        f"""{HEADER}
+agraph (float[B, {D}] x) => (float[B, {D}] z) {{
+  h = Relu(x)
+  y1 = LayerNormalization<axis=-1>(h, g1, c1)
+  y2 = LayerNormalization<axis=-1>(y1, g2, c2)
+  z = Relu(y2)
+}}""",
+        g1=1 + randn(gen, D, scale=0.3),
+        c1=randn(gen, D),
+        g2=1 + randn(gen, D, scale=0.3),
+        c2=randn(gen, D),
+    )
+    result = _replace(model, "affine")  # y1 keeps an Add (its β has nowhere to go), y2 its Mul and Add
+    assert result.report.replaced == 2
+    check_structure(result.model)
+    feeds = {"x": randn(gen, 5, D)}
+    got = run_ort(result.model, feeds)["z"]
+    first, second = (result.report.surrogates[n] for n in ("y1", "y2"))
+    want = np.maximum(second(first(np.maximum(feeds["x"].astype(np.float64), 0))), 0)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_centred_for_two_norms_is_centred_once():
+    """m feeds two LayerNorms through residual Adds: input centring finds it safe for both."""
+    gen = rng(4)
+    model = build(
+        f"""{HEADER}
+agraph (float[B, {D}] x, float[B, {D}] r1, float[B, {D}] r2) => (float[B, {D}] z1, float[B, {D}] z2) {{
+  m0 = MatMul(x, W0)
+  m = Add(m0, b0)
+  s1 = Add(m, r1)
+  s2 = Add(m, r2)
+  z1 = LayerNormalization<axis=-1>(s1, g1, c1)
+  z2 = LayerNormalization<axis=-1>(s2, g2, c2)
+}}""",
+        W0=randn(gen, D, D),
+        b0=randn(gen, D),
+        g1=1 + randn(gen, D, scale=0.3),
+        c1=randn(gen, D),
+        g2=1 + randn(gen, D, scale=0.3),
+        c2=randn(gen, D),
+    )
+    result = _replace(model, "rms")
+    data = result.report.to_json()
+    assert [r["input_centring"] for r in data["norms"]] == [["m0", "m"], ["m0", "m"]]
+    check_structure(result.model)

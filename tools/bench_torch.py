@@ -118,7 +118,9 @@ def with_surrogates(model: nn.Module, example: tuple, kind: str, all_norms: bool
     rng = np.random.default_rng(seed)
     surrogates = {}
     for norm in b.candidates:
-        width = int(b.tg.zmg.shape(norm.input)[-1])
+        shape = b.tg.zmg.shape(norm.input)
+        assert shape is not None, f"{norm.name}: candidates have a known width"
+        width = int(shape[-1])
         gamma = np.full(width, 0.9) if kind == "scalebias" else 1 + 0.1 * rng.standard_normal(width)
         surrogates[norm.name] = Surrogate(
             kind, gamma, 0.1 * rng.standard_normal(width), alpha=0.9 if kind == "scalebias" else 0.5

@@ -62,6 +62,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.cost import Emission, costs
 from ..core.graph import NormInfo, NormType
+from ..core.plan import Centring
 from ..core.stream import STREAM_KINDS, on_scaled_input, scale_limit, stream_scale
 from ..core.surrogates import NormSpec, Surrogate
 from .constants import constant_values
@@ -134,10 +135,10 @@ def norm_spec(norm: NormInfo) -> NormSpec:
 
 
 def width_of(shapes: dict, norm: NormInfo) -> int | None:
-    """The normalized width: γ's length, else the input's static last dimension."""
+    """The normalized width: γ's length (a γ of more than one value), else the input's static last dimension."""
     shape = shapes.get(norm.input)
     gamma = None if norm.ref.gamma is None else constant_values(norm.ref.gamma)
-    if gamma is not None:
+    if gamma is not None and np.asarray(gamma).size > 1:
         return int(np.asarray(gamma).shape[-1])
     return shape[-1] if shape and isinstance(shape[-1], int) else None
 
@@ -173,6 +174,7 @@ class Emitter(Rewriter):
         self.norms = {norm.name: norm for norm in self.zmg.norms}
         self._checker = ShiftChecker(self.zmg)
         self._stream_inputs: dict[int, NormInfo] = {}  # id(x) → a norm emitted as a linear surrogate
+        self._centred: set[Centring] = set()  # layers centred by `centre_inputs`
 
     def _const(self, base: str, values) -> ir.Value:
         return new_initializer(self.graph, self._unique(base), values)
@@ -186,7 +188,9 @@ class Emitter(Rewriter):
             return []
         done = set()
         for centring in safe_centrings(self.zmg, norm, self._checker):
-            self.centre_layer(centring, [norm.name])
+            if centring not in self._centred:  # a layer centred for an earlier norm already is (idempotent)
+                self.centre_layer(centring, [norm.name])
+                self._centred.add(centring)
             done.add(centring.node)
         return [node.name for node in self.graph if node.name in done]
 
@@ -390,6 +394,9 @@ class Emitter(Rewriter):
         else:
             y.replace_all_uses_with(current)
         self.graph.remove(match.nodes, safe=True)
+        for other in self.norms.values():  # a norm reading this one's output reads what replaced it
+            if other.ref.x is y:
+                other.ref.x = current
         return emission
 
 
