@@ -302,7 +302,7 @@ def test_duplicate_node_names_are_verified_on_renamed_copies(tmp_path, capsys):
 )
 def test_malformed_input_shapes_are_refused(tmp_path, capsys, model_file, spec, says):
     assert says in refused(capsys, "fold", model_file, "-o", tmp_path / "o.onnx", "--input-shape", spec)
-    assert not (tmp_path / "o.onnx").exists()
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -609,7 +609,7 @@ def test_damaged_external_data_is_bad_input(tmp_path, capsys, damage):
             "m.onnx" in line
             and {"truncated": "truncated", "missing": "keep them together"}.get(damage, "hard link") in line
         )
-    assert not (tmp_path / "o.onnx").exists()
+    assert not out.exists()
 
 
 def test_a_data_file_shared_by_two_models_stays_theirs(tmp_path, capsys):
@@ -1007,6 +1007,25 @@ def test_a_migrated_weight_that_overflows_is_refused_and_folds_without_migration
     onnx.save(fp16_ln_model(w1=w1, **{changed: vector}), path)
     line = refused(capsys, "fold", path, "-o", tmp_path / "o.onnx", "--no-verify")
     assert says in line and "overflows float16" in line and "fold without affine migration" in line, line
-    assert not (tmp_path / "o.onnx").exists()
+    assert not out.exists()
     code, out, err = cli(capsys, "fold", path, "-o", tmp_path / "o.onnx", "--no-verify", "--no-migrate-affine")
     assert code == 0 and "1 of 1 norms folded" in out, err
+
+
+def test_replace_refuses_a_model_with_a_scalar_input_naming_it(tmp_path, capsys):
+    """Calibration arrays are split into samples along axis 0; a rank-0 input has none (an If's condition)."""
+    path = tmp_path / "cond.onnx"
+    model = build(
+        f"""<ir_version: 10, opset_import: ["" : 17]>
+agraph (float[B, {D}] x, bool c) => (float[B, {D}] y) {{
+  n = LayerNormalization<axis=-1>(x, g, b)
+  y = If(c) <then_branch = t () => (float[B, {D}] o) {{ o = Identity(n) }},
+              else_branch = e () => (float[B, {D}] o) {{ o = Relu(n) }}>
+}}""",
+        g=np.ones(D, np.float32),
+        b=np.zeros(D, np.float32),
+    )
+    onnx.save(model, str(path))
+    out = tmp_path / "o.onnx"
+    assert "input c is a scalar (rank 0)" in refused(capsys, "replace", path, "--calib", "synthetic", "-o", out)
+    assert not out.exists()

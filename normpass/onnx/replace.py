@@ -222,6 +222,12 @@ def prepare(
     """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`."""
     model = checked_model(model, name)
     options = options or ReplaceOptions()
+    scalars = [n for n, (_, rank) in input_spec(model).inputs.items() if rank == 0]
+    if scalars:
+        raise InputError(
+            f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
+            "axis 0 of every input, so the surrogate pass takes models whose inputs all have a batch axis"
+        )
     budget, kinds, only_cheaper = options.checked()
     check_input_shapes(model, options.input_shapes)
     started = time.perf_counter()
