@@ -36,6 +36,12 @@ user would:
   one with its own data file ("wrote only").
 
 A failure of these is `file-<what> [mode]`.
+
+`check_replace(case)` (`tools/fuzz.py --replace`) checks the surrogate pass's emission: on replace's
+own prepared base with every norm a candidate (`all_norms`), seeded surrogates of mixed kinds emitted
+as `replace` writes them (γ of linear ones carried along the residual stream, biases into β) must
+compute what the same surrogates emitted one at a time compute ("mismatch [replace]"); a refusal is a
+one-line `NormpassError`.
 """
 
 from __future__ import annotations
@@ -54,7 +60,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from normpass import FoldOptions, InputError, NormpassError, VerificationError, fold_onnx, inspect_onnx, io
+from normpass import (
+    FoldOptions,
+    InputError,
+    NormpassError,
+    ReplaceOptions,
+    VerificationError,
+    fold_onnx,
+    inspect_onnx,
+    io,
+)
 from normpass.cli.main import main
 
 # Relative tolerance (max |a − b| / max |a| per output) by dtype: a fold may only change rounding.
@@ -406,3 +421,57 @@ def _signature_change(original: onnx.ModelProto, folded: onnx.ModelProto, mode: 
         if old != new
     ]
     return [Failure("signature", mode, "; ".join(changes))] if changes else []
+
+
+# --- the surrogate pass's emission ----------------------------------------------------------------
+
+REPLACE_KINDS = ("affine", "affine", "scalebias", "dyt", "rms")  # affine twice: most streams carry
+
+
+def _seeded_surrogates(bench, seed: int) -> list:
+    from normpass.core.surrogates import Surrogate
+
+    rng = np.random.default_rng(seed)
+    found = []
+    for norm in bench.norms:
+        width, kind = bench.width(norm.name), str(rng.choice(REPLACE_KINDS))
+        gamma = np.full(width, 0.8) if kind == "scalebias" else 1 + 0.3 * rng.standard_normal(width)
+        beta, shift = 0.2 * rng.standard_normal(width), float(rng.choice([0.0, 0.1]))
+        alpha = 0.8 if kind == "scalebias" else 0.5
+        found.append((norm.name, Surrogate(kind, gamma, beta, shift=shift, alpha=alpha, epsilon=1e-5)))
+    return found
+
+
+def check_replace(case) -> list[Failure]:
+    """Failures of the surrogate emission on `case` (the module docstring); [] when all is well."""
+    from normpass.onnx.replace import Runner, prepare
+    from normpass.onnx.surrogates import Emitter, export_model, open_graph
+
+    mode = "replace"
+    options = ReplaceOptions(kind="auto", all_norms=True, samples=8, budget="cos=0.01", check=0.0)
+    try:
+        prepared = prepare(case.model, "synthetic", options)
+        bench = prepared.bench
+        surrogates = _seeded_surrogates(bench, case.seed)
+        ctx, emitter, emissions = bench.build(surrogates)
+        carried = export_model(ctx, prepared.folded, emitter.docs, {})
+        alone_ctx = open_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
+        alone = Emitter(alone_ctx, bench.rms_op)
+        for name, surrogate in surrogates:
+            alone.emit(alone.norms[name], surrogate)
+        plain = export_model(alone_ctx, prepared.folded, alone.docs, {})
+    except NormpassError as e:
+        return _one_line(e, mode)
+    except Exception as e:
+        return [Failure("exception", mode, describe(e))]
+    streams = sum(e.gamma.startswith("carried") for e in emissions.values())
+    failures = []
+    for batch in prepared.search.splits.batches["test"][:2]:
+        want, got = Runner(plain).run(batch), Runner(carried).run(batch)
+        for name, value in want.items():
+            error = relative_error(value, got[name])
+            if error > TOLERANCE[value.dtype]:
+                failures.append(
+                    Failure("mismatch", mode, f"output {name}: relative error {error:.3g} ({streams} γ carried)")
+                )
+    return failures

@@ -307,6 +307,17 @@ def test_fuzz_campaign_findings(seed):
     assert not failures, "\n".join(map(str, failures))
 
 
+# Generated graphs whose surrogates (seeded, every norm replaced) carry γ along a residual stream: 43,
+# 95, 223 (two streams, a model-local function); 3 and 34 once failed the emission itself
+# (tests/test_regressions.py). tools/fuzz.py --replace runs the same check over more seeds.
+REPLACE_SEEDS = (3, 34, 43, 95, 223)
+
+
+def test_fuzz_surrogate_emission_carrying_gamma_computes_what_one_norm_at_a_time_does():
+    failures = [f"seed {seed}: {f}" for seed in REPLACE_SEEDS for f in fuzzcheck.check_replace(graphgen.generate(seed))]
+    assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --replace --replay SEED"])
+
+
 def test_fuzz_generator_exercises_every_feature():
     """The CI seeds cover every feature, dtype and opset, and their models both fold and refuse norms."""
     used, dtypes, opsets, folded, refused = set(), set(), set(), 0, 0

@@ -3,6 +3,7 @@
     python tools/fuzz.py --examples 5000 [--seed S] [--jobs 2] [--out fuzz-out]
     python tools/fuzz.py --replay SEED     # one example: its failures, in full
     python tools/fuzz.py --from-files 0 --examples 2000   # fold from files, every tensor external
+    python tools/fuzz.py --replace --examples 1000        # the surrogate pass's emission instead
 
 Example i uses generator seed S + i (tests/graphgen.py), checked by tests/fuzzcheck.py (with
 `--from-files BYTES`: saved with its tensors of BYTES or more as external data, folded from the
@@ -34,18 +35,22 @@ import graphgen
 import onnx
 
 
-def check(case, from_files: int | None) -> list:
+def check(case, from_files: int | None, replace: bool = False) -> list:
+    if replace:
+        return fuzzcheck.check_replace(case)
     if from_files is None:
         return fuzzcheck.check(case)
     with tempfile.TemporaryDirectory() as directory:
         return fuzzcheck.check_from_file(case, Path(directory), from_files, hostile=True)
 
 
-def run_one(seed: int, from_files: int | None = None) -> tuple[int, list[str], onnx.ModelProto | None]:
+def run_one(
+    seed: int, from_files: int | None = None, replace: bool = False
+) -> tuple[int, list[str], onnx.ModelProto | None]:
     warnings.simplefilter("ignore")
     case = graphgen.generate(seed)
     try:
-        failures = [str(f) for f in check(case, from_files)]
+        failures = [str(f) for f in check(case, from_files, replace)]
     except Exception as e:
         failures = [f"generator [original]: {fuzzcheck.describe(e)}"]
     return seed, failures, case.model if failures else None
@@ -63,19 +68,25 @@ def failure_class(failure: str) -> str:
     return f"{kind_mode}: {re.sub(r'[(]?[A-Za-z_]*[0-9][^ ]*', '*', ' '.join(detail.split()[:20]))}"
 
 
-def campaign(first: int, examples: int, jobs: int, out: Path, from_files: int | None = None) -> int:
+def campaign(
+    first: int, examples: int, jobs: int, out: Path, from_files: int | None = None, replace: bool = False
+) -> int:
     out.mkdir(parents=True, exist_ok=True)
     classes: dict[str, list[int]] = collections.defaultdict(list)
     failing = 0
     start = time.perf_counter()
     with multiprocessing.Pool(jobs) as pool:
         for done, (seed, failures, model) in enumerate(
-            pool.imap_unordered(functools.partial(run_one, from_files=from_files), range(first, first + examples)), 1
+            pool.imap_unordered(
+                functools.partial(run_one, from_files=from_files, replace=replace), range(first, first + examples)
+            ),
+            1,
         ):
             if failures and model is not None:
                 failing += 1
                 onnx.save(model, out / f"{seed}.onnx")
                 replay_flags = f"--replay {seed}" + (f" --from-files {from_files}" if from_files is not None else "")
+                replay_flags += " --replace" if replace else ""
                 (out / f"{seed}.txt").write_text(f"python tools/fuzz.py {replay_flags}\n" + "\n".join(failures) + "\n")
                 for key in dict.fromkeys(failure_class(f) for f in failures):
                     classes[key].append(seed)
@@ -93,13 +104,13 @@ def campaign(first: int, examples: int, jobs: int, out: Path, from_files: int | 
     return 1 if failing else 0
 
 
-def replay(seed: int, from_files: int | None = None) -> int:
+def replay(seed: int, from_files: int | None = None, replace: bool = False) -> int:
     case = graphgen.generate(seed)
     print(
         f"seed {seed}: opset {case.model.opset_import[0].version}, IR {case.model.ir_version}, "
         f"features {sorted(case.used)}, {len(case.feeds)} feed sets"
     )
-    failures = check(case, from_files)
+    failures = check(case, from_files, replace)
     for failure in failures:
         print(failure)
     print("no failure" if not failures else f"{len(failures)} failures")
@@ -119,10 +130,15 @@ def main(argv=None) -> int:
         metavar="BYTES",
         help="fold each example from a file whose tensors of BYTES or more are external data",
     )
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="check the surrogate pass's emission instead of the fold (fuzzcheck.check_replace)",
+    )
     args = parser.parse_args(argv)
     if args.replay is not None:
-        return replay(args.replay, args.from_files)
-    return campaign(args.seed, args.examples, args.jobs, args.out, args.from_files)
+        return replay(args.replay, args.from_files, args.replace)
+    return campaign(args.seed, args.examples, args.jobs, args.out, args.from_files, args.replace)
 
 
 if __name__ == "__main__":
