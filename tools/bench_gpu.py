@@ -219,14 +219,10 @@ def run(args: argparse.Namespace) -> None:
         import torch
 
         machine["torch"] = torch.__version__
-        torch_args = argparse.Namespace(
-            device="cuda",
-            dtype="fp16",
-            repeats=args.repeats,
-            warmup=args.warmup,
-            budget=args.budget,
-            points=None,
-            surrogates=args.surrogates,
+        torch_args = bench_torch.arguments(
+            ["--device", "cuda", "--dtype", "fp16", "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+            + ["--budget", str(args.budget), "--surrogates", *args.surrogates]
+            + (["--all-norms"] if args.surrogates else [])
         )
         points = []
         for name, (eager, compiled) in TORCH_POINTS.items():
@@ -289,7 +285,9 @@ def main() -> None:
     timing.add_argument("--budget", type=float, default=3.0, help="seconds per point: more repeats for short points")
     timing.add_argument("--ran-ops", action="store_true", help="also count the ops ORT runs (a session more each)")
     timing.add_argument("--torch", action="store_true", help="also PyTorch eager and compiled (fp16, CUDA)")
-    timing.add_argument("--surrogates", nargs="*", default=[], help="with --torch: replaced-KIND variants")
+    timing.add_argument(
+        "--surrogates", nargs="*", default=[], help="with --torch: replaced-KIND and all-KIND (norm-free) variants"
+    )
     args = parser.parse_args()
     if args.step == "prepare":
         args.cache.mkdir(parents=True, exist_ok=True)

@@ -220,7 +220,8 @@ def markdown(points: list[dict], header: bool = True) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's options (`tools/bench_gpu.py --torch` builds its run from them too)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     parser.add_argument("--points", type=int, nargs="+", help="override the sweep (seq, or batch for ViT), both modes")
@@ -238,7 +239,11 @@ def main() -> None:
     )
     parser.add_argument("--modes", nargs="+", choices=("eager", "compile"), default=["eager", "compile"])
     parser.add_argument("--json", help="write every run time here")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = arguments()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     start, load = time.time(), os.getloadavg()
