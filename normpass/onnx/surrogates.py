@@ -72,6 +72,7 @@ from .fuse import fuse_skip_rms, skip_fused_adds
 from .passes import in_memory_proto
 from .rewrite import Rewriter, new_value, rms_nodes
 from .targets import (
+    StreamPlan,
     affine_plan,
     move_affine,
     new_initializer,
@@ -174,6 +175,7 @@ class Emitter(Rewriter):
         self.norms = {norm.name: norm for norm in self.zmg.norms}
         self._checker = ShiftChecker(self.zmg)
         self._stream_inputs: dict[int, NormInfo] = {}  # id(x) → a norm emitted as a linear surrogate
+        self._carried: dict[str, np.ndarray] = {}  # norm → the per-feature scale its input is divided by
         self._centred: set[Centring] = set()  # layers centred by `centre_inputs`
 
     def _const(self, base: str, values) -> ir.Value:
@@ -208,14 +210,21 @@ class Emitter(Rewriter):
         """Emit surrogates (in topological order); a linear one's γ that stays is carried along the
         residual stream into the linear surrogates downstream where it can be (`core/stream.py`)."""
         self._stream_inputs = {id(self.norms[n].ref.x): self.norms[n] for n, s in surrogates if s.kind in STREAM_KINDS}
-        carried: dict[str, np.ndarray] = {}  # norm → the per-feature scale its input is divided by
         emissions = {}
         for name, surrogate in surrogates:
-            if name in carried:
-                surrogate = on_scaled_input(surrogate, carried.pop(name))
-            emissions[name] = self.emit(self.norms[name], surrogate, carried)
-        self._stream_inputs = {}
+            if name in self._carried:
+                surrogate = on_scaled_input(surrogate, self._carried.pop(name))
+            emissions[name] = self.emit(self.norms[name], surrogate)
+        self._stream_inputs, self._carried = {}, {}
         return emissions
+
+    def _stream(self, surrogate: Surrogate, y: ir.Value, width: int, dtype) -> tuple[np.ndarray, StreamPlan] | None:
+        """(γ, where it goes) if the surrogate's γ can be carried along the stream `y` starts (in `emit_all`)."""
+        if not self._stream_inputs:
+            return None
+        scale = stream_scale(surrogate, width, scale_limit(np.dtype(dtype).name))
+        plan = None if scale is None else stream_plan(self.ctx, self.graph_outputs, y, width, self._absorbs)
+        return None if scale is None or plan is None else (scale, plan)
 
     def _absorbs(self, consumer: ir.Node, value: ir.Value) -> bool:
         norm = self._stream_inputs.get(id(value))
@@ -233,9 +242,8 @@ class Emitter(Rewriter):
         self.graph.remove(holder, safe=True)
         return values.astype(np.float64).reshape(-1), other
 
-    def emit(self, norm: NormInfo, surrogate: Surrogate, carried: dict[str, np.ndarray] | None = None) -> Emission:
-        """Replace `norm` by `surrogate` in the graph (see the module docstring); `carried` (from
-        `emit_all`) receives the scale of the norms downstream that read a stream γ was carried along."""
+    def emit(self, norm: NormInfo, surrogate: Surrogate) -> Emission:
+        """Replace `norm` by `surrogate` in the graph (see the module docstring)."""
         match = norm.ref
         width = width_of(self.ctx.shapes, norm)
         axis = norm.axis
@@ -299,15 +307,11 @@ class Emitter(Rewriter):
         beta = np.asarray(surrogate.beta, dtype=np.float64)
         keep_gamma = output.full is None and not np.all(gamma == 1)
         keep_beta = output.full is None and output.beta is None and np.any(beta != 0)
-        scale = stream_scale(surrogate, width, scale_limit(np.dtype(dtype).name)) if keep_gamma else None
-        stream = None  # decided on the original wiring; its weights change after β has moved
-        if scale is not None and carried is not None and self._stream_inputs:
-            stream = stream_plan(self.ctx, self.graph_outputs, y, width, self._absorbs)
-        if stream is not None and scale is not None:
+        carry = self._stream(surrogate, y, width, dtype) if keep_gamma else None  # on the original wiring
+        kept_beta = beta
+        if carry is not None:
             keep_gamma = False
-            kept_beta = beta / scale  # added to the stream, which is now divided by the scale
-        else:
-            kept_beta = beta
+            kept_beta = beta / carry[0]  # added to the stream, which is now divided by the scale
         if surrogate.kind == "rms":
             scale = gamma if keep_gamma else np.ones(width)
             unit = self.rms_op == "decomposed" and np.all(scale == 1)  # the chain needs no Mul by ones
@@ -364,12 +368,13 @@ class Emitter(Rewriter):
                 emission.beta = "Add" if keep_beta else "none"
         for name in moved_to:
             self._note(name, f"absorbed {'γ/β' if output.full is not None else 'β'} of the {norm.name} surrogate")
-        if stream is not None and scale is not None and carried is not None:
+        if carry is not None:  # the stream's weights change after β has moved into them
+            scale, stream = carry
             changed = move_affine(self.graph, stream.readers, scale, None, self._unique)
             changed += scale_writers(self.graph, stream.writers, 1.0 / scale, self._unique)
             absorbers = [self._stream_inputs[id(v)].name for v in stream.absorbed]
             for absorber in absorbers:
-                carried[absorber] = scale
+                self._carried[absorber] = scale
             for name in changed:
                 self._note(name, f"absorbed γ of the {norm.name} surrogate, carried along the residual stream")
             emission.gamma = f"carried along the residual stream into {', '.join(changed + absorbers)}"

@@ -183,15 +183,23 @@ def linear_target(
     return None if needs_bias else LinearTarget(consumer, 0, None, None)
 
 
+def other_summand(node: ir.Node, tensor: ir.Value) -> int | None:
+    """The input index of the other operand, if `node` is an `Add` of `tensor` and a different tensor."""
+    if node.op_type != "Add" or len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
+        return None
+    if tensor not in node.inputs:
+        return None
+    return 1 if node.inputs[0] is tensor else 0
+
+
 def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
     """Claims a residual `Add(tensor, s)` whose other summand s carries a private bias."""
 
     def claim(consumer: ir.Node, tensor: ir.Value, axis: int) -> SumTarget | None:
         if consumer.op_type in SKIP_BIAS_INPUT:
             return _skip_claim(consumer, tensor, width)
-        if consumer.op_type != "Add" or len(consumer.inputs) != 2 or consumer.inputs[0] is consumer.inputs[1]:
-            return None
-        if tensor not in consumer.inputs:
+        other_index = other_summand(consumer, tensor)
+        if other_index is None:
             return None
         in_shape, out_shape = ctx.shapes.get(name_of(tensor)), ctx.shapes.get(name_of(consumer.outputs[0]))
         if (
@@ -202,7 +210,6 @@ def _sum_claim(ctx: OnnxGraph, width: int, graph_outputs: set[str]):
             or axis != len(in_shape) - 1
         ):
             return None
-        other_index = 1 if consumer.inputs[0] is tensor else 0
         other = consumer.inputs[other_index]
         values = constant_values(other)
         if is_feature_vector(values, width):
@@ -397,36 +404,30 @@ class StreamPlan:
 
 
 def _writer(ctx: OnnxGraph, graph_outputs: set[str], value: ir.Value, width: int) -> LinearTarget | None:
-    """The linear layer whose private output is `value`: a MatMul with a constant [in, width] weight,
-    alone or followed by a private Add of a constant bias, or a Gemm with a constant weight and bias."""
+    """The linear layer whose private output is `value` (`linear_target`: a MatMul, with the private bias
+    Add that writes `value` if there is one, or a Gemm) with a constant weight of `width` outputs and a
+    bias, if any, of one value per output."""
     node = value.producer()
     if node is None or not is_private(value, graph_outputs):
         return None
-    bias_node, bias_index = None, None
-    if node.op_type == "Add" and len(node.inputs) == 2:
-        biases = [i for i, t in enumerate(node.inputs) if is_feature_vector(constant_values(t), width)]
-        product = node.inputs[1 - biases[0]] if len(biases) == 1 else None
-        if product is None or not is_private(product, graph_outputs):
-            return None
-        bias_node, bias_index = node, biases[0]
-        node = product.producer()
+    add = node if node.op_type == "Add" else None
+    if add is not None:  # the bias Add of a MatMul: `linear_target` finds it from the MatMul
+        node = next((t.producer() for t in add.inputs if t is not None and constant_values(t) is None), None)
         if node is None or node.op_type != "MatMul":
             return None
-    weight = input_at(node, 1)
-    shape = None if weight is None else ctx.shapes.get(name_of(weight))
-    if weight is None or node.op_type not in ("MatMul", "Gemm") or not is_constant(weight):
+    if node.op_type not in ("MatMul", "Gemm"):
         return None
-    if shape is None or len(shape) != 2:
+    rank = len(ctx.shapes.get(name_of(node.inputs[0])) or ())
+    target = linear_target(ctx, graph_outputs, node, rank - 1, needs_bias=False)
+    if target is None or (node.op_type == "MatMul" and target.bias_node is not add):
+        return None  # a MatMul's bias Add, if any, is the one writing `value`
+    outputs = (ctx.shapes.get(name_of(target.node.inputs[1])) or (None, None))[1 - target.in_axis]
+    bias = None
+    if target.bias_node is not None and target.bias_index is not None:
+        bias = input_at(target.bias_node, target.bias_index)
+    if outputs != width or (bias is not None and not is_feature_vector(constant_values(bias), width)):
         return None
-    if node.op_type == "MatMul":
-        return LinearTarget(node, 0, bias_node, bias_index) if shape[1] == width else None
-    trans_b = attr(node, "transB", 0)
-    bias = input_at(node, 2)
-    if attr(node, "transA", 0) or shape[1 - trans_b] != width:
-        return None
-    if bias is not None and not is_feature_vector(constant_values(bias), width):
-        return None
-    return LinearTarget(node, trans_b, None if bias is None else node, None if bias is None else 2)
+    return target
 
 
 def stream_plan(ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int, absorbs) -> StreamPlan | None:
@@ -447,9 +448,9 @@ def stream_plan(ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int
             if absorbs(consumer, current):
                 absorbed = True
                 continue
-            if consumer.op_type == "Add" and len(consumer.inputs) == 2 and consumer.inputs[0] is not consumer.inputs[1]:
-                out = consumer.outputs[0]
-                other = consumer.inputs[1] if consumer.inputs[0] is current else consumer.inputs[0]
+            other_index = other_summand(consumer, current)
+            if other_index is not None:
+                out, other = consumer.outputs[0], consumer.inputs[other_index]
                 writer = None if other is None or id(other) in seen else _writer(ctx, graph_outputs, other, width)
                 if writer is None or (ctx.shapes.get(name_of(out)) or ())[-1:] != (width,):
                     return None

@@ -50,6 +50,19 @@ def _only_reader(uses: dict, tg: TorchGraph, node: str, tensor: str) -> Attr | N
     return attr if attr is not None and uses.get(attr) == [(node, tensor)] else None
 
 
+def _two_term_add(node: ZNode) -> bool:
+    """Whether `node` is `add(a, b)` of two different tensors, unscaled (a residual or bias sum)."""
+    ref = _ref(node)
+    return (
+        ref is not None
+        and node.kind is NodeKind.RESIDUAL
+        and ref.call.op == "add"
+        and ref.call.args.get("alpha", 1) == 1
+        and len(node.inputs) == 2
+        and node.inputs[0] != node.inputs[1]
+    )
+
+
 def private_bias(tg: TorchGraph, tensor: str, width: int, uses: dict) -> BiasTarget | None:
     """A bias summed into `tensor` through nodes that only it reads (see the module docstring)."""
     zmg = tg.zmg
@@ -65,9 +78,7 @@ def private_bias(tg: TorchGraph, tensor: str, width: int, uses: dict) -> BiasTar
             return None
         attr = _only_reader(uses, tg, node.name, linear.bias)
         return None if attr is None else BiasTarget(node.name, attr)
-    if node.kind is not NodeKind.RESIDUAL or ref.call.op != "add" or ref.call.args.get("alpha", 1) != 1:
-        return None
-    if len(node.inputs) != 2 or node.inputs[0] == node.inputs[1]:
+    if not _two_term_add(node):
         return None
     for operand in node.inputs:
         if zmg.is_constant(operand) and zmg.shape(operand) == (width,):
@@ -92,10 +103,7 @@ def claim_residual(tg: TorchGraph, width: int, uses: dict):
     """A claim for `migration_targets`: an `add(y, s)` whose other summand carries a private bias."""
 
     def claim(node: ZNode, tensor: str) -> BiasTarget | None:
-        ref = _ref(node)
-        if ref is None or node.kind is not NodeKind.RESIDUAL or ref.call.op != "add":
-            return None
-        if ref.call.args.get("alpha", 1) != 1 or len(node.inputs) != 2 or node.inputs[0] == node.inputs[1]:
+        if not _two_term_add(node):
             return None
         if (tg.zmg.shape(node.outputs[0]) or (None,))[-1] != width:
             return None
@@ -223,14 +231,7 @@ def stream_targets(tg: TorchGraph, norm_name: str, absorbers: set[str], uses: di
                 if _only_reader(uses, tg, node.name, linear.weight) is None:
                     return None
                 stream.readers.append(node)
-            elif (
-                ref is not None
-                and node.kind is NodeKind.RESIDUAL
-                and ref.call.op == "add"
-                and ref.call.args.get("alpha", 1) == 1
-                and len(node.inputs) == 2
-                and keeps_width
-            ):
+            elif _two_term_add(node) and keeps_width:
                 other = node.inputs[1] if node.inputs[0] == tensor else node.inputs[0]
                 writer = None if other in seen else _writer(tg, other, width, uses)
                 if writer is None:
