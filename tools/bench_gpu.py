@@ -20,7 +20,11 @@ does it):
   buys (its outputs differ; not checked);
 * `opt-affine`: what `normpass replace --with affine --all-norms` writes (`norm_free`: seeded terms,
   speed only; outputs not checked), then the optimizer: every norm gone, γ carried along the residual
-  stream, the residual writers' bias Adds taken into the surrogates' β.
+  stream, the residual writers' bias Adds taken into the surrogates' β;
+* fp16 only, weight-only 4-bit (ORT's `MatMulNBitsQuantizer`, block 32, symmetric, the LM head kept):
+  `opt-int4`: `ort-opt` quantized; `rot-opt`: `normpass rotate --provider cuda`, then the optimizer;
+  `rot-opt-int4`: that quantized. Seeded weights: their errors are recorded, not bounded (speed only;
+  accuracy on real weights: `tools/bench_rotation.py`).
 
 `run` times them on ORT's CUDA provider (`normpass.onnx.bench.run_benchmark`: IO binding, interleaved
 rounds, ORT_ENABLE_ALL, outputs checked against `ort-opt` with TF32 off: fp32 at the fp32 tolerance,
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import pathlib
 import sys
 import time
@@ -54,22 +59,28 @@ from normpass.onnx import bench
 from normpass.onnx.ortopt import OrtOptimizer, optimize
 from normpass.onnx.passes import FoldOptions, fold_onnx
 from normpass.onnx.replace import prepare as replace_prepare
+from normpass.onnx.rotate import RotateOptions, rotate_onnx
 from normpass.onnx.surrogates import export_model
 
 # name → (registry entry factory, points as (batch, seq), fp32 points)
 MODELS = {
     "gpt2-small-shape-4k": (
         lambda: registry.gpt2_small_shape("gpt2-small-shape-4k", n_positions=4096),
-        [(1, 128), (1, 1024), (1, 4096), (8, 1024)],
+        [(1, 1), (1, 128), (1, 1024), (1, 4096), (8, 1024)],
         [(1, 1024)],
     ),
     "bert-base-shape": (registry.bert_base_shape, [(1, 128), (8, 512)], [(8, 512)]),
     "vit-b16-shape": (registry.vit_b16_shape, [(1, 1), (64, 1), (256, 1)], [(64, 1)]),
 }
 VARIANTS = ("ort-opt", "opt-fold", "fold-opt", "opt-identity", "opt-affine", "raw", "raw-folded")
-BASELINES = {"ort-opt": ("opt-fold", "fold-opt", "opt-identity", "opt-affine"), "raw": ("raw-folded",)}
+QUANTIZED = ("opt-int4", "rot-opt", "rot-opt-int4")  # fp16 only
+BASELINES = {
+    "ort-opt": ("opt-fold", "fold-opt", "opt-identity", "opt-affine", *QUANTIZED),
+    "raw": ("raw-folded",),
+}
 UNCHECKED = ("opt-identity", "opt-affine")  # norm-free: their outputs differ from the original's
 FP16_BOUND = 0.05  # relative error of an fp16 variant against the fp16 `ort-opt`
+QUANTIZED_BOUND = {"opt-int4": 10.0, "rot-opt": FP16_BOUND, "rot-opt-int4": 10.0}  # int4: recorded, not bounded
 
 
 def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -102,7 +113,31 @@ def norm_free(raw: onnx.ModelProto, name: str) -> onnx.ModelProto:
     return export_model(ctx, prepared.folded, emitter.docs, {})
 
 
-def prepare(name: str, cache: pathlib.Path) -> dict[str, dict[str, str]]:
+def int4_weights(source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """`source` with every constant-weight MatMul but the LM head in 4 bits (`bench_rotation`'s recipe)."""
+    import bench_rotation
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    return bench_rotation.quantize(source, "int4-weights", [], out, bench_rotation.lm_head(source))
+
+
+def rotated_optimized(raw: onnx.ModelProto, settings: OrtOptimizer, name: str) -> onnx.ModelProto:
+    """`normpass rotate --provider cuda` of `raw`, then ORT's optimizer, in fp16."""
+    rotated = rotate_onnx(raw, RotateOptions(provider="cuda"), name=name)
+    print(f"{name}: {rotated.rotated} of {len(rotated.rotation.streams)} streams rotated", flush=True)
+    return to_fp16(optimize(rotated.model, settings)[0])
+
+
+def prepare_quantized(rotated: onnx.ModelProto, root: pathlib.Path) -> dict[str, str]:
+    """The fp16 4-bit variants (`QUANTIZED`), from `rotated` and the saved `ort-opt.fp16.onnx` under `root`."""
+    bench_e2e.save(rotated, root / "rot-opt.fp16.onnx")
+    paths = {"rot-opt": str(root / "rot-opt.fp16.onnx")}
+    for label, source in (("opt-int4", "ort-opt"), ("rot-opt-int4", "rot-opt")):
+        paths[label] = str(int4_weights(root / f"{source}.fp16.onnx", root / f"{label}.fp16.onnx"))
+    return paths
+
+
+def prepare(name: str, cache: pathlib.Path, quantized: bool) -> dict[str, dict[str, str]]:
     """Every variant of `name` in fp32 and fp16 (the module docstring), written under `cache/name`."""
     entry = MODELS[name][0]()
     root = cache / name
@@ -120,6 +155,7 @@ def prepare(name: str, cache: pathlib.Path) -> dict[str, dict[str, str]]:
         "opt-identity": optimize(bench_e2e.without_norms(raw), settings)[0],
         "opt-affine": optimize(norm_free(raw, name), settings)[0],
     }
+    rotated = rotated_optimized(raw, settings, name) if quantized else None  # before `raw`'s weights move out
     paths: dict[str, dict[str, str]] = {"fp32": {}, "fp16": {}}
     for label in VARIANTS:
         half = to_fp16(models[label])  # before the fp32 model is saved: saving moves its weights out
@@ -127,6 +163,8 @@ def prepare(name: str, cache: pathlib.Path) -> dict[str, dict[str, str]]:
             path = root / f"{label}.{dtype}.onnx"
             bench_e2e.save(model, path)
             paths[dtype][label] = str(path)
+    if rotated is not None:
+        paths["fp16"] |= prepare_quantized(rotated, root)
     print(f"{name}: {folded.folded} of {folded.plan.total} norms folded; variants in {root}", flush=True)
     return paths
 
@@ -136,6 +174,7 @@ def records(report: dict, device: str, provider: str, name: str, dtype: str) -> 
     out = []
     for point in report["points"]:
         for baseline, labels in BASELINES.items():
+            labels = tuple(label for label in labels if label in point["results"])
             times = {label: [t / 1e3 for t in point["results"][label]["runs_ms"]] for label in (baseline, *labels)}
             summary = bench.summarize(times, baseline)
             out.append(
@@ -168,14 +207,16 @@ def run_ort(args: argparse.Namespace, manifest: dict, device: str) -> list[dict]
     for name, by_dtype in manifest.items():
         for dtype in args.dtypes:
             paths = by_dtype[dtype]
+            bounded = dtype == "fp16"
             candidates = [
                 bench.Candidate(
                     label,
                     paths[label],
                     check=label not in UNCHECKED,
-                    bound=FP16_BOUND if dtype == "fp16" and label not in UNCHECKED else None,
+                    bound=QUANTIZED_BOUND.get(label, FP16_BOUND) if bounded and label not in UNCHECKED else None,
                 )
-                for label in VARIANTS
+                for label in (*VARIANTS, *QUANTIZED)
+                if label in paths
             ]
             points = args.points or (MODELS[name][1] if dtype == "fp16" else MODELS[name][2])
             start = time.time()
@@ -223,6 +264,7 @@ def run(args: argparse.Namespace) -> None:
             ["--device", "cuda", "--dtype", "fp16", "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
             + ["--budget", str(args.budget), "--surrogates", *args.surrogates]
             + (["--all-norms"] if args.surrogates else [])
+            + ["--modes", *args.torch_modes]
         )
         points = []
         for name, (eager, compiled) in TORCH_POINTS.items():
@@ -271,6 +313,7 @@ def main() -> None:
     prep = sub.add_parser("prepare", help="build every variant (CPU)")
     prep.add_argument("--cache", type=pathlib.Path, required=True)
     prep.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    prep.add_argument("--quantized", action="store_true", help="also the fp16 4-bit variants (QUANTIZED)")
     timing = sub.add_parser("run", help="time the prepared variants (GPU)")
     timing.add_argument("--cache", type=pathlib.Path, required=True)
     timing.add_argument("--out", type=pathlib.Path, required=True)
@@ -285,6 +328,7 @@ def main() -> None:
     timing.add_argument("--budget", type=float, default=3.0, help="seconds per point: more repeats for short points")
     timing.add_argument("--ran-ops", action="store_true", help="also count the ops ORT runs (a session more each)")
     timing.add_argument("--torch", action="store_true", help="also PyTorch eager and compiled (fp16, CUDA)")
+    timing.add_argument("--torch-modes", nargs="+", choices=("eager", "compile"), default=["eager", "compile"])
     timing.add_argument(
         "--surrogates", nargs="*", default=[], help="with --torch: replaced-KIND and all-KIND (norm-free) variants"
     )
@@ -294,7 +338,7 @@ def main() -> None:
         manifest_path = args.cache / "manifest.json"
         manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
         for name in args.models:
-            manifest[name] = prepare(name, args.cache)
+            manifest[name] = prepare(name, args.cache, args.quantized)
             manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
         (args.cache / "DONE").write_text("\n".join(sorted(manifest)) + "\n")
     else:
