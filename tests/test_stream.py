@@ -9,6 +9,9 @@
   γ far from 1) the `Mul` stays.
 * PyTorch (`emit`): the registry's post-LN BERT with every norm an affine surrogate keeps one
   affine module (the last); its outputs equal those with every term in its module.
+* ONNX, pre-LN: the residual writers' biases leave the stream where each norm reading it is an
+  affine surrogate; the norms downstream take them into β (one `Add` per site, not two), and where
+  a DyT reads the stream or the stream is a graph output they stay.
 * `all_norms`: the norms the exact pass folds become candidates too, so that a pre-LN model
   (ViT) and BERT come out without a single norm op, on both front ends.
 """
@@ -51,8 +54,8 @@ stream (float[2, 5, 8] x, float[2, 5, 8] h) => (float[2, 5, 8] q, float[2, 5, 8]
 """
 
 
-def _weights(gen, dtype=np.float32):
-    names = ("g1", "c1", "Wq", "bq", "W3", "b3", "g2", "c2")
+def _weights(gen, dtype=np.float32, names=("g1", "c1", "Wq", "bq", "W3", "b3", "g2", "c2")):
+    """Seeded constants by name: D×D matrices (W…), vectors near 1 (g…) or near 0 (the rest)."""
     return {
         n: (gen.standard_normal((D, D) if n.startswith("W") else D) * 0.5 + (n[0] == "g")).astype(dtype) for n in names
     }
@@ -145,6 +148,85 @@ def test_onnx_gamma_stays_where_the_stream_cannot_carry_it(gen, case):
     tolerance = 2e-2 if dtype == np.float16 else 1e-5
     got = run_ort(out, feeds)["z"].astype(np.float64)
     np.testing.assert_allclose(got, second(s), rtol=tolerance, atol=tolerance * np.abs(second(s)).max())
+
+
+PRE_LN = """
+<ir_version: 10, opset_import: ["" : 18]>
+pre_ln (float[2, 5, 8] x0) => (float[2, 5, 8] z, float[2, 5, 8] q) {
+    n1 = LayerNormalization<axis = -1, epsilon = 0.00001>(x0, g1, c1)
+    qm = MatMul(n1, Wq)
+    q = Add(qm, bq)
+    om = MatMul(q, Wo)
+    r1 = Add(om, bo)
+    x1 = Add(x0, r1)
+    n2 = LayerNormalization<axis = -1, epsilon = 0.00001>(x1, g2, c2)
+    fm = MatMul(n2, Wf)
+    f = Add(fm, bf)
+    dm = MatMul(f, Wd)
+    r2 = Add(dm, bd)
+    x2 = Add(x1, r2)
+    z = LayerNormalization<axis = -1, epsilon = 0.00001>(x2, g3, c3)
+}
+"""
+
+
+@pytest.mark.parametrize("case", ["all affine", "dyt last", "x1 an output"])
+def test_onnx_pre_ln_writers_biases_go_along_the_stream(gen, case):
+    text = PRE_LN.replace("float[2, 5, 8] q)", "float[2, 5, 8] x1)") if case == "x1 an output" else PRE_LN
+    w = _weights(gen, names=("g1", "c1", "Wq", "bq", "Wo", "bo", "g2", "c2", "Wf", "bf", "Wd", "bd", "g3", "c3"))
+    model = build(text, **w)
+    surrogates = [_affine(gen, shift=0.1), _affine(gen, shift=0.2), _affine(gen)]
+    if case == "dyt last":
+        surrogates[2] = Surrogate("dyt", surrogates[2].gamma, surrogates[2].beta, alpha=0.5)
+    ctx = load_graph(model)
+    emitter = Emitter(ctx)
+    emissions = emitter.emit_all(list(zip(["n1", "n2", "z"], surrogates, strict=True)))
+    out = export_model(ctx, model, emitter.docs, {})
+    check_structure(out)
+    ops = op_counts(out)
+    if case == "all affine":  # bo leaves the stream at n2 (into n2's β and z's), bd at z as before
+        assert emissions["n2"].shift == "none: the bias of r1 went into β and along the residual stream into z"
+        assert emissions["z"].shift == "none: the bias of r2 went into β"
+        assert ops["Add"] == 5 and ops["Mul"] == 1  # q's, f's biases, two residual Adds, z's β; z's γ
+    else:  # a DyT cannot take the bias, nor can a graph output: r1's Add stays
+        assert emissions["n2"].shift == "none" and "r1" in {n.name for n in out.graph.node}
+    feeds = {"x0": randn(gen, 2, 5, D)}
+    got = run_ort(out, feeds)
+    s1, s2, s3 = surrogates
+    x0 = feeds["x0"].astype(np.float64)
+    x1 = x0 + (s1(x0) @ w["Wq"] + w["bq"]) @ w["Wo"] + w["bo"]
+    x2 = x1 + (s2(x1) @ w["Wf"] + w["bf"]) @ w["Wd"] + w["bd"]
+    np.testing.assert_allclose(got["z"], s3(x2), rtol=1e-5, atol=1e-5)
+    if case == "x1 an output":
+        np.testing.assert_allclose(got["x1"], x1, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["dynamo", "torchscript"])
+def test_onnx_norm_free_vit_takes_the_writers_biases_off_the_stream(registry_export, form):
+    """The registry's pre-LN ViT with every norm an affine surrogate: the residual writers' bias Adds
+    leave the stream, and the model computes what the surrogates emitted one at a time compute."""
+    from normpass.onnx.replace import Runner, prepare
+    from normpass.onnx.surrogates import open_graph
+
+    model = onnx.load(str(registry_export("vit", form)))
+    options = ReplaceOptions(kind="affine", all_norms=True, samples=8, budget="cos=0.01", check=0.0)
+    prepared = prepare(model, "synthetic", options)
+    bench = prepared.bench
+    surrogates = [(n, s) for n, s in _seeded([(n.name, bench.width(n.name)) for n in bench.norms]).items()]
+    ctx, _, emissions = bench.build(surrogates)
+    carried = export_model(ctx, prepared.folded, {}, {})
+    alone_ctx = open_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
+    alone = Emitter(alone_ctx, bench.rms_op)
+    for name, surrogate in surrogates:
+        alone.emit(alone.norms[name], surrogate)
+    plain = export_model(alone_ctx, prepared.folded, {}, {})
+    along = [n for n, e in emissions.items() if "along the residual stream" in e.shift]
+    assert len(along) == len(surrogates) - 2  # not the first norm (the embeddings'), nor the last (as before)
+    assert op_counts(plain)["Add"] - op_counts(carried)["Add"] == len(along)
+    for batch in prepared.search.splits.batches["test"][:2]:
+        want, got = Runner(plain).run(batch), Runner(carried).run(batch)
+        for name, value in want.items():
+            assert np.abs(got[name] - value).max() <= 1e-5 * np.abs(value).max(), name
 
 
 def model_weight(model: onnx.ModelProto, name: str) -> np.ndarray:

@@ -12,6 +12,11 @@ removed and the cheapest exact form of that formula is emitted:
 * **γ along the residual stream** (`emit_all`, `core/stream.py`): a linear surrogate's γ that no
   linear layer can take alone is carried into the stream's readers and writers and the linear
   surrogates downstream (`targets.stream_plan`, `targets.scale_writers`).
+* **biases along the residual stream** (`emit_all`): where x is also read by the residual Add that
+  carries the stream on (pre-LN), its bias b still leaves, if everything downstream can take it:
+  the stream then holds v − b, each linear surrogate reading it takes γ_m ⊙ b into β_m, and each
+  linear layer reading it takes W·b into its bias (`stream_plan` from x). ORT fuses a norm with its
+  residual and bias Adds; without the norm, each site keeps one Add instead of two.
 * **core** — rms: `SimplifiedLayerNormalization` (ORT), opset-23 `RMSNormalization`, or the
   decomposed chain, emitted by the exact fold's `onnx/rewrite.py` `rms_nodes` (the chain ends at the
   division when γ is ones); affine, scalebias: nothing; dyt: `Mul(α)` → `Tanh`; derf:
@@ -176,6 +181,7 @@ class Emitter(Rewriter):
         self._checker = ShiftChecker(self.zmg)
         self._stream_inputs: dict[int, NormInfo] = {}  # id(x) → a norm emitted as a linear surrogate
         self._carried: dict[str, np.ndarray] = {}  # norm → the per-feature scale its input is divided by
+        self._offsets: dict[str, np.ndarray] = {}  # norm → the biases its input lacks (taken off upstream)
         self._centred: set[Centring] = set()  # layers centred by `centre_inputs`
 
     def _const(self, base: str, values) -> ir.Value:
@@ -212,10 +218,11 @@ class Emitter(Rewriter):
         self._stream_inputs = {id(self.norms[n].ref.x): self.norms[n] for n, s in surrogates if s.kind in STREAM_KINDS}
         emissions = {}
         for name, surrogate in surrogates:
-            if name in self._carried:
+            if name in self._carried:  # a scaled stream starts at a norm's output, an offset one runs through norms
+                assert name not in self._offsets, f"{name}: its input is both scaled and offset"
                 surrogate = on_scaled_input(surrogate, self._carried.pop(name))
             emissions[name] = self.emit(self.norms[name], surrogate)
-        self._stream_inputs, self._carried = {}, {}
+        self._stream_inputs, self._carried, self._offsets = {}, {}, {}
         return emissions
 
     def _stream(self, surrogate: Surrogate, y: ir.Value, width: int, dtype) -> tuple[np.ndarray, StreamPlan] | None:
@@ -225,6 +232,33 @@ class Emitter(Rewriter):
         scale = stream_scale(surrogate, width, scale_limit(np.dtype(dtype).name))
         plan = None if scale is None else stream_plan(self.ctx, self.graph_outputs, y, width, self._absorbs)
         return None if scale is None or plan is None else (scale, plan)
+
+    def _stream_bias(self, norm: NormInfo, width: int) -> tuple[tuple[ir.Node, int], StreamPlan] | None:
+        """(the bias summed into the norm's input x, where it goes downstream) when x is read by more than
+        the norm (in `emit_all`): every reader of the stream from x on is the norm, a linear surrogate's
+        norm, a residual Add or a linear layer with a bias."""
+        if not self._stream_inputs:
+            return None
+        target = private_bias(norm.ref.x, width, self.graph_outputs)
+        if target is None or constant_values(input_at(target[0], 1 - target[1])) is not None:
+            return None
+        plan = stream_plan(self.ctx, self.graph_outputs, norm.ref.x, width, self._absorbs)
+        if plan is None or any(reader.bias_node is None for reader in plan.readers):
+            return None
+        return target, plan
+
+    def _carry_bias(self, norm: NormInfo, bias: np.ndarray, plan: StreamPlan) -> list[str]:
+        """The stream from the norm's input on lacks `bias`: its linear readers and the linear surrogates
+        downstream take it; returns what took it."""
+        changed = move_affine(self.graph, plan.readers, None, bias, self._unique)
+        for name in changed:
+            self._note(name, f"absorbed the bias taken off the residual stream at {norm.name}")
+        for value in plan.absorbed:
+            downstream = self._stream_inputs[id(value)]
+            if downstream is not norm:
+                self._offsets[downstream.name] = self._offsets.get(downstream.name, 0.0) + bias
+                changed.append(downstream.name)
+        return changed
 
     def _absorbs(self, consumer: ir.Node, value: ir.Value) -> bool:
         norm = self._stream_inputs.get(id(value))
@@ -256,14 +290,20 @@ class Emitter(Rewriter):
         linear = surrogate.kind in STREAM_KINDS
         target = shift_target(norm, width, self.graph_outputs) if surrogate.has_shift or linear else None
         if linear:  # γ ⊙ (x − c) + β = γ ⊙ x' + β + γ ⊙ (b − c), x = x' + b: no Sub, and x's bias Add goes
+            incoming = self._offsets.pop(norm.name, None)  # biases taken off the stream upstream
+            along = self._stream_bias(norm, width) if target is None else None
+            target = along[0] if along is not None else target
             removed = self._remove_bias(target) if target is not None else None
-            bias = 0.0 if removed is None else removed[0]
-            if removed is not None or surrogate.has_shift:
+            bias = (0.0 if removed is None else removed[0]) + (0.0 if incoming is None else incoming)
+            if removed is not None or surrogate.has_shift or incoming is not None:
                 offset = bias - np.asarray(surrogate.shift, dtype=np.float64)
                 surrogate = dataclasses.replace(surrogate, beta=surrogate.beta + surrogate.gamma * offset, shift=0.0)
             if removed is not None and target is not None:
                 emission.shift = f"none: the bias of {name_of(target[0])} went into β"
                 emission.changed.append(name_of(target[0]))
+                if along is not None:
+                    downstream = self._carry_bias(norm, removed[0], along[1])
+                    emission.shift += f" and along the residual stream into {', '.join(downstream)}"
                 fused_adds = max(fused_adds - 1, 0)  # that Add is gone
                 x = removed[1] if target[0].outputs[0] is x else x
             target = None
