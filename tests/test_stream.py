@@ -35,6 +35,7 @@ from normpass.core.surrogates import Surrogate
 from normpass.onnx.frontend import load_graph
 from normpass.onnx.replace import replace_onnx
 from normpass.onnx.surrogates import Emitter, export_model
+from normpass.torch.api import fold
 from normpass.torch.replace import apply_surrogates, base
 from normpass.torch.surrogates import surrogate_modules
 
@@ -268,20 +269,34 @@ def test_torch_bert_with_affine_surrogates_keeps_one_affine_module(all_norms):
 
 
 def test_torch_vit_with_all_norms_affine_has_no_norm_op_but_the_last():
+    """Pre-LN: every norm but the last feeds linear layers only, so γ and β go into them. The last one, a
+    graph output the fold left as an `RMSNormWithBias` (its β a bias the same module adds), is replaced
+    too: one affine module whose β is the surrogate's plus that bias."""
     module, inputs = models.get("vit").build_torch()
     options = ReplaceOptions(kind="affine", all_norms=True)
     b = base(module, _bound(module, inputs), options, "vit")
+    last = "model.layernorm"
+    assert [n.name for n in b.candidates][-1] == last and not b.declined
     surrogates = _seeded([(n.name, b.tg.zmg.shape(n.input)[-1]) for n in b.candidates])
     replaced, emissions = apply_surrogates(module, inputs, surrogates, options)
-    assert len(emissions) == len(b.candidates) >= 4
-    # pre-LN: each norm feeds linear layers only, so γ and β go into them
-    assert not [n for n, e in emissions.items() if e.ops], {n: dict(e.ops) for n, e in emissions.items()}
+    assert len(emissions) == len(b.candidates) >= 5
+    assert {n: dict(e.ops) for n, e in emissions.items() if e.ops} == {last: {"Mul": 1, "Add": 1}}  # one addcmul
+    assert not [m for m in replaced.modules() if isinstance(m, torch.nn.RMSNorm | torch.nn.LayerNorm)]
     plain, _ = apply_surrogates(
         module, inputs, surrogates, ReplaceOptions(kind="affine", migrate_affine=False, all_norms=True)
     )
+    only_last, _ = apply_surrogates(module, inputs, {last: surrogates[last]}, options)
+    folded = fold(module, inputs, beta_across_residuals=True, name="vit")[0]
+    norm = folded.get_submodule(last)
+    bias = norm.bias.detach().double().numpy()
+    norm.register_forward_hook(  # what the last surrogate and the fold's bias compute, from the norm's input
+        lambda _m, args, out: torch.as_tensor(surrogates[last](args[0].double().numpy()) + bias, dtype=out.dtype)
+    )
     with torch.no_grad():
         a, b_ = plain(*inputs), replaced(*inputs)
+        want, got = folded(*inputs), only_last(*inputs)
     assert float((a - b_).abs().max() / a.abs().max()) <= 1e-5
+    assert float((want - got).abs().max() / want.abs().max()) <= 1e-5
 
 
 def test_onnx_replace_with_all_norms_reports_folded_norms_as_replaced(registry_export, tmp_path, capsys):

@@ -63,7 +63,7 @@ from ..errors import InputError
 from .api import _arguments, _outputs, fold
 from .capture import Attr, capture
 from .fx import TorchGraph, build_zero_mean_graph, to_numpy
-from .rewrite import _Editor, _edits_of, _wide, add_to_bias, carry_along_stream, move_affine
+from .rewrite import RMSNormWithBias, _Editor, _edits_of, _wide, add_to_bias, carry_along_stream, move_affine
 from .surrogates import surrogate_module
 from .targets import BiasTarget, claim_residual, migration_targets, shift_target, stream_targets
 
@@ -318,6 +318,11 @@ def emit(
             plan.keep_gamma = False
             if plan.keep_beta:  # the module's output is the stream divided by the scale
                 surrogate = dataclasses.replace(surrogate, beta=np.asarray(surrogate.beta) / scale)
+        replaced = module.get_submodule(norm.ref.module)
+        if isinstance(replaced, RMSNormWithBias):  # the fold's β, added after the norm by the same module
+            bias = to_numpy(replaced.bias.detach()).astype(np.float64)
+            surrogate = dataclasses.replace(surrogate, beta=np.asarray(surrogate.beta, dtype=np.float64) + bias)
+            plan.keep_beta = True
         replacement = surrogate_module(surrogate, width, plan.keep_shift, plan.keep_gamma, plan.keep_beta, **like)
         emission.ops.update(replacement.ops())
         _set_module(module, norm.ref.module, replacement)
@@ -361,6 +366,7 @@ def front_end_reason(tg: TorchGraph, norm: NormInfo, uses: dict) -> str | None:
     norms = {n.name for n in tg.zmg.norms}
     for name in ("weight", "bias"):
         readers = {node for node, _ in uses.get(Attr(site.module, name), [])} - norms
+        readers = {node for node in readers if tg.zmg.nodes[node].ref.call.module != site.module}  # not its own
         if readers:
             return f"{sorted(readers)[0]} also reads the {name} of {site.module}, which the swap removes"
     return None
