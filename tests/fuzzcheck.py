@@ -38,8 +38,9 @@ user would:
 A failure of these is `file-<what> [mode]`.
 
 `check_replace(case)` (`tools/fuzz.py --replace`) checks the surrogate pass's emission: on replace's
-own prepared base with every norm a candidate (`all_norms`), seeded surrogates of mixed kinds emitted
-as `replace` writes them (γ of linear ones carried along the residual stream, biases into β) must
+own prepared base with every norm a candidate (`all_norms`), seeded surrogates (once of mixed kinds,
+once of linear kinds only, so that writers' biases go along pre-LN streams) emitted as `replace`
+writes them (γ of linear ones carried along the residual stream, biases into β) must
 compute what the same surrogates emitted one at a time compute ("mismatch [replace]"); a refusal is a
 one-line `NormpassError`.
 """
@@ -426,15 +427,16 @@ def _signature_change(original: onnx.ModelProto, folded: onnx.ModelProto, mode: 
 # --- the surrogate pass's emission ----------------------------------------------------------------
 
 REPLACE_KINDS = ("affine", "affine", "scalebias", "dyt", "rms")  # affine twice: most streams carry
+LINEAR_KINDS = ("affine", "scalebias")  # every norm linear: writers' biases go along pre-LN streams
 
 
-def _seeded_surrogates(bench, seed: int) -> list:
+def _seeded_surrogates(bench, seed: int, kinds: tuple[str, ...] = REPLACE_KINDS) -> list:
     from normpass.core.surrogates import Surrogate
 
     rng = np.random.default_rng(seed)
     found = []
     for norm in bench.norms:
-        width, kind = bench.width(norm.name), str(rng.choice(REPLACE_KINDS))
+        width, kind = bench.width(norm.name), str(rng.choice(kinds))
         gamma = np.full(width, 0.8) if kind == "scalebias" else 1 + 0.3 * rng.standard_normal(width)
         beta, shift = 0.2 * rng.standard_normal(width), float(rng.choice([0.0, 0.1]))
         alpha = 0.8 if kind == "scalebias" else 0.5
@@ -451,27 +453,34 @@ def check_replace(case) -> list[Failure]:
     options = ReplaceOptions(kind="auto", all_norms=True, samples=8, budget="cos=0.01", check=0.0)
     try:
         prepared = prepare(case.model, "synthetic", options)
-        bench = prepared.bench
-        surrogates = _seeded_surrogates(bench, case.seed)
-        ctx, emitter, emissions = bench.build(surrogates)
-        carried = export_model(ctx, prepared.folded, emitter.docs, {})
-        alone_ctx = open_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
-        alone = Emitter(alone_ctx, bench.rms_op)
-        for name, surrogate in surrogates:
-            alone.emit(alone.norms[name], surrogate)
-        plain = export_model(alone_ctx, prepared.folded, alone.docs, {})
     except NormpassError as e:
         return _one_line(e, mode)
     except Exception as e:
         return [Failure("exception", mode, describe(e))]
-    streams = sum(e.gamma.startswith("carried") for e in emissions.values())
-    failures = []
-    for batch in prepared.search.splits.batches["test"][:2]:
-        want, got = Runner(plain).run(batch), Runner(carried).run(batch)
-        for name, value in want.items():
-            error = relative_error(value, got[name])
-            if error > TOLERANCE[value.dtype]:
-                failures.append(
-                    Failure("mismatch", mode, f"output {name}: relative error {error:.3g} ({streams} γ carried)")
-                )
+    bench, failures = prepared.bench, []
+    for kinds in (REPLACE_KINDS, LINEAR_KINDS):
+        try:
+            surrogates = _seeded_surrogates(bench, case.seed, kinds)
+            ctx, emitter, emissions = bench.build(surrogates)
+            carried = export_model(ctx, prepared.folded, emitter.docs, {})
+            alone_ctx = open_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
+            alone = Emitter(alone_ctx, bench.rms_op)
+            for name, surrogate in surrogates:
+                alone.emit(alone.norms[name], surrogate)
+            plain = export_model(alone_ctx, prepared.folded, alone.docs, {})
+        except NormpassError as e:
+            return _one_line(e, mode)
+        except Exception as e:
+            return [Failure("exception", mode, describe(e))]
+        streams = sum(e.gamma.startswith("carried") for e in emissions.values())
+        biases = sum("along the residual stream" in e.shift for e in emissions.values())
+        for batch in prepared.search.splits.batches["test"][:2]:
+            want, got = Runner(plain).run(batch), Runner(carried).run(batch)
+            for name, value in want.items():
+                error = relative_error(value, got[name])
+                if error > TOLERANCE[value.dtype]:
+                    carried_what = f"{streams} γ and {biases} biases carried, kinds {'/'.join(sorted(set(kinds)))}"
+                    failures.append(
+                        Failure("mismatch", mode, f"output {name}: relative error {error:.3g} ({carried_what})")
+                    )
     return failures

@@ -244,10 +244,12 @@ class Rewriter:
     # --- norms ----------------------------------------------------------------------------------
 
     def _width(self, norm: NormInfo) -> int | None:
-        """The number of features: the input's static last dim, else γ's or β's length."""
-        width = (self.ctx.shapes.get(norm.ref.x.name) or (None,))[-1]
-        if isinstance(width, int):
-            return width
+        """The number of features: the input's static last dim (as analysed: an earlier rewrite may have
+        given the norm a new input value, e.g. the output of a norm folded before it), else γ's or β's length."""
+        for name in (norm.ref.x.name, norm.input):
+            width = (self.ctx.shapes.get(name) or (None,))[-1]
+            if isinstance(width, int):
+                return width
         vectors = [self._values(t) for t in (norm.ref.gamma, norm.ref.beta) if t is not None]
         return next((v.shape[-1] for v in vectors if v.ndim and v.shape[-1] > 1), None)
 

@@ -236,13 +236,13 @@ class Emitter(Rewriter):
     def _stream_bias(self, norm: NormInfo, width: int) -> tuple[tuple[ir.Node, int], StreamPlan] | None:
         """(the bias summed into the norm's input x, where it goes downstream) when x is read by more than
         the norm (in `emit_all`): every reader of the stream from x on is the norm, a linear surrogate's
-        norm, a residual Add or a linear layer with a bias."""
+        norm, an Add (whatever it adds, the sum lacks the bias too) or a linear layer with a bias."""
         if not self._stream_inputs:
             return None
         target = private_bias(norm.ref.x, width, self.graph_outputs)
         if target is None or constant_values(input_at(target[0], 1 - target[1])) is not None:
             return None
-        plan = stream_plan(self.ctx, self.graph_outputs, norm.ref.x, width, self._absorbs)
+        plan = stream_plan(self.ctx, self.graph_outputs, norm.ref.x, width, self._absorbs, writers=False)
         if plan is None or any(reader.bias_node is None for reader in plan.readers):
             return None
         return target, plan

@@ -430,10 +430,14 @@ def _writer(ctx: OnnxGraph, graph_outputs: set[str], value: ir.Value, width: int
     return target
 
 
-def stream_plan(ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int, absorbs) -> StreamPlan | None:
+def stream_plan(
+    ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int, absorbs, writers: bool = True
+) -> StreamPlan | None:
     """The stream `y` starts, if every reader of it is a linear layer contracting over the features,
     a residual Add whose other summand is a private linear writer (`_writer`), a shape reader, or a
-    node `absorbs(node, value)` accepts (a linear surrogate's norm reading `value`); None otherwise."""
+    node `absorbs(node, value)` accepts (a linear surrogate's norm reading `value`); None otherwise.
+    With `writers` False a residual Add's other summand may be anything (an offset of the stream
+    passes any Add; a scale needs a writer that takes 1/D), and `StreamPlan.writers` stays empty."""
     plan = StreamPlan([], [], [])
     frontier, seen = [y], {id(y)}
     while frontier:
@@ -451,10 +455,13 @@ def stream_plan(ctx: OnnxGraph, graph_outputs: set[str], y: ir.Value, width: int
             other_index = other_summand(consumer, current)
             if other_index is not None:
                 out, other = consumer.outputs[0], consumer.inputs[other_index]
-                writer = None if other is None or id(other) in seen else _writer(ctx, graph_outputs, other, width)
-                if writer is None or (ctx.shapes.get(name_of(out)) or ())[-1:] != (width,):
+                if (ctx.shapes.get(name_of(out)) or ())[-1:] != (width,) or other is None or id(other) in seen:
                     return None
-                plan.writers.append(writer)
+                if writers:
+                    writer = _writer(ctx, graph_outputs, other, width)
+                    if writer is None:
+                        return None
+                    plan.writers.append(writer)
                 if id(out) not in seen:
                     seen.add(id(out))
                     frontier.append(out)
