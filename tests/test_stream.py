@@ -37,6 +37,7 @@ from normpass.onnx.replace import replace_onnx
 from normpass.onnx.surrogates import Emitter, export_model
 from normpass.torch.api import fold
 from normpass.torch.replace import apply_surrogates, base
+from normpass.torch.rewrite import RMSNormWithBias
 from normpass.torch.surrogates import surrogate_modules
 
 D = 8
@@ -285,18 +286,34 @@ def test_torch_vit_with_all_norms_affine_has_no_norm_op_but_the_last():
     plain, _ = apply_surrogates(
         module, inputs, surrogates, ReplaceOptions(kind="affine", migrate_affine=False, all_norms=True)
     )
-    only_last, _ = apply_surrogates(module, inputs, {last: surrogates[last]}, options)
-    folded = fold(module, inputs, beta_across_residuals=True, name="vit")[0]
-    norm = folded.get_submodule(last)
-    bias = norm.bias.detach().double().numpy()
-    norm.register_forward_hook(  # what the last surrogate and the fold's bias compute, from the norm's input
-        lambda _m, args, out: torch.as_tensor(surrogates[last](args[0].double().numpy()) + bias, dtype=out.dtype)
-    )
     with torch.no_grad():
         a, b_ = plain(*inputs), replaced(*inputs)
-        want, got = folded(*inputs), only_last(*inputs)
     assert float((a - b_).abs().max() / a.abs().max()) <= 1e-5
-    assert float((want - got).abs().max() / want.abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["vit", "swin"])
+def test_torch_a_norm_the_fold_left_with_a_bias_is_replaced_with_its_bias(name):
+    """Each `RMSNormWithBias` the fold leaves (ViT's last norm; Swin's embedding, last and two mid-model
+    norms) replaced alone computes what the fold computes with the surrogate, plus that bias, in its place."""
+    module, inputs = models.get(name).build_torch()
+    options = ReplaceOptions(kind="affine", all_norms=True)
+    b = base(module, _bound(module, inputs), options, name)
+    folded = fold(module, inputs, beta_across_residuals=True, name=name)[0]
+    kept = [n for n, m in folded.named_modules() if isinstance(m, RMSNormWithBias)]
+    assert kept and set(kept) <= {n.name for n in b.candidates}
+    surrogates = _seeded([(n, b.tg.zmg.shape(b.tg.zmg.norm_by_name(n).input)[-1]) for n in kept])
+    for norm_name, surrogate in surrogates.items():
+        replaced, emissions = apply_surrogates(module, inputs, {norm_name: surrogate}, options)
+        assert dict(emissions[norm_name].ops) == {"Mul": 1, "Add": 1}  # one addcmul, no reduction
+        folded = fold(module, inputs, beta_across_residuals=True, name=name)[0]
+        norm = folded.get_submodule(norm_name)
+        bias = norm.bias.detach().double().numpy()
+        norm.register_forward_hook(
+            lambda _m, args, out, s=surrogate, c=bias: torch.as_tensor(s(args[0].double().numpy()) + c, dtype=out.dtype)
+        )
+        with torch.no_grad():
+            want, got = folded(*inputs), replaced(*inputs)
+        assert float((want - got).abs().max() / want.abs().max()) <= 1e-5, norm_name
 
 
 def test_onnx_replace_with_all_norms_reports_folded_norms_as_replaced(registry_export, tmp_path, capsys):

@@ -307,6 +307,13 @@ def emit(
             gamma = None if plan.gamma_to is None else surrogate.gamma
             beta = None if plan.beta_to is None else surrogate.beta
             emission.changed += move_affine(tg, editor, targets, gamma, beta)
+        replaced = module.get_submodule(norm.ref.module)
+        if isinstance(replaced, RMSNormWithBias):
+            # the fold's β, which the same module adds after the norm (as edited so far), goes into the surrogate
+            bias = to_numpy(replaced.bias.detach()).astype(np.float64)
+            kept = np.asarray(surrogate.beta, dtype=np.float64) if plan.keep_beta else 0.0
+            surrogate = dataclasses.replace(surrogate, beta=kept + bias)
+            plan.keep_beta = True
         scale = stream_scale(surrogate, width, limit) if plan.keep_gamma and migrate else None
         stream = None if scale is None else stream_targets(tg, name, linear_norms, uses)
         if stream is not None and scale is not None:
@@ -318,11 +325,6 @@ def emit(
             plan.keep_gamma = False
             if plan.keep_beta:  # the module's output is the stream divided by the scale
                 surrogate = dataclasses.replace(surrogate, beta=np.asarray(surrogate.beta) / scale)
-        replaced = module.get_submodule(norm.ref.module)
-        if isinstance(replaced, RMSNormWithBias):  # the fold's β, added after the norm by the same module
-            bias = to_numpy(replaced.bias.detach()).astype(np.float64)
-            surrogate = dataclasses.replace(surrogate, beta=np.asarray(surrogate.beta, dtype=np.float64) + bias)
-            plan.keep_beta = True
         replacement = surrogate_module(surrogate, width, plan.keep_shift, plan.keep_gamma, plan.keep_beta, **like)
         emission.ops.update(replacement.ops())
         _set_module(module, norm.ref.module, replacement)
