@@ -444,10 +444,24 @@ def _seeded_surrogates(bench, seed: int, kinds: tuple[str, ...] = REPLACE_KINDS)
     return found
 
 
+def emitted_both_ways(prepared, surrogates: list) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
+    """`surrogates` on `prepared` (`normpass.onnx.replace.prepare`) as `replace` emits them (`emit_all`: γ
+    and biases carried along the stream), one norm at a time (nothing carried), and the first's emissions."""
+    from normpass.onnx.surrogates import Emitter, export_model, open_graph
+
+    bench = prepared.bench
+    ctx, emitter, emissions = bench.build(surrogates)
+    carried = export_model(ctx, prepared.folded, emitter.docs, {})
+    alone_ctx = open_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
+    alone = Emitter(alone_ctx, bench.rms_op)
+    for name, surrogate in surrogates:
+        alone.emit(alone.norms[name], surrogate)
+    return carried, export_model(alone_ctx, prepared.folded, alone.docs, {}), emissions
+
+
 def check_replace(case) -> list[Failure]:
     """Failures of the surrogate emission on `case` (the module docstring); [] when all is well."""
     from normpass.onnx.replace import Runner, prepare
-    from normpass.onnx.surrogates import Emitter, export_model, open_graph
 
     mode = "replace"
     options = ReplaceOptions(kind="auto", all_norms=True, samples=8, budget="cos=0.01", check=0.0)
@@ -460,14 +474,7 @@ def check_replace(case) -> list[Failure]:
     bench, failures = prepared.bench, []
     for kinds in (REPLACE_KINDS, LINEAR_KINDS):
         try:
-            surrogates = _seeded_surrogates(bench, case.seed, kinds)
-            ctx, emitter, emissions = bench.build(surrogates)
-            carried = export_model(ctx, prepared.folded, emitter.docs, {})
-            alone_ctx = open_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
-            alone = Emitter(alone_ctx, bench.rms_op)
-            for name, surrogate in surrogates:
-                alone.emit(alone.norms[name], surrogate)
-            plain = export_model(alone_ctx, prepared.folded, alone.docs, {})
+            carried, plain, emissions = emitted_both_ways(prepared, _seeded_surrogates(bench, case.seed, kinds))
         except NormpassError as e:
             return _one_line(e, mode)
         except Exception as e:

@@ -22,6 +22,7 @@ import collections
 import inspect
 import json
 
+import fuzzcheck
 import numpy as np
 import onnx
 import pytest
@@ -208,20 +209,13 @@ def test_onnx_norm_free_vit_takes_the_writers_biases_off_the_stream(registry_exp
     """The registry's pre-LN ViT with every norm an affine surrogate: the residual writers' bias Adds
     leave the stream, and the model computes what the surrogates emitted one at a time compute."""
     from normpass.onnx.replace import Runner, prepare
-    from normpass.onnx.surrogates import open_graph
 
     model = onnx.load(str(registry_export("vit", form)))
     options = ReplaceOptions(kind="affine", all_norms=True, samples=8, budget="cos=0.01", check=0.0)
     prepared = prepare(model, "synthetic", options)
     bench = prepared.bench
     surrogates = [(n, s) for n, s in _seeded([(n.name, bench.width(n.name)) for n in bench.norms]).items()]
-    ctx, _, emissions = bench.build(surrogates)
-    carried = export_model(ctx, prepared.folded, {}, {})
-    alone_ctx = open_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
-    alone = Emitter(alone_ctx, bench.rms_op)
-    for name, surrogate in surrogates:
-        alone.emit(alone.norms[name], surrogate)
-    plain = export_model(alone_ctx, prepared.folded, {}, {})
+    carried, plain, emissions = fuzzcheck.emitted_both_ways(prepared, surrogates)
     along = [n for n, e in emissions.items() if "along the residual stream" in e.shift]
     assert len(along) == len(surrogates) - 2  # not the first norm (the embeddings'), nor the last (as before)
     assert op_counts(plain)["Add"] - op_counts(carried)["Add"] == len(along)

@@ -239,8 +239,8 @@ class Emitter(Rewriter):
         norm, an Add (whatever it adds, the sum lacks the bias too) or a linear layer with a bias."""
         if not self._stream_inputs:
             return None
-        target = private_bias(norm.ref.x, width, self.graph_outputs)
-        if target is None or constant_values(input_at(target[0], 1 - target[1])) is not None:
+        target = private_bias(norm.ref.x, width, self.graph_outputs)  # (`_remove_bias` checks its Add)
+        if target is None:
             return None
         plan = stream_plan(self.ctx, self.graph_outputs, norm.ref.x, width, self._absorbs, writers=False)
         if plan is None or any(reader.bias_node is None for reader in plan.readers):
