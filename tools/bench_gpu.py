@@ -21,10 +21,10 @@ does it):
 * `opt-affine`: what `normpass replace --with affine --all-norms` writes (`norm_free`: seeded terms,
   speed only; outputs not checked), then the optimizer: every norm gone, γ carried along the residual
   stream, the residual writers' bias Adds taken into the surrogates' β;
-* fp16 only, weight-only 4-bit (ORT's `MatMulNBitsQuantizer`, block 32, symmetric, the LM head kept):
-  `opt-int4`: `ort-opt` quantized; `rot-opt`: `normpass rotate --provider cuda`, then the optimizer;
-  `rot-opt-int4`: that quantized. Seeded weights: their errors are recorded, not bounded (speed only;
-  accuracy on real weights: `tools/bench_rotation.py`).
+* fp16 only, weight-only 4- and 8-bit (ORT's `MatMulNBitsQuantizer`, block 32, symmetric, the LM head
+  kept; `WEIGHT_BITS`): `opt-int4`, `opt-int8w`: `ort-opt` quantized; `rot-opt`: `normpass rotate
+  --provider cuda`, then the optimizer; `rot-opt-int4`, `rot-opt-int8w`: that quantized. Seeded weights:
+  their errors are recorded, not bounded (speed only; accuracy on real weights: `tools/bench_rotation.py`).
 
 `run` times them on ORT's CUDA provider (`normpass.onnx.bench.run_benchmark`: IO binding, interleaved
 rounds, ORT_ENABLE_ALL, outputs checked against `ort-opt` with TF32 off: fp32 at the fp32 tolerance,
@@ -73,14 +73,15 @@ MODELS = {
     "vit-b16-shape": (registry.vit_b16_shape, [(1, 1), (64, 1), (256, 1)], [(64, 1)]),
 }
 VARIANTS = ("ort-opt", "opt-fold", "fold-opt", "opt-identity", "opt-affine", "raw", "raw-folded")
-QUANTIZED = ("opt-int4", "rot-opt", "rot-opt-int4")  # fp16 only
+WEIGHT_BITS = {"-int4": 4, "-int8w": 8}  # a weight-only variant's label suffix → its `MatMulNBits` bits
+QUANTIZED = ("opt-int4", "rot-opt", "rot-opt-int4", "opt-int8w", "rot-opt-int8w")  # fp16 only
 BASELINES = {
     "ort-opt": ("opt-fold", "fold-opt", "opt-identity", "opt-affine", *QUANTIZED),
     "raw": ("raw-folded",),
 }
 UNCHECKED = ("opt-identity", "opt-affine")  # norm-free: their outputs differ from the original's
 FP16_BOUND = 0.05  # relative error of an fp16 variant against the fp16 `ort-opt`
-INT4_BOUND = 10.0  # a 4-bit variant's relative error is recorded, not bounded
+NBITS_BOUND = 10.0  # a weight-only (`WEIGHT_BITS`) variant's relative error is recorded, not bounded
 
 
 def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -113,12 +114,15 @@ def norm_free(raw: onnx.ModelProto, name: str) -> onnx.ModelProto:
     return export_model(ctx, prepared.folded, emitter.docs, {})
 
 
-def int4_weights(source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    """`source` with every constant-weight MatMul but the LM head in 4 bits (`bench_rotation`'s recipe)."""
+def nbits_weights(source: pathlib.Path, out: pathlib.Path, bits: int) -> pathlib.Path:
+    """`source` with every constant-weight MatMul but the LM head in `bits` bits (`bench_rotation`'s
+    weight-only recipe at `bits`: symmetric, blocks of 32), built afresh."""
     import bench_rotation
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    return bench_rotation.quantize(source, "int4-weights", [], out, bench_rotation.lm_head(source))
+    out.unlink(missing_ok=True)  # its source is rebuilt on every `prepare`
+    recipe = bench_rotation.Recipe("nbits", bits=bits)
+    return bench_rotation.quantize(source, recipe, [], out, bench_rotation.lm_head(source))
 
 
 def rotated_optimized(raw: onnx.ModelProto, settings: OrtOptimizer, name: str) -> onnx.ModelProto:
@@ -129,11 +133,13 @@ def rotated_optimized(raw: onnx.ModelProto, settings: OrtOptimizer, name: str) -
 
 
 def prepare_quantized(rotated: onnx.ModelProto, root: pathlib.Path) -> dict[str, str]:
-    """The fp16 4-bit variants (`QUANTIZED`), from `rotated` and the saved `ort-opt.fp16.onnx` under `root`."""
+    """The fp16 weight-only variants (`QUANTIZED`), from `rotated` and the saved `ort-opt.fp16.onnx` under `root`."""
     bench_e2e.save(rotated, root / "rot-opt.fp16.onnx")
     paths = {"rot-opt": str(root / "rot-opt.fp16.onnx")}
-    for label, source in (("opt-int4", "ort-opt"), ("rot-opt-int4", "rot-opt")):
-        paths[label] = str(int4_weights(root / f"{source}.fp16.onnx", root / f"{label}.fp16.onnx"))
+    for suffix, bits in WEIGHT_BITS.items():
+        for base, source in (("opt", "ort-opt"), ("rot-opt", "rot-opt")):
+            out = root / f"{base}{suffix}.fp16.onnx"
+            paths[base + suffix] = str(nbits_weights(root / f"{source}.fp16.onnx", out, bits))
     return paths
 
 
@@ -213,7 +219,7 @@ def run_ort(args: argparse.Namespace, manifest: dict, device: str) -> list[dict]
                     label,
                     paths[label],
                     check=label not in UNCHECKED,
-                    bound=(INT4_BOUND if label.endswith("-int4") else FP16_BOUND)
+                    bound=(NBITS_BOUND if label.endswith(tuple(WEIGHT_BITS)) else FP16_BOUND)
                     if bounded and label not in UNCHECKED
                     else None,
                 )
@@ -315,7 +321,7 @@ def main() -> None:
     prep = sub.add_parser("prepare", help="build every variant (CPU)")
     prep.add_argument("--cache", type=pathlib.Path, required=True)
     prep.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
-    prep.add_argument("--quantized", action="store_true", help="also the fp16 4-bit variants (QUANTIZED)")
+    prep.add_argument("--quantized", action="store_true", help="also the fp16 weight-only variants (QUANTIZED)")
     timing = sub.add_parser("run", help="time the prepared variants (GPU)")
     timing.add_argument("--cache", type=pathlib.Path, required=True)
     timing.add_argument("--out", type=pathlib.Path, required=True)

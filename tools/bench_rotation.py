@@ -206,20 +206,22 @@ class Reader(CalibrationDataReader):
 class Recipe:
     """One call of ONNX Runtime's quantizers, as its documentation shows them."""
 
-    method: str  # "static" (quantize_static, QDQ), "dynamic" (quantize_dynamic) or "int4" (MatMulNBitsQuantizer)
+    method: str  # "static" (quantize_static, QDQ), "dynamic" (quantize_dynamic) or "nbits" (MatMulNBitsQuantizer)
     per_channel: bool = False  # INT8 weights per output channel instead of per tensor
     linear_only: bool = False  # only layers with a constant weight (MatMul, Gemm, Conv); Q·Kᵀ and P·V stay fp32
     calibration: str = "MinMax"  # static: MinMax, Entropy or Percentile
     activations: str = "int8"  # static: "int8" (S8S8, ORT's default) or "uint8" (U8S8)
     skip: str = ""  # a group of layers also kept in fp32: "" or "mlp-down" (every MLP's second layer, 4d → d)
+    bits: int = 4  # nbits: the weights' bits (ORT's `MatMulNBits` takes 2, 4 or 8)
 
 
 RECIPES = {
     "int8-static": Recipe("static"),
     "int8-static-pc": Recipe("static", per_channel=True),
     "int8-dynamic": Recipe("dynamic"),
-    "int4-weights": Recipe("int4"),
+    "int4-weights": Recipe("nbits"),
     "default": Recipe("static"),
+    "default-percentile": Recipe("static", calibration="Percentile"),
     "linear-only": Recipe("static", linear_only=True),
     "linear-only-pc": Recipe("static", per_channel=True, linear_only=True),
     "linear-only-entropy": Recipe("static", linear_only=True, calibration="Entropy"),
@@ -296,7 +298,11 @@ def quantize(
                 )
             else:
                 quantizer = MatMulNBitsQuantizer(
-                    onnx.load(str(source)), block_size=32, is_symmetric=True, nodes_to_exclude=exclude
+                    onnx.load(str(source)),
+                    bits=recipe.bits,
+                    block_size=32,
+                    is_symmetric=True,
+                    nodes_to_exclude=exclude,
                 )
                 quantizer.process()
                 quantizer.model.save_model_to_file(str(target), use_external_data_format=large)
