@@ -93,6 +93,7 @@ from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 from normpass import models as builtin_models
 from normpass.models import minilm, registry, text, thirdparty
 from normpass.onnx import bench
+from normpass.onnx.keys import KeyData
 from normpass.onnx.passes import FoldOptions, fold_onnx
 from normpass.onnx.rotate import RotateOptions, rotate_onnx
 
@@ -524,8 +525,21 @@ def describe(name: str, errors: dict) -> str:
     return f"{errors['mean']:.4f}"
 
 
+def keys_centred(name: str, cache: pathlib.Path, index: int, calibration: list[dict]) -> pathlib.Path:
+    """`rotate --calib`: the rotated model with attention's key biases centred on split `index`'s
+    calibration inputs (`normpass.onnx.keys`), built unless cached."""
+    path = cache / name / f"keys.split{index}.onnx"
+    if not path.exists():
+        options = RotateOptions(provider="cpu", calib=calibration, calib_data=KeyData(batch_size=TEXT_BATCH))
+        result = rotate_onnx(str(original_path(name, cache)), options, name=name)
+        assert result.comparison is not None and result.keys is not None  # verified; calibrated
+        print(f"  split {index}: keys centred in {len(result.keys.sites)} attentions", flush=True)
+        result.save(path)
+    return path
+
+
 def evaluate_splits(
-    name: str, cache: pathlib.Path, splits: int, per_photo: int, recipes: list[str], source: str
+    name: str, cache: pathlib.Path, splits: int, per_photo: int, recipes: list[str], source: str, keys: bool = False
 ) -> dict:
     """INT8 error of the original and the rotated model on several disjoint calibration/judging splits of
     its inputs, per recipe of `RECIPES`: `default` (ORT's `quantize_static`, QDQ, per tensor, every op type
@@ -537,31 +551,39 @@ def evaluate_splits(
     rows = []
     for index in range(splits):
         calibration, held_out, described = split_inputs(name, index, per_photo, source)
+        variants = paths | ({"keys": keys_centred(name, cache, index, calibration)} if keys else {})
         reference = outputs(paths["original"], held_out)
-        fp32 = errors_of(name, reference, outputs(paths["rotated"], held_out))
-        if fp32["max"] > 1e-4:
-            raise SystemExit(f"{name}: the rotated fp32 model differs from the original by {fp32['max']:.2g}")
+        for variant in variants.keys() - {"original"}:
+            fp32 = errors_of(name, reference, outputs(variants[variant], held_out))
+            if fp32["max"] > 1e-4:
+                raise SystemExit(f"{name}: the {variant} fp32 model differs from the original by {fp32['max']:.2g}")
         for recipe in recipes:
             errors = {}
-            for variant, path in paths.items():
+            for variant, path in variants.items():
                 out = cache / name / f"{variant}.split{index}.{recipe}.onnx"
                 if name == "dinov2" and recipe in ("default", "linear-only"):  # the names of the first records
                     out = cache / name / f"{variant}.int8-static.split{index}.{recipe}.onnx"
                 quantized = quantize(path, recipe, calibration, out, [])
                 errors[variant] = errors_of(name, reference, outputs(quantized, held_out))
-            ratio = errors["rotated"]["mean"] / errors["original"]["mean"]
-            rows.append({"split": index, **described, "recipe": recipe, "errors": errors, "ratio": ratio})
+            to_original = {v: errors[v]["mean"] / errors["original"]["mean"] for v in variants if v != "original"}
+            rows.append(
+                {"split": index, **described, "recipe": recipe, "errors": errors, "ratio": to_original["rotated"]}
+                | ({"keys_ratio": to_original["keys"]} if keys else {})
+            )
             print(
-                f"  split {index} {recipe}: original {describe(name, errors['original'])}, rotated "
-                f"{describe(name, errors['rotated'])} ({ratio:.2f}×)",
+                f"  split {index} {recipe}: original {describe(name, errors['original'])}, "
+                + ", ".join(f"{v} {describe(name, errors[v])} ({r:.2f}×)" for v, r in to_original.items()),
                 flush=True,
             )
-    summary = {}
+    summary: dict[str, dict] = {}
     for recipe in recipes:
         chosen = [r for r in rows if r["recipe"] == recipe]
         ratios = [r["ratio"] for r in chosen]
         summary[recipe] = {"median_ratio": statistics.median(ratios), "worst_ratio": max(ratios), "splits": len(ratios)}
-        for variant in paths:
+        if keys:
+            found_keys = [r["keys_ratio"] for r in chosen]
+            summary[recipe] |= {"keys_median_ratio": statistics.median(found_keys), "keys_worst_ratio": max(found_keys)}
+        for variant in list(paths) + (["keys"] if keys else []):
             found = [r["errors"][variant] for r in chosen]
             summary[recipe][variant] = {
                 "median_error": statistics.median(e["mean"] for e in found),
@@ -670,6 +692,11 @@ def splits_table(found: list[dict]) -> str:
                     f"; worst cosine: original {v['original']['worst_cosine_min']:.4f} (mean "
                     f"{v['original']['worst_cosine_mean']:.5f}), rotated {v['rotated']['worst_cosine_min']:.4f}"
                 )
+            if "keys_median_ratio" in v:
+                line += (
+                    f"; keys centred / original: median {v['keys_median_ratio']:.2f}×, worst "
+                    f"{v['keys_worst_ratio']:.2f}× (error median {v['keys']['median_error']:.4f})"
+                )
             lines.append(line)
     return "\n".join(lines)
 
@@ -704,6 +731,12 @@ def main() -> None:
         "--recipes", nargs="+", default=["default", "linear-only"], choices=[r for r in RECIPES if r != "int4-weights"]
     )
     parser.add_argument(
+        "--keys",
+        action="store_true",
+        help="with --splits: also the rotated model with attention's key biases centred on each split's "
+        "calibration inputs (`normpass rotate --calib`)",
+    )
+    parser.add_argument(
         "--text-source", default="fortunes", choices=text.SOURCES, help="MiniLM's sentences (normpass.models.text)"
     )
     args = parser.parse_args()
@@ -726,7 +759,7 @@ def main() -> None:
             )
         else:
             found = [
-                evaluate_splits(m, cache, args.splits, args.per_photo, args.recipes, args.text_source)
+                evaluate_splits(m, cache, args.splits, args.per_photo, args.recipes, args.text_source, args.keys)
                 for m in args.models
             ]
             summary = splits_table(found)

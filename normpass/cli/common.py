@@ -33,6 +33,28 @@ def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
 
 
+def add_data_arguments(parser: argparse.ArgumentParser, required: bool, more_data: str = "") -> None:
+    """Where calibration inputs come from and how they are batched (`calibration.load_batches`)."""
+    parser.add_argument(
+        "--calib",
+        required=required,
+        metavar="DATA",
+        help="calibration inputs: an .npz (one array per model input, axis 0 = samples), a directory "
+        'of NAME.npy files, or a .txt (one sentence per line) or .jsonl (a "text" field per line) file with '
+        f"--tokenizer{more_data}",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="the model's tokenizer.json (the tokenizers library) for .txt/.jsonl calibration text; it makes "
+        "the inputs the model has among input_ids, attention_mask, token_type_ids",
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=128, help="tokens per sentence of calibration text (default 128)"
+    )
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per batch (default 16)")
+
+
 def checked_paths(
     args: argparse.Namespace, other_inputs: dict[str, Path] | None = None
 ) -> tuple[Path, dict[str, Path]]:

@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.replace import replace_onnx
 from ..onnx.rewrite import RMS_OPS
-from .common import add_model_arguments, load_model
+from .common import add_data_arguments, add_model_arguments, load_model
 
 
 def add_parser(sub) -> None:
@@ -118,23 +118,7 @@ def add_calibration_arguments(
     parser: argparse.ArgumentParser, budget: str, split: str, split_names: str, split_roles: str, more_data: str = ""
 ) -> None:
     """The calibration data, budget and report options `replace` and `distill` share."""
-    parser.add_argument(
-        "--calib",
-        required=True,
-        metavar="DATA",
-        help="calibration inputs: an .npz (one array per model input, axis 0 = samples), a directory "
-        'of NAME.npy files, or a .txt (one sentence per line) or .jsonl (a "text" field per line) file with '
-        f"--tokenizer{more_data}",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="the model's tokenizer.json (the tokenizers library) for .txt/.jsonl calibration text; it makes "
-        "the inputs the model has among input_ids, attention_mask, token_type_ids",
-    )
-    parser.add_argument(
-        "--max-length", type=int, default=128, help="tokens per sentence of calibration text (default 128)"
-    )
+    add_data_arguments(parser, required=True, more_data=more_data)
     parser.add_argument(
         "--budget",
         action="append",
@@ -155,7 +139,6 @@ def add_calibration_arguments(
     parser.add_argument(
         "--mask-input", metavar="NAME", help="attention-mask input (default: the rank-2 input named *mask*)"
     )
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per batch (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the splits, sampling and synthetic data")
     parser.add_argument("--report", help="write a JSON report here (also when the budget is missed)")
     bar = parser.add_mutually_exclusive_group()

@@ -1,4 +1,5 @@
-"""`normpass rotate MODEL -o OUT [--report R.json]`: fold, rotate every provable residual stream, verify, write.
+"""`normpass rotate MODEL -o OUT [--calib DATA] [--report R.json]`: fold, rotate every provable residual
+stream, with `--calib` centre attention's keys, verify, write.
 
 The rotation makes the model quantize better (QuaRot): run ONNX Runtime's quantizer on OUT.
 """
@@ -8,10 +9,19 @@ from __future__ import annotations
 import argparse
 
 from ..core.orthogonal import KINDS
+from ..io import calibration_files
+from ..onnx.keys import KeyData
 from ..onnx.passes import PROVIDERS, TARGETS
 from ..onnx.rotate import RotateOptions, RotateResult, rotate_onnx
 from ..onnx.verify import parse_input_shapes
-from .common import add_model_arguments, add_verification_arguments, checked_paths, model_source, save_result
+from .common import (
+    add_data_arguments,
+    add_model_arguments,
+    add_verification_arguments,
+    checked_paths,
+    model_source,
+    save_result,
+)
 
 
 def add_parser(sub) -> None:
@@ -41,6 +51,12 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--provider", choices=PROVIDERS, default="cuda", help="the fold's execution provider, as for fold"
     )
+    add_data_arguments(
+        parser,
+        required=False,
+        more_data="; with it, also centre every provable attention's keys on it (exact: softmax ignores a "
+        "constant per row; narrower ranges for INT8)",
+    )
     add_verification_arguments(parser)
 
 
@@ -57,6 +73,11 @@ def summary(label: str, result: RotateResult, out) -> list[str]:
     for stream in rotation.streams:
         if not stream.rotatable:
             lines.append(f"  not rotated: the stream of {stream.name}: {stream.reason}")
+    if result.keys is not None:
+        total = len(result.keys.sites) + len(result.keys.refused)
+        lines.append(f"  keys centred in {len(result.keys.sites)} of {total} attentions")
+        for softmax, reason in result.keys.refused.items():
+            lines.append(f"  keys not centred at {softmax}: {reason}")
     for decision in result.plan.decisions:
         if not decision.foldable:
             lines.append(f"  not folded {decision.name}: {decision.reason}")
@@ -64,7 +85,9 @@ def summary(label: str, result: RotateResult, out) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    out, inputs = checked_paths(args)
+    out, inputs = checked_paths(
+        args, calibration_files("--calib", args.calib) | calibration_files("--tokenizer", args.tokenizer)
+    )
     options = RotateOptions(
         rotation=args.rotation,
         rotation_seed=args.rotation_seed,
@@ -74,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         input_shapes=parse_input_shapes(args.input_shape),
         seed=args.seed,
+        calib=args.calib,
+        calib_data=KeyData(args.batch_size, args.tokenizer, args.max_length),
     )
     model, label = model_source(args)
     result = rotate_onnx(model, options, name=label)

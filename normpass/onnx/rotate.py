@@ -1,5 +1,8 @@
 """The rotation pass for ONNX models: fold → prove which residual streams rotate → rotate them → verify.
 
+With calibration inputs (`RotateOptions.calib`), attention's key biases are centred too before the check
+(`onnx/keys.py`: exact, softmax ignores a constant per row), so that a quantizer sees narrower scores.
+
 A residual stream read only by RMSNorms without affine (and residual adds) is invariant under any
 orthogonal Q: RMSNorm(xQ) = RMSNorm(x)·Q (DESIGN §2b, `core/rotation.py`). So:
 
@@ -46,9 +49,10 @@ from .constants import is_constant
 from .export import export_model
 from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from .graphsurgeon import from_graphsurgeon
+from .keys import KeyData, KeyPlan, find_sites, mean_keys
 from .passes import FoldOptions, FoldResult, ModelSource, checked, fold_onnx
 from .rewrite import Rewriter
-from .values import attr, input_at
+from .values import attr, input_at, name_of
 from .verify import structure
 
 STANDARD = ("", "ai.onnx")
@@ -66,6 +70,8 @@ class RotateOptions:
     verify: bool = True
     input_shapes: dict = field(default_factory=dict)
     seed: int = 0  # of the verification inputs
+    calib: object = None  # calibration inputs (`keys.mean_keys`): with them, attention keys are centred too
+    calib_data: KeyData = field(default_factory=KeyData)
 
     def fold_options(self) -> FoldOptions:
         """The fold that prepares the rotation: affine migrated, every provable norm folded, not verified alone."""
@@ -92,6 +98,7 @@ class RotateResult(FoldResult):
 
     rotation: RotationPlan = field(default_factory=lambda: RotationPlan([]))
     matrices: dict[str, str] = field(default_factory=dict)
+    keys: KeyPlan | None = None  # with calibration inputs: whose key biases were centred, why not the others
 
     @property
     def rotated(self) -> int:
@@ -101,7 +108,8 @@ class RotateResult(FoldResult):
         rotation = self.rotation.to_json()
         for stream in rotation["streams"]:
             stream["matrix"] = self.matrices.get(stream["stream"])
-        return super().report() | {"rotation": rotation}
+        keys = {} if self.keys is None else {"keys": self.keys.to_json()}
+        return super().report() | {"rotation": rotation} | keys
 
 
 def reader_weight(ctx: OnnxGraph, node: ir.Node, index: int, axis: int) -> tuple[int, int] | None:
@@ -172,6 +180,23 @@ class Rotator(Rewriter):
                         self._replace_input(node, index, "unit", np.ones_like, "replaced by ones")
                         self._note(node.name, f"γ moved into the layers it feeds ({stream.name})")
 
+    def centre_keys(self, plan: KeyPlan, means: dict[str, np.ndarray]) -> None:
+        """Subtract each site's mean key (`keys.mean_keys`) from its key bias (`keys`: exact)."""
+        for index, site in enumerate(plan.sites):
+            mean = means[site.keys]
+            self._replace_input(
+                site.add,
+                site.bias_index,
+                f"keys_centred:{index}",
+                lambda v, m=mean: (v - m).astype(v.dtype),
+                f"centred on the mean key of {site.softmax}",
+            )
+            self._note(
+                name_of(site.add),
+                f"key bias centred (mean key subtracted, largest |mean| {np.abs(mean).max():.3g}); "
+                f"{site.softmax} unchanged: softmax ignores a constant per row",
+            )
+
 
 def merged_shapes(original: dict, folded: dict, input_dims: set[str]) -> dict:
     """Shapes for the folded graph: the original's, on which the fold's proofs ran (a tensor keeps its name
@@ -236,12 +261,20 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         matrix, matrices[stream.name] = rotation_matrix(stream.width, options.rotation, options.rotation_seed + index)
         rotator.rotate_stream(stream, matrix, str(index))
     RemoveUnusedNodesPass()(rotator.ctx.model)
+    keys = None
+    if options.calib is not None:
+        keys = find_sites(rotator.ctx)
+        if keys.sites:
+            rotator.centre_keys(keys, mean_keys(rotator.ctx, keys.sites, options.calib, options.calib_data))
+            RemoveUnusedNodesPass()(rotator.ctx.model)
     rotator.ctx.graph.sort()
     metadata = {
         "normpass.version": __version__,
         "normpass.rotated": f"{len(rotation.rotatable)} of {len(rotation.streams)} residual streams rotated",
         "normpass.rotations": "; ".join(f"{stream}: {what}" for stream, what in matrices.items()),
     }
+    if keys is not None:
+        metadata["normpass.keys_centred"] = f"{len(keys.sites)} of {len(keys.sites) + len(keys.refused)} attentions"
     rotated = export_model(rotator.ctx.model, rotator.docs, metadata)
     seconds["rotate"] = time.perf_counter() - start
     done = f"{len(rotation.rotatable)} of {len(rotation.streams)} residual streams rotated"
@@ -253,8 +286,9 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         comparison,
         folded.affine_notes,
         seconds,
-        modified=folded.modified or bool(rotation.rotatable),
+        modified=folded.modified or bool(rotation.rotatable) or bool(keys and keys.sites),
         emitted=folded.emitted,
         rotation=rotation,
         matrices=matrices,
+        keys=keys,
     )

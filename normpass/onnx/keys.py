@@ -1,0 +1,251 @@
+"""Key centring: an exact, calibrated change of attention's key bias that narrows what a quantizer sees.
+
+Softmax over an axis ignores a constant added along it: softmax(s + c) = softmax(s). Attention's
+scores are S = A·B, B the keys laid out per head as Kᵀ, and K = Z + b with b the key projection's
+bias along the features. Replacing b by b − m subtracts A·M from S, where M is m laid out as B is:
+m is constant along every axis but the features, so M is constant along B's last axis (the keys), and
+so is A·M along S's. Each row of scores loses one constant (q_i · m of its head), and the Softmax over
+the keys gives exactly what it gave, for any m. With m the mean key over calibration data (per
+feature), the keys are centred and the scores lose each row's offset q_i · mean(k): a per-tensor
+quantizer of the keys, of Q·Kᵀ and of Softmax's input sees narrower ranges. No op is added.
+
+The proof, per Softmax (`find_sites`), walking back from it; a site that fails any step is refused
+with the node and the reason:
+
+* the Softmax normalises the last axis (`axis` −1 or rank − 1; before opset 13 the same axes, which
+  then flatten nothing after them);
+* from the scores to the Softmax only `Mul`/`Div` by a scalar constant (the scores the dividend) and
+  `Add`/`Sub` of anything (a mask): a constant of each row stays one;
+* the scores are a `MatMul` whose B has rank ≥ 2, and B comes from an `Add` of a constant bias that
+  is broadcast along the last axis only, through `Mul` by a scalar constant, `Transpose` and
+  `Reshape`, with the axes that may carry the features tracked (`_reshape_features`: a split of the
+  features into heads, a merge of heads with the batch); B's last axis must not be one of them;
+* every tensor from the bias `Add` to the scores and from the scores to the Softmax has that one
+  reader (besides `Shape`s) and is no graph output: nothing else sees the change.
+
+`rotate --calib` applies it after the rotation (`rotate.Rotator.centre_keys`): the new bias is a new
+initializer (a bias shared with another layer keeps its values there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from ..calibration import load_batches
+from .constants import constant_values, is_constant
+from .frontend import OnnxGraph
+from .passes import in_memory_proto
+from .replace import input_spec
+from .values import attr, name_of
+from .verify import check_input_shapes, session
+
+STANDARD = ("", "ai.onnx")
+
+
+@dataclass(frozen=True)
+class KeySite:
+    """An attention whose key bias may change: `add` adds the bias (input `bias_index`) to the keys."""
+
+    softmax: str
+    add: ir.Node
+    bias_index: int
+
+    @property
+    def keys(self) -> str:
+        return name_of(self.add.outputs[0])
+
+
+@dataclass(frozen=True)
+class KeyData:
+    """How calibration inputs are read (`calibration.load_batches`)."""
+
+    batch_size: int = 16
+    tokenizer: str | None = None
+    max_length: int = 128
+
+
+@dataclass
+class KeyPlan:
+    """The Softmaxes whose keys centre (`sites`) and the others with why not (`refused`: name → reason)."""
+
+    sites: list[KeySite]
+    refused: dict[str, str]
+
+    def to_json(self) -> dict:
+        return {
+            "centred": [{"softmax": s.softmax, "bias_add": name_of(s.add)} for s in self.sites],
+            "refused": [{"softmax": name, "reason": reason} for name, reason in self.refused.items()],
+        }
+
+
+SHAPE_READERS = ("Shape", "Size")  # read a tensor's shape, not its values
+
+
+def _private(value: ir.Value) -> bool:
+    """Its values are read by one node only (`Shape` and `Size` read none), and it is no graph output."""
+    readers = [u.node for u in value.uses() if not (u.node.op_type in SHAPE_READERS and u.node.domain in STANDARD)]
+    return len(readers) == 1 and not value.is_graph_output()
+
+
+def _scalar(value: ir.Value | None) -> bool:
+    values = constant_values(value) if value is not None and is_constant(value) else None
+    return values is not None and values.size == 1
+
+
+def _scores(value: ir.Value) -> ir.Node | str:
+    """The MatMul whose output reaches `value` through ops that keep a constant of each row one, or why not."""
+    if not _private(value):
+        return f"{name_of(value)} is read elsewhere too"
+    node = value.producer()
+    if node is None or node.domain not in STANDARD:
+        return f"{name_of(value)} is not computed by a MatMul and row-wise scalings"
+    if node.op_type == "MatMul":
+        return node
+    ins = list(node.inputs)
+    if node.op_type == "Mul" and len(ins) == 2 and any(_scalar(v) for v in ins):
+        return _scores(ins[1] if _scalar(ins[0]) else ins[0])  # type: ignore[arg-type]
+    if node.op_type == "Div" and len(ins) == 2 and _scalar(ins[1]):
+        return _scores(ins[0])  # type: ignore[arg-type]
+    if node.op_type in ("Add", "Sub"):
+        reasons = []
+        for v in ins:
+            if v is None or is_constant(v):
+                continue
+            found = _scores(v)
+            if isinstance(found, ir.Node):
+                return found
+            reasons.append(found)
+        return reasons[0] if reasons else f"{node.name} adds constants only"
+    return f"{node.name} ({node.op_type}) stands between the scores and the Softmax"
+
+
+def _key_bias(ctx: OnnxGraph, matmul: ir.Node) -> tuple[ir.Node, int] | str:
+    """(the bias Add, its bias input) whose keys `matmul` reads as its B, constant along B's last axis; or why not."""
+    chain: list[ir.Node] = []  # from B back to the Add, exclusive
+    value = matmul.inputs[1]
+    while True:
+        assert value is not None
+        if not _private(value):
+            return f"{name_of(value)} is read elsewhere too"
+        node = value.producer()
+        if node is None or node.domain not in STANDARD:
+            return f"{matmul.name}'s second input does not come from a biased layer"
+        ins = list(node.inputs)
+        if node.op_type == "Add":
+            index = next((i for i, v in enumerate(ins) if v is not None and is_constant(v)), None)
+            if index is None:
+                return f"{node.name} adds no constant bias to the keys"
+            break
+        if node.op_type == "Mul" and len(ins) == 2 and any(_scalar(v) for v in ins):
+            value = ins[1] if _scalar(ins[0]) else ins[0]
+        elif node.op_type in ("Transpose", "Reshape"):
+            value = ins[0]
+        elif node.op_type in ("MatMul", "Gemm", "Conv", "Einsum"):
+            return f"the keys from {node.name} have no bias Add to take the shift"
+        else:
+            return f"{node.name} ({node.op_type}) stands between the keys and the scores"
+        chain.append(node)
+    shape = ctx.shapes.get(name_of(node.outputs[0]))
+    bias = constant_values(ins[index])
+    if not shape or not isinstance(shape[-1], int) or bias is None:
+        return f"the feature width of {node.name}'s output is unknown"
+    if bias.ndim > len(shape) or any(d != 1 for d in bias.shape[:-1]) or bias.shape[-1:] != (shape[-1],):
+        return f"{node.name}'s constant is not a bias along the last axis"
+    features = {len(shape) - 1}
+    for step in reversed(chain):
+        rank = len(ctx.shapes.get(name_of(step.inputs[0])) or ())
+        if step.op_type == "Transpose":
+            perm = attr(step, "perm", None) or list(reversed(range(rank)))
+            features = {i for i, p in enumerate(perm) if p in features}
+        elif step.op_type == "Reshape":
+            reshaped = _reshape_features(ctx, step, features)
+            if reshaped is None:
+                return f"the shapes around {step.name} are unknown"
+            features = reshaped
+    b_rank = len(ctx.shapes.get(name_of(matmul.inputs[1])) or ())
+    if b_rank < 2 or b_rank - 1 in features:
+        return f"the keys' features reach the last axis of {matmul.name}'s second input"
+    return node, index
+
+
+def _reshape_features(ctx: OnnxGraph, reshape: ir.Node, features: set[int]) -> set[int] | None:
+    """The output axes of `reshape` that may carry the features, given the input axes that do; None where
+    the shapes are unknown.
+
+    Row-major order: a common suffix of equal dims (the same int, or the same symbol, which inference
+    gives to equal sizes) maps axis to axis; in the leading block before
+    it, features on its last axes split or merge into the output block's last axes of the same known
+    product, and the axes before those carry none; otherwise every output axis of the block may."""
+    before = ctx.shapes.get(name_of(reshape.inputs[0]))
+    after = ctx.shapes.get(name_of(reshape.outputs[0]))
+    if not before or not after:
+        return None
+    common = 0
+    while (
+        common < min(len(before), len(after))
+        and before[-1 - common] is not None
+        and before[-1 - common] == after[-1 - common]
+    ):
+        common += 1
+    lead_in, lead_out = len(before) - common, len(after) - common
+    found = {a - lead_in + lead_out for a in features if a >= lead_in}
+    inside = sorted(a for a in features if a < lead_in)
+    if not inside:
+        return found
+    block = before[inside[0] : lead_in]
+    if inside == list(range(inside[0], lead_in)) and all(isinstance(d, int) for d in block):
+        for count in range(1, lead_out + 1):
+            trailing = after[lead_out - count : lead_out]
+            if not all(isinstance(d, int) for d in trailing):
+                break
+            if math.prod(trailing) == math.prod(block):
+                return found | set(range(lead_out - count, lead_out))
+    return found | set(range(lead_out))
+
+
+def find_sites(ctx: OnnxGraph) -> KeyPlan:
+    """Every Softmax of the main graph whose key bias may change exactly, and why the others may not."""
+    sites, refused = [], {}
+    for softmax in ctx.graph:
+        if softmax.op_type != "Softmax" or softmax.domain not in STANDARD:
+            continue
+        rank = len(ctx.shapes.get(name_of(softmax.inputs[0])) or ())
+        axis = attr(softmax, "axis", -1 if ctx.opset >= 13 else 1)
+        if not rank or axis % rank != rank - 1:
+            refused[name_of(softmax)] = "it does not normalise the last axis of an input of known rank"
+            continue
+        scores = _scores(softmax.inputs[0])  # type: ignore[arg-type]
+        found = _key_bias(ctx, scores) if isinstance(scores, ir.Node) else scores
+        if isinstance(found, str):
+            refused[name_of(softmax)] = found
+        else:
+            sites.append(KeySite(name_of(softmax), *found))
+    return KeyPlan(sites, refused)
+
+
+def mean_keys(ctx: OnnxGraph, sites: list[KeySite], data, options: KeyData) -> dict[str, np.ndarray]:
+    """Per site, the keys' mean per feature over every position of the calibration inputs `data`
+    (`calibration.load_batches`: an .npz, a directory of .npy, text with a tokenizer, or batches), run by
+    ONNX Runtime on the CPU."""
+    proto = in_memory_proto(ctx.model)
+    batches = load_batches(data, input_spec(proto), options.batch_size, options.tokenizer, options.max_length)
+    for index, batch in enumerate(batches):
+        check_input_shapes(proto, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
+    wanted = sorted({s.keys for s in sites})
+    for name in wanted:
+        dtype = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(ctx.dtypes[name]))
+        proto.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype, None))
+    run = session(proto)
+    sums = {name: np.zeros(0) for name in wanted}
+    counts = dict.fromkeys(wanted, 0)
+    for batch in batches:
+        for name, keys in zip(wanted, run.run(wanted, batch), strict=True):
+            rows = np.asarray(keys, dtype=np.float64).reshape(-1, keys.shape[-1])
+            sums[name] = rows.sum(0) + (sums[name] if counts[name] else 0)
+            counts[name] += len(rows)
+    return {name: sums[name] / counts[name] for name in wanted if counts[name]}
