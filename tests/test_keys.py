@@ -134,13 +134,13 @@ def test_a_bias_shared_with_another_layer_keeps_its_values_there():
 @pytest.mark.parametrize(
     "change, reason",
     [
-        (dict(outputs=", float[B, 5, 8] k"), "k is read elsewhere too"),
+        (dict(outputs=", float[B, 5, 8] k"), "k is a graph output"),
         (dict(axis=2), "does not normalise the last axis"),
         (dict(masked="Tanh(ss)"), "(Tanh) stands between the scores and the Softmax"),
         (dict(key="Identity(km)"), "(Identity) stands between the keys and the scores"),
         (dict(key="MatMul(n, wk)"), "have no bias Add to take the shift"),
         (dict(key="Add(km, bias)", inputs=", float[8] bias"), "adds no constant bias to the keys"),
-        (dict(masked="Add(ss, ss)"), "ss is read elsewhere too"),
+        (dict(masked="Add(ss, ss)"), "ss is also read by"),
         # the keys with their features last: a Softmax over them would see the shift
         (
             dict(
@@ -183,7 +183,7 @@ def test_registry_encoders_centre_every_attention(registry_model, name, form, si
 @pytest.mark.parametrize(
     "name, form, reason",
     [
-        ("gpt2", "torchscript", "is read elsewhere too"),  # the keys are also returned (the cache)
+        ("gpt2", "torchscript", "is also read by"),  # the keys are also returned (the cache)
         ("gpt2", "dynamo", "(Split) stands between the keys and the scores"),  # one fused QKV layer
         ("llama", "dynamo", "(Expand) stands between the keys and the scores"),  # grouped-query heads
     ],
@@ -219,3 +219,21 @@ def test_cli_rotate_refuses_calibration_data_that_does_not_fit(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "calibration batch 0" in err[0]
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_inspect_rotation_says_whose_keys_would_centre_without_data(tmp_path, capsys):
+    from normpass.cli.main import main
+
+    for name, model, centred in (
+        ("ok", attention_model(), 1),
+        ("graph-output", attention_model(outputs=", float[B, 5, 8] k"), 0),
+    ):
+        source = tmp_path / f"{name}.onnx"
+        onnx.save(model, str(source))
+        assert main(["inspect", str(source), "--rotation", "--json"]) == 0
+        keys = json.loads(capsys.readouterr().out)["keys"]
+        assert len(keys["centred"]) == centred and len(keys["refused"]) == 1 - centred
+        assert main(["inspect", str(source), "--rotation"]) == 0
+        printed = capsys.readouterr().out
+        assert f"key centring (rotate --calib): {centred} of 1 attentions" in printed
+        assert ("k is a graph output" in printed) == (not centred)

@@ -11,10 +11,11 @@ object: {"model", "norms": [{"name", "op", "foldable", "reason", "centred_layers
 "inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"}.
 
 `--rotation` also folds the model as `normpass rotate` does and says which residual streams could
-then be rotated, and why the others not (a section after the table; in JSON, an added key "rotation":
-{"streams": [{"stream", "rotatable", "reason", "hidden_size", "norms", "writers", "readers",
-"gamma_moved_from", "tensors", "blocked_by", "blocking_path"}], "total", "rotatable"}). Names are
-those of the folded graph, as in the rotated model.
+then be rotated, and why the others not, and whose keys `rotate --calib` could centre (a section after the
+table; in JSON, added keys "rotation": {"streams": [{"stream", "rotatable", "reason", "hidden_size",
+"norms", "writers", "readers", "gamma_moved_from", "tensors", "blocked_by", "blocking_path"}], "total",
+"rotatable"} and "keys": {"centred": [{"softmax", "bias_add"}], "refused": [{"softmax", "reason"}]}).
+Names are those of the folded graph, as in the rotated model.
 
 `--graph OUT.graphml` (or `OUT.json`, networkx node-link JSON) also writes the zero-mean graph for
 other tools (`ZeroMeanGraph.to_networkx`: nodes with kind, op, rule and, for norms, the decision;
@@ -36,6 +37,7 @@ from ..core.rotation import RotationPlan
 from ..errors import InputError
 from ..io import check_paths, model_files, write_text_atomic
 from ..onnx.frontend import build_zero_mean_graph
+from ..onnx.keys import KeyPlan
 from ..onnx.passes import open_graph
 from ..onnx.rotate import RotateOptions, inspect_rotation
 from .common import add_model_arguments, model_source
@@ -157,8 +159,9 @@ def graph_text(zmg: ZeroMeanGraph, plan: FoldPlan, suffix: str) -> str:
     return json.dumps(nx.node_link_data(graph, edges="edges"), indent=1) + "\n"
 
 
-def render_rotation(rotation: RotationPlan) -> str:
-    """The rotation section: one line per stream, its verdict and why."""
+def render_rotation(rotation: RotationPlan, keys: KeyPlan) -> str:
+    """The rotation section: one line per stream, its verdict and why; then the attentions whose keys
+    `rotate --calib` would centre, and why the others not."""
     lines = [
         f"rotation (after folding; names as in the rotated model): {len(rotation.rotatable)} of "
         f"{len(rotation.streams)} residual streams rotatable"
@@ -172,6 +175,9 @@ def render_rotation(rotation: RotationPlan) -> str:
         else:
             verdict = f"not rotatable: {stream.reason}"
         lines.append(f"  stream of {stream.name}: {verdict}")
+    total = len(keys.sites) + len(keys.refused)
+    lines.append(f"key centring (rotate --calib): {len(keys.sites)} of {total} attentions")
+    lines += [f"  keys not centred at {softmax}: {reason}" for softmax, reason in keys.refused.items()]
     return "\n".join(lines)
 
 
@@ -185,14 +191,15 @@ def run(args: argparse.Namespace) -> int:
         fold_plan = make_plan(zmg, not args.no_insert_centering)
         block = blocks(zmg)
         options = RotateOptions(insert_centering=not args.no_insert_centering)
-        rotation = inspect_rotation(model, options, label)[1] if args.rotation else None
+        rotation = inspect_rotation(model, options, label)[1:] if args.rotation else None
         if graph_out is not None:
             write_text_atomic(graph_text(zmg, fold_plan, graph_out.suffix.lower()), graph_out)
             print(f"{label}: wrote the zero-mean graph to {graph_out}")
     if args.json:
         data = to_json(fold_plan, label, block)
         if rotation is not None:
-            data["rotation"] = rotation.to_json()
+            data["rotation"] = rotation[0].to_json()
+            data["keys"] = rotation[1].to_json()
         print(json.dumps(data, indent=2))
         return 0
     console = _terminal_console()
@@ -201,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_rich(fold_plan, label, block, console)
     if rotation is not None:
-        print("\n" + render_rotation(rotation))
+        print("\n" + render_rotation(*rotation))
     return 0
 
 

@@ -41,6 +41,7 @@ from .constants import constant_values, is_constant
 from .frontend import OnnxGraph
 from .passes import in_memory_proto
 from .replace import input_spec
+from .targets import value_readers
 from .values import attr, name_of
 from .verify import check_input_shapes, session
 
@@ -83,13 +84,14 @@ class KeyPlan:
         }
 
 
-SHAPE_READERS = ("Shape", "Size")  # read a tensor's shape, not its values
-
-
-def _private(value: ir.Value) -> bool:
-    """Its values are read by one node only (`Shape` and `Size` read none), and it is no graph output."""
-    readers = [u.node for u in value.uses() if not (u.node.op_type in SHAPE_READERS and u.node.domain in STANDARD)]
-    return len(readers) == 1 and not value.is_graph_output()
+def _shared(value: ir.Value) -> str | None:
+    """Why something besides its one reader sees `value`'s values (`Shape` and `Size` read none), or None."""
+    if value.is_graph_output():
+        return f"{name_of(value)} is a graph output"
+    readers = value_readers(value)
+    if len(readers) > 1:
+        return f"{name_of(value)} is also read by {', '.join(sorted({name_of(n) for n in readers[1:]}))}"
+    return None
 
 
 def _scalar(value: ir.Value | None) -> bool:
@@ -99,8 +101,9 @@ def _scalar(value: ir.Value | None) -> bool:
 
 def _scores(value: ir.Value) -> ir.Node | str:
     """The MatMul whose output reaches `value` through ops that keep a constant of each row one, or why not."""
-    if not _private(value):
-        return f"{name_of(value)} is read elsewhere too"
+    shared = _shared(value)
+    if shared:
+        return shared
     node = value.producer()
     if node is None or node.domain not in STANDARD:
         return f"{name_of(value)} is not computed by a MatMul and row-wise scalings"
@@ -130,8 +133,9 @@ def _key_bias(ctx: OnnxGraph, matmul: ir.Node) -> tuple[ir.Node, int] | str:
     value = matmul.inputs[1]
     while True:
         assert value is not None
-        if not _private(value):
-            return f"{name_of(value)} is read elsewhere too"
+        shared = _shared(value)
+        if shared:
+            return shared
         node = value.producer()
         if node is None or node.domain not in STANDARD:
             return f"{matmul.name}'s second input does not come from a biased layer"

@@ -239,10 +239,12 @@ def _fold_and_plan(model, options: RotateOptions, name: str) -> tuple[FoldResult
 
 def inspect_rotation(
     model: ModelSource, options: RotateOptions | None = None, name: str = "model"
-) -> tuple[FoldPlan, RotationPlan]:
-    """What `rotate_onnx` would fold and which streams it could rotate, and why the others not (nothing verified)."""
-    folded, _, rotation = _fold_and_plan(from_graphsurgeon(model), options or RotateOptions(), name)
-    return folded.plan, rotation
+) -> tuple[FoldPlan, RotationPlan, KeyPlan]:
+    """What `rotate_onnx` would fold, which streams it could rotate and whose keys it could centre with
+    calibration data, and why the others not (nothing verified, no data read)."""
+    folded, rotator, rotation = _fold_and_plan(from_graphsurgeon(model), options or RotateOptions(), name)
+    RemoveUnusedNodesPass()(rotator.ctx.model)  # readers left over by the fold are not readers
+    return folded.plan, rotation, find_sites(rotator.ctx)
 
 
 def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: str = "model") -> RotateResult:
