@@ -165,6 +165,8 @@ def _key_bias(ctx: OnnxGraph, matmul: ir.Node) -> tuple[ir.Node, int] | str:
         rank = len(ctx.shapes.get(name_of(step.inputs[0])) or ())
         if step.op_type == "Transpose":
             perm = attr(step, "perm", None) or list(reversed(range(rank)))
+            if not perm:
+                return f"the rank at {step.name} is unknown"
             features = {i for i, p in enumerate(perm) if p in features}
         elif step.op_type == "Reshape":
             reshaped = _reshape_features(ctx, step, features)
@@ -182,9 +184,9 @@ def _reshape_features(ctx: OnnxGraph, reshape: ir.Node, features: set[int]) -> s
     the shapes are unknown.
 
     Row-major order: a common suffix of equal dims (the same int, or the same symbol, which inference
-    gives to equal sizes) maps axis to axis; in the leading block before
-    it, features on its last axes split or merge into the output block's last axes of the same known
-    product, and the axes before those carry none; otherwise every output axis of the block may."""
+    gives to equal sizes) maps axis to axis; in the leading block before it, features on its last axes
+    split or merge into the output block's last axes of the same known product, and the axes before
+    those carry none; otherwise every output axis of the block may."""
     before = ctx.shapes.get(name_of(reshape.inputs[0]))
     after = ctx.shapes.get(name_of(reshape.outputs[0]))
     if not before or not after:
