@@ -5,7 +5,7 @@
   (axis 0), Gather tables (axis 1), an Einsum's constant operand (the axis its letter produces),
   constants added into the stream.
 * LayerScale: a per-channel constant Mul s after a linear layer is absorbed into it first,
-  W⊙s and b⊙s, and its factor becomes ones.
+  W⊙s and b⊙s, and the Mul is removed once the rewrite is done.
 * Copy-on-write: a rewritten constant is a new initializer read only by the rewritten input;
   whatever else read the old one (a tied LM head, a deduplicated bias) still reads the original.
 * Affine migration (`onnx/targets.py`): when every consumer of a folded norm is a linear layer with
@@ -37,7 +37,7 @@ from .constants import constant_values, is_constant
 from .frontend import OnnxGraph, einsum_weight_axis, graph_values
 from .patterns import SKIP_BIAS_INPUT
 from .targets import AffinePlan, Namer, affine_plan, derived_initializer, move_affine, new_initializer, set_input
-from .values import attr, input_at, name_of, take_over
+from .values import attr, input_at, is_initializer, name_of, take_over
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
 # A map of a constant's output features along an axis (None: the constant is constant along it), e.g.
@@ -129,6 +129,7 @@ class Rewriter:
         self._loaded: dict[str, np.ndarray] = {}
         self._affines: dict[str, AffinePlan] = {}
         self._unique = Namer(self.ctx.graph)
+        self._layer_scales: dict[str, tuple[ir.Node, int]] = {}  # absorbed: Mul name → (Mul, its data input)
 
     # --- constants, copy-on-write ---------------------------------------------------------------
 
@@ -182,7 +183,8 @@ class Rewriter:
         self._note(name_of(node), f"weights {change}")
 
     def _absorb_layer_scale(self, centring: Centring, along: AxisMap, tag: str, change: str) -> None:
-        """(x·W + b)⊙s → x·along(W⊙s) + along(b⊙s), and the Mul's factor becomes ones."""
+        """(x·W + b)⊙s → x·along(W⊙s) + along(b⊙s), and the Mul's factor becomes ones (`apply` then
+        removes the Mul: `remove_layer_scales`)."""
         mul, axis = self.zmg.nodes[centring.node], centring.axis
         found = layer_scale(self.zmg, mul, axis) if axis is not None else None
         assert axis is not None and found is not None  # planned only where `layer_scale` matched
@@ -215,7 +217,23 @@ class Rewriter:
         self.map_layer(Centring(linear.name, axis), along, tag, change)
         if not absorbed:
             self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like, "replaced by ones")
+        self._layer_scales[mul.name] = (mul.ref, 1 - factor_index)
         self._note(mul.name, f"LayerScale absorbed into {linear.name} (weights {change})")
+
+    def remove_layer_scales(self) -> None:
+        """Drop each absorbed LayerScale's `Mul` (its factor is ones now): its readers read its data input,
+        where that keeps every shape (the factor's rank at most the data's, by `layer_scale`'s match and
+        inference) and every graph output. The note stays on the layer that took the scale."""
+        for mul, index in self._layer_scales.values():
+            data, out = mul.inputs[index], mul.outputs[0]
+            factor = mul.inputs[1 - index]
+            rank = len(self.ctx.shapes.get(name_of(data)) or ())
+            if data is None or factor is None or not rank or len(factor.shape or ()) > rank:
+                continue
+            if not out.is_graph_output():
+                out.replace_all_uses_with(data)
+            elif not (data.is_graph_input() or data.is_graph_output() or is_initializer(data)):
+                take_over(out, data)
 
     # --- inserted centring ----------------------------------------------------------------------
 
@@ -422,6 +440,7 @@ class Rewriter:
         for insertion in plan.insertions:
             self.insert_centering(insertion)
         notes = {norm.name: self.replace_norm(norm, affines[norm.name]) for norm in folded}
+        self.remove_layer_scales()
         RemoveUnusedNodesPass()(self.ctx.model)
         self.ctx.graph.sort()
         return notes
