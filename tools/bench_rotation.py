@@ -69,6 +69,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import os
 import pathlib
 import statistics
@@ -340,7 +341,8 @@ def outputs(path: pathlib.Path, feeds: list[dict]) -> list[np.ndarray]:
 
 def output_errors(reference: list[np.ndarray], got: list[np.ndarray], language_model: bool) -> dict:
     errors = [float(np.linalg.norm(g - r) / np.linalg.norm(r)) for r, g in zip(reference, got, strict=True)]
-    result = {"mean": statistics.fmean(errors), "median": statistics.median(errors), "max": max(errors)}
+    result: dict = {"mean": statistics.fmean(errors), "median": statistics.median(errors), "max": max(errors)}
+    result["per_input"] = errors
     if language_model:
         same = [np.mean(np.argmax(g, -1) == np.argmax(r, -1)) for r, g in zip(reference, got, strict=True)]
         result["top1_agreement"] = float(np.mean(same))
@@ -538,6 +540,21 @@ def keys_centred(name: str, cache: pathlib.Path, index: int, calibration: list[d
     return path
 
 
+def paired(changed: list[float], base: list[float]) -> dict:
+    """Two variants' errors on the same inputs: on how many `changed` is lower, the two-sided sign test's
+    p-value of that count (ties dropped), and the median of the per-input ratios changed / base."""
+    ratios = [c / b for c, b in zip(changed, base, strict=True) if b > 0]
+    lower = sum(c < b for c, b in zip(changed, base, strict=True))
+    untied = sum(c != b for c, b in zip(changed, base, strict=True))
+    tail = sum(math.comb(untied, k) for k in range(min(lower, untied - lower) + 1))
+    return {
+        "lower": lower,
+        "inputs": len(changed),
+        "sign_test_p": min(1.0, 2 * tail / 2**untied) if untied else 1.0,
+        "median_ratio": statistics.median(ratios),
+    }
+
+
 def evaluate_splits(
     name: str, cache: pathlib.Path, splits: int, per_photo: int, recipes: list[str], source: str, keys: bool = False
 ) -> dict:
@@ -583,6 +600,11 @@ def evaluate_splits(
         if keys:
             found_keys = [r["keys_ratio"] for r in chosen]
             summary[recipe] |= {"keys_median_ratio": statistics.median(found_keys), "keys_worst_ratio": max(found_keys)}
+            if all("per_input" in r["errors"]["keys"] for r in chosen):  # DINOv2-S: one error per crop
+                summary[recipe]["keys_vs_rotated"] = paired(
+                    [e for r in chosen for e in r["errors"]["keys"]["per_input"]],
+                    [e for r in chosen for e in r["errors"]["rotated"]["per_input"]],
+                )
         for variant in list(paths) + (["keys"] if keys else []):
             found = [r["errors"][variant] for r in chosen]
             summary[recipe][variant] = {
@@ -696,6 +718,12 @@ def splits_table(found: list[dict]) -> str:
                 line += (
                     f"; keys centred / original: median {v['keys_median_ratio']:.2f}×, worst "
                     f"{v['keys_worst_ratio']:.2f}× (error median {v['keys']['median_error']:.4f})"
+                )
+            if "keys_vs_rotated" in v:
+                c = v["keys_vs_rotated"]
+                line += (
+                    f"; per input, keys below rotated on {c['lower']} of {c['inputs']} (sign test p = "
+                    f"{c['sign_test_p']:.3f}), median ratio {c['median_ratio']:.3f}"
                 )
             lines.append(line)
     return "\n".join(lines)
