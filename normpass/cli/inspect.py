@@ -175,8 +175,7 @@ def render_rotation(rotation: RotationPlan, keys: KeyPlan) -> str:
         else:
             verdict = f"not rotatable: {stream.reason}"
         lines.append(f"  stream of {stream.name}: {verdict}")
-    total = len(keys.sites) + len(keys.refused)
-    lines.append(f"key centring (rotate --calib): {len(keys.sites)} of {total} attentions")
+    lines.append(f"key centring (rotate --calib): {len(keys.sites)} of {keys.total} attentions")
     lines += [f"  keys not centred at {softmax}: {reason}" for softmax, reason in keys.refused.items()]
     return "\n".join(lines)
 
@@ -191,15 +190,15 @@ def run(args: argparse.Namespace) -> int:
         fold_plan = make_plan(zmg, not args.no_insert_centering)
         block = blocks(zmg)
         options = RotateOptions(insert_centering=not args.no_insert_centering)
-        rotation = inspect_rotation(model, options, label)[1:] if args.rotation else None
+        rotation = inspect_rotation(model, options, label)[1:] if args.rotation else None  # (streams, keys)
         if graph_out is not None:
             write_text_atomic(graph_text(zmg, fold_plan, graph_out.suffix.lower()), graph_out)
             print(f"{label}: wrote the zero-mean graph to {graph_out}")
     if args.json:
         data = to_json(fold_plan, label, block)
         if rotation is not None:
-            data["rotation"] = rotation[0].to_json()
-            data["keys"] = rotation[1].to_json()
+            streams, keys = rotation
+            data["rotation"], data["keys"] = streams.to_json(), keys.to_json()
         print(json.dumps(data, indent=2))
         return 0
     console = _terminal_console()

@@ -74,8 +74,7 @@ def summary(label: str, result: RotateResult, out) -> list[str]:
         if not stream.rotatable:
             lines.append(f"  not rotated: the stream of {stream.name}: {stream.reason}")
     if result.keys is not None:
-        total = len(result.keys.sites) + len(result.keys.refused)
-        lines.append(f"  keys centred in {len(result.keys.sites)} of {total} attentions")
+        lines.append(f"  keys centred in {len(result.keys.sites)} of {result.keys.total} attentions")
         for softmax, reason in result.keys.refused.items():
             lines.append(f"  keys not centred at {softmax}: {reason}")
     for decision in result.plan.decisions:

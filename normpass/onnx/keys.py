@@ -38,14 +38,13 @@ import onnx_ir as ir
 
 from ..calibration import load_batches
 from .constants import constant_values, is_constant
+from .export import STANDARD_DOMAINS as STANDARD
 from .frontend import OnnxGraph
 from .passes import in_memory_proto
 from .replace import input_spec
 from .targets import value_readers
 from .values import attr, name_of
 from .verify import check_input_shapes, session
-
-STANDARD = ("", "ai.onnx")
 
 
 @dataclass(frozen=True)
@@ -77,6 +76,11 @@ class KeyPlan:
     sites: list[KeySite]
     refused: dict[str, str]
 
+    @property
+    def total(self) -> int:
+        """The Softmaxes looked at."""
+        return len(self.sites) + len(self.refused)
+
     def to_json(self) -> dict:
         return {
             "centred": [{"softmax": s.softmax, "bias_add": name_of(s.add)} for s in self.sites],
@@ -99,6 +103,14 @@ def _scalar(value: ir.Value | None) -> bool:
     return values is not None and values.size == 1
 
 
+def _scaled(node: ir.Node) -> ir.Value | None:
+    """The other input of a `Mul` by a scalar constant, else None."""
+    ins = list(node.inputs)
+    if node.op_type != "Mul" or len(ins) != 2 or not any(_scalar(v) for v in ins):
+        return None
+    return ins[1] if _scalar(ins[0]) else ins[0]
+
+
 def _scores(value: ir.Value) -> ir.Node | str:
     """The MatMul whose output reaches `value` through ops that keep a constant of each row one, or why not."""
     shared = _shared(value)
@@ -110,8 +122,9 @@ def _scores(value: ir.Value) -> ir.Node | str:
     if node.op_type == "MatMul":
         return node
     ins = list(node.inputs)
-    if node.op_type == "Mul" and len(ins) == 2 and any(_scalar(v) for v in ins):
-        return _scores(ins[1] if _scalar(ins[0]) else ins[0])  # type: ignore[arg-type]
+    scaled = _scaled(node)
+    if scaled is not None:
+        return _scores(scaled)
     if node.op_type == "Div" and len(ins) == 2 and _scalar(ins[1]):
         return _scores(ins[0])  # type: ignore[arg-type]
     if node.op_type in ("Add", "Sub"):
@@ -145,8 +158,9 @@ def _key_bias(ctx: OnnxGraph, matmul: ir.Node) -> tuple[ir.Node, int] | str:
             if index is None:
                 return f"{node.name} adds no constant bias to the keys"
             break
-        if node.op_type == "Mul" and len(ins) == 2 and any(_scalar(v) for v in ins):
-            value = ins[1] if _scalar(ins[0]) else ins[0]
+        scaled = _scaled(node)
+        if scaled is not None:
+            value = scaled
         elif node.op_type in ("Transpose", "Reshape"):
             value = ins[0]
         elif node.op_type in ("MatMul", "Gemm", "Conv", "Einsum"):
@@ -247,11 +261,11 @@ def mean_keys(ctx: OnnxGraph, sites: list[KeySite], data, options: KeyData) -> d
         dtype = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(ctx.dtypes[name]))
         proto.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype, None))
     run = session(proto)
-    sums = {name: np.zeros(0) for name in wanted}
+    sums: dict[str, np.ndarray] = {}
     counts = dict.fromkeys(wanted, 0)
     for batch in batches:
         for name, keys in zip(wanted, run.run(wanted, batch), strict=True):
             rows = np.asarray(keys, dtype=np.float64).reshape(-1, keys.shape[-1])
-            sums[name] = rows.sum(0) + (sums[name] if counts[name] else 0)
+            sums[name] = sums.get(name, 0) + rows.sum(0)
             counts[name] += len(rows)
-    return {name: sums[name] / counts[name] for name in wanted if counts[name]}
+    return {name: total / counts[name] for name, total in sums.items()}

@@ -276,7 +276,7 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         "normpass.rotations": "; ".join(f"{stream}: {what}" for stream, what in matrices.items()),
     }
     if keys is not None:
-        metadata["normpass.keys_centred"] = f"{len(keys.sites)} of {len(keys.sites) + len(keys.refused)} attentions"
+        metadata["normpass.keys_centred"] = f"{len(keys.sites)} of {keys.total} attentions"
     rotated = export_model(rotator.ctx.model, rotator.docs, metadata)
     seconds["rotate"] = time.perf_counter() - start
     done = f"{len(rotation.rotatable)} of {len(rotation.streams)} residual streams rotated"
