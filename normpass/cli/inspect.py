@@ -11,10 +11,13 @@ object: {"model", "norms": [{"name", "op", "foldable", "reason", "centred_layers
 "inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"}.
 
 `--rotation` also folds the model as `normpass rotate` does and says which residual streams could
-then be rotated, and why the others not, and whose keys `rotate --calib` could centre (a section after the
-table; in JSON, added keys "rotation": {"streams": [{"stream", "rotatable", "reason", "hidden_size",
-"norms", "writers", "readers", "gamma_moved_from", "tensors", "blocked_by", "blocking_path"}], "total",
-"rotatable"} and "keys": {"centred": [{"softmax", "bias_add"}], "refused": [{"softmax", "reason"}]}).
+then be rotated, and why the others not, whose keys `rotate --calib` could centre and which norm outputs
+`rotate --calib --smooth` could smooth (a section after the table; in JSON, added keys "rotation":
+{"streams": [{"stream", "rotatable", "reason", "hidden_size", "norms", "writers", "readers",
+"gamma_moved_from", "tensors", "blocked_by", "blocking_path"}], "total", "rotatable"}, "keys":
+{"centred": [{"softmax", "bias_add"}], "refused": [{"softmax", "reason"}]} and "smoothing": {"alpha",
+"smoothed": [{"norm", "tensor", "readers", "placement"}], "refused": [{"norm", "reason"}],
+"on_rotated_streams"}).
 Names are those of the folded graph, as in the rotated model.
 
 `--graph OUT.graphml` (or `OUT.json`, networkx node-link JSON) also writes the zero-mean graph for
@@ -40,6 +43,7 @@ from ..onnx.frontend import build_zero_mean_graph
 from ..onnx.keys import KeyPlan
 from ..onnx.passes import open_graph
 from ..onnx.rotate import RotateOptions, inspect_rotation
+from ..onnx.smooth import SmoothPlan
 from .common import add_model_arguments, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
@@ -159,9 +163,9 @@ def graph_text(zmg: ZeroMeanGraph, plan: FoldPlan, suffix: str) -> str:
     return json.dumps(nx.node_link_data(graph, edges="edges"), indent=1) + "\n"
 
 
-def render_rotation(rotation: RotationPlan, keys: KeyPlan) -> str:
+def render_rotation(rotation: RotationPlan, keys: KeyPlan, smoothing: SmoothPlan) -> str:
     """The rotation section: one line per stream, its verdict and why; then the attentions whose keys
-    `rotate --calib` would centre, and why the others not."""
+    `rotate --calib` would centre and the norm outputs `--smooth` would smooth, and why the others not."""
     lines = [
         f"rotation (after folding; names as in the rotated model): {len(rotation.rotatable)} of "
         f"{len(rotation.streams)} residual streams rotatable"
@@ -177,6 +181,8 @@ def render_rotation(rotation: RotationPlan, keys: KeyPlan) -> str:
         lines.append(f"  stream of {stream.name}: {verdict}")
     lines.append(f"key centring (rotate --calib): {len(keys.sites)} of {keys.total} attentions")
     lines += [f"  keys not centred at {softmax}: {reason}" for softmax, reason in keys.refused.items()]
+    lines.append(f"smoothing (rotate --calib --smooth): {smoothing.summary}")
+    lines += [f"  not smoothed {norm}: {reason}" for norm, reason in smoothing.refused.items()]
     return "\n".join(lines)
 
 
@@ -190,15 +196,15 @@ def run(args: argparse.Namespace) -> int:
         fold_plan = make_plan(zmg, not args.no_insert_centering)
         block = blocks(zmg)
         options = RotateOptions(insert_centering=not args.no_insert_centering)
-        rotation = inspect_rotation(model, options, label)[1:] if args.rotation else None  # (streams, keys)
+        rotation = inspect_rotation(model, options, label)[1:] if args.rotation else None  # streams, keys, smoothing
         if graph_out is not None:
             write_text_atomic(graph_text(zmg, fold_plan, graph_out.suffix.lower()), graph_out)
             print(f"{label}: wrote the zero-mean graph to {graph_out}")
     if args.json:
         data = to_json(fold_plan, label, block)
         if rotation is not None:
-            streams, keys = rotation
-            data["rotation"], data["keys"] = streams.to_json(), keys.to_json()
+            streams, keys, smoothing = rotation
+            data["rotation"], data["keys"], data["smoothing"] = streams.to_json(), keys.to_json(), smoothing.to_json()
         print(json.dumps(data, indent=2))
         return 0
     console = _terminal_console()

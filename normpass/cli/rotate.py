@@ -1,5 +1,6 @@
-"""`normpass rotate MODEL -o OUT [--calib DATA] [--report R.json]`: fold, rotate every provable residual
-stream, with `--calib` centre attention's keys, verify, write.
+"""`normpass rotate MODEL -o OUT [--calib DATA [--smooth [ALPHA]]] [--report R.json]`: fold, rotate every
+provable residual stream, with `--calib` centre attention's keys (and with `--smooth` smooth the norm outputs
+no rotation reached), verify, write.
 
 The rotation makes the model quantize better (QuaRot): run ONNX Runtime's quantizer on OUT.
 """
@@ -10,9 +11,10 @@ import argparse
 
 from ..core.orthogonal import KINDS
 from ..io import calibration_files
-from ..onnx.keys import KeyData
+from ..onnx.features import CalibData
 from ..onnx.passes import PROVIDERS, TARGETS
 from ..onnx.rotate import RotateOptions, RotateResult, rotate_onnx
+from ..onnx.smooth import DEFAULT_ALPHA
 from ..onnx.verify import parse_input_shapes
 from .common import (
     add_data_arguments,
@@ -57,6 +59,17 @@ def add_parser(sub) -> None:
         more_data="; with it, also centre every provable attention's keys on it (exact: softmax ignores a "
         "constant per row; narrower ranges for INT8)",
     )
+    parser.add_argument(
+        "--smooth",
+        type=float,
+        nargs="?",
+        const=DEFAULT_ALPHA,
+        default=None,
+        metavar="ALPHA",
+        help="with --calib: also smooth the output of every norm no rotation reached (SmoothQuant, exact: a "
+        "per-feature scale max|x|^α / max|W|^(1−α) moved into the linear layers reading it, x divided by it in "
+        f"the norm or by one inserted Mul); α from 0 to 1 (default {DEFAULT_ALPHA})",
+    )
     add_verification_arguments(parser)
 
 
@@ -77,6 +90,10 @@ def summary(label: str, result: RotateResult, out) -> list[str]:
         lines.append(f"  keys centred in {len(result.keys.sites)} of {result.keys.total} attentions")
         for softmax, reason in result.keys.refused.items():
             lines.append(f"  keys not centred at {softmax}: {reason}")
+    if result.smoothing is not None:
+        lines.append(f"  {result.smoothing.summary}")
+        for norm, reason in result.smoothing.refused.items():
+            lines.append(f"  not smoothed {norm}: {reason}")
     for decision in result.plan.decisions:
         if not decision.foldable:
             lines.append(f"  not folded {decision.name}: {decision.reason}")
@@ -97,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         input_shapes=parse_input_shapes(args.input_shape),
         seed=args.seed,
         calib=args.calib,
-        calib_data=KeyData(args.batch_size, args.tokenizer, args.max_length),
+        calib_data=CalibData(args.batch_size, args.tokenizer, args.max_length),
+        smooth=args.smooth,
     )
     model, label = model_source(args)
     result = rotate_onnx(model, options, name=label)

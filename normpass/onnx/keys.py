@@ -32,19 +32,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-import onnx
 import onnx_ir as ir
 
-from ..calibration import load_batches
 from .constants import constant_values, is_constant
 from .export import STANDARD_DOMAINS as STANDARD
 from .frontend import OnnxGraph
-from .passes import in_memory_proto
-from .replace import input_spec
 from .targets import value_readers
 from .values import attr, name_of
-from .verify import check_input_shapes, session
 
 
 @dataclass(frozen=True)
@@ -58,15 +52,6 @@ class KeySite:
     @property
     def keys(self) -> str:
         return name_of(self.add.outputs[0])
-
-
-@dataclass(frozen=True)
-class KeyData:
-    """How calibration inputs are read (`calibration.load_batches`)."""
-
-    batch_size: int = 16
-    tokenizer: str | None = None
-    max_length: int = 128
 
 
 @dataclass
@@ -246,26 +231,3 @@ def find_sites(ctx: OnnxGraph) -> KeyPlan:
         else:
             sites.append(KeySite(name_of(softmax), *found))
     return KeyPlan(sites, refused)
-
-
-def mean_keys(ctx: OnnxGraph, sites: list[KeySite], data, options: KeyData) -> dict[str, np.ndarray]:
-    """Per site, the keys' mean per feature over every position of the calibration inputs `data`
-    (`calibration.load_batches`: an .npz, a directory of .npy, text with a tokenizer, or batches), run by
-    ONNX Runtime on the CPU."""
-    proto = in_memory_proto(ctx.model)
-    batches = load_batches(data, input_spec(proto), options.batch_size, options.tokenizer, options.max_length)
-    for index, batch in enumerate(batches):
-        check_input_shapes(proto, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
-    wanted = sorted({s.keys for s in sites})
-    for name in wanted:
-        dtype = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(ctx.dtypes[name]))
-        proto.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype, None))
-    run = session(proto)
-    sums: dict[str, np.ndarray] = {}
-    counts = dict.fromkeys(wanted, 0)
-    for batch in batches:
-        for name, keys in zip(wanted, run.run(wanted, batch), strict=True):
-            rows = np.asarray(keys, dtype=np.float64).reshape(-1, keys.shape[-1])
-            sums[name] = sums.get(name, 0) + rows.sum(0)
-            counts[name] += len(rows)
-    return {name: total / counts[name] for name, total in sums.items()}

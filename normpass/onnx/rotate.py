@@ -1,7 +1,9 @@
 """The rotation pass for ONNX models: fold → prove which residual streams rotate → rotate them → verify.
 
 With calibration inputs (`RotateOptions.calib`), attention's key biases are centred too before the check
-(`onnx/keys.py`: exact, softmax ignores a constant per row), so that a quantizer sees narrower scores.
+(`onnx/keys.py`: exact, softmax ignores a constant per row), so that a quantizer sees narrower scores;
+with `RotateOptions.smooth` too, the outputs of the norms no rotation reached are smoothed
+(`onnx/smooth.py`: a calibrated per-feature scale moved into the linear layers that read them).
 
 A residual stream read only by RMSNorms without affine (and residual adds) is invariant under any
 orthogonal Q: RMSNorm(xQ) = RMSNorm(x)·Q (DESIGN §2b, `core/rotation.py`). So:
@@ -47,11 +49,15 @@ from ..core.rotation import RotationPlan, Stream, gamma_of, plan_rotation
 from ..errors import InputError, UnsupportedModelError
 from .constants import is_constant
 from .export import export_model
+from .features import CalibData, FeatureStats, feature_statistics
 from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from .graphsurgeon import from_graphsurgeon
-from .keys import KeyData, KeyPlan, find_sites, mean_keys
+from .keys import KeyPlan, find_sites
 from .passes import FoldOptions, FoldResult, ModelSource, checked, fold_onnx
 from .rewrite import Rewriter
+from .smooth import DEFAULT_ALPHA, SmoothPlan, smoothing_scale, weight_rows
+from .smooth import find_sites as find_smooth_sites
+from .targets import new_initializer
 from .values import attr, input_at, name_of
 from .verify import structure
 
@@ -70,13 +76,18 @@ class RotateOptions:
     verify: bool = True
     input_shapes: dict = field(default_factory=dict)
     seed: int = 0  # of the verification inputs
-    calib: object = None  # calibration inputs (`keys.mean_keys`): with them, attention keys are centred too
-    calib_data: KeyData = field(default_factory=KeyData)
+    calib: object = None  # calibration inputs (`features.feature_statistics`): with them, keys are centred too
+    calib_data: CalibData = field(default_factory=CalibData)
+    smooth: float | None = None  # SmoothQuant's α (`smooth.py`; needs `calib`): smooth the unrotated norm outputs
 
     def fold_options(self) -> FoldOptions:
         """The fold that prepares the rotation: affine migrated, every provable norm folded, not verified alone."""
         if self.rotation not in KINDS:
             raise InputError(f"rotation {self.rotation!r}: choose one of {', '.join(KINDS)}")
+        if self.smooth is not None and self.calib is None:
+            raise InputError("smoothing needs calibration inputs: pass them too (--calib DATA)")
+        if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
+            raise InputError(f"smoothing α {self.smooth}: choose a value from 0 to 1 (0.5 balances)")
         return FoldOptions(
             target=self.target,
             provider=self.provider,
@@ -99,6 +110,7 @@ class RotateResult(FoldResult):
     rotation: RotationPlan = field(default_factory=lambda: RotationPlan([]))
     matrices: dict[str, str] = field(default_factory=dict)
     keys: KeyPlan | None = None  # with calibration inputs: whose key biases were centred, why not the others
+    smoothing: SmoothPlan | None = None  # with `smooth`: which norm outputs were smoothed, and how
 
     @property
     def rotated(self) -> int:
@@ -109,7 +121,8 @@ class RotateResult(FoldResult):
         for stream in rotation["streams"]:
             stream["matrix"] = self.matrices.get(stream["stream"])
         keys = {} if self.keys is None else {"keys": self.keys.to_json()}
-        return super().report() | {"rotation": rotation} | keys
+        smoothing = {} if self.smoothing is None else {"smoothing": self.smoothing.to_json()}
+        return super().report() | {"rotation": rotation} | keys | smoothing
 
 
 def reader_weight(ctx: OnnxGraph, node: ir.Node, index: int, axis: int) -> tuple[int, int] | None:
@@ -117,7 +130,7 @@ def reader_weight(ctx: OnnxGraph, node: ir.Node, index: int, axis: int) -> tuple
     data, weight = input_at(node, 0), input_at(node, 1)
     if index != 0 or node.domain not in STANDARD or data is None or weight is None or not is_constant(weight):
         return None
-    rank, weight_rank = (len(ctx.shapes.get(str(t.name)) or ()) for t in (data, weight))
+    rank, weight_rank = (_rank(ctx, t) for t in (data, weight))
     if node.op_type == "MatMul" and rank and weight_rank and axis == rank - 1:
         return 1, max(weight_rank - 2, 0)
     if node.op_type == "Gemm" and axis == 1 - attr(node, "transA", 0):
@@ -125,6 +138,14 @@ def reader_weight(ctx: OnnxGraph, node: ir.Node, index: int, axis: int) -> tuple
     if node.op_type in ("Conv", "ConvTranspose") and attr(node, "group", 1) == 1 and axis == 1:
         return 1, 1 if node.op_type == "Conv" else 0
     return None
+
+
+def _rank(ctx: OnnxGraph, value: ir.Value) -> int:
+    """`value`'s rank as shape inference found it, or as the value says (a constant made since); 0: unknown."""
+    shape = ctx.shapes.get(str(value.name))
+    if shape is None and value.shape is not None:
+        return len(value.shape)
+    return len(shape or ())
 
 
 def _reads(ctx: OnnxGraph, node: ZNode, index: int, axis: int) -> bool:
@@ -180,10 +201,10 @@ class Rotator(Rewriter):
                         self._replace_input(node, index, "unit", np.ones_like, "replaced by ones")
                         self._note(node.name, f"γ moved into the layers it feeds ({stream.name})")
 
-    def centre_keys(self, plan: KeyPlan, means: dict[str, np.ndarray]) -> None:
-        """Subtract each site's mean key (`keys.mean_keys`) from its key bias (`keys`: exact)."""
+    def centre_keys(self, plan: KeyPlan, stats: dict[str, FeatureStats]) -> None:
+        """Subtract each site's mean key (`features.feature_statistics`) from its key bias (`keys`: exact)."""
         for index, site in enumerate(plan.sites):
-            mean = means[site.keys]
+            mean = stats[site.keys].mean
             self._replace_input(
                 site.add,
                 site.bias_index,
@@ -196,6 +217,51 @@ class Rotator(Rewriter):
                 f"key bias centred (mean key subtracted, largest |mean| {np.abs(mean).max():.3g}); "
                 f"{site.softmax} unchanged: softmax ignores a constant per row",
             )
+
+    def smooth(self, plan: SmoothPlan, stats: dict[str, FeatureStats]) -> None:
+        """Move each site's scale s from its norm output into its linear readers' weights (`smooth`: exact):
+        x·W = (x ⊘ s)·(diag(s)·W), x ⊘ s computed by the norm's γ and β or by one inserted `Mul`."""
+        for index, site in enumerate(plan.sites):
+            dtype = self._dtype(site.y)
+            scale = smoothing_scale(stats[site.tensor].absmax, weight_rows(site), plan.alpha, dtype)
+            change = f"smoothed for {site.norm}"
+            for reader in site.readers:
+                self._replace_input(
+                    reader.node,
+                    reader.weight,
+                    f"smoothed:{index}:{reader.axis}",
+                    lambda v, a=reader.axis, s=scale: (v * _on_axis(s, v.ndim, a)).astype(v.dtype),
+                    change,
+                )
+                self._note(name_of(reader.node), f"input features scaled up by the smoothing of {site.norm}")
+            if site.in_norm:
+                for node in self.zmg.norm_by_name(site.norm).ref.nodes:
+                    for position, value in enumerate(node.inputs):
+                        if value is not None and (value is site.gamma or value is site.beta):
+                            self._replace_input(
+                                node, position, f"smoothed:{index}", lambda v, s=scale: (v / s).astype(v.dtype), change
+                            )
+                    self._note(node.name, f"output smoothed (features divided by s, α {plan.alpha:g})")
+                continue
+            inverse = new_initializer(
+                self.ctx.graph, self._unique(f"{site.tensor}.smoothing"), (1.0 / scale).astype(dtype)
+            )
+            smoothed = self._new_value(f"{site.tensor}.smoothed", dtype)
+            smoothed.shape = site.y.shape
+            mul = ir.node("Mul", [site.y, inverse], outputs=[smoothed], name=self._unique(f"{site.norm}.smoothing"))
+            self._note(name_of(mul), f"inserted smoothing of {site.norm}'s output (÷ s, α {plan.alpha:g})")
+            self.ctx.graph.append(mul)
+            for reader in site.readers:
+                for position, value in enumerate(reader.node.inputs):
+                    if value is site.y:
+                        reader.node.replace_input_with(position, smoothed)
+
+
+def _on_axis(vector: np.ndarray, rank: int, axis: int) -> np.ndarray:
+    """`vector` shaped to broadcast along `axis` of a tensor of rank `rank`."""
+    shape = [1] * rank
+    shape[axis] = -1
+    return vector.reshape(shape)
 
 
 def merged_shapes(original: dict, folded: dict, input_dims: set[str]) -> dict:
@@ -237,14 +303,22 @@ def _fold_and_plan(model, options: RotateOptions, name: str) -> tuple[FoldResult
     return folded, Rotator(ctx, zmg, folded.emitted["rms_op"]), plan_rotation(zmg, partial(_reads, ctx))
 
 
+def _smoothing(rotator: Rotator, rotation: RotationPlan, alpha: float) -> SmoothPlan:
+    on_rotated = {norm for stream in rotation.rotatable for norm in stream.norms}
+    return find_smooth_sites(rotator.ctx, rotator.zmg, on_rotated, reader_weight, alpha)
+
+
 def inspect_rotation(
     model: ModelSource, options: RotateOptions | None = None, name: str = "model"
-) -> tuple[FoldPlan, RotationPlan, KeyPlan]:
-    """What `rotate_onnx` would fold, which streams it could rotate and whose keys it could centre with
-    calibration data, and why the others not (nothing verified, no data read)."""
-    folded, rotator, rotation = _fold_and_plan(from_graphsurgeon(model), options or RotateOptions(), name)
+) -> tuple[FoldPlan, RotationPlan, KeyPlan, SmoothPlan]:
+    """What `rotate_onnx` would fold, which streams it could rotate, and with calibration data whose keys it
+    could centre and which norm outputs it could smooth, and why the others not (nothing verified, no data
+    read)."""
+    options = options or RotateOptions()
+    folded, rotator, rotation = _fold_and_plan(from_graphsurgeon(model), options, name)
     RemoveUnusedNodesPass()(rotator.ctx.model)  # readers left over by the fold are not readers
-    return folded.plan, rotation, find_sites(rotator.ctx)
+    smoothing = _smoothing(rotator, rotation, DEFAULT_ALPHA if options.smooth is None else options.smooth)
+    return folded.plan, rotation, find_sites(rotator.ctx), smoothing
 
 
 def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: str = "model") -> RotateResult:
@@ -263,11 +337,17 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         matrix, matrices[stream.name] = rotation_matrix(stream.width, options.rotation, options.rotation_seed + index)
         rotator.rotate_stream(stream, matrix, str(index))
     RemoveUnusedNodesPass()(rotator.ctx.model)
-    keys = None
+    keys = smoothing = None
     if options.calib is not None:
         keys = find_sites(rotator.ctx)
-        if keys.sites:
-            rotator.centre_keys(keys, mean_keys(rotator.ctx, keys.sites, options.calib, options.calib_data))
+        if options.smooth is not None:
+            smoothing = _smoothing(rotator, rotation, options.smooth)
+        wanted = [site.keys for site in keys.sites] + [site.tensor for site in (smoothing.sites if smoothing else [])]
+        if wanted:
+            stats = feature_statistics(rotator.ctx, wanted, options.calib, options.calib_data)
+            rotator.centre_keys(keys, stats)
+            if smoothing is not None:
+                rotator.smooth(smoothing, stats)
             RemoveUnusedNodesPass()(rotator.ctx.model)
     rotator.ctx.graph.sort()
     metadata = {
@@ -277,7 +357,10 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
     }
     if keys is not None:
         metadata["normpass.keys_centred"] = f"{len(keys.sites)} of {keys.total} attentions"
+    if smoothing is not None:
+        metadata["normpass.smoothed"] = smoothing.summary
     rotated = export_model(rotator.ctx.model, rotator.docs, metadata)
+    changed = folded.modified or bool(rotation.rotatable or (keys and keys.sites) or (smoothing and smoothing.sites))
     seconds["rotate"] = time.perf_counter() - start
     done = f"{len(rotation.rotatable)} of {len(rotation.streams)} residual streams rotated"
     before = structure(Path(model) if isinstance(model, (str, os.PathLike)) else model)
@@ -288,9 +371,10 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         comparison,
         folded.affine_notes,
         seconds,
-        modified=folded.modified or bool(rotation.rotatable) or bool(keys and keys.sites),
+        modified=changed,
         emitted=folded.emitted,
         rotation=rotation,
         matrices=matrices,
         keys=keys,
+        smoothing=smoothing,
     )
