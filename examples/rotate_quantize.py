@@ -17,7 +17,9 @@ optional package is missing is skipped and says which):
    RMSNorms where that is exact, each provable residual stream rotated by a randomised Hadamard matrix, the
    result verified against the original (it computes the same function). MiniLM is a post-LN BERT: only its
    embedding norm folds and no stream rotates (its LayerNorms subtract the mean, which a rotation does not
-   keep), and `rotate` says so;
+   keep), and `rotate` says so; what reaches its outliers is `--calib calib.txt --tokenizer tokenizer.json
+   --smooth`: every norm output that a linear layer reads is smoothed on the calibration sentences (a
+   per-feature scale moved into those layers' weights, exactly, SmoothQuant's), and the keys centred;
 3. **quantize**: ONNX Runtime's quantizer, original and rotated alike, with the recipe that measured best for
    each model (`RECIPES`; static ones calibrated on inputs the judging never sees);
 4. **run**: ONNX Runtime inference on the judged inputs, compared with the original's fp32 outputs.
@@ -53,10 +55,11 @@ RECIPES = {
     # calibration); rotated, it halves the original's error and runs 1.57x faster than fp32 on the CPU
     "dinov2": {"static": False},
     # dynamic INT8 (activations quantized at run time), weights per channel, the layers with a constant
-    # weight only, and every MLP's second layer (the largest activation outliers, up to 90× their RMS) in fp32
+    # weight only, and every MLP's second layer (the largest activation outliers, up to 90× their RMS) in fp32;
+    # smoothed, 1.66x faster than fp32 on the CPU at a worst held-out sentence of cosine 0.996
     "minilm": {"static": False, "per_channel": True, "linear_only": True, "fp32_mlp_down": True},
 }
-# Largest error of the quantized rotated model: mean relative error; for MiniLM the least mean cosine.
+# Largest error of the quantized rotated model: mean relative error; for MiniLM the least cosine of a sentence.
 BUDGET = {"gpt2": 0.2, "dinov2": 0.05, "minilm": 0.99}
 PHOTOS = ("rocket", "coins", "clock", "retina", "cell", "page")  # DINOv2-S's judged photographs
 
@@ -117,10 +120,11 @@ def cosines(reference: list[np.ndarray], outputs: list[np.ndarray]) -> np.ndarra
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-def rotate(source: Path, workdir: Path) -> tuple[Path, str]:
-    """Step 2: `normpass rotate --provider cpu`, as on the command line; its summary line."""
+def rotate(source: Path, workdir: Path, options: Sequence[str] = ()) -> tuple[Path, str]:
+    """Step 2: `normpass rotate --provider cpu [options]`, as on the command line; its summary line."""
     rotated = workdir / "model.rotated.onnx"
     command = [sys.executable, "-m", "normpass", "rotate", str(source), "-o", str(rotated), "--provider", "cpu"]
+    command += list(options)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"normpass rotate failed ({done.returncode}): {done.stderr.strip()}")
@@ -133,11 +137,13 @@ def rotate_quantize(
     calibration: list[dict[str, np.ndarray]],
     judged: list[dict[str, np.ndarray]],
     model: str = "gpt2",
+    rotate_options: Sequence[str] = (),
 ) -> dict:
-    """Steps 2 to 4 on the fp32 model at `source` (files go to `workdir`): rotate it, quantize it and the
-    original with `RECIPES[model]` calibrated on `calibration`, and run all four on `judged`."""
+    """Steps 2 to 4 on the fp32 model at `source` (files go to `workdir`): rotate it (with `rotate_options`),
+    quantize it and the original with `RECIPES[model]` calibrated on `calibration`, and run all four on
+    `judged`."""
     workdir.mkdir(parents=True, exist_ok=True)
-    rotated, summary = rotate(source, workdir)
+    rotated, summary = rotate(source, workdir, rotate_options)
 
     def outputs(path: Path) -> list[np.ndarray]:  # step 4
         return [run(path, feeds)[0] for feeds in judged]
@@ -153,7 +159,7 @@ def rotate_quantize(
         similar = {label: cosines(reference, got) for label, got in found.items()}
         result["cosine_mean"] = {label: float(c.mean()) for label, c in similar.items()}
         result["cosine_worst"] = {label: float(c.min()) for label, c in similar.items()}
-        over_budget = float(similar["rotated int8"].mean()) < BUDGET[model]
+        over_budget = float(similar["rotated int8"].min()) < BUDGET[model]
     if float(relative_errors(reference, found["rotated fp32"]).max()) > FP32_TOLERANCE or over_budget:
         raise SystemExit(f"the rotated model misses its budget: {result}")
     return result
@@ -183,8 +189,8 @@ def dinov2(workdir: Path, photos: Sequence[str] = PHOTOS) -> dict:
 
 
 def minilm(workdir: Path, calibrate: int = 64, judge: int = 128, source: str = "repository") -> dict:
-    """all-MiniLM-L6-v2, exported (step 1), rotated, quantized and judged on sentences disjoint from those
-    that calibrate (`text.split`), in batches of 16."""
+    """all-MiniLM-L6-v2, exported (step 1), rotated and smoothed on the calibration sentences, quantized and
+    judged on sentences disjoint from those (`text.split`), in batches of 16."""
     from normpass.models import minilm as encoder
     from normpass.models import text
 
@@ -192,7 +198,11 @@ def minilm(workdir: Path, calibrate: int = 64, judge: int = 128, source: str = "
     exported = encoder.export_onnx(workdir / "minilm.onnx", form="torchscript")
     sentences = text.split(source, decide=calibrate, measure=judge, seed=0)
     calibration, judged = encoder.batches(sentences.decide), encoder.batches(sentences.measure)
-    return rotate_quantize(exported, workdir, calibration, judged, "minilm") | {"sentences": [calibrate, judge]}
+    lines = workdir / "calib.txt"  # one sentence per line, as `normpass rotate --calib` reads text
+    lines.write_text("".join(" ".join(sentence.split()) + "\n" for sentence in sentences.decide), encoding="utf-8")
+    smooth = ["--calib", str(lines), "--tokenizer", str(encoder.model_dir() / "tokenizer.json"), "--smooth"]
+    result = rotate_quantize(exported, workdir, calibration, judged, "minilm", smooth)
+    return result | {"sentences": [calibrate, judge]}
 
 
 def gpt2(workdir: Path, exported: Path | None = None) -> dict:

@@ -45,6 +45,7 @@ def test_minilm_is_exported_rotated_where_provable_and_quantized_within_cosine_b
     assert "1 of 13 norms folded, 0 of 12 residual streams rotated" in result["normpass"]
     assert result["mean_relative_error"]["rotated fp32"] <= TOLERANCE
     mean, worst = result["cosine_mean"], result["cosine_worst"]
-    assert 0.99 <= mean["rotated int8"] < 0.9999 and 0.99 <= mean["original int8"] < 0.9999
-    assert 0.97 <= worst["rotated int8"] <= mean["rotated int8"]  # the worst sentence of 48
+    assert 0.99 <= mean["original int8"] < 0.9999 and mean["original int8"] < mean["rotated int8"] < 0.99999
+    # smoothed: every one of the 48 judged sentences within cosine 0.99 of fp32, closer than the original's worst
+    assert worst["original int8"] < worst["rotated int8"] and 0.99 <= worst["rotated int8"] <= mean["rotated int8"]
     assert result["sentences"] == [32, 48]

@@ -94,9 +94,10 @@ from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 from normpass import models as builtin_models
 from normpass.models import minilm, registry, text, thirdparty
 from normpass.onnx import bench
-from normpass.onnx.keys import KeyData
+from normpass.onnx.features import CalibData
 from normpass.onnx.passes import FoldOptions, fold_onnx
 from normpass.onnx.rotate import RotateOptions, rotate_onnx
+from normpass.onnx.smooth import DEFAULT_ALPHA
 
 VARIANTS = ("original", "folded", "rotated")
 QUANTIZERS = ("int8-static", "int8-static-pc", "int8-dynamic", "int4-weights")
@@ -514,6 +515,7 @@ def embedding_errors(reference: list[np.ndarray], got: list[np.ndarray]) -> dict
         "cosine_mean": float(cosine.mean()),
         "cosine_min": float(cosine.min()),
         "sentences": len(cosine),
+        "per_input": [float(e) for e in relative],
     }
 
 
@@ -527,15 +529,22 @@ def describe(name: str, errors: dict) -> str:
     return f"{errors['mean']:.4f}"
 
 
-def keys_centred(name: str, cache: pathlib.Path, index: int, calibration: list[dict]) -> pathlib.Path:
-    """`rotate --calib`: the rotated model with attention's key biases centred on split `index`'s
-    calibration inputs (`normpass.onnx.keys`), built unless cached."""
-    path = cache / name / f"keys.split{index}.onnx"
+CALIBRATED = {"keys": None, "smoothed": DEFAULT_ALPHA}  # `rotate --calib` variants: the smoothing α, or none
+
+
+def calibrated(name: str, cache: pathlib.Path, variant: str, index: int, calibration: list[dict]) -> pathlib.Path:
+    """`rotate --calib` on split `index`'s calibration inputs, built unless cached: `keys`, the rotated model
+    with attention's key biases centred (`normpass.onnx.keys`); `smoothed`, also with the outputs of the norms
+    no rotation reached smoothed (`--smooth`, `normpass.onnx.smooth`)."""
+    path = cache / name / f"{variant}.split{index}.onnx"
     if not path.exists():
-        options = RotateOptions(provider="cpu", calib=calibration, calib_data=KeyData(batch_size=TEXT_BATCH))
+        options = RotateOptions(
+            provider="cpu", calib=calibration, calib_data=CalibData(batch_size=TEXT_BATCH), smooth=CALIBRATED[variant]
+        )
         result = rotate_onnx(str(original_path(name, cache)), options, name=name)
         assert result.comparison is not None and result.keys is not None  # verified; calibrated
-        print(f"  split {index}: keys centred in {len(result.keys.sites)} attentions", flush=True)
+        smoothed = "" if result.smoothing is None else f"; {result.smoothing.summary}"
+        print(f"  split {index}: keys centred in {len(result.keys.sites)} attentions{smoothed}", flush=True)
         result.save(path)
     return path
 
@@ -556,19 +565,21 @@ def paired(changed: list[float], base: list[float]) -> dict:
 
 
 def evaluate_splits(
-    name: str, cache: pathlib.Path, splits: int, per_photo: int, recipes: list[str], source: str, keys: bool = False
+    name: str, cache: pathlib.Path, splits: int, per_photo: int, recipes: list[str], source: str, extra: list[str]
 ) -> dict:
     """INT8 error of the original and the rotated model on several disjoint calibration/judging splits of
     its inputs, per recipe of `RECIPES`: `default` (ORT's `quantize_static`, QDQ, per tensor, every op type
     it quantizes), `linear-only` (only the layers with a constant weight: `op_types_to_quantize` MatMul, Gemm
     and Conv, attention's activation-by-activation MatMuls excluded; Softmax, norms and Adds stay fp32),
-    and the other options of the quantizers (per-channel weights, calibration method, dynamic INT8)."""
+    and the other options of the quantizers (per-channel weights, calibration method, dynamic INT8). `extra`:
+    `CALIBRATED` variants measured beside them (each split's own), each also paired with the rotated model
+    input by input."""
     paths, notes = fp32_variants(name, cache)
     paths = {v: paths[v] for v in ("original", "rotated")}
     rows = []
     for index in range(splits):
         calibration, held_out, described = split_inputs(name, index, per_photo, source)
-        variants = paths | ({"keys": keys_centred(name, cache, index, calibration)} if keys else {})
+        variants = paths | {v: calibrated(name, cache, v, index, calibration) for v in extra}
         reference = outputs(paths["original"], held_out)
         for variant in variants.keys() - {"original"}:
             fp32 = errors_of(name, reference, outputs(variants[variant], held_out))
@@ -585,7 +596,7 @@ def evaluate_splits(
             to_original = {v: errors[v]["mean"] / errors["original"]["mean"] for v in variants if v != "original"}
             rows.append(
                 {"split": index, **described, "recipe": recipe, "errors": errors, "ratio": to_original["rotated"]}
-                | ({"keys_ratio": to_original["keys"]} if keys else {})
+                | {f"{v}_ratio": to_original[v] for v in extra}
             )
             print(
                 f"  split {index} {recipe}: original {describe(name, errors['original'])}, "
@@ -597,15 +608,16 @@ def evaluate_splits(
         chosen = [r for r in rows if r["recipe"] == recipe]
         ratios = [r["ratio"] for r in chosen]
         summary[recipe] = {"median_ratio": statistics.median(ratios), "worst_ratio": max(ratios), "splits": len(ratios)}
-        if keys:
-            found_keys = [r["keys_ratio"] for r in chosen]
-            summary[recipe] |= {"keys_median_ratio": statistics.median(found_keys), "keys_worst_ratio": max(found_keys)}
-            if all("per_input" in r["errors"]["keys"] for r in chosen):  # DINOv2-S: one error per crop
-                summary[recipe]["keys_vs_rotated"] = paired(
-                    [e for r in chosen for e in r["errors"]["keys"]["per_input"]],
+        for v in extra:
+            found_ratios = [r[f"{v}_ratio"] for r in chosen]
+            summary[recipe][f"{v}_median_ratio"] = statistics.median(found_ratios)
+            summary[recipe][f"{v}_worst_ratio"] = max(found_ratios)
+            if all("per_input" in r["errors"][v] for r in chosen):  # one error per crop or sentence
+                summary[recipe][f"{v}_vs_rotated"] = paired(
+                    [e for r in chosen for e in r["errors"][v]["per_input"]],
                     [e for r in chosen for e in r["errors"]["rotated"]["per_input"]],
                 )
-        for variant in list(paths) + (["keys"] if keys else []):
+        for variant in list(paths) + extra:
             found = [r["errors"][variant] for r in chosen]
             summary[recipe][variant] = {
                 "median_error": statistics.median(e["mean"] for e in found),
@@ -627,17 +639,26 @@ def evaluate_splits(
 
 
 def evaluate_latency(
-    name: str, cache: pathlib.Path, recipes: list[str], repeats: int, per_photo: int, source: str
+    name: str,
+    cache: pathlib.Path,
+    recipes: list[str],
+    repeats: int,
+    per_photo: int,
+    source: str,
+    extra: list[str],
+    threads: int = 0,
 ) -> dict:
-    """CPU latency of the fp32 original and rotated models and of both quantized by each recipe (calibrated
-    on split 0), in one interleaved run (ratios to the fp32 original), with their errors on split 0's
-    judged inputs beside them."""
+    """CPU latency of the fp32 original and rotated models (and the `extra` `CALIBRATED` variants) and of
+    each quantized by each recipe (calibrated on split 0), in one interleaved run (ratios to the fp32
+    original), with their errors on split 0's judged inputs beside them."""
     paths, notes = fp32_variants(name, cache)
     calibration, held_out, described = split_inputs(name, 0, per_photo, source)
+    paths = {v: paths[v] for v in ("original", "rotated")}
+    paths |= {v: calibrated(name, cache, v, 0, calibration) for v in extra}
     reference = outputs(paths["original"], held_out)
-    forms = {"fp32 original": paths["original"], "fp32 rotated": paths["rotated"]}
+    forms = {f"fp32 {variant}": path for variant, path in paths.items()}
     for recipe in recipes:
-        for variant in ("original", "rotated"):
+        for variant in paths:
             out = cache / name / f"{variant}.split0.{recipe}.onnx"
             if name == "dinov2" and recipe in ("default", "linear-only"):
                 out = cache / name / f"{variant}.int8-static.split0.{recipe}.onnx"
@@ -646,7 +667,7 @@ def evaluate_latency(
     seq = LATENCY_SEQ if name == "minilm" else 0
     candidates = [bench.Candidate(label, str(path), check=label.startswith("fp32")) for label, path in forms.items()]
     print(f"{name}: timing {len(candidates)} forms, {repeats} interleaved rounds", flush=True)
-    report = bench.run_benchmark(candidates, [(1, seq)], repeats=repeats, warmup=3, progress=False)
+    report = bench.run_benchmark(candidates, [(1, seq)], repeats=repeats, warmup=3, progress=False, threads=threads)
     results = report["points"][0]["results"]
     keys = ("median_ms", "p25_ms", "p75_ms", "ratio", "ratio_p25", "ratio_p75")
     rows = []
@@ -714,17 +735,21 @@ def splits_table(found: list[dict]) -> str:
                     f"; worst cosine: original {v['original']['worst_cosine_min']:.4f} (mean "
                     f"{v['original']['worst_cosine_mean']:.5f}), rotated {v['rotated']['worst_cosine_min']:.4f}"
                 )
-            if "keys_median_ratio" in v:
+            for extra in CALIBRATED:
+                if f"{extra}_median_ratio" not in v:
+                    continue
                 line += (
-                    f"; keys centred / original: median {v['keys_median_ratio']:.2f}×, worst "
-                    f"{v['keys_worst_ratio']:.2f}× (error median {v['keys']['median_error']:.4f})"
+                    f"; {extra} / original: median {v[f'{extra}_median_ratio']:.2f}×, worst "
+                    f"{v[f'{extra}_worst_ratio']:.2f}× (error median {v[extra]['median_error']:.4f})"
                 )
-            if "keys_vs_rotated" in v:
-                c = v["keys_vs_rotated"]
-                line += (
-                    f"; per input, keys below rotated on {c['lower']} of {c['inputs']} (sign test p = "
-                    f"{c['sign_test_p']:.3f}), median ratio {c['median_ratio']:.3f}"
-                )
+                if result["model"] == "minilm":
+                    line += f", worst cosine {v[extra]['worst_cosine_min']:.4f}"
+                if f"{extra}_vs_rotated" in v:
+                    c = v[f"{extra}_vs_rotated"]
+                    line += (
+                        f"; per input, {extra} below rotated on {c['lower']} of {c['inputs']} (sign test p = "
+                        f"{c['sign_test_p']:.3f}), median ratio {c['median_ratio']:.3f}"
+                    )
             lines.append(line)
     return "\n".join(lines)
 
@@ -742,6 +767,7 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=8, help="calibration and held-out sequences each (LMs)")
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds per latency comparison")
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--threads", type=int, default=0, help="--latency: ORT intra-op threads (0: ORT's default)")
     parser.add_argument(
         "--splits",
         type=int,
@@ -765,18 +791,27 @@ def main() -> None:
         "calibration inputs (`normpass rotate --calib`)",
     )
     parser.add_argument(
+        "--smooth",
+        action="store_true",
+        help="with --splits or --latency: also the rotated model with its keys centred and the outputs of the "
+        f"norms no rotation reached smoothed (`normpass rotate --calib --smooth {DEFAULT_ALPHA}`)",
+    )
+    parser.add_argument(
         "--text-source", default="fortunes", choices=text.SOURCES, help="MiniLM's sentences (normpass.models.text)"
     )
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # the quantizers' advice and the libraries' progress notes
     cache = pathlib.Path(args.cache)
     started, load_before = time.time(), os.getloadavg()
+    extra = [v for v in CALIBRATED if getattr(args, v if v != "smoothed" else "smooth")]
     if args.splits or args.latency:
         if any(m not in ("dinov2", "minilm") for m in args.models):
             parser.error("--splits and --latency take the real models: dinov2, minilm")
         if args.latency:
             found = [
-                evaluate_latency(m, cache, args.recipes, args.repeats, args.per_photo, args.text_source)
+                evaluate_latency(
+                    m, cache, args.recipes, args.repeats, args.per_photo, args.text_source, extra, args.threads
+                )
                 for m in args.models
             ]
             summary = "\n".join(
@@ -787,7 +822,7 @@ def main() -> None:
             )
         else:
             found = [
-                evaluate_splits(m, cache, args.splits, args.per_photo, args.recipes, args.text_source, args.keys)
+                evaluate_splits(m, cache, args.splits, args.per_photo, args.recipes, args.text_source, extra)
                 for m in args.models
             ]
             summary = splits_table(found)
