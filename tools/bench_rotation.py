@@ -236,6 +236,9 @@ RECIPES = {
     "dynamic-linear-pc": Recipe("dynamic", per_channel=True, linear_only=True),
     "dynamic-linear-pc-fp32-down": Recipe("dynamic", per_channel=True, linear_only=True, skip="mlp-down"),
     "linear-only-pc-fp32-down": Recipe("static", per_channel=True, linear_only=True, skip="mlp-down"),
+    "linear-only-u8-pc-fp32-down": Recipe(
+        "static", per_channel=True, linear_only=True, activations="uint8", skip="mlp-down"
+    ),
 }
 
 
