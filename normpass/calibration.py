@@ -61,8 +61,10 @@ def load_batches(
     batch_size: int = 16,
     tokenizer: str | os.PathLike | None = None,
     max_length: int = 128,
+    minimum: int = MIN_SAMPLES,
 ) -> list[Batch]:
-    """Checked calibration batches from `source` (see the module docstring)."""
+    """Checked calibration batches from `source` (see the module docstring), at least `minimum` samples (a pass
+    that only collects statistics, such as `rotate --calib`, needs one)."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.exists():
@@ -73,7 +75,7 @@ def load_batches(
         if path.suffix.lower() in TEXT_SUFFIXES and path.is_file():
             batches = tokenize(read_texts(path), tokenizer, spec, max_length, str(path))
             check_indices(batches, spec.index_bounds, str(path), tokenizer)
-            return _enough(batches, str(path), "sentences")
+            return _enough(batches, str(path), "sentences", minimum)
         if tokenizer is not None:
             raise InputError(f"{path}: a tokenizer is only for .txt or .jsonl text files; this is not one")
         batches = _rebatch(_checked(_read_arrays(path, spec), spec, str(path)), batch_size)
@@ -91,7 +93,7 @@ def load_batches(
         if not batches:
             raise InputError("calibration data: the source yielded no batches")
     check_indices(batches, spec.index_bounds, where)
-    return _enough(batches, where, "samples")
+    return _enough(batches, where, "samples", minimum)
 
 
 def _read_arrays(path: Path, spec: InputSpec) -> dict[str, np.ndarray]:
@@ -117,13 +119,11 @@ def sample_count(batches: list[Batch]) -> int:
     return int(sum(next(iter(b.values())).shape[0] for b in batches if b))
 
 
-def _enough(batches: list[Batch], where: str, unit: str) -> list[Batch]:
+def _enough(batches: list[Batch], where: str, unit: str, minimum: int) -> list[Batch]:
     count = sample_count(batches)
-    if count < MIN_SAMPLES:
-        raise InputError(
-            f"{where}: {count} {unit}; the pass needs at least {MIN_SAMPLES} (fitting, selection, its check "
-            "and the final test take a share each): give more"
-        )
+    if count < minimum:
+        why = " (fitting, selection, its check and the final test take a share each)" if minimum == MIN_SAMPLES else ""
+        raise InputError(f"{where}: {count} {unit}; the pass needs at least {minimum}{why}: give more")
     return batches
 
 

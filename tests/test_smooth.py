@@ -189,6 +189,12 @@ def test_the_scale_stays_within_the_float_type_range():
     np.testing.assert_allclose(smoothing_scale(np.array([4.0]), np.array([9.0]), 1.0, np.dtype(np.float32)), [4.0])
 
 
+def test_one_calibration_sample_is_enough():
+    model = post_ln_model()
+    result = rotate_onnx(model, RotateOptions(calib=calibration(samples=1), smooth=0.5))
+    assert result.comparison.passed and len(result.smoothing.sites) == 1 and result.keys is not None
+
+
 def test_options_are_checked_before_the_model_is_read():
     with pytest.raises(InputError, match="calibration inputs"):
         rotate_onnx("no-such-file.onnx", RotateOptions(smooth=0.5))

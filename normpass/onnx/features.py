@@ -42,7 +42,9 @@ def feature_statistics(ctx: OnnxGraph, names: list[str], data, options: CalibDat
     """`FeatureStats` of each tensor in `names` over every position of the calibration inputs `data` (an .npz,
     a directory of .npy, text with a tokenizer, or batches: `calibration.load_batches`)."""
     proto = in_memory_proto(ctx.model)
-    batches = load_batches(data, input_spec(proto), options.batch_size, options.tokenizer, options.max_length)
+    batches = load_batches(
+        data, input_spec(proto), options.batch_size, options.tokenizer, options.max_length, minimum=1
+    )
     for index, batch in enumerate(batches):
         check_input_shapes(proto, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
     wanted = sorted(set(names))
