@@ -43,6 +43,11 @@ once of linear kinds only, so that writers' biases go along pre-LN streams) emit
 writes them (γ of linear ones carried along the residual stream, biases into β) must
 compute what the same surrogates emitted one at a time compute ("mismatch [replace]"); a refusal is a
 one-line `NormpassError`.
+
+`check_rotate(case)` (`tools/fuzz.py --rotate`) checks `rotate_onnx` with calibration inputs (the
+generator's first feeds), so that keys are centred and norm outputs smoothed too, its own verification
+off: the rotated model must compute what the original computes on the generator's feeds ("mismatch
+[rotate]"), keep its signature, leave the caller's model as it was, or be refused in one line.
 """
 
 from __future__ import annotations
@@ -66,10 +71,12 @@ from normpass import (
     InputError,
     NormpassError,
     ReplaceOptions,
+    RotateOptions,
     VerificationError,
     fold_onnx,
     inspect_onnx,
     io,
+    rotate_onnx,
 )
 from normpass.cli.main import main
 
@@ -173,6 +180,24 @@ def _one_line(error: NormpassError, mode: str) -> list[Failure]:
     if message.strip() and "\n" not in message:
         return []
     return [Failure("message", mode, f"{type(error).__name__} with message {message!r}")]
+
+
+def check_rotate(case) -> list[Failure]:
+    """Failures of the rotation with keys centred and norm outputs smoothed on `case` (the module docstring)."""
+    mode, original = "rotate", case.model.SerializeToString()
+    declared = {i.name for i in case.model.graph.input}
+    calibration = [feeds for feeds in case.feeds if set(feeds) <= declared][:1]
+    try:
+        result = rotate_onnx(case.model, RotateOptions(calib=calibration, smooth=0.5, verify=False))
+    except NormpassError as e:  # a refusal
+        return _one_line(e, mode) + _restored(case.model, original, mode)
+    except Exception as e:
+        return [Failure("exception", mode, describe(e))] + _restored(case.model, original, mode)
+    failures = _restored(case.model, original, mode)
+    smoothed = 0 if result.smoothing is None else len(result.smoothing.sites)
+    keys = 0 if result.keys is None else len(result.keys.sites)
+    note = f"{result.rotated} streams rotated, {keys} keys centred, {smoothed} outputs smoothed"
+    return failures + _compare(case, mode, result.model, run_all(case.model, case.feeds), note)
 
 
 def _check_mode(case, mode: str, options: FoldOptions, expected) -> list[Failure]:

@@ -320,6 +320,26 @@ def test_fuzz_surrogate_emission_carrying_gamma_computes_what_one_norm_at_a_time
     assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --replace --replay SEED"])
 
 
+# Generated graphs where `rotate --calib --smooth` smooths norm outputs: inside the norm (1, 12), by a `Mul`
+# (3, 13), both (15, 112, 130, 229); keys centred too in 3, 13, 15, 112, 229. tools/fuzz.py --rotate runs
+# the same check over more seeds.
+ROTATE_SEEDS = (1, 3, 12, 13, 15, 112, 130, 229)
+
+
+def test_fuzz_rotation_with_keys_centred_and_outputs_smoothed_computes_what_the_original_does():
+    failures = [f"seed {seed}: {f}" for seed in ROTATE_SEEDS for f in fuzzcheck.check_rotate(graphgen.generate(seed))]
+    assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --rotate --replay SEED"])
+
+
+def test_fuzz_rotate_oracle_catches_a_silently_wrong_smoothing(monkeypatch):
+    """Weights scaled by 2s where the norm output is divided by s: reported as a mismatch, not passed."""
+    from normpass.onnx import rotate
+
+    monkeypatch.setattr(rotate, "_on_axis", lambda vector, rank, axis: 2 * vector.reshape([-1] + [1] * (rank - 1)))
+    failures = fuzzcheck.check_rotate(graphgen.generate(3))
+    assert failures and all(f.kind == "mismatch" and f.mode == "rotate" for f in failures), failures
+
+
 def test_fuzz_generator_exercises_every_feature():
     """The CI seeds cover every feature, dtype and opset, and their models both fold and refuse norms."""
     used, dtypes, opsets, folded, refused = set(), set(), set(), 0, 0

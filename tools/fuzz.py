@@ -4,6 +4,7 @@
     python tools/fuzz.py --replay SEED     # one example: its failures, in full
     python tools/fuzz.py --from-files 0 --examples 2000   # fold from files, every tensor external
     python tools/fuzz.py --replace --examples 1000        # the surrogate pass's emission instead
+    python tools/fuzz.py --rotate --examples 1000         # the rotation (keys centred, outputs smoothed)
 
 Example i uses generator seed S + i (tests/graphgen.py), checked by tests/fuzzcheck.py (with
 `--from-files BYTES`: saved with its tensors of BYTES or more as external data, folded from the
@@ -34,10 +35,12 @@ import fuzzcheck
 import graphgen
 import onnx
 
+ORACLES = {"replace": fuzzcheck.check_replace, "rotate": fuzzcheck.check_rotate}  # besides the fold's
 
-def check(case, from_files: int | None, replace: bool = False) -> list:
-    if replace:
-        return fuzzcheck.check_replace(case)
+
+def check(case, from_files: int | None, oracle: str = "fold") -> list:
+    if oracle in ORACLES:
+        return ORACLES[oracle](case)
     if from_files is None:
         return fuzzcheck.check(case)
     with tempfile.TemporaryDirectory() as directory:
@@ -45,12 +48,12 @@ def check(case, from_files: int | None, replace: bool = False) -> list:
 
 
 def run_one(
-    seed: int, from_files: int | None = None, replace: bool = False
+    seed: int, from_files: int | None = None, oracle: str = "fold"
 ) -> tuple[int, list[str], onnx.ModelProto | None]:
     warnings.simplefilter("ignore")
     case = graphgen.generate(seed)
     try:
-        failures = [str(f) for f in check(case, from_files, replace)]
+        failures = [str(f) for f in check(case, from_files, oracle)]
     except Exception as e:
         failures = [f"generator [original]: {fuzzcheck.describe(e)}"]
     return seed, failures, case.model if failures else None
@@ -69,7 +72,7 @@ def failure_class(failure: str) -> str:
 
 
 def campaign(
-    first: int, examples: int, jobs: int, out: Path, from_files: int | None = None, replace: bool = False
+    first: int, examples: int, jobs: int, out: Path, from_files: int | None = None, oracle: str = "fold"
 ) -> int:
     out.mkdir(parents=True, exist_ok=True)
     classes: dict[str, list[int]] = collections.defaultdict(list)
@@ -78,7 +81,7 @@ def campaign(
     with multiprocessing.Pool(jobs) as pool:
         for done, (seed, failures, model) in enumerate(
             pool.imap_unordered(
-                functools.partial(run_one, from_files=from_files, replace=replace), range(first, first + examples)
+                functools.partial(run_one, from_files=from_files, oracle=oracle), range(first, first + examples)
             ),
             1,
         ):
@@ -86,7 +89,7 @@ def campaign(
                 failing += 1
                 onnx.save(model, out / f"{seed}.onnx")
                 replay_flags = f"--replay {seed}" + (f" --from-files {from_files}" if from_files is not None else "")
-                replay_flags += " --replace" if replace else ""
+                replay_flags += f" --{oracle}" if oracle in ORACLES else ""
                 (out / f"{seed}.txt").write_text(f"python tools/fuzz.py {replay_flags}\n" + "\n".join(failures) + "\n")
                 for key in dict.fromkeys(failure_class(f) for f in failures):
                     classes[key].append(seed)
@@ -104,13 +107,13 @@ def campaign(
     return 1 if failing else 0
 
 
-def replay(seed: int, from_files: int | None = None, replace: bool = False) -> int:
+def replay(seed: int, from_files: int | None = None, oracle: str = "fold") -> int:
     case = graphgen.generate(seed)
     print(
         f"seed {seed}: opset {case.model.opset_import[0].version}, IR {case.model.ir_version}, "
         f"features {sorted(case.used)}, {len(case.feeds)} feed sets"
     )
-    failures = check(case, from_files, replace)
+    failures = check(case, from_files, oracle)
     for failure in failures:
         print(failure)
     print("no failure" if not failures else f"{len(failures)} failures")
@@ -135,10 +138,18 @@ def main(argv=None) -> int:
         action="store_true",
         help="check the surrogate pass's emission instead of the fold (fuzzcheck.check_replace)",
     )
+    parser.add_argument(
+        "--rotate",
+        action="store_true",
+        help="check the rotation instead, with keys centred and norm outputs smoothed (fuzzcheck.check_rotate)",
+    )
     args = parser.parse_args(argv)
+    if args.replace and args.rotate:
+        parser.error("--replace and --rotate are two oracles: choose one")
+    oracle = "replace" if args.replace else "rotate" if args.rotate else "fold"
     if args.replay is not None:
-        return replay(args.replay, args.from_files, args.replace)
-    return campaign(args.seed, args.examples, args.jobs, args.out, args.from_files, args.replace)
+        return replay(args.replay, args.from_files, oracle)
+    return campaign(args.seed, args.examples, args.jobs, args.out, args.from_files, oracle)
 
 
 if __name__ == "__main__":
