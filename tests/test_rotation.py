@@ -383,7 +383,7 @@ def test_registry_language_models_rotate(registry_model, name):
 )
 def test_registry_encoders_are_refused_with_the_reason(registry_model, name, reason):
     model = registry_model(name)
-    _, rotation, _, _ = inspect_rotation(model, name=name)
+    _, rotation, _, _, _ = inspect_rotation(model, name=name)
     assert rotation.streams and not rotation.rotatable
     assert any(reason in s.reason for s in rotation.streams), [s.reason for s in rotation.streams]
 

@@ -95,6 +95,8 @@ from normpass import models as builtin_models
 from normpass.models import minilm, registry, text, thirdparty
 from normpass.onnx import bench
 from normpass.onnx.features import CalibData
+from normpass.onnx.online import DEFAULT_BLOCK
+from normpass.onnx.online import METADATA_KEY as KEEP_FP32
 from normpass.onnx.passes import FoldOptions, fold_onnx
 from normpass.onnx.rotate import RotateOptions, rotate_onnx
 from normpass.onnx.smooth import DEFAULT_ALPHA
@@ -243,8 +245,12 @@ RECIPES = {
 
 
 def recipe_exclusions(path: pathlib.Path, recipe: Recipe) -> list[str]:
-    """The nodes `recipe` keeps in fp32 beyond the op types it names."""
-    excluded = activation_matmuls(path) if recipe.linear_only else []
+    """The nodes `recipe` keeps in fp32 beyond the op types it names, and those the model asks to keep so (an
+    online rotation's MatMuls: metadata `normpass.keep_fp32`)."""
+    model = onnx.load(str(path), load_external_data=False)
+    kept = next((p.value for p in model.metadata_props if p.key == KEEP_FP32), "")
+    excluded = [name for name in kept.split(",") if name]
+    excluded += activation_matmuls(path) if recipe.linear_only else []
     if recipe.skip == "mlp-down":
         excluded += mlp_down_projections(path)
     elif recipe.skip:
@@ -532,21 +538,29 @@ def describe(name: str, errors: dict) -> str:
     return f"{errors['mean']:.4f}"
 
 
-CALIBRATED = {"keys": None, "smoothed": DEFAULT_ALPHA}  # `rotate --calib` variants: the smoothing α, or none
+# `rotate --calib` variants: the smoothing α (or none), the online rotation's block (or none)
+CALIBRATED = {"keys": (None, None), "smoothed": (DEFAULT_ALPHA, None), "online": (DEFAULT_ALPHA, DEFAULT_BLOCK)}
 
 
 def calibrated(name: str, cache: pathlib.Path, variant: str, index: int, calibration: list[dict]) -> pathlib.Path:
     """`rotate --calib` on split `index`'s calibration inputs, built unless cached: `keys`, the rotated model
     with attention's key biases centred (`normpass.onnx.keys`); `smoothed`, also with the outputs of the norms
-    no rotation reached smoothed (`--smooth`, `normpass.onnx.smooth`)."""
+    no rotation reached smoothed (`--smooth`, `normpass.onnx.smooth`); `online`, also with the MLP down
+    projections' inputs rotated at run time (`--online-rotation`, `normpass.onnx.online`)."""
     path = cache / name / f"{variant}.split{index}.onnx"
     if not path.exists():
+        smooth, block = CALIBRATED[variant]
         options = RotateOptions(
-            provider="cpu", calib=calibration, calib_data=CalibData(batch_size=TEXT_BATCH), smooth=CALIBRATED[variant]
+            provider="cpu",
+            calib=calibration,
+            calib_data=CalibData(batch_size=TEXT_BATCH),
+            smooth=smooth,
+            online_block=block,
         )
         result = rotate_onnx(str(original_path(name, cache)), options, name=name)
         assert result.comparison is not None and result.keys is not None  # verified; calibrated
         smoothed = "" if result.smoothing is None else f"; {result.smoothing.summary}"
+        smoothed += "" if result.online is None else f"; {result.online.summary}"
         print(f"  split {index}: keys centred in {len(result.keys.sites)} attentions{smoothed}", flush=True)
         result.save(path)
     return path
@@ -792,6 +806,13 @@ def main() -> None:
         action="store_true",
         help="with --splits: also the rotated model with attention's key biases centred on each split's "
         "calibration inputs (`normpass rotate --calib`)",
+    )
+    parser.add_argument(
+        "--online",
+        action="store_true",
+        help="with --splits or --latency: also the smoothed model with its MLP down projections' inputs rotated "
+        f"at run time (`normpass rotate --calib --smooth --online-rotation {DEFAULT_BLOCK}`; the inserted MatMuls "
+        "kept in fp32 by every recipe)",
     )
     parser.add_argument(
         "--smooth",

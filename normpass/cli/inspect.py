@@ -11,13 +11,15 @@ object: {"model", "norms": [{"name", "op", "foldable", "reason", "centred_layers
 "inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"}.
 
 `--rotation` also folds the model as `normpass rotate` does and says which residual streams could
-then be rotated, and why the others not, whose keys `rotate --calib` could centre and which norm outputs
-`rotate --calib --smooth` could smooth (a section after the table; in JSON, added keys "rotation":
+then be rotated, and why the others not, whose keys `rotate --calib` could centre, which norm outputs
+`rotate --calib --smooth` could smooth and which down projections `--online-rotation` could rotate (a
+section after the table; in JSON, added keys "rotation":
 {"streams": [{"stream", "rotatable", "reason", "hidden_size", "norms", "writers", "readers",
 "gamma_moved_from", "tensors", "blocked_by", "blocking_path"}], "total", "rotatable"}, "keys":
-{"centred": [{"softmax", "bias_add"}], "refused": [{"softmax", "reason"}]} and "smoothing": {"alpha",
+{"centred": [{"softmax", "bias_add"}], "refused": [{"softmax", "reason"}]}, "smoothing": {"alpha",
 "smoothed": [{"norm", "tensor", "readers", "placement"}], "refused": [{"norm", "reason"}],
-"on_rotated_streams"}).
+"on_rotated_streams"} and "online_rotation": {"block", "matrix", "rotated", "keep_fp32", "refused":
+[{"node", "reason"}]}, what `--online-rotation` would rotate).
 Names are those of the folded graph, as in the rotated model.
 
 `--graph OUT.graphml` (or `OUT.json`, networkx node-link JSON) also writes the zero-mean graph for
@@ -41,6 +43,7 @@ from ..errors import InputError
 from ..io import check_paths, model_files, write_text_atomic
 from ..onnx.frontend import build_zero_mean_graph
 from ..onnx.keys import KeyPlan
+from ..onnx.online import OnlinePlan
 from ..onnx.passes import open_graph
 from ..onnx.rotate import RotateOptions, inspect_rotation
 from ..onnx.smooth import SmoothPlan
@@ -163,9 +166,10 @@ def graph_text(zmg: ZeroMeanGraph, plan: FoldPlan, suffix: str) -> str:
     return json.dumps(nx.node_link_data(graph, edges="edges"), indent=1) + "\n"
 
 
-def render_rotation(rotation: RotationPlan, keys: KeyPlan, smoothing: SmoothPlan) -> str:
+def render_rotation(rotation: RotationPlan, keys: KeyPlan, smoothing: SmoothPlan, online: OnlinePlan) -> str:
     """The rotation section: one line per stream, its verdict and why; then the attentions whose keys
-    `rotate --calib` would centre and the norm outputs `--smooth` would smooth, and why the others not."""
+    `rotate --calib` would centre, the norm outputs `--smooth` would smooth and the down projections
+    `--online-rotation` would rotate, and why the others not."""
     lines = [
         f"rotation (after folding; names as in the rotated model): {len(rotation.rotatable)} of "
         f"{len(rotation.streams)} residual streams rotatable"
@@ -183,6 +187,8 @@ def render_rotation(rotation: RotationPlan, keys: KeyPlan, smoothing: SmoothPlan
     lines += [f"  keys not centred at {softmax}: {reason}" for softmax, reason in keys.refused.items()]
     lines.append(f"smoothing (rotate --calib --smooth): {smoothing.summary}")
     lines += [f"  not smoothed {norm}: {reason}" for norm, reason in smoothing.refused.items()]
+    lines.append(f"online rotation (rotate --online-rotation): {online.summary}")
+    lines += [f"  not rotated online {node}: {reason}" for node, reason in online.refused.items()]
     return "\n".join(lines)
 
 
@@ -196,15 +202,17 @@ def run(args: argparse.Namespace) -> int:
         fold_plan = make_plan(zmg, not args.no_insert_centering)
         block = blocks(zmg)
         options = RotateOptions(insert_centering=not args.no_insert_centering)
-        rotation = inspect_rotation(model, options, label)[1:] if args.rotation else None  # streams, keys, smoothing
+        # streams, keys, smoothing, online
+        rotation = inspect_rotation(model, options, label)[1:] if args.rotation else None
         if graph_out is not None:
             write_text_atomic(graph_text(zmg, fold_plan, graph_out.suffix.lower()), graph_out)
             print(f"{label}: wrote the zero-mean graph to {graph_out}")
     if args.json:
         data = to_json(fold_plan, label, block)
         if rotation is not None:
-            streams, keys, smoothing = rotation
+            streams, keys, smoothing, online = rotation
             data["rotation"], data["keys"], data["smoothing"] = streams.to_json(), keys.to_json(), smoothing.to_json()
+            data["online_rotation"] = online.to_json()
         print(json.dumps(data, indent=2))
         return 0
     console = _terminal_console()

@@ -1,6 +1,7 @@
-"""`normpass rotate MODEL -o OUT [--calib DATA [--smooth [ALPHA]]] [--report R.json]`: fold, rotate every
-provable residual stream, with `--calib` centre attention's keys (and with `--smooth` smooth the norm outputs
-no rotation reached), verify, write.
+"""`normpass rotate MODEL -o OUT [--calib DATA [--smooth [ALPHA]]] [--online-rotation [BLOCK]] [--report R.json]`:
+fold, rotate every provable residual stream, with `--calib` centre attention's keys (and with `--smooth` smooth
+the norm outputs no rotation reached), with `--online-rotation` rotate the MLP down projections' inputs at run
+time, verify, write.
 
 The rotation makes the model quantize better (QuaRot): run ONNX Runtime's quantizer on OUT.
 """
@@ -12,6 +13,8 @@ import argparse
 from ..core.orthogonal import KINDS
 from ..io import calibration_files
 from ..onnx.features import CalibData
+from ..onnx.online import DEFAULT_BLOCK
+from ..onnx.online import METADATA_KEY as KEEP_FP32
 from ..onnx.passes import PROVIDERS, TARGETS
 from ..onnx.rotate import RotateOptions, RotateResult, rotate_onnx
 from ..onnx.smooth import DEFAULT_ALPHA
@@ -70,6 +73,18 @@ def add_parser(sub) -> None:
         "per-feature scale max|x|^α / max|W|^(1−α) moved into the linear layers reading it, x divided by it in "
         f"the norm or by one inserted Mul); α from 0 to 1 (default {DEFAULT_ALPHA})",
     )
+    parser.add_argument(
+        "--online-rotation",
+        type=int,
+        nargs="?",
+        const=DEFAULT_BLOCK,
+        default=None,
+        metavar="BLOCK",
+        help="also rotate the input of every MLP down projection at run time by a block-diagonal Hadamard "
+        "matrix (exact: an inserted Reshape, MatMul, Reshape, the weight rotated back); quantize with those "
+        f"MatMuls kept in fp32 (named in the model's metadata {KEEP_FP32}); blocks of BLOCK (default "
+        f"{DEFAULT_BLOCK})",
+    )
     add_verification_arguments(parser)
 
 
@@ -94,6 +109,15 @@ def summary(label: str, result: RotateResult, out) -> list[str]:
         lines.append(f"  {result.smoothing.summary}")
         for norm, reason in result.smoothing.refused.items():
             lines.append(f"  not smoothed {norm}: {reason}")
+    if result.online is not None:
+        lines.append(f"  {result.online.summary}")
+        if result.online.keep_fp32:
+            lines.append(
+                f"  keep the {len(result.online.keep_fp32)} inserted rotations in fp32 when quantizing "
+                f"(nodes_to_exclude; metadata {KEEP_FP32}): {', '.join(result.online.keep_fp32)}"
+            )
+        for node, reason in result.online.refused.items():
+            lines.append(f"  not rotated online {node}: {reason}")
     for decision in result.plan.decisions:
         if not decision.foldable:
             lines.append(f"  not folded {decision.name}: {decision.reason}")
@@ -116,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         calib=args.calib,
         calib_data=CalibData(args.batch_size, args.tokenizer, args.max_length),
         smooth=args.smooth,
+        online_block=args.online_rotation,
     )
     model, label = model_source(args)
     result = rotate_onnx(model, options, name=label)

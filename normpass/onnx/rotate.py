@@ -53,6 +53,9 @@ from .features import CalibData, FeatureStats, feature_statistics
 from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from .graphsurgeon import from_graphsurgeon
 from .keys import KeyPlan, find_sites
+from .online import DEFAULT_BLOCK, SEED_OFFSET, SUFFIX, OnlinePlan
+from .online import METADATA_KEY as KEEP_FP32
+from .online import find_sites as find_online_sites
 from .passes import FoldOptions, FoldResult, ModelSource, checked, fold_onnx
 from .rewrite import Rewriter
 from .smooth import DEFAULT_ALPHA, SmoothPlan, smoothing_scale, weight_rows
@@ -79,6 +82,7 @@ class RotateOptions:
     calib: object = None  # calibration inputs (`features.feature_statistics`): with them, keys are centred too
     calib_data: CalibData = field(default_factory=CalibData)
     smooth: float | None = None  # SmoothQuant's α (`smooth.py`; needs `calib`): smooth the unrotated norm outputs
+    online_block: int | None = None  # MLP down projections read their input rotated online in blocks (`online.py`)
 
     def fold_options(self) -> FoldOptions:
         """The fold that prepares the rotation: affine migrated, every provable norm folded, not verified alone."""
@@ -88,6 +92,8 @@ class RotateOptions:
             raise InputError("smoothing needs calibration inputs: pass them too (--calib DATA)")
         if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
             raise InputError(f"smoothing α {self.smooth}: choose a value from 0 to 1 (0.5 balances)")
+        if self.online_block is not None and self.online_block < 2:
+            raise InputError(f"online rotation block {self.online_block}: choose a size of 2 or more (64 by default)")
         return FoldOptions(
             target=self.target,
             provider=self.provider,
@@ -111,6 +117,7 @@ class RotateResult(FoldResult):
     matrices: dict[str, str] = field(default_factory=dict)
     keys: KeyPlan | None = None  # with calibration inputs: whose key biases were centred, why not the others
     smoothing: SmoothPlan | None = None  # with `smooth`: which norm outputs were smoothed, and how
+    online: OnlinePlan | None = None  # with `online_block`: which down projections read their input rotated
 
     @property
     def rotated(self) -> int:
@@ -122,7 +129,8 @@ class RotateResult(FoldResult):
             stream["matrix"] = self.matrices.get(stream["stream"])
         keys = {} if self.keys is None else {"keys": self.keys.to_json()}
         smoothing = {} if self.smoothing is None else {"smoothing": self.smoothing.to_json()}
-        return super().report() | {"rotation": rotation} | keys | smoothing
+        online = {} if self.online is None else {"online_rotation": self.online.to_json()}
+        return super().report() | {"rotation": rotation} | keys | smoothing | online
 
 
 def reader_weight(ctx: OnnxGraph, node: ir.Node, index: int, axis: int) -> tuple[int, int] | None:
@@ -256,6 +264,56 @@ class Rotator(Rewriter):
                     if value is site.y:
                         reader.node.replace_input_with(position, smoothed)
 
+    def rotate_online(self, plan: OnlinePlan, matrix: np.ndarray) -> None:
+        """Each site reads x·blockdiag(H) and its weight becomes blockdiag(H)ᵀ·W (`online`: exact)."""
+        graph, shared = self.ctx.graph, {}
+        block = plan.block
+        for site in plan.sites:
+            data = site.node.inputs[0]
+            assert data is not None  # a site's MatMul reads its input
+            dtype = self._dtype(data)
+            if dtype not in shared:
+                shared[dtype] = new_initializer(graph, self._unique("online_rotation.matrix"), matrix.astype(dtype))
+            leading = [0] * (site.rank - 1)  # Reshape's 0 keeps a dim
+            split_dims = np.array([*leading, site.features // block, block], dtype=np.int64)
+            merge_dims = np.array([*leading, site.features], dtype=np.int64)
+            split = new_initializer(graph, self._unique(f"{site.name}.online_split"), split_dims)
+            merge = new_initializer(graph, self._unique(f"{site.name}.online_merge"), merge_dims)
+            blocks, turned, rotated = (
+                self._new_value(f"{name_of(data)}.{part}", dtype) for part in ("blocks", "turned", "rotated")
+            )
+            rotated.shape = data.shape
+            inserted = self._unique(site.name + SUFFIX)
+            nodes = [
+                ir.node("Reshape", [data, split], outputs=[blocks], name=self._unique(f"{site.name}.online_split")),
+                ir.node("MatMul", [blocks, shared[dtype]], outputs=[turned], name=inserted),
+                ir.node("Reshape", [turned, merge], outputs=[rotated], name=self._unique(f"{site.name}.online_merge")),
+            ]
+            for node in nodes:
+                self._note(name_of(node), f"online rotation of {site.name}'s input (blocks of {block}; keep in fp32)")
+            graph.extend(nodes)
+            site.node.replace_input_with(0, rotated)
+            self._replace_input(
+                site.node,
+                1,
+                f"online:{block}:{site.axis}",
+                lambda v, a=site.axis: _blocks_turned(v, matrix, a).astype(v.dtype),
+                f"rotated back in blocks of {block}",
+            )
+            self._note(site.name, f"reads its input rotated online in blocks of {block}; weight rows rotated back")
+            plan.keep_fp32.append(inserted)
+
+
+def _blocks_turned(weight: np.ndarray, matrix: np.ndarray, axis: int) -> np.ndarray:
+    """The weight of a layer that now reads x·blockdiag(H): blockdiag(H)ᵀ·W, each block of `len(matrix)`
+    input rows times Hᵀ (`axis` 0), or for a weight stored transposed (`axis` 1, a Gemm's transB)
+    W·blockdiag(H), each block of input columns times H."""
+    block = len(matrix)
+    wide = weight.astype(np.float64)
+    if axis == 0:
+        return np.einsum("ji,gjn->gin", matrix, wide.reshape(-1, block, weight.shape[1])).reshape(weight.shape)
+    return np.einsum("ngj,ji->ngi", wide.reshape(weight.shape[0], -1, block), matrix).reshape(weight.shape)
+
 
 def _on_axis(vector: np.ndarray, rank: int, axis: int) -> np.ndarray:
     """`vector` shaped to broadcast along `axis` of a tensor of rank `rank`."""
@@ -310,15 +368,16 @@ def _smoothing(rotator: Rotator, rotation: RotationPlan, alpha: float) -> Smooth
 
 def inspect_rotation(
     model: ModelSource, options: RotateOptions | None = None, name: str = "model"
-) -> tuple[FoldPlan, RotationPlan, KeyPlan, SmoothPlan]:
-    """What `rotate_onnx` would fold, which streams it could rotate, and with calibration data whose keys it
-    could centre and which norm outputs it could smooth, and why the others not (nothing verified, no data
-    read)."""
+) -> tuple[FoldPlan, RotationPlan, KeyPlan, SmoothPlan, OnlinePlan]:
+    """What `rotate_onnx` would fold, which streams it could rotate, with calibration data whose keys it
+    could centre and which norm outputs it could smooth, and which down projections it could rotate online,
+    and why the others not (nothing verified, no data read)."""
     options = options or RotateOptions()
     folded, rotator, rotation = _fold_and_plan(from_graphsurgeon(model), options, name)
     RemoveUnusedNodesPass()(rotator.ctx.model)  # readers left over by the fold are not readers
     smoothing = _smoothing(rotator, rotation, DEFAULT_ALPHA if options.smooth is None else options.smooth)
-    return folded.plan, rotation, find_sites(rotator.ctx), smoothing
+    online = find_online_sites(rotator.ctx, rotator.zmg, options.online_block or DEFAULT_BLOCK)
+    return folded.plan, rotation, find_sites(rotator.ctx), smoothing, online
 
 
 def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: str = "model") -> RotateResult:
@@ -338,6 +397,8 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         rotator.rotate_stream(stream, matrix, str(index))
     RemoveUnusedNodesPass()(rotator.ctx.model)
     keys = smoothing = None
+    # found before smoothing rewires the readers of norm outputs, applied after it
+    online = None if options.online_block is None else find_online_sites(rotator.ctx, rotator.zmg, options.online_block)
     if options.calib is not None:
         keys = find_sites(rotator.ctx)
         if options.smooth is not None:
@@ -349,6 +410,9 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
             if smoothing is not None:
                 rotator.smooth(smoothing, stats)
             RemoveUnusedNodesPass()(rotator.ctx.model)
+    if online is not None and online.sites:
+        matrix, online.matrix = rotation_matrix(online.block, options.rotation, options.rotation_seed + SEED_OFFSET)
+        rotator.rotate_online(online, np.asarray(matrix, dtype=np.float64))
     rotator.ctx.graph.sort()
     metadata = {
         "normpass.version": __version__,
@@ -359,8 +423,13 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         metadata["normpass.keys_centred"] = f"{len(keys.sites)} of {keys.total} attentions"
     if smoothing is not None:
         metadata["normpass.smoothed"] = smoothing.summary
+    if online is not None:
+        metadata["normpass.online_rotation"] = f"{online.summary}: {online.matrix or 'none'}"
+        metadata[KEEP_FP32] = ",".join(online.keep_fp32)
     rotated = export_model(rotator.ctx.model, rotator.docs, metadata)
-    changed = folded.modified or bool(rotation.rotatable or (keys and keys.sites) or (smoothing and smoothing.sites))
+    changed = folded.modified or bool(
+        rotation.rotatable or (keys and keys.sites) or (smoothing and smoothing.sites) or (online and online.sites)
+    )
     seconds["rotate"] = time.perf_counter() - start
     done = f"{len(rotation.rotatable)} of {len(rotation.streams)} residual streams rotated"
     before = structure(Path(model) if isinstance(model, (str, os.PathLike)) else model)
@@ -377,4 +446,5 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         matrices=matrices,
         keys=keys,
         smoothing=smoothing,
+        online=online,
     )
