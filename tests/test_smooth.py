@@ -230,3 +230,21 @@ def test_inspect_rotation_says_which_norm_outputs_would_smooth_without_data(tmp_
     assert [s["placement"] for s in smoothing["smoothed"]] == ["mul"] and smoothing["alpha"] == 0.5
     assert main(["inspect", str(source), "--rotation"]) == 0
     assert "smoothing (rotate --calib --smooth): 1 norm outputs smoothed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("reader, refused", [("Relu", False), ("MatMul", True)])
+def test_a_norm_output_of_unknown_shape_is_refused_only_where_a_linear_layer_may_read_it(reader, refused):
+    from normpass.onnx.rotate import inspect_rotation
+
+    helper = onnx.helper
+    values = {"g": np.ones(D, np.float32), "b": np.zeros(D, np.float32), "w": np.ones((D, 4), np.float32)}
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1, name="ln"),
+        helper.make_node(reader, ["n", "w"] if reader == "MatMul" else ["n"], ["r"]),
+    ]
+    unknown = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in ("x", "r")]  # no rank
+    constants = [onnx.numpy_helper.from_array(v, k) for k, v in values.items()]
+    graph = helper.make_graph(nodes, "g", unknown[:1], unknown[1:], constants)
+    *_, smoothing, _ = inspect_rotation(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert not smoothing.sites
+    assert smoothing.refused == ({"ln": "n has no static width; its features cannot be scaled"} if refused else {})

@@ -116,6 +116,14 @@ class SmoothPlan:
         }
 
 
+def _may_be_linear(node: ir.Node, y: ir.Value) -> bool:
+    """Whether `node` could be a linear reader of `y` if y's shape were known: a MatMul, Gemm or Conv reading y
+    first, with a constant second input."""
+    inputs = list(node.inputs)
+    weight = inputs[1] if len(inputs) > 1 else None
+    return node.op_type in ("MatMul", "Gemm", "Conv") and inputs[0] is y and weight is not None and is_constant(weight)
+
+
 def _feature_constant(value: ir.Value | None, width: int) -> bool:
     values = constant_values(value) if value is not None and is_constant(value) else None
     return values is not None and values.size == width and values.shape[-1] == width
@@ -136,7 +144,7 @@ def find_sites(ctx: OnnxGraph, zmg: ZeroMeanGraph, rotated: set[str], reader_wei
             found = reader_weight(ctx, node, indices[0], len(shape) - 1) if shape and len(indices) == 1 else None
             if found is not None:
                 linear.append(LinearReader(node, *found))
-        if not linear and shape:
+        if not linear and (shape or not any(_may_be_linear(node, y) for node in readers)):
             continue  # nothing to smooth into
         if norm.name in rotated:
             plan.rotated.append(norm.name)
