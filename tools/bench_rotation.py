@@ -60,6 +60,16 @@ fp32 original and rotated models and both quantized by each of `--recipes` (cali
 with their errors on split 0's judged inputs beside them:
 
     python tools/bench_rotation.py --models dinov2 minilm --latency --recipes int8-dynamic dynamic-linear-pc
+
+With `--splits` or `--latency`, `--keys`, `--smooth` and `--online` add the variants `rotate --calib` builds
+on each split's calibration inputs (`CALIBRATED`): the keys centred; also the norm outputs no rotation
+reached smoothed; also the MLP down projections' inputs rotated at run time (whose inserted MatMuls every
+recipe keeps in fp32, as the model's metadata `normpass.keep_fp32` asks). `--splits` pairs each with the
+rotated model input by input (`paired`: a sign test and the median ratio). `--threads N` sets ONNX
+Runtime's intra-op threads for `--latency` (one thread gives the steadiest timings on a shared machine):
+
+    python tools/bench_rotation.py --models minilm --splits 4 --recipes dynamic-linear-pc --smooth --online
+    python tools/bench_rotation.py --models minilm --latency --threads 1 --repeats 40 --smooth --online
 """
 
 from __future__ import annotations
