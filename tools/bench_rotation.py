@@ -260,9 +260,9 @@ def recipe_exclusions(path: pathlib.Path, recipe: Recipe) -> list[str]:
     model = onnx.load(str(path), load_external_data=False)
     kept = next((p.value for p in model.metadata_props if p.key == KEEP_FP32), "")
     excluded = [name for name in kept.split(",") if name]
-    excluded += activation_matmuls(path) if recipe.linear_only else []
+    excluded += activation_matmuls(model.graph) if recipe.linear_only else []
     if recipe.skip == "mlp-down":
-        excluded += mlp_down_projections(path)
+        excluded += mlp_down_projections(model.graph)
     elif recipe.skip:
         raise ValueError(f"unknown layer group {recipe.skip!r}")
     return excluded
@@ -459,19 +459,17 @@ def evaluate(name: str, cache: pathlib.Path, per_photo: int, sequences: int, rep
     return result
 
 
-def activation_matmuls(path: pathlib.Path) -> list[str]:
+def activation_matmuls(graph: onnx.GraphProto) -> list[str]:
     """The MatMuls whose two inputs are both run-time tensors (attention's Q·Kᵀ and P·V): the layers whose
     per-tensor INT8 error a rotation of the residual stream cannot reach."""
-    graph = onnx.load(str(path), load_external_data=False).graph
     constants = {i.name for i in graph.initializer}
     constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
     return [n.name for n in graph.node if n.op_type == "MatMul" and not constants & set(n.input)]
 
 
-def mlp_down_projections(path: pathlib.Path) -> list[str]:
+def mlp_down_projections(graph: onnx.GraphProto) -> list[str]:
     """The MatMuls whose constant weight has more rows than columns (an MLP's second layer, 4d → d), in
     graph order."""
-    graph = onnx.load(str(path), load_external_data=False).graph
     shapes = {i.name: tuple(i.dims) for i in graph.initializer}
     return [
         n.name
@@ -658,7 +656,7 @@ def evaluate_splits(
     return {
         "model": name,
         "notes": notes,
-        "excluded_matmuls": len(activation_matmuls(paths["rotated"])),
+        "excluded_matmuls": len(activation_matmuls(onnx.load(str(paths["rotated"]), load_external_data=False).graph)),
         "recipes": {r: vars(RECIPES[r]) for r in recipes},
         "rows": rows,
         "summary": summary,

@@ -88,6 +88,14 @@ class OnnxGraph:
     def graph(self) -> ir.Graph:
         return self.model.graph
 
+    def shape_of(self, value: ir.Value) -> tuple | None:
+        """`value`'s shape as shape inference found it, else as the value declares it (a tensor or constant a
+        rewrite made since); None: unknown."""
+        shape = self.shapes.get(str(value.name))
+        if shape is None and value.shape is not None:
+            return tuple(value.shape)
+        return shape
+
     def readers(self, tensor: ir.Value) -> list[ir.Node]:
         """Top-level nodes that read `tensor`, each once; a reader inside a body counts as its control-flow node."""
         found: dict[int, ir.Node] = {}

@@ -106,7 +106,7 @@ def find_sites(ctx: OnnxGraph, zmg: ZeroMeanGraph, block: int) -> OnlinePlan:
         if id(data) in norm_outputs:
             continue
         features = int(values.shape[axis])
-        shape = ctx.shapes.get(name_of(data)) or (tuple(data.shape) if data.shape is not None else None)
+        shape = ctx.shape_of(data)
         if not shape or shape[-1] != features:
             plan.refused[name_of(node)] = f"the rank or the width of its input {name_of(data)} is unknown"
         elif features % block:

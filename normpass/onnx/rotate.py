@@ -41,7 +41,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from .. import __version__
-from ..core.algebra import rotate
+from ..core.algebra import rotate, scale_along
 from ..core.graph import ZNode
 from ..core.orthogonal import KINDS, rotation_matrix
 from ..core.plan import FoldPlan
@@ -149,11 +149,8 @@ def reader_weight(ctx: OnnxGraph, node: ir.Node, index: int, axis: int) -> tuple
 
 
 def _rank(ctx: OnnxGraph, value: ir.Value) -> int:
-    """`value`'s rank as shape inference found it, or as the value says (a constant made since); 0: unknown."""
-    shape = ctx.shapes.get(str(value.name))
-    if shape is None and value.shape is not None:
-        return len(value.shape)
-    return len(shape or ())
+    """`value`'s rank (`OnnxGraph.shape_of`); 0: unknown."""
+    return len(ctx.shape_of(value) or ())
 
 
 def _reads(ctx: OnnxGraph, node: ZNode, index: int, axis: int) -> bool:
@@ -238,7 +235,7 @@ class Rotator(Rewriter):
                     reader.node,
                     reader.weight,
                     f"smoothed:{index}:{reader.axis}",
-                    lambda v, a=reader.axis, s=scale: (v * _on_axis(s, v.ndim, a)).astype(v.dtype),
+                    lambda v, a=reader.axis, s=scale: scale_along(v.astype(np.float64), a, s).astype(v.dtype),
                     change,
                 )
                 self._note(name_of(reader.node), f"input features scaled up by the smoothing of {site.norm}")
@@ -313,13 +310,6 @@ def _blocks_turned(weight: np.ndarray, matrix: np.ndarray, axis: int) -> np.ndar
     if axis == 0:
         return np.einsum("ji,gjn->gin", matrix, wide.reshape(-1, block, weight.shape[1])).reshape(weight.shape)
     return np.einsum("ngj,ji->ngi", wide.reshape(weight.shape[0], -1, block), matrix).reshape(weight.shape)
-
-
-def _on_axis(vector: np.ndarray, rank: int, axis: int) -> np.ndarray:
-    """`vector` shaped to broadcast along `axis` of a tensor of rank `rank`."""
-    shape = [1] * rank
-    shape[axis] = -1
-    return vector.reshape(shape)
 
 
 def merged_shapes(original: dict, folded: dict, input_dims: set[str]) -> dict:
