@@ -220,6 +220,22 @@ def test_cli_rotate_smooth_reports_it_and_refuses_it_without_data(tmp_path, caps
     assert not (tmp_path / "other.onnx").exists()
 
 
+@pytest.mark.parametrize("option, what", [("--smooth", "a number"), ("--online-rotation", "a whole block size")])
+def test_cli_an_optional_value_that_is_a_path_is_refused_with_what_to_do(tmp_path, capsys, option, what):
+    from normpass.cli.main import main
+
+    source, data = tmp_path / "model.onnx", tmp_path / "calib.npz"
+    onnx.save(post_ln_model(), str(source))
+    np.savez(data, **calibration()[0])
+    with pytest.raises(SystemExit) as exited:
+        main(["rotate", option, str(source), "-o", str(tmp_path / "out.onnx")])
+    assert exited.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{option}: '{source}' is not {what}" in last and "after the model path" in last
+    assert main(["rotate", str(source), option, "-o", str(tmp_path / "out.onnx"), "--calib", str(data)]) == 0
+    assert (tmp_path / "out.onnx").exists()
+
+
 def test_inspect_rotation_says_which_norm_outputs_would_smooth_without_data(tmp_path, capsys):
     from normpass.cli.main import main
 

@@ -29,6 +29,22 @@ from .common import (
 )
 
 
+def option_value(kind: type, option: str, what: str):
+    """The type of an option whose value may be left out (`nargs="?"`): a word that is not a number, most
+    often the model path written after the option, is refused with what to do instead of argparse's
+    "invalid float value"."""
+
+    def convert(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {what}; give {option} a value or write it after the model path"
+            ) from None
+
+    return convert
+
+
 def add_parser(sub) -> None:
     parser = sub.add_parser(
         "rotate",
@@ -64,7 +80,7 @@ def add_parser(sub) -> None:
     )
     parser.add_argument(
         "--smooth",
-        type=float,
+        type=option_value(float, "--smooth", "a number α"),
         nargs="?",
         const=DEFAULT_ALPHA,
         default=None,
@@ -75,7 +91,7 @@ def add_parser(sub) -> None:
     )
     parser.add_argument(
         "--online-rotation",
-        type=int,
+        type=option_value(int, "--online-rotation", "a whole block size"),
         nargs="?",
         const=DEFAULT_BLOCK,
         default=None,
