@@ -183,6 +183,46 @@ def test_a_shape_reader_of_the_norm_input_does_not_block_shift_and_centring(gen)
     assert cos.min() > 0.99
 
 
+# A LayerScale (a per-feature Mul after a linear layer) on the residual branch: centring the norm's input
+# absorbs it into the layer, and its Mul, by ones then, leaves the graph with it, so the shift migrates
+# into the layer's bias and the residual Add fuses into the rms op.
+POST_LN_LAYER_SCALE = """
+<ir_version: 10, opset_import: ["" : 18]>
+post (float[N, 8] a) => (float[N, 8] out) {
+    m1 = MatMul(a, W1)
+    l1 = Add(m1, b1)
+    s1 = Mul(l1, ls)
+    x = Add(s1, a)
+    y = LayerNormalization<axis = -1, epsilon = 0.00001>(x, g, bb)
+    m2 = MatMul(y, W2)
+    out = Add(m2, b2)
+}
+"""
+
+
+def test_a_layer_scale_absorbed_by_centring_leaves_no_mul(gen):
+    weights = dict(W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), ls=randn(gen, 8) + 0.5)
+    weights |= dict(g=1 + randn(gen, 8, scale=0.2), bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8), b2=randn(gen, 8))
+    model = build(POST_LN_LAYER_SCALE, **weights)
+
+    def zero_mean_rows(count):
+        rows = randn(gen, count, 8)
+        return {"a": rows - rows.mean(-1, keepdims=True)}
+
+    options = ReplaceOptions(kind="rms", only_cheaper=True, budget="cos=0.99", **FAST)
+    result = replace_onnx(model, zero_mean_rows(96), options)
+    (row,) = result.report.to_json()["norms"]
+    assert row["decision"] == "replaced", (row["reason"], row["candidates"])
+    assert row["emission"]["shift"] == "migrated into l1", row["emission"]
+    check_structure(result.model)
+    counts = collections.Counter(n.op_type for n in result.model.graph.node)
+    assert counts == {"MatMul": 2, "SkipSimplifiedLayerNormalization": 1, "Add": 1}, counts
+    feeds = zero_mean_rows(32)
+    reference, replaced = run_ort(model, feeds)["out"], run_ort(result.model, feeds)["out"]
+    cos = np.sum(reference * replaced, -1) / np.linalg.norm(reference, axis=-1) / np.linalg.norm(replaced, axis=-1)
+    assert cos.min() > 0.99
+
+
 def test_no_surrogate_is_emitted_that_costs_more_than_its_norm(gen):
     # POST_LN: ORT runs the norm fused with its residual and bias Adds (SkipLayerNormalization)
     weights = dict(W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), g=1 + randn(gen, 8, scale=0.2))

@@ -268,6 +268,7 @@ def prepare(
             done = emitter.centre_inputs(norm)
             if done:
                 centred[norm.name] = done
+    emitter.remove_layer_scales()  # a LayerScale absorbed by a centring leaves no Mul by ones
     base = export_model(ctx, folded.model, emitter.docs, {})
 
     reference = Runner(model)
