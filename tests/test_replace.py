@@ -137,6 +137,19 @@ def test_a_model_missing_its_budget_on_held_out_data_is_refused(gen, tmp_path):
 # reader of the norm's input sees no change of its values, so the calibrated shift still goes
 # into the bias b1 and the inputs are still centred: the rms surrogate costs one
 # SimplifiedLayerNormalization, cheaper than the norm, instead of an extra `Sub`.
+def zero_mean_rows(gen, count: int) -> dict[str, np.ndarray]:
+    """Inputs `a` whose rows carry no mean: the residual carries none, so after centring, rms is exact."""
+    rows = randn(gen, count, 8)
+    return {"a": rows - rows.mean(-1, keepdims=True)}
+
+
+def min_cosine(model: onnx.ModelProto, replaced: onnx.ModelProto, feeds: dict) -> float:
+    """The smallest cosine similarity of a row of `replaced`'s output `out` with the original's."""
+    reference, found = run_ort(model, feeds)["out"], run_ort(replaced, feeds)["out"]
+    cos = np.sum(reference * found, -1) / np.linalg.norm(reference, axis=-1) / np.linalg.norm(found, axis=-1)
+    return float(cos.min())
+
+
 POST_LN_SHAPE_READER = """
 <ir_version: 10, opset_import: ["" : 18]>
 post (float[N, 8] a) => (float[N, 8] out) {
@@ -163,12 +176,8 @@ def test_a_shape_reader_of_the_norm_input_does_not_block_shift_and_centring(gen)
         b2=randn(gen, 8),
     )
 
-    def zero_mean_rows(count):  # the residual carries no per-token mean: after centring, rms is exact
-        rows = randn(gen, count, 8)
-        return {"a": rows - rows.mean(-1, keepdims=True)}
-
     options = ReplaceOptions(kind="rms", only_cheaper=True, budget="cos=0.99", **FAST)
-    result = replace_onnx(model, zero_mean_rows(96), options)
+    result = replace_onnx(model, zero_mean_rows(gen, 96), options)
     (row,) = result.report.to_json()["norms"]
     assert row["decision"] == "replaced", (row["reason"], row["candidates"])
     assert row["input_centring"] == ["m1", "l1"] and row["emission"]["shift"] == "migrated into l1", row["emission"]
@@ -177,10 +186,8 @@ def test_a_shape_reader_of_the_norm_input_does_not_block_shift_and_centring(gen)
     # the residual and bias Adds run inside the rms op, as ORT ran them inside SkipLayerNormalization
     assert counts["SkipSimplifiedLayerNormalization"] == 1 and counts["SimplifiedLayerNormalization"] == 0
     assert counts["Add"] == 1 and counts["Sub"] == 0 and counts["Shape"] == 1
-    feeds = zero_mean_rows(32)
-    reference, replaced = run_ort(model, feeds)["out"], run_ort(result.model, feeds)["out"]
-    cos = np.sum(reference * replaced, -1) / np.linalg.norm(reference, axis=-1) / np.linalg.norm(replaced, axis=-1)
-    assert cos.min() > 0.99
+    feeds = zero_mean_rows(gen, 32)
+    assert min_cosine(model, result.model, feeds) > 0.99
 
 
 # A LayerScale (a per-feature Mul after a linear layer) on the residual branch: centring the norm's input
@@ -205,22 +212,16 @@ def test_a_layer_scale_absorbed_by_centring_leaves_no_mul(gen):
     weights |= dict(g=1 + randn(gen, 8, scale=0.2), bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8), b2=randn(gen, 8))
     model = build(POST_LN_LAYER_SCALE, **weights)
 
-    def zero_mean_rows(count):
-        rows = randn(gen, count, 8)
-        return {"a": rows - rows.mean(-1, keepdims=True)}
-
     options = ReplaceOptions(kind="rms", only_cheaper=True, budget="cos=0.99", **FAST)
-    result = replace_onnx(model, zero_mean_rows(96), options)
+    result = replace_onnx(model, zero_mean_rows(gen, 96), options)
     (row,) = result.report.to_json()["norms"]
     assert row["decision"] == "replaced", (row["reason"], row["candidates"])
     assert row["emission"]["shift"] == "migrated into l1", row["emission"]
     check_structure(result.model)
     counts = collections.Counter(n.op_type for n in result.model.graph.node)
     assert counts == {"MatMul": 2, "SkipSimplifiedLayerNormalization": 1, "Add": 1}, counts
-    feeds = zero_mean_rows(32)
-    reference, replaced = run_ort(model, feeds)["out"], run_ort(result.model, feeds)["out"]
-    cos = np.sum(reference * replaced, -1) / np.linalg.norm(reference, axis=-1) / np.linalg.norm(replaced, axis=-1)
-    assert cos.min() > 0.99
+    feeds = zero_mean_rows(gen, 32)
+    assert min_cosine(model, result.model, feeds) > 0.99
 
 
 def test_no_surrogate_is_emitted_that_costs_more_than_its_norm(gen):
