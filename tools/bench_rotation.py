@@ -49,8 +49,10 @@ sentence's embedding with fp32's. The recipes are the quantizers' own options: `
 INT8 per tensor, every op type), `linear-only` (only the layers with a constant weight quantized:
 `op_types_to_quantize` MatMul, Gemm, Conv, attention's Q·Kᵀ and P·V excluded, so attention scores and
 probabilities, Softmax, norms and Adds stay fp32), `-pc` per-channel weights, `-entropy`/`-percentile`
-calibration, `-u8` UINT8 activations, `int8-dynamic`/`dynamic-*` (`quantize_dynamic`), `-fp32-down`
-every MLP's second layer left in fp32 (`nodes_to_exclude`).
+calibration, `-u8` UINT8 activations, `int8-dynamic`/`dynamic-*` (`quantize_dynamic`, which quantizes only
+MatMuls with a constant weight: attention's stay fp32), `-fp32-down` every MLP's second layer left in fp32,
+`-fp32-attention` each attention's core (Q·Kᵀ, Softmax, P·V: `attention_cores`) left in fp32
+(`nodes_to_exclude`). Each split's rotated and original errors are also paired input by input (`paired`).
 
     python tools/bench_rotation.py --splits 6 --json /tmp/normpass-rotation/splits.json
     python tools/bench_rotation.py --models minilm --splits 4 --recipes dynamic-pc dynamic-linear-pc
@@ -226,7 +228,8 @@ class Recipe:
     linear_only: bool = False  # only layers with a constant weight (MatMul, Gemm, Conv); Q·Kᵀ and P·V stay fp32
     calibration: str = "MinMax"  # static: MinMax, Entropy or Percentile
     activations: str = "int8"  # static: "int8" (S8S8, ORT's default) or "uint8" (U8S8)
-    skip: str = ""  # a group of layers also kept in fp32: "" or "mlp-down" (every MLP's second layer, 4d → d)
+    skip: str = ""  # a group of nodes also kept in fp32: "", "mlp-down" (every MLP's second layer, 4d → d) or
+    # "attention" (each attention's core: Q·Kᵀ, the scalings and masks between it and Softmax, Softmax, P·V)
     bits: int = 4  # nbits: the weights' bits (ORT's `MatMulNBits` takes 2, 4 or 8)
 
 
@@ -251,6 +254,8 @@ RECIPES = {
     "linear-only-u8-pc-fp32-down": Recipe(
         "static", per_channel=True, linear_only=True, activations="uint8", skip="mlp-down"
     ),
+    "default-fp32-attention": Recipe("static", skip="attention"),
+    "default-u8-fp32-attention": Recipe("static", activations="uint8", skip="attention"),
 }
 
 
@@ -263,6 +268,8 @@ def recipe_exclusions(path: pathlib.Path, recipe: Recipe) -> list[str]:
     excluded += activation_matmuls(model.graph) if recipe.linear_only else []
     if recipe.skip == "mlp-down":
         excluded += mlp_down_projections(model.graph)
+    elif recipe.skip == "attention":
+        excluded += attention_cores(model.graph)
     elif recipe.skip:
         raise ValueError(f"unknown layer group {recipe.skip!r}")
     return excluded
@@ -467,6 +474,30 @@ def activation_matmuls(graph: onnx.GraphProto) -> list[str]:
     return [n.name for n in graph.node if n.op_type == "MatMul" and not constants & set(n.input)]
 
 
+def attention_cores(graph: onnx.GraphProto) -> list[str]:
+    """Each attention's core, the nodes whose INT8 error no transform of the residual stream reaches: the
+    activation-by-activation MatMuls (Q·Kᵀ, P·V), every Softmax, and the scalings and masks (`SCORE_OPS`, at
+    most `depth` of them) between a Softmax and the MatMul whose scores it reads."""
+    matmuls = activation_matmuls(graph)
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def between(value: str, depth: int = 4) -> list[str] | None:
+        """The nodes from the scores' MatMul to `value`, or None if `value` is not such scores."""
+        node = producer.get(value)
+        if node is None or node.name in matmuls:
+            return None if node is None else []
+        if depth == 0 or node.op_type not in SCORE_OPS:
+            return None
+        found = (between(i, depth - 1) for i in node.input)
+        return next(([node.name, *path] for path in found if path is not None), None)
+
+    softmaxes = [n for n in graph.node if n.op_type == "Softmax"]
+    return matmuls + [name for n in softmaxes for name in [n.name, *(between(n.input[0]) or [])]]
+
+
+SCORE_OPS = ("Mul", "Div", "Add", "Sub", "Where")
+
+
 def mlp_down_projections(graph: onnx.GraphProto) -> list[str]:
     """The MatMuls whose constant weight has more rows than columns (an MLP's second layer, 4d → d), in
     graph order."""
@@ -619,10 +650,11 @@ def evaluate_splits(
                 quantized = quantize(path, recipe, calibration, out, [])
                 errors[variant] = errors_of(name, reference, outputs(quantized, held_out))
             to_original = {v: errors[v]["mean"] / errors["original"]["mean"] for v in variants if v != "original"}
-            rows.append(
-                {"split": index, **described, "recipe": recipe, "errors": errors, "ratio": to_original["rotated"]}
-                | {f"{v}_ratio": to_original[v] for v in extra}
-            )
+            row = {"split": index, **described, "recipe": recipe, "errors": errors, "ratio": to_original["rotated"]}
+            row |= {f"{v}_ratio": to_original[v] for v in extra}
+            if "per_input" in errors["original"]:  # a ratio of means is carried by a few inputs: per input too
+                row["rotated_vs_original"] = paired(errors["rotated"]["per_input"], errors["original"]["per_input"])
+            rows.append(row)
             print(
                 f"  split {index} {recipe}: original {describe(name, errors['original'])}, "
                 + ", ".join(f"{v} {describe(name, errors[v])} ({r:.2f}×)" for v, r in to_original.items()),
@@ -633,6 +665,10 @@ def evaluate_splits(
         chosen = [r for r in rows if r["recipe"] == recipe]
         ratios = [r["ratio"] for r in chosen]
         summary[recipe] = {"median_ratio": statistics.median(ratios), "worst_ratio": max(ratios), "splits": len(ratios)}
+        if all("rotated_vs_original" in r for r in chosen):
+            per_split = [r["rotated_vs_original"]["median_ratio"] for r in chosen]
+            per_input = {"median": statistics.median(per_split), "worst": max(per_split)}
+            summary[recipe]["per_input_median_ratio"] = per_input
         for v in extra:
             found_ratios = [r[f"{v}_ratio"] for r in chosen]
             summary[recipe][f"{v}_median_ratio"] = statistics.median(found_ratios)
@@ -755,6 +791,9 @@ def splits_table(found: list[dict]) -> str:
                 f"{v['median_ratio']:.2f}×, worst {v['worst_ratio']:.2f}×; error original median "
                 f"{v['original']['median_error']:.4f}, rotated {v['rotated']['median_error']:.4f}"
             )
+            if "per_input_median_ratio" in v:
+                per_input = v["per_input_median_ratio"]
+                line += f"; per input, median ratio {per_input['median']:.2f}× (worst split {per_input['worst']:.2f}×)"
             if result["model"] == "minilm":
                 line += (
                     f"; worst cosine: original {v['original']['worst_cosine_min']:.4f} (mean "
