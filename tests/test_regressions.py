@@ -26,7 +26,8 @@ import pytest
 from conftest import assert_equivalent, build, check_structure, op_counts, randn, rng, run_ort
 from onnx import helper, numpy_helper
 
-from normpass import FoldOptions, fold_onnx
+from normpass import FoldOptions, fold_onnx, rotate_onnx
+from normpass.errors import InputsRejectedError
 
 D = 8
 HEADER = '<ir_version: 10, opset_import: ["" : 17]>'
@@ -315,7 +316,8 @@ def test_ranks_that_only_newer_op_versions_infer_do_not_depend_on_the_target():
 
 def test_a_model_without_norms_is_written_as_it_was_without_running_it(tmp_path, capsys):
     """The PP-OCRv4 detector has no norm and does not run on the verification's default 16×16 input: with
-    nothing rewritten there is nothing to verify, and it was refused (exit 2). Now it is written unverified."""
+    nothing rewritten there is nothing to verify, and it was refused (exit 2), by `fold` and later by
+    `rotate`. Now it is written unverified."""
     from normpass.cli.main import main
 
     model = build(
@@ -332,6 +334,24 @@ def test_a_model_without_norms_is_written_as_it_was_without_running_it(tmp_path,
     assert main(["fold", str(source), "-o", str(out)]) == 0
     assert "0 of 0 norms folded into RMSNorm (nothing rewritten)" in capsys.readouterr().out
     assert onnx.load(str(out)).graph.node[0].op_type == "Add"
+    assert main(["rotate", str(source), "-o", str(tmp_path / "rotated.onnx")]) == 0
+    assert "0 of 0 residual streams rotated (nothing rewritten)" in capsys.readouterr().out
+    assert onnx.load(str(tmp_path / "rotated.onnx")).graph.node[0].op_type == "Add"
+    folding = build(  # a norm to fold, and an Add that takes 3 rows only: the verification's 2 are refused
+        f"""{HEADER}
+        g (float[N, 8] x) => (float[N, 8] y) {{
+          h = MatMul(x, w)
+          a = Add(h, c)
+          y = LayerNormalization<axis = -1>(a, s, b)
+        }}""",
+        w=randn(rng(8), 8, 8),
+        c=randn(rng(7), 3, 8),
+        s=np.ones(8, np.float32),
+        b=np.zeros(8, np.float32),
+    )
+    for rewrite in (fold_onnx, rotate_onnx):  # a model rewritten must verify
+        with pytest.raises(InputsRejectedError, match="could not be verified"):
+            rewrite(folding)
 
 
 # --- the surrogate pass (a differential fuzz of its emission on tests/graphgen.py graphs) ---------

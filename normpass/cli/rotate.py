@@ -107,7 +107,8 @@ def add_parser(sub) -> None:
 def summary(label: str, result: RotateResult, out) -> list[str]:
     """The lines `rotate` prints: the counts and error, then each stream not rotated and norm not folded, with why."""
     rotation = result.rotation
-    error = "not verified" if result.comparison is None else result.comparison.describe()
+    unverified = "not verified" if result.modified else "nothing rewritten"
+    error = unverified if result.comparison is None else result.comparison.describe()
     matrices = sorted(set(result.matrices.values()))
     lines = [
         f"{label}: {result.folded} of {result.plan.total} norms folded, {len(rotation.rotatable)} of "

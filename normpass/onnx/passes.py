@@ -319,13 +319,7 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str, opti
     modified = bool(fold_plan.folded) or converted or fused > 0 or optimized
     seconds["rewrite"] = time.perf_counter() - start
     done = f"{len(fold_plan.folded)} of {fold_plan.total} norms folded"
-    try:
-        comparison = checked(original, rewritten, before, options, name, done, ("fold", "folded"), seconds)
-    except InputsRejectedError:
-        if modified:
-            raise
-        # nothing rewritten and the model does not take the verification inputs: there is nothing to verify
-        comparison = None
+    comparison = checked(original, rewritten, before, options, name, done, ("fold", "folded"), seconds, modified)
     emitted = {
         "target": options.target,
         "provider": options.provider,
@@ -347,14 +341,23 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str, opti
 
 
 def checked(
-    original, rewritten: ir.Model, before: onnx.ModelProto, options, name: str, done: str, verb: tuple, seconds: dict
+    original,
+    rewritten: ir.Model,
+    before: onnx.ModelProto,
+    options,
+    name: str,
+    done: str,
+    verb: tuple,
+    seconds: dict,
+    modified: bool = True,
 ) -> Comparison | None:
     """`rewritten`'s signature checked against `before` (the original's structure) and, with `options.verify`,
     its outputs against `original`'s (`verify.verify`, with `options.input_shapes` and `options.seed`).
 
     `done` says what the rewrite did ("3 of 5 norms folded"), `verb` names it ("fold", "folded"). Raises
     `VerificationError` on a mismatch, `UnsupportedModelError` where the result cannot run; records
-    `seconds["verify"]`.
+    `seconds["verify"]`. A model left as it was (`modified` false) that does not take the verification
+    inputs has nothing to verify: None.
     """
     if not options.verify:
         check_signature(before, interface(rewritten), name)  # verify() checks it first
@@ -365,6 +368,8 @@ def checked(
     except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
         raise
     except UnsupportedModelError as e:
+        if isinstance(e, InputsRejectedError) and not modified:
+            return None
         wrapper = InputsRejectedError if isinstance(e, InputsRejectedError) else UnsupportedModelError
         raise wrapper(
             f"{name}: {done}, but the result could not be verified ({e}); nothing written; "

@@ -423,7 +423,7 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
     seconds["rotate"] = time.perf_counter() - start
     done = f"{len(rotation.rotatable)} of {len(rotation.streams)} residual streams rotated"
     before = structure(Path(model) if isinstance(model, (str, os.PathLike)) else model)
-    comparison = checked(model, rotated, before, options, name, done, ("rotate", "rotated"), seconds)
+    comparison = checked(model, rotated, before, options, name, done, ("rotate", "rotated"), seconds, changed)
     return RotateResult(
         rotated,
         folded.plan,
