@@ -6,7 +6,8 @@ on (`tests/fuzzcheck.py`). The same seed always gives the same model and feeds.
 A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq symbolic or fixed):
 
 * entry: a float input through a linear layer, or token ids through an embedding `Gather`;
-* blocks: pre-norm (h + f(N(h))) or post-norm (N(h + f(h))), f an attention-like branch
+* blocks: pre-norm (h + f(N(h))) or post-norm (N(h + f(h))), f times a per-feature LayerScale
+  sometimes, f an attention-like branch
   (q·kᵀ of two run-time tensors, Softmax, ·v, heads split by Reshape/Transpose sometimes) or an
   MLP (linear → nonlinearity → linear); plus Split/Concat over D, shape arithmetic on hidden
   states (Shape → Gather → Concat → Reshape), a scalar Mul, a bias Add, a blocker (Relu);
@@ -28,8 +29,9 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
   an IR version from the opset's minimum to 10 (opset 23 needs IR 11);
 * overridable initializers: some or all initializers also listed in `graph.input`.
 
-Spellings and functions are drawn from a random stream of their own (seeded by the seed too), so
-every other draw, and with it the model of a seed without them, is what it was before they existed.
+Spellings and functions are drawn from a random stream of their own, LayerScales from another (both
+seeded by the seed too), so every other draw, and with it the model of a seed without them, is what it
+was before they existed.
 
 Feeds: several shapes when a dim is dynamic, both values of the bool input, and a feed set that
 overrides every overridable float initializer. Float inputs have a non-zero mean per feature, so
@@ -61,10 +63,13 @@ FEATURES = (
     "embedding",
     "spellings",
     "functions",
+    "layer_scale",
 )
 # The features the pinned campaign seeds were found with: `generate(seed, PINNED_FEATURES)` replays
 # the very model a regression test was written for (later features draw from a stream of their own).
 PINNED_FEATURES = FEATURES[:9]
+# The features the surrogate and rotation tests' seeds were chosen with (before LayerScales existed).
+FEATURES_BEFORE_LAYER_SCALE = FEATURES[:-1]
 SPELLINGS = ("twice", "identity", "moments", "wide", "onnx")  # of a decomposed LayerNorm (see the module docstring)
 WIDER = {np.dtype(np.float16): np.float32, np.dtype(np.float32): np.float64}  # the "wide" spelling's inner type
 FUNCTION_DOMAIN = "fuzz.functions"
@@ -86,6 +91,7 @@ class Builder:
     def __init__(self, rng: np.random.Generator, dtype, opset: int, features: set[str], seq, spell=None):
         self.rng, self.dtype, self.opset, self.features, self.seq = rng, np.dtype(dtype), opset, features, seq
         self.spell = spell or np.random.default_rng(0)  # spellings and functions: a stream of their own
+        self.scales = np.random.default_rng(0)  # LayerScales (top-level blocks only): another one
         self.prefix = ""
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
@@ -307,8 +313,18 @@ class Builder:
 
     def block(self, h: str) -> str:
         if self.chance(0.7):  # pre-norm
-            return self.node("Add", [h, self.branch(self.norm(h))])
-        return self.norm(self.node("Add", [h, self.branch(h)]))
+            return self.node("Add", [h, self.layer_scale(self.branch(self.norm(h)))])
+        return self.norm(self.node("Add", [h, self.layer_scale(self.branch(h))]))
+
+    def layer_scale(self, x: str) -> str:
+        """The branch's output times a per-feature constant sometimes (LayerScale: DINOv2, CaiT), either
+        operand first, the factor of shape [D] or [1, 1, D]."""
+        if "layer_scale" not in self.features or self.scales.random() >= 0.3:
+            return x
+        self.used.add("layer_scale")
+        shape = (D,) if self.scales.random() < 0.5 else (1, 1, D)
+        factor = self.const("ls", self.scales.uniform(0.05, 1.5, shape).astype(self.dtype))
+        return self.node("Mul", [x, factor] if self.scales.random() < 0.5 else [factor, x])
 
     def split_concat(self, h: str) -> str:
         """Split D in two, transform one half linearly or not at all, concatenate back."""
@@ -391,6 +407,7 @@ def generate(seed: int, features=FEATURES) -> Case:
     opset = int(rng.choice(OPSETS))
     seq = "seq" if rng.random() < 0.5 else SHAPES[0][1]
     b = Builder(rng, dtype, opset, features, seq, np.random.default_rng((seed, 1)))
+    b.scales = np.random.default_rng((seed, 2))
     tensor_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     inputs, outputs = [], []
 

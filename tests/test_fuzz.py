@@ -316,7 +316,8 @@ REPLACE_SEEDS = (3, 34, 43, 95, 223, 225, 328)
 
 
 def test_fuzz_surrogate_emission_carrying_gamma_computes_what_one_norm_at_a_time_does():
-    failures = [f"seed {seed}: {f}" for seed in REPLACE_SEEDS for f in fuzzcheck.check_replace(graphgen.generate(seed))]
+    cases = [graphgen.generate(seed, graphgen.FEATURES_BEFORE_LAYER_SCALE) for seed in REPLACE_SEEDS]
+    failures = [f"seed {case.seed}: {f}" for case in cases for f in fuzzcheck.check_replace(case)]
     assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --replace --replay SEED"])
 
 
@@ -327,8 +328,22 @@ ROTATE_SEEDS = (1, 3, 12, 13, 15, 112, 130, 229)
 
 
 def test_fuzz_rotation_with_keys_centred_and_outputs_smoothed_computes_what_the_original_does():
-    failures = [f"seed {seed}: {f}" for seed in ROTATE_SEEDS for f in fuzzcheck.check_rotate(graphgen.generate(seed))]
+    cases = [graphgen.generate(seed, graphgen.FEATURES_BEFORE_LAYER_SCALE) for seed in ROTATE_SEEDS]
+    failures = [f"seed {case.seed}: {f}" for case in cases for f in fuzzcheck.check_rotate(case)]
     assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --rotate --replay SEED"])
+
+
+# Generated graphs whose fold absorbs a LayerScale into the layer before it (a mutation that leaves the
+# layer's weight or bias unscaled fails these two of seeds 0–479, and no other).
+LAYER_SCALE_SEEDS = (21, 318)
+
+
+def test_fuzz_layer_scales_are_absorbed_exactly_by_the_fold_the_surrogates_and_the_rotation():
+    checks = {"fold": fuzzcheck.check, "replace": fuzzcheck.check_replace, "rotate": fuzzcheck.check_rotate}
+    cases = [graphgen.generate(seed) for seed in LAYER_SCALE_SEEDS]
+    assert all("layer_scale" in case.used for case in cases)
+    failures = [f"seed {case.seed} {name}: {f}" for case in cases for name, run in checks.items() for f in run(case)]
+    assert not failures, "\n".join(failures)
 
 
 def test_fuzz_rotate_oracle_catches_a_silently_wrong_smoothing(monkeypatch):
