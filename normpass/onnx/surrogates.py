@@ -231,6 +231,8 @@ class Emitter(Rewriter):
             return None
         scale = stream_scale(surrogate, width, scale_limit(np.dtype(dtype).name))
         plan = None if scale is None else stream_plan(self.ctx, self.graph_outputs, y, width, self._absorbs)
+        if plan is not None and self._absorbers(plan) & self._offsets.keys():  # an input is scaled or offset
+            return None
         return None if scale is None or plan is None else (scale, plan)
 
     def _stream_bias(self, norm: NormInfo, width: int) -> tuple[tuple[ir.Node, int], StreamPlan] | None:
@@ -245,7 +247,13 @@ class Emitter(Rewriter):
         plan = stream_plan(self.ctx, self.graph_outputs, norm.ref.x, width, self._absorbs, writers=False)
         if plan is None or any(reader.bias_node is None for reader in plan.readers):
             return None
+        if self._absorbers(plan) & self._carried.keys():  # an input is offset or scaled, never both
+            return None
         return target, plan
+
+    def _absorbers(self, plan: StreamPlan) -> set[str]:
+        """The linear surrogates downstream whose inputs `plan`'s stream reaches."""
+        return {self._stream_inputs[id(value)].name for value in plan.absorbed}
 
     def _carry_bias(self, norm: NormInfo, bias: np.ndarray, plan: StreamPlan) -> list[str]:
         """The stream from the norm's input on lacks `bias`: its linear readers and the linear surrogates
