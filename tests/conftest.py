@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import collections
+import importlib.util
 import pathlib
+import sys
 
 import numpy as np
 import onnx
@@ -27,6 +29,17 @@ from normpass.onnx.verify import make_inputs, run
 IR_VERSION = 10  # ONNX Runtime 1.31 accepts IR ≤ 13; onnx 1.23 defaults to a newer one
 CONTRIB_TEST_DOMAIN = "normpass.test.contrib"
 REL_TOL = 1e-5
+
+
+def load_module(path: pathlib.Path, name: str | None = None):
+    """The script at `path` (a tool, an example) imported as the module `name` (its file's stem by default),
+    registered in `sys.modules` so that its dataclasses can look their module up."""
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def rng(seed: int = 0) -> np.random.Generator:

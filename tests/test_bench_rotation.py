@@ -3,22 +3,15 @@ that ONNX Runtime's quantizer then leaves exactly those unquantized."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 
 import numpy as np
 import onnx
-from conftest import run_ort
+from conftest import load_module, run_ort
 
 from normpass.onnx.verify import make_inputs
 
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "bench_rotation.py"
-SPEC = importlib.util.spec_from_file_location("bench_rotation", TOOL)
-assert SPEC is not None and SPEC.loader is not None
-bench_rotation = importlib.util.module_from_spec(SPEC)
-sys.modules[SPEC.name] = bench_rotation  # its dataclasses look their module up
-SPEC.loader.exec_module(bench_rotation)
+bench_rotation = load_module(pathlib.Path(__file__).resolve().parents[1] / "tools" / "bench_rotation.py")
 
 
 def test_attention_cores_are_the_score_and_probability_matmuls_softmax_and_the_mask_between(registry_export):

@@ -7,11 +7,11 @@ The ONNX pipelines take the session's TorchScript export of the registry's GPT-2
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import sys
 
 import pytest
+from conftest import load_module
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 TOLERANCE = 1e-4  # fp32, relative to the largest output
@@ -20,12 +20,7 @@ TOLERANCE = 1e-4  # fp32, relative to the largest output
 def example(name: str):
     if str(EXAMPLES) not in sys.path:  # as when run as `python examples/NAME.py`: for examples/_shared.py
         sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_module(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
 def test_ort_transformers_optimizer_and_fold_in_either_order_lose_nothing(registry_export, tmp_path):

@@ -21,7 +21,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-from conftest import build, check_structure, randn, run_ort
+from conftest import IR_VERSION, build, check_structure, randn, run_ort
 
 from normpass.calibration import load_batches, split_batches
 from normpass.cli.main import main
@@ -90,9 +90,12 @@ post (float[N, 8] a) => (float[N, 8] out) {
 """
 
 
-def _post_ln(gen):
+def _post_ln(gen, text: str = POST_LN, **more: np.ndarray):
+    """`text` (POST_LN or a variant of it) with seeded weights, and the initializers `more` it adds."""
     return build(
-        POST_LN,
+        text,
+        IR_VERSION,
+        **more,
         W1=randn(gen, 8, 8, scale=0.3),
         b1=randn(gen, 8),
         g=(1 + randn(gen, 8, scale=0.2)),
@@ -166,15 +169,7 @@ post (float[N, 8] a) => (float[N, 8] out) {
 
 
 def test_a_shape_reader_of_the_norm_input_does_not_block_shift_and_centring(gen):
-    model = build(
-        POST_LN_SHAPE_READER,
-        W1=randn(gen, 8, 8, scale=0.3),
-        b1=randn(gen, 8),
-        g=(1 + randn(gen, 8, scale=0.2)),
-        bb=randn(gen, 8, scale=0.2),
-        W2=randn(gen, 8, 8),
-        b2=randn(gen, 8),
-    )
+    model = _post_ln(gen, POST_LN_SHAPE_READER)
 
     options = ReplaceOptions(kind="rms", only_cheaper=True, budget="cos=0.99", **FAST)
     result = replace_onnx(model, zero_mean_rows(gen, 96), options)
@@ -208,9 +203,7 @@ post (float[N, 8] a) => (float[N, 8] out) {
 
 
 def test_a_layer_scale_absorbed_by_centring_leaves_no_mul(gen):
-    weights = dict(W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), ls=randn(gen, 8) + 0.5)
-    weights |= dict(g=1 + randn(gen, 8, scale=0.2), bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8), b2=randn(gen, 8))
-    model = build(POST_LN_LAYER_SCALE, **weights)
+    model = _post_ln(gen, POST_LN_LAYER_SCALE, ls=randn(gen, 8) + 0.5)
 
     options = ReplaceOptions(kind="rms", only_cheaper=True, budget="cos=0.99", **FAST)
     result = replace_onnx(model, zero_mean_rows(gen, 96), options)

@@ -3,22 +3,19 @@ streamed to external data from a seeded generator, and every norm but the last f
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import pathlib
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from conftest import load_module
 from onnx import numpy_helper
 
 from normpass.onnx.passes import FoldOptions, fold_onnx
 
 TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "synthetic_stack.py"
-SPEC = importlib.util.spec_from_file_location("synthetic_stack", TOOL)
-assert SPEC is not None and SPEC.loader is not None
-synthetic_stack = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(synthetic_stack)
+synthetic_stack = load_module(TOOL)
 
 TINY = {"hidden": 16, "heads": 2, "vocab": 48}
 WEIGHT_SUFFIXES = (".weight", ".bias", ".gamma", ".beta")

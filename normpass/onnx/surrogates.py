@@ -231,9 +231,9 @@ class Emitter(Rewriter):
             return None
         scale = stream_scale(surrogate, width, scale_limit(np.dtype(dtype).name))
         plan = None if scale is None else stream_plan(self.ctx, self.graph_outputs, y, width, self._absorbs)
-        if plan is not None and self._absorbers(plan) & self._offsets.keys():  # an input is scaled or offset
+        if scale is None or plan is None or self._offsets.keys() & self._absorbers(plan):  # scaled or offset
             return None
-        return None if scale is None or plan is None else (scale, plan)
+        return scale, plan
 
     def _stream_bias(self, norm: NormInfo, width: int) -> tuple[tuple[ir.Node, int], StreamPlan] | None:
         """(the bias summed into the norm's input x, where it goes downstream) when x is read by more than
@@ -247,13 +247,13 @@ class Emitter(Rewriter):
         plan = stream_plan(self.ctx, self.graph_outputs, norm.ref.x, width, self._absorbs, writers=False)
         if plan is None or any(reader.bias_node is None for reader in plan.readers):
             return None
-        if self._absorbers(plan) & self._carried.keys():  # an input is offset or scaled, never both
+        if self._carried.keys() & self._absorbers(plan):  # an input is offset or scaled, never both
             return None
         return target, plan
 
-    def _absorbers(self, plan: StreamPlan) -> set[str]:
+    def _absorbers(self, plan: StreamPlan) -> list[str]:
         """The linear surrogates downstream whose inputs `plan`'s stream reaches."""
-        return {self._stream_inputs[id(value)].name for value in plan.absorbed}
+        return [self._stream_inputs[id(value)].name for value in plan.absorbed]
 
     def _carry_bias(self, norm: NormInfo, bias: np.ndarray, plan: StreamPlan) -> list[str]:
         """The stream from the norm's input on lacks `bias`: its linear readers and the linear surrogates
@@ -420,7 +420,7 @@ class Emitter(Rewriter):
             scale, stream = carry
             changed = move_affine(self.graph, stream.readers, scale, None, self._unique)
             changed += scale_writers(self.graph, stream.writers, 1.0 / scale, self._unique)
-            absorbers = [self._stream_inputs[id(v)].name for v in stream.absorbed]
+            absorbers = self._absorbers(stream)
             for absorber in absorbers:
                 self._carried[absorber] = scale
             for name in changed:
