@@ -10,10 +10,11 @@ the library's holdout (its test split: the gate and the report's figures), and t
 reports them per set.
 
 Reported: norms replaced (of 13; the embedding LayerNorm folds exactly into an RMSNorm, which
-still reduces), worst-case and mean cosine of the sentence embeddings against the original per
-judging set, the ONNX ops left (a `torch.onnx.export` of the student: LayerNormalization,
-RMSNormalization and ReduceMean count the norms left), and wall and CPU time with `--threads`
-threads (the machine may be shared: CPU time says what the run itself used).
+still reduces, unless `--all-norms` makes it a candidate too), worst-case and mean cosine of the
+sentence embeddings against the original per judging set, the ONNX ops left (a `torch.onnx.export`
+of the student: LayerNormalization, RMSNormalization and ReduceMean count the norms left), and wall
+and CPU time with `--threads` threads (the machine may be shared: CPU time says what the run itself
+used).
 
     python tools/eval_distill.py --json minilm-distill.json     # ~15 min on two cores
 """
@@ -66,6 +67,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", default="2", help="a count, or comma-separated norm names")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--all-norms", action="store_true", help="the norm the fold makes an RMSNorm is a candidate too"
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
         "--calibration-samples", type=int, default=DistillOptions.calibration_samples, help="sentences that calibrate"
@@ -109,6 +113,7 @@ def main(argv=None) -> int:
             holdout=str(holdout),
             keep=keep,
             rounds=args.rounds,
+            all_norms=args.all_norms,
             steps=args.steps,
             train=args.train_params,
             lr=args.lr,
