@@ -210,6 +210,7 @@ def test_a_layer_scale_absorbed_by_centring_leaves_no_mul(gen):
     (row,) = result.report.to_json()["norms"]
     assert row["decision"] == "replaced", (row["reason"], row["candidates"])
     assert row["emission"]["shift"] == "migrated into l1", row["emission"]
+    assert row["input_centring"] == ["m1", "l1"]  # the layer that took the scale, not the Mul that left
     check_structure(result.model)
     counts = collections.Counter(n.op_type for n in result.model.graph.node)
     assert counts == {"MatMul": 2, "SkipSimplifiedLayerNormalization": 1, "Add": 1}, counts

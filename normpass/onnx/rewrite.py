@@ -130,6 +130,7 @@ class Rewriter:
         self._affines: dict[str, AffinePlan] = {}
         self._unique = Namer(self.ctx.graph)
         self._layer_scales: dict[str, tuple[ir.Node, int]] = {}  # absorbed: Mul name → (Mul, its data input)
+        self.absorbed_by: dict[str, list[str]] = {}  # absorbed LayerScale Mul → the layer (and bias Add) now scaled
 
     # --- constants, copy-on-write ---------------------------------------------------------------
 
@@ -218,6 +219,7 @@ class Rewriter:
         if not absorbed:
             self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like, "replaced by ones")
         self._layer_scales[mul.name] = (mul.ref, 1 - factor_index)
+        self.absorbed_by[mul.name] = [linear.name] + ([add.name] if add is not None else [])
         self._note(mul.name, f"LayerScale absorbed into {linear.name} (weights {change})")
 
     def remove_layer_scales(self) -> None:

@@ -191,7 +191,7 @@ class Emitter(Rewriter):
 
     def centre_inputs(self, norm: NormInfo) -> list[str]:
         """Centre what the analysis finds summed into the norm's input (exact for a LayerNorm); returns
-        the nodes rewritten, in graph order."""
+        the nodes rewritten, in graph order (for an absorbed LayerScale, the layer that took its scale)."""
         if not norm.removes_mean:
             return []
         done = set()
@@ -199,7 +199,7 @@ class Emitter(Rewriter):
             if centring not in self._centred:  # a layer centred for an earlier norm already is (idempotent)
                 self.centre_layer(centring, [norm.name])
                 self._centred.add(centring)
-            done.add(centring.node)
+            done.update(self.absorbed_by.get(centring.node, [centring.node]))
         return [node.name for node in self.graph if node.name in done]
 
     # surrogates
