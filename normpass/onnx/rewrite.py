@@ -117,6 +117,16 @@ def rms_nodes(
     return nodes
 
 
+@dataclass(frozen=True)
+class AbsorbedScale:
+    """A LayerScale `Mul` whose factor went into `layers` (the linear layer, and its bias `Add` if any);
+    its data input is `mul.inputs[data_index]`."""
+
+    mul: ir.Node
+    data_index: int
+    layers: list[str]
+
+
 @dataclass
 class Rewriter:
     ctx: OnnxGraph
@@ -129,8 +139,7 @@ class Rewriter:
         self._loaded: dict[str, np.ndarray] = {}
         self._affines: dict[str, AffinePlan] = {}
         self._unique = Namer(self.ctx.graph)
-        self._layer_scales: dict[str, tuple[ir.Node, int]] = {}  # absorbed: Mul name → (Mul, its data input)
-        self.absorbed_by: dict[str, list[str]] = {}  # absorbed LayerScale Mul → the layer (and bias Add) now scaled
+        self._layer_scales: dict[str, AbsorbedScale] = {}  # by the Mul's name
 
     # --- constants, copy-on-write ---------------------------------------------------------------
 
@@ -218,15 +227,22 @@ class Rewriter:
         self.map_layer(Centring(linear.name, axis), along, tag, change)
         if not absorbed:
             self._replace_input(mul.ref, factor_index, "absorbed", np.ones_like, "replaced by ones")
-        self._layer_scales[mul.name] = (mul.ref, 1 - factor_index)
-        self.absorbed_by[mul.name] = [linear.name] + ([add.name] if add is not None else [])
+        layers = [linear.name] + ([add.name] if add is not None else [])
+        self._layer_scales[mul.name] = AbsorbedScale(mul.ref, 1 - factor_index, layers)
         self._note(mul.name, f"LayerScale absorbed into {linear.name} (weights {change})")
+
+    def rewritten_for(self, node: str) -> list[str]:
+        """The nodes a centring of `node` rewrote: the layers that took an absorbed LayerScale's factor,
+        else `node` itself."""
+        absorbed = self._layer_scales.get(node)
+        return [node] if absorbed is None else absorbed.layers
 
     def remove_layer_scales(self) -> None:
         """Drop each absorbed LayerScale's `Mul` (its factor is ones now): its readers read its data input,
         where that keeps every shape (the factor's rank at most the data's, by `layer_scale`'s match and
         inference) and every graph output. The note stays on the layer that took the scale."""
-        for mul, index in self._layer_scales.values():
+        for absorbed in self._layer_scales.values():
+            mul, index = absorbed.mul, absorbed.data_index
             data, out = mul.inputs[index], mul.outputs[0]
             factor = mul.inputs[1 - index]
             rank = len(self.ctx.shapes.get(name_of(data)) or ())

@@ -199,7 +199,7 @@ class Emitter(Rewriter):
             if centring not in self._centred:  # a layer centred for an earlier norm already is (idempotent)
                 self.centre_layer(centring, [norm.name])
                 self._centred.add(centring)
-            done.update(self.absorbed_by.get(centring.node, [centring.node]))
+            done.update(self.rewritten_for(centring.node))
         return [node.name for node in self.graph if node.name in done]
 
     # surrogates
