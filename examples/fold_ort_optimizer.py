@@ -3,7 +3,7 @@
 The pipeline of a model deployed on ONNX Runtime: export (here a small seeded GPT-2 from
 `transformers` code, exported with `torch.onnx.export(dynamo=False)` as HF Optimum does), let
 `onnxruntime.transformers.optimizer` fuse it, fold its LayerNorms. Two ways, each checked against
-the optimizer's output for the unfolded export (`normpass.onnx.ortopt.fusion_losses`: every fused
+the optimizer's output for the unfolded export (`normpass.onnx.runtime.ortopt.fusion_losses`: every fused
 op, every `Gemm → MatMul` conversion, no more nodes) and run against the original:
 
 * one step, the order that holds for every model: `normpass fold MODEL --ort-optimizer gpt2:4:64`
@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from _shared import cli, max_rel_error, op_counts, run, tiny_gpt2, token_ids
 
-from normpass.onnx.ortopt import OrtOptimizer, fusion_losses, optimize
+from normpass.onnx.runtime.ortopt import OrtOptimizer, fusion_losses, optimize
 
 
 def fold(model: Path, out: Path, *options: str) -> dict:

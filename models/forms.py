@@ -9,7 +9,7 @@ A registry entry exports one seeded model; ``export_form`` writes it in one of f
 * ``ort-optimized``: the TorchScript export after ``onnxruntime.transformers.optimizer`` with the
   entry's model type at ``opt_level=1`` (portable: ORT's basic constant folding plus the Python
   fusions: ``SkipLayerNormalization``, fused GELU and, where the pattern matches, ``Attention``);
-* ``fp16``: the dynamo export converted by ``normpass.onnx.precision.to_fp16`` (fp16 outputs too).
+* ``fp16``: the dynamo export converted by ``normpass.onnx.runtime.precision.to_fp16`` (fp16 outputs too).
 
 The same weights are exported in every form, so the fold's target is the same in every form: the
 norms the dynamo export proves and rewrites, with the same reasons for the others.
@@ -49,7 +49,7 @@ def convert(entry: ModelEntry, source: str | pathlib.Path, path: str | pathlib.P
     if form == "ort-optimized":
         return _optimize(entry, pathlib.Path(source), path)
     if form == "fp16":
-        from normpass.onnx.precision import to_fp16
+        from normpass.onnx.runtime.precision import to_fp16
 
         onnx.save(to_fp16(onnx.load(str(source))), str(path))
         return path

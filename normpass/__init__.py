@@ -25,9 +25,9 @@ __version__ = "0.1.0"
 
 from .core.replace import BudgetMissed, ReplaceOptions, ReplaceReport
 from .errors import InputError, MissingExtraError, NormpassError, UnsupportedModelError, VerificationError
-from .onnx.passes import FoldOptions, FoldPass, FoldResult, fold_onnx, inspect_onnx
-from .onnx.replace import ReplaceResult, replace_onnx
-from .onnx.rotate import RotateOptions, RotateResult, rotate_onnx
+from .onnx.fold.driver import FoldOptions, FoldPass, FoldResult, fold_onnx, inspect_onnx
+from .onnx.replace.driver import ReplaceResult, replace_onnx
+from .onnx.rotate.driver import RotateOptions, RotateResult, rotate_onnx
 
 TORCH_API = {
     "fold": "api",

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import missing_extra
-from .onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
+from .onnx.fold.driver import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 
 try:
     from olive.hardware.accelerator import AcceleratorSpec

@@ -24,7 +24,7 @@ import pytest
 from onnx import numpy_helper
 
 from normpass import FoldOptions, FoldResult, fold_onnx
-from normpass.onnx.verify import make_inputs, run
+from normpass.onnx.runtime.verify import make_inputs, run
 
 IR_VERSION = 10  # ONNX Runtime 1.31 accepts IR ≤ 13; onnx 1.23 defaults to a newer one
 CONTRIB_TEST_DOMAIN = "normpass.test.contrib"

@@ -470,9 +470,9 @@ def _seeded_surrogates(bench, seed: int, kinds: tuple[str, ...] = REPLACE_KINDS)
 
 
 def emitted_both_ways(prepared, surrogates: list) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
-    """`surrogates` on `prepared` (`normpass.onnx.replace.prepare`) as `replace` emits them (`emit_all`: γ
+    """`surrogates` on `prepared` (`normpass.onnx.replace.driver.prepare`) as `replace` emits them (`emit_all`: γ
     and biases carried along the stream), one norm at a time (nothing carried), and the first's emissions."""
-    from normpass.onnx.surrogates import Emitter, export_model, open_graph
+    from normpass.onnx.replace.surrogates import Emitter, export_model, open_graph
 
     bench = prepared.bench
     ctx, emitter, emissions = bench.build(surrogates)
@@ -486,7 +486,7 @@ def emitted_both_ways(prepared, surrogates: list) -> tuple[onnx.ModelProto, onnx
 
 def check_replace(case) -> list[Failure]:
     """Failures of the surrogate emission on `case` (the module docstring); [] when all is well."""
-    from normpass.onnx.replace import Runner, prepare
+    from normpass.onnx.replace.driver import Runner, prepare
 
     mode = "replace"
     options = ReplaceOptions(kind="auto", all_norms=True, samples=8, budget="cos=0.01", check=0.0)

@@ -1,4 +1,4 @@
-"""`normpass.onnx.bench` and `normpass bench` on the small registry GPT-2: inputs per point, interleaved
+"""`normpass.onnx.runtime.bench` and `normpass bench` on the small registry GPT-2: inputs per point, interleaved
 timing, the JSON/CSV schema, the plot, and refusing models that are not equivalent."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from onnx import numpy_helper
 
 from normpass.cli.main import main
 from normpass.errors import InputError, VerificationError
-from normpass.onnx import bench
+from normpass.onnx.runtime import bench
 
 REPEATS = 2
 
@@ -226,7 +226,7 @@ def test_cuda_outputs_are_checked_with_tf32_off_where_a_model_has_fp32_matrices(
     use_tf32=0 where TF32 could touch it (fp32 weight matrices), and only on CUDA."""
     paths = list(gpt2_pair)
     if fp16:
-        from normpass.onnx.precision import to_fp16
+        from normpass.onnx.runtime.precision import to_fp16
 
         paths = [str(tmp_path / f"{i}.onnx") for i in range(2)]
         for source, path in zip(gpt2_pair, paths, strict=True):

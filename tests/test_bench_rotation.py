@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from conftest import load_module, run_ort
 
-from normpass.onnx.verify import make_inputs
+from normpass.onnx.runtime.verify import make_inputs
 
 bench_rotation = load_module(pathlib.Path(__file__).resolve().parents[1] / "tools" / "bench_rotation.py")
 

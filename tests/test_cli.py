@@ -36,7 +36,7 @@ from test_patterns import post_ln, pre_ln_block, pre_ln_from_input
 
 from normpass import __version__
 from normpass.cli.main import main
-from normpass.onnx.verify import make_inputs
+from normpass.onnx.runtime.verify import make_inputs
 
 
 def _command() -> list[str]:

@@ -25,8 +25,8 @@ from onnx import TensorProto, helper, numpy_helper
 from normpass import FoldOptions, ReplaceOptions, fold_onnx, inspect_onnx, io, replace_onnx
 from normpass.cli.main import main
 from normpass.errors import InputError, NormpassError, WeightOverflowError
-from normpass.onnx import frontend as onnx_frontend
-from normpass.onnx import targets
+from normpass.onnx.fold import targets
+from normpass.onnx.graph import frontend as onnx_frontend
 
 D = 8
 
@@ -340,7 +340,7 @@ def test_python_api_checks_input_shapes(model_file):
 
 
 def test_inspect_json_is_pure_json_when_a_library_prints_warnings(tmp_path, capsys, monkeypatch):
-    from normpass.onnx import frontend
+    from normpass.onnx.graph import frontend
 
     infer = frontend._infer
 

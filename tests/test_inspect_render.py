@@ -117,7 +117,7 @@ def test_rich_table_is_coloured_and_grouped():
     from rich.console import Console
 
     from normpass.core.analysis import plan
-    from normpass.onnx.frontend import build_zero_mean_graph, load_graph
+    from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
 
     zmg = build_zero_mean_graph(load_graph(blocks_model(), "blocks"))
     sink = io.StringIO()

@@ -1,4 +1,4 @@
-"""Key centring (`normpass/onnx/keys.py`, `normpass rotate --calib`): attention's key bias moves by the
+"""Key centring (`normpass/onnx/rotate/keys.py`, `normpass rotate --calib`): attention's key bias moves by the
 mean key, exactly (softmax ignores a constant per row), where the proof holds; refused with the node
 and the reason where it does not.
 
@@ -18,7 +18,7 @@ from conftest import assert_equivalent, build, check_structure, randn, rng, run_
 from test_patterns import beta, gamma, header
 
 from normpass import RotateOptions, rotate_onnx
-from normpass.onnx.replace import synthetic_batches
+from normpass.onnx.replace.driver import synthetic_batches
 
 D, T, H = 8, 5, 2  # width, tokens, heads (of D // H features each)
 

@@ -1,4 +1,4 @@
-"""Online rotation (`normpass/onnx/online.py`, `normpass rotate --online-rotation`): the input of every MLP down
+"""Online rotation (`normpass/onnx/rotate/online.py`, `normpass rotate --online-rotation`): the input of every MLP down
 projection is rotated at run time by a block-diagonal Hadamard matrix and its weight rotated back, exactly;
 the inserted MatMuls are named in the model's metadata for the quantizer to keep in floating point.
 
@@ -18,7 +18,7 @@ from test_patterns import header
 
 from normpass import RotateOptions, rotate_onnx
 from normpass.errors import InputError
-from normpass.onnx.online import METADATA_KEY, SUFFIX
+from normpass.onnx.rotate.online import METADATA_KEY, SUFFIX
 
 D, T, F = 8, 5, 32  # width, tokens, MLP width
 OUTLIER = 5  # the hidden feature that carries an outlier

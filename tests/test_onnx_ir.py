@@ -18,7 +18,7 @@ from conftest import build, randn, rng
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx, io
 from normpass.io import skeleton
-from normpass.onnx.targets import LAZY_MIN_BYTES
+from normpass.onnx.fold.targets import LAZY_MIN_BYTES
 
 D = 512  # a D×D float32 weight is 1 MiB
 

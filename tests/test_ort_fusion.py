@@ -19,8 +19,8 @@ import onnxruntime as ort
 import pytest
 from conftest import check_structure, run_ort
 
-from normpass.onnx.bench import make_feeds
-from normpass.onnx.passes import FoldOptions, fold_onnx
+from normpass.onnx.fold.driver import FoldOptions, fold_onnx
+from normpass.onnx.runtime.bench import make_feeds
 
 NORM_OPS = (
     "LayerNormalization",
@@ -82,7 +82,7 @@ def test_transformers_optimizer_loses_no_fusion_in_either_order(name, form, prov
     """fold → optimize and optimize → fold both have every fusion, every Gemm → MatMul conversion and no more
     nodes than the optimizer's output for the original; both compute the original's outputs."""
     from normpass import models as builtin_models
-    from normpass.onnx.ortopt import OrtOptimizer, fusion_losses, optimize
+    from normpass.onnx.runtime.ortopt import OrtOptimizer, fusion_losses, optimize
 
     entry = builtin_models.get(name)
     settings = OrtOptimizer(entry.ort_model_type, entry.num_heads, entry.hidden_size, use_gpu=provider == "cuda")
@@ -107,8 +107,8 @@ def test_transformers_optimizer_loses_no_fusion_in_either_order(name, form, prov
 def test_fusion_losses_names_what_the_fold_would_lose_without_its_matmul_conversion(registry_export, monkeypatch):
     """Without the fold's own Gemm → MatMul conversion, ORT's gpt2 optimizer keeps the Conv1D Gemms that read
     an RMS op, with their Reshapes and shape arithmetic: the comparison names exactly that."""
-    from normpass.onnx import passes
-    from normpass.onnx.ortopt import OrtOptimizer, fusion_losses, optimize
+    from normpass.onnx.fold import driver as passes
+    from normpass.onnx.runtime.ortopt import OrtOptimizer, fusion_losses, optimize
 
     settings = OrtOptimizer("gpt2", 4, 64)
     source = onnx.load(str(registry_export("gpt2", "torchscript")))
@@ -122,7 +122,7 @@ def test_fusion_losses_names_what_the_fold_would_lose_without_its_matmul_convers
 
 def test_fold_notes_the_order_for_the_transformers_optimizer(registry_export):
     """A raw export with attention gets the note; the optimizer's own output does not."""
-    from normpass.onnx.ortopt import OrtOptimizer
+    from normpass.onnx.runtime.ortopt import OrtOptimizer
 
     source = onnx.load(str(registry_export("gpt2")))
     assert "run it before the fold" in " ".join(fold_onnx(source).notes)

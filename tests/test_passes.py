@@ -14,7 +14,7 @@ from onnxscript.rewriter import RewritePass
 from onnxscript.rewriter.rules.common import mul_by_1_rule, no_op_cast_rule
 
 from normpass import FoldOptions, FoldPass, InputError, VerificationError, fold_onnx
-from normpass.onnx import rewrite
+from normpass.onnx.fold import rewrite
 
 ONNXSCRIPT_RULES = [no_op_cast_rule, *mul_by_1_rule.commute()]
 

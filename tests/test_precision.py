@@ -1,6 +1,6 @@
 """fp16: folding an fp16-converted model, and converting a folded one, on the registry gpt2.
 
-Both must agree with the fp16-converted original within the fp16 tolerance of `normpass.onnx.verify`,
+Both must agree with the fp16-converted original within the fp16 tolerance of `normpass.onnx.runtime.verify`,
 and every norm must keep fp32 statistics (`stash_type=1`).
 """
 
@@ -14,9 +14,9 @@ from conftest import build
 from onnx import numpy_helper
 
 from normpass import models as builtin_models
-from normpass.onnx.passes import fold_onnx
-from normpass.onnx.precision import STASH_TYPE_OPS, to_fp16  # imports onnxconverter_common when converting
-from normpass.onnx.verify import REL_TOLERANCE, verify
+from normpass.onnx.fold.driver import fold_onnx
+from normpass.onnx.runtime.precision import STASH_TYPE_OPS, to_fp16  # imports onnxconverter_common when converting
+from normpass.onnx.runtime.verify import REL_TOLERANCE, verify
 
 pytestmark = pytest.mark.filterwarnings("ignore:the float32 number")
 pytest.importorskip("onnxconverter_common")

@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_equivalent, build, check_structure, initializers, producer, randn, run_ort
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
-from normpass.onnx.constants import constant_values, is_constant
+from normpass.onnx.graph.constants import constant_values, is_constant
 
 OPSET = '<ir_version: 10, opset_import: ["" : 17]>'
 
@@ -727,7 +727,7 @@ def test_torchscript_exports_fold_every_norm(name):
 def test_constant_subgraphs_evaluate_as_the_onnx_reference_does(gen, opset, body):
     from onnx.reference import ReferenceEvaluator
 
-    from normpass.onnx.frontend import load_graph
+    from normpass.onnx.graph.frontend import load_graph
 
     text = f'<ir_version: 7, opset_import: ["" : {opset}]>\nm () => (y) {{\n  {body}\n}}'
     model = onnx.parser.parse_model(text)

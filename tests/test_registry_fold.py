@@ -15,7 +15,7 @@ from conftest import check_plain, check_structure, initializers, op_counts, rms_
 
 from normpass import inspect_onnx
 from normpass import models as builtin_models
-from normpass.onnx.verify import make_inputs
+from normpass.onnx.runtime.verify import make_inputs
 
 SMALL = builtin_models.names(include_large=False)
 RMS_OPS = ("simplified", "onnx", "decomposed")

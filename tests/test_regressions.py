@@ -275,7 +275,7 @@ def test_a_name_given_to_an_unnamed_node_is_never_one_a_later_node_has():
     )
     model.graph.node[0].name = "MatMul_2"  # the name the unnamed node at index 2 would be given
     model.graph.node[2].name = ""
-    from normpass.onnx.frontend import build_zero_mean_graph, load_graph
+    from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
 
     ctx = load_graph(model)  # as the fold loads the converted model
     names = [node.name for node in ctx.model.graph]

@@ -1,4 +1,4 @@
-"""The surrogate pass on ONNX (normpass/core/replace.py through normpass/onnx/replace.py) and `normpass replace`.
+"""The surrogate pass on ONNX (normpass/core/replace.py through normpass/onnx/replace/driver.py) and `normpass replace`.
 
 * the registry's post-LN BERT with seeded synthetic calibration: exact fold first, every norm
   reported, the budget held on the test split, a valid model out, sequential and parallel;
@@ -28,7 +28,7 @@ from normpass.cli.main import main
 from normpass.core.cost import CPU_COST
 from normpass.core.replace import BudgetMissed, ReplaceOptions
 from normpass.errors import InputError
-from normpass.onnx.replace import input_spec, replace_onnx
+from normpass.onnx.replace.driver import input_spec, replace_onnx
 
 FAST = dict(orders=("input",), samples=48, batch_size=8)
 

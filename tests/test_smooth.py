@@ -1,4 +1,4 @@
-"""Smoothing (`normpass/onnx/smooth.py`, `normpass rotate --calib DATA --smooth`): a calibrated per-feature
+"""Smoothing (`normpass/onnx/rotate/smooth.py`, `normpass rotate --calib DATA --smooth`): a calibrated per-feature
 scale moves from a norm's output into the linear layers that read it, exactly; x ⊘ s is computed by the
 norm's γ and β where nothing else reads its output, else by one inserted `Mul`; the norms of rotated
 streams are left alone.
@@ -19,8 +19,8 @@ from test_patterns import beta, gamma, header
 
 from normpass import RotateOptions, rotate_onnx
 from normpass.errors import InputError
-from normpass.onnx.replace import synthetic_batches
-from normpass.onnx.smooth import smoothing_scale
+from normpass.onnx.replace.driver import synthetic_batches
+from normpass.onnx.rotate.smooth import smoothing_scale
 
 D, T, F = 8, 5, 16  # width, tokens, MLP width
 OUTLIER = 3  # the feature whose γ is large: the norm's output has an outlier channel there
@@ -250,7 +250,7 @@ def test_inspect_rotation_says_which_norm_outputs_would_smooth_without_data(tmp_
 
 @pytest.mark.parametrize("reader, refused", [("Relu", False), ("MatMul", True)])
 def test_a_norm_output_of_unknown_shape_is_refused_only_where_a_linear_layer_may_read_it(reader, refused):
-    from normpass.onnx.rotate import inspect_rotation
+    from normpass.onnx.rotate.driver import inspect_rotation
 
     helper = onnx.helper
     values = {"g": np.ones(D, np.float32), "b": np.zeros(D, np.float32), "w": np.ones((D, 4), np.float32)}

@@ -22,7 +22,7 @@ from conftest import build, check_structure, randn, rng
 from onnx import numpy_helper
 
 from normpass import FoldOptions, VerificationError, fold_onnx, inspect_onnx
-from normpass.onnx.verify import check_signature, compare_outputs, make_inputs, verify
+from normpass.onnx.runtime.verify import check_signature, compare_outputs, make_inputs, verify
 
 D = 8
 HEADER = '<ir_version: 10, opset_import: ["" : 17]>'

@@ -37,7 +37,7 @@ from conftest import (
 from onnx import numpy_helper
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
-from normpass.onnx.patterns import ALREADY_RMS, UNRECOGNISED, MatchContext, match_decomposed
+from normpass.onnx.graph.patterns import ALREADY_RMS, UNRECOGNISED, MatchContext, match_decomposed
 
 D = 8
 HEADER = '<ir_version: 10, opset_import: ["" : {opset}, "com.microsoft" : 1]>'

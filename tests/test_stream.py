@@ -33,9 +33,9 @@ from normpass import ReplaceOptions, models
 from normpass.cli.main import main
 from normpass.core.stream import on_scaled_input, scale_limit, stream_scale
 from normpass.core.surrogates import Surrogate
-from normpass.onnx.frontend import load_graph
-from normpass.onnx.replace import replace_onnx
-from normpass.onnx.surrogates import Emitter, export_model
+from normpass.onnx.graph.frontend import load_graph
+from normpass.onnx.replace.driver import replace_onnx
+from normpass.onnx.replace.surrogates import Emitter, export_model
 from normpass.torch.api import fold
 from normpass.torch.replace import apply_surrogates, base
 from normpass.torch.rewrite import RMSNormWithBias
@@ -208,7 +208,7 @@ def test_onnx_pre_ln_writers_biases_go_along_the_stream(gen, case):
 def test_onnx_norm_free_vit_takes_the_writers_biases_off_the_stream(registry_export, form):
     """The registry's pre-LN ViT with every norm an affine surrogate: the residual writers' bias Adds
     leave the stream, and the model computes what the surrogates emitted one at a time compute."""
-    from normpass.onnx.replace import Runner, prepare
+    from normpass.onnx.replace.driver import Runner, prepare
 
     model = onnx.load(str(registry_export("vit", form)))
     options = ReplaceOptions(kind="affine", all_norms=True, samples=8, budget="cos=0.01", check=0.0)

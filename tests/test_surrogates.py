@@ -1,5 +1,5 @@
 """Surrogate maths (normpass/core/surrogates.py, core/stats.py, core/budget.py) and their ONNX emission
-(normpass/onnx/surrogates.py).
+(normpass/onnx/replace/surrogates.py).
 
 The emission tests build small post-LN-shaped graphs with `onnx.parser`, emit a surrogate with
 hand-set parameters, and check exactly (in float64 arithmetic, to float32 rounding) the new
@@ -32,9 +32,9 @@ from normpass.core.surrogates import (
     least_squares,
     relative_error,
 )
-from normpass.onnx.frontend import build_zero_mean_graph, load_graph
-from normpass.onnx.replace import Runner
-from normpass.onnx.surrogates import Emitter, export_model, light_model, open_graph
+from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
+from normpass.onnx.replace.driver import Runner
+from normpass.onnx.replace.surrogates import Emitter, export_model, light_model, open_graph
 
 D = 8
 

@@ -12,7 +12,7 @@ import onnxruntime as ort
 from conftest import load_module
 from onnx import numpy_helper
 
-from normpass.onnx.passes import FoldOptions, fold_onnx
+from normpass.onnx.fold.driver import FoldOptions, fold_onnx
 
 TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "synthetic_stack.py"
 synthetic_stack = load_module(TOOL)

@@ -24,9 +24,9 @@ from torch import nn
 from normpass import models as builtin_models
 from normpass.core.analysis import plan as make_plan
 from normpass.errors import InputError, UnsupportedModelError, VerificationError
-from normpass.onnx.frontend import build_zero_mean_graph, load_graph
-from normpass.onnx.passes import inspect_onnx
-from normpass.onnx.verify import run
+from normpass.onnx.fold.driver import inspect_onnx
+from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
+from normpass.onnx.runtime.verify import run
 from normpass.torch.api import export_onnx, fold, inspect, load_factory
 from normpass.torch.rewrite import RMSNormWithBias
 

@@ -28,7 +28,7 @@ from torch import nn
 import normpass
 from normpass import InputError, ReplaceOptions, models
 from normpass.core.surrogates import Surrogate
-from normpass.onnx.replace import prepare as prepare_onnx
+from normpass.onnx.replace.driver import prepare as prepare_onnx
 from normpass.torch.replace import apply_surrogates
 from normpass.torch.surrogates import (
     Affine,

@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from normpass.cli.main import main
 from normpass.core.analysis import plan as make_plan
 from normpass.errors import InputError
-from normpass.onnx.frontend import build_zero_mean_graph, load_graph
+from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
 from normpass.viz import build_view, render, to_dot, to_html, to_svg
 
 D, V = 8, 16

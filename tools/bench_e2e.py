@@ -3,7 +3,7 @@
 Models (seeded random weights, `normpass.models`): GPT-2-small shape (124M, `gpt2-small-shape`),
 BERT-base shape (110M, `registry.bert_base_shape()`, 512 positions) and ViT-B/16 shape (86M,
 `registry.vit_b16_shape()`, 197 tokens per 224×224 image). For each model and dtype four
-variants are timed in the same interleaved rounds (`normpass.onnx.bench.run_benchmark`, ORT_ENABLE_ALL,
+variants are timed in the same interleaved rounds (`normpass.onnx.runtime.bench.run_benchmark`, ORT_ENABLE_ALL,
 IO binding):
 
 * `original`: the export as it is; ORT's session optimizer applies its own fusions;
@@ -17,13 +17,13 @@ IO binding):
 * `identity`: the original with every LayerNormalization replaced by Identity: the bound that no
   norm removal can beat (its outputs differ; not checked).
 
-fp16 variants: the original converted with `normpass.onnx.precision.to_fp16` and folded *after*
+fp16 variants: the original converted with `normpass.onnx.runtime.precision.to_fp16` and folded *after*
 conversion; the identity bound converted likewise. Text models sweep the sequence length at
 batch 1; ViT sweeps the batch. Exports, folds and conversions are cached in `--cache`.
 Alongside the times, the ops ORT actually runs for each variant are counted (the
 `SessionOptions.optimized_model_filepath` dump): norms, fused skip norms, Adds and Casts; and at
 the middle point of each sweep ORT's profiler gives the kernel time per op type
-(`normpass.onnx.bench.profile_ops`), which shows the norms' share of the run with less noise from other
+(`normpass.onnx.runtime.bench.profile_ops`), which shows the norms' share of the run with less noise from other
 load on the machine than wall time.
 
     python tools/bench_e2e.py --models gpt2-small-shape --dtypes fp32 fp16 --repeats 5 --budget 20 \\
@@ -71,10 +71,10 @@ import onnx
 from normpass import models as builtin_models
 from normpass.core.replace import ReplaceOptions
 from normpass.models import minilm, registry
-from normpass.onnx import bench
-from normpass.onnx.passes import FoldOptions, fold_onnx
-from normpass.onnx.precision import to_fp16
-from normpass.onnx.replace import replace_onnx
+from normpass.onnx.fold.driver import FoldOptions, fold_onnx
+from normpass.onnx.replace.driver import replace_onnx
+from normpass.onnx.runtime import bench
+from normpass.onnx.runtime.precision import to_fp16
 
 # name → (registry entry factory, sweep axis, default points)
 MODELS = {

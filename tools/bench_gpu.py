@@ -26,7 +26,7 @@ does it):
   --provider cuda`, then the optimizer; `rot-opt-int4`, `rot-opt-int8w`: that quantized. Seeded weights:
   their errors are recorded, not bounded (speed only; accuracy on real weights: `tools/bench_rotation.py`).
 
-`run` times them on ORT's CUDA provider (`normpass.onnx.bench.run_benchmark`: IO binding, interleaved
+`run` times them on ORT's CUDA provider (`normpass.onnx.runtime.bench.run_benchmark`: IO binding, interleaved
 rounds, ORT_ENABLE_ALL, outputs checked against `ort-opt` with TF32 off: fp32 at the fp32 tolerance,
 fp16 within a relative error of 0.05) and, with `--torch`, `normpass.fold` in PyTorch eager and
 compiled (`tools/bench_torch.py`, fp16). It writes `records.json`: one record per model, dtype,
@@ -55,12 +55,12 @@ import bench_e2e
 from normpass.core.replace import ReplaceOptions
 from normpass.core.surrogates import Surrogate
 from normpass.models import forms, registry
-from normpass.onnx import bench
-from normpass.onnx.ortopt import OrtOptimizer, optimize
-from normpass.onnx.passes import FoldOptions, fold_onnx
-from normpass.onnx.replace import prepare as replace_prepare
-from normpass.onnx.rotate import RotateOptions, rotate_onnx
-from normpass.onnx.surrogates import export_model
+from normpass.onnx.fold.driver import FoldOptions, fold_onnx
+from normpass.onnx.replace.driver import prepare as replace_prepare
+from normpass.onnx.replace.surrogates import export_model
+from normpass.onnx.rotate.driver import RotateOptions, rotate_onnx
+from normpass.onnx.runtime import bench
+from normpass.onnx.runtime.ortopt import OrtOptimizer, optimize
 
 # name → (registry entry factory, points as (batch, seq), fp32 points)
 MODELS = {

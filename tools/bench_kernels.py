@@ -28,7 +28,7 @@ Each variant is a tiny ONNX model over x (and, for the skip variants, a residual
 Skip variants write the residual sum as a second output, as they do inside a transformer. Two
 token counts by default: 256 (x fits in L2 cache: the kernels' arithmetic matters) and 8192
 (memory-bound: bytes moved matter).
-For every dtype and width d, all variants run in the same interleaved rounds (`normpass.onnx.bench`:
+For every dtype and width d, all variants run in the same interleaved rounds (`normpass.onnx.runtime.bench`:
 IO binding, outputs preallocated, ORT_ENABLE_ALL; the ops ORT actually ran are listed, to show
 that nothing was fused or cast behind the benchmark's back). `--provider cuda` runs them on ORT's
 CUDA provider (inputs and outputs in GPU memory). Ratios: non-skip variants against
@@ -49,7 +49,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from normpass.onnx import bench
+from normpass.onnx.runtime import bench
 
 DTYPES = {"fp32": (np.float32, TensorProto.FLOAT), "fp16": (np.float16, TensorProto.FLOAT16)}
 EPS = 1e-5

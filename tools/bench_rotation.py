@@ -19,7 +19,7 @@ Measured on held-out inputs (disjoint from the calibration inputs), against the 
 the relative error ‖y − y_fp32‖ / ‖y_fp32‖ per input (mean, median, max), and for language models the
 share of positions whose top-1 token is unchanged. Per fp32 variant, the outliers each quantized layer
 sees: for every MatMul/Gemm with a constant weight, max|x| / rms(x) of its input over the held-out inputs
-(median and max over layers). CPU latency: `normpass.onnx.bench.run_benchmark` (ORT_ENABLE_ALL, IO
+(median and max over layers). CPU latency: `normpass.onnx.runtime.bench.run_benchmark` (ORT_ENABLE_ALL, IO
 binding, interleaved rounds, medians and ratios) of the three fp32 variants, and of the three variants
 of each quantized form (the quantized ones are bounds, not checked for equality).
 
@@ -105,13 +105,13 @@ from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from normpass import models as builtin_models
 from normpass.models import minilm, registry, text, thirdparty
-from normpass.onnx import bench
-from normpass.onnx.features import CalibData
-from normpass.onnx.online import DEFAULT_BLOCK
-from normpass.onnx.online import METADATA_KEY as KEEP_FP32
-from normpass.onnx.passes import FoldOptions, fold_onnx
-from normpass.onnx.rotate import RotateOptions, rotate_onnx
-from normpass.onnx.smooth import DEFAULT_ALPHA
+from normpass.onnx.fold.driver import FoldOptions, fold_onnx
+from normpass.onnx.rotate.driver import RotateOptions, rotate_onnx
+from normpass.onnx.rotate.features import CalibData
+from normpass.onnx.rotate.online import DEFAULT_BLOCK
+from normpass.onnx.rotate.online import METADATA_KEY as KEEP_FP32
+from normpass.onnx.rotate.smooth import DEFAULT_ALPHA
+from normpass.onnx.runtime import bench
 
 VARIANTS = ("original", "folded", "rotated")
 QUANTIZERS = ("int8-static", "int8-static-pc", "int8-dynamic", "int4-weights")
@@ -583,9 +583,9 @@ CALIBRATED = {"keys": (None, None), "smoothed": (DEFAULT_ALPHA, None), "online":
 
 def calibrated(name: str, cache: pathlib.Path, variant: str, index: int, calibration: list[dict]) -> pathlib.Path:
     """`rotate --calib` on split `index`'s calibration inputs, built unless cached: `keys`, the rotated model
-    with attention's key biases centred (`normpass.onnx.keys`); `smoothed`, also with the outputs of the norms
-    no rotation reached smoothed (`--smooth`, `normpass.onnx.smooth`); `online`, also with the MLP down
-    projections' inputs rotated at run time (`--online-rotation`, `normpass.onnx.online`)."""
+    with attention's key biases centred (`normpass.onnx.rotate.keys`); `smoothed`, also with the outputs of the norms
+    no rotation reached smoothed (`--smooth`, `normpass.onnx.rotate.smooth`); `online`, also with the MLP down
+    projections' inputs rotated at run time (`--online-rotation`, `normpass.onnx.rotate.online`)."""
     path = cache / name / f"{variant}.split{index}.onnx"
     if not path.exists():
         smooth, block = CALIBRATED[variant]

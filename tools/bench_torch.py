@@ -4,7 +4,7 @@ every norm deleted, on the CPU or a CUDA GPU.
 The same model shapes as tools/bench_e2e.py (GPT-2-small, BERT-base, ViT-B/16; seeded weights) and
 all-MiniLM-L6-v2 (`minilm`: real weights, `normpass[minilm]`, mean-pooled; random token ids), fp32
 by default (`--dtype fp16` on a GPU). Variants, timed in the same interleaved rounds
-(`normpass.onnx.bench.interleave`, medians and per-round ratio quartiles), under
+(`normpass.onnx.runtime.bench.interleave`, medians and per-round ratio quartiles), under
 `torch.inference_mode()`, each run ending with `torch.cuda.synchronize()` on a GPU:
 
 * `original`: the `transformers` module;
@@ -51,8 +51,8 @@ from normpass import models as builtin_models
 from normpass.core.replace import ReplaceOptions
 from normpass.core.surrogates import Surrogate
 from normpass.models import minilm, registry
-from normpass.onnx import bench
-from normpass.onnx.verify import compare_outputs
+from normpass.onnx.runtime import bench
+from normpass.onnx.runtime.verify import compare_outputs
 from normpass.torch.api import fold
 from normpass.torch.replace import apply_surrogates, base
 

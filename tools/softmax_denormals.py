@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from normpass.onnx.bench import make_feeds, profile_ops
+from normpass.onnx.runtime.bench import make_feeds, profile_ops
 
 SETTINGS = [(threads, daz) for threads in (1, 2) for daz in (False, True)]
 

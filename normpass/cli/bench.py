@@ -1,7 +1,7 @@
 """`normpass bench ORIGINAL OPTIMIZED`: is the optimized model faster in ONNX Runtime, and by how much?
 
 Interleaved runs after warm-up at one point (`--batch`, `--seq`) or along a sweep
-(`--sweep seq=64,256,1024`); medians and the ratio per point (see `normpass.onnx.bench`). Refuses
+(`--sweep seq=64,256,1024`); medians and the ratio per point (see `normpass.onnx.runtime.bench`). Refuses
 (exit 1) when the two models' outputs differ beyond the dtype's tolerance, unless `--max-diff REL`
 bounds the relative error explicitly (a `normpass replace` output keeps a budget, not the outputs).
 """
@@ -63,7 +63,13 @@ def _onnx_runtime_errors() -> tuple[type[BaseException], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..onnx.bench import Candidate, parse_sweep, plot, run_benchmark, to_csv  # ONNX Runtime: only when benchmarking
+    from ..onnx.runtime.bench import (  # ONNX Runtime: only when benchmarking
+        Candidate,
+        parse_sweep,
+        plot,
+        run_benchmark,
+        to_csv,
+    )
 
     inputs = model_files("ORIGINAL", args.original) | model_files("OPTIMIZED", args.optimized)
     outputs = list(check_paths(inputs, {"--json": args.json, "--csv": args.csv, "--plot": args.plot}).values())

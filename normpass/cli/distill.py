@@ -17,8 +17,8 @@ from ..core.budget import Budget
 from ..core.replace import BudgetMissed
 from ..errors import InputError, VerificationError
 from ..io import calibration_files, check_paths, save_onnx_atomic, write_text_atomic
-from ..onnx.verify import compare_outputs
-from ..onnx.verify import run as run_onnx
+from ..onnx.runtime.verify import compare_outputs
+from ..onnx.runtime.verify import run as run_onnx
 from .fold import _factory_file
 from .replace import add_calibration_arguments, calibration_options
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..io import write_text_atomic
-from ..onnx.ortopt import OrtOptimizer
-from ..onnx.passes import PROVIDERS, TARGETS, FoldOptions, fold_onnx
-from ..onnx.rewrite import RMS_OPS
-from ..onnx.verify import parse_input_shapes
+from ..onnx.fold.driver import PROVIDERS, TARGETS, FoldOptions, fold_onnx
+from ..onnx.fold.rewrite import RMS_OPS
+from ..onnx.runtime.ortopt import OrtOptimizer
+from ..onnx.runtime.verify import parse_input_shapes
 from .common import add_model_arguments, add_verification_arguments, checked_paths, model_source, save_result
 
 

@@ -41,12 +41,12 @@ from ..core.plan import FoldPlan, NormDecision
 from ..core.rotation import RotationPlan
 from ..errors import InputError
 from ..io import check_paths, model_files, write_text_atomic
-from ..onnx.frontend import build_zero_mean_graph
-from ..onnx.keys import KeyPlan
-from ..onnx.online import OnlinePlan
-from ..onnx.passes import open_graph
-from ..onnx.rotate import RotateOptions, inspect_rotation
-from ..onnx.smooth import SmoothPlan
+from ..onnx.fold.driver import open_graph
+from ..onnx.graph.frontend import build_zero_mean_graph
+from ..onnx.rotate.driver import RotateOptions, inspect_rotation
+from ..onnx.rotate.keys import KeyPlan
+from ..onnx.rotate.online import OnlinePlan
+from ..onnx.rotate.smooth import SmoothPlan
 from .common import add_model_arguments, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}

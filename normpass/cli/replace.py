@@ -17,8 +17,8 @@ from ..core.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions
 from ..core.surrogates import KINDS
 from ..errors import InputError
 from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
-from ..onnx.replace import replace_onnx
-from ..onnx.rewrite import RMS_OPS
+from ..onnx.fold.rewrite import RMS_OPS
+from ..onnx.replace.driver import replace_onnx
 from .common import add_data_arguments, add_model_arguments, load_model
 
 

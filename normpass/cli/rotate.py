@@ -12,13 +12,13 @@ import argparse
 
 from ..core.orthogonal import KINDS
 from ..io import calibration_files
-from ..onnx.features import CalibData
-from ..onnx.online import DEFAULT_BLOCK
-from ..onnx.online import METADATA_KEY as KEEP_FP32
-from ..onnx.passes import PROVIDERS, TARGETS
-from ..onnx.rotate import RotateOptions, RotateResult, rotate_onnx
-from ..onnx.smooth import DEFAULT_ALPHA
-from ..onnx.verify import parse_input_shapes
+from ..onnx.fold.driver import PROVIDERS, TARGETS
+from ..onnx.rotate.driver import RotateOptions, RotateResult, rotate_onnx
+from ..onnx.rotate.features import CalibData
+from ..onnx.rotate.online import DEFAULT_BLOCK
+from ..onnx.rotate.online import METADATA_KEY as KEEP_FP32
+from ..onnx.rotate.smooth import DEFAULT_ALPHA
+from ..onnx.runtime.verify import parse_input_shapes
 from .common import (
     add_data_arguments,
     add_model_arguments,

@@ -12,8 +12,8 @@ from pathlib import Path
 from ..core.analysis import plan as make_plan
 from ..errors import InputError
 from ..io import check_paths, model_files, write_text_atomic
-from ..onnx.frontend import build_zero_mean_graph
-from ..onnx.passes import open_graph
+from ..onnx.fold.driver import open_graph
+from ..onnx.graph.frontend import build_zero_mean_graph
 from .common import add_model_arguments, model_source
 
 FORMATS = ("html", "svg", "dot")  # normpass.viz.FORMATS, named here so that other commands start without networkx

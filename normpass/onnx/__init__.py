@@ -1,0 +1,17 @@
+"""The ONNX front end, one room per pass.
+
+* `graph/`: reading a model (onnx-ir) into the zero-mean graph: loading and the op table
+  (`frontend`), graph queries (`values`), norm spellings (`patterns`), constant-like tensors
+  (`constants`), and finishing a rewritten model for writing (`export`).
+* `fold/`: the exact pass: the driver (`fold_onnx`, `inspect_onnx`, `FoldPass`), the rewrite,
+  where γ/β can go (`targets`), the Skip fusion (`fuse`), flattened Gemms back to MatMuls (`matmul`).
+* `rotate/`: the rotation of a folded stream, with key centring, smoothing, online rotation and the
+  calibration statistics they share (`features`).
+* `replace/`: the surrogate pass: capture, selection through `core.replace`, emission.
+* `runtime/`: ONNX Runtime beside the passes: verification, benchmarking, fp16 copies, ORT's
+  transformers optimizer.
+* `graphsurgeon`: onnx-graphsurgeon graphs in and out.
+
+Each room imports from `graph/` and `runtime/`, and the later passes from `fold/`; none imports a
+later pass.
+"""

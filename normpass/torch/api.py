@@ -31,8 +31,8 @@ from torch.utils import _pytree as pytree
 from ..core.analysis import plan as make_plan
 from ..core.plan import FoldPlan
 from ..errors import InputError, UnsupportedModelError, VerificationError
-from ..onnx.passes import fold_report
-from ..onnx.verify import BFLOAT16_TOLERANCE, Comparison, compare_outputs
+from ..onnx.fold.driver import fold_report
+from ..onnx.runtime.verify import BFLOAT16_TOLERANCE, Comparison, compare_outputs
 from .capture import capture
 from .fx import TorchGraph, build_zero_mean_graph, to_numpy
 from .rewrite import apply, restrict

@@ -61,7 +61,7 @@ from ..calibration import Batch, sample_count
 from ..core.budget import Budget, Metrics
 from ..core.replace import BudgetMissed, Candidate, ReplaceOptions, ReplaceReport, Search, candidate_pool
 from ..errors import InputError, VerificationError
-from ..onnx.verify import compare_outputs
+from ..onnx.runtime.verify import compare_outputs
 from .replace import Prepared, _run, _set_module, _tensors, emit, prepare
 from .surrogates import SmoothRemoval, smooth_removal, surrogate_modules
 

@@ -29,15 +29,15 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from ..core.algebra import centre
-from ..core.analysis import layer_scale
-from ..core.graph import NormInfo, ZeroMeanGraph
-from ..core.plan import Centring, FoldPlan, Insertion
-from .constants import constant_values, is_constant
-from .frontend import OnnxGraph, einsum_weight_axis, graph_values
-from .patterns import SKIP_BIAS_INPUT
+from ...core.algebra import centre
+from ...core.analysis import layer_scale
+from ...core.graph import NormInfo, ZeroMeanGraph
+from ...core.plan import Centring, FoldPlan, Insertion
+from ..graph.constants import constant_values, is_constant
+from ..graph.frontend import OnnxGraph, einsum_weight_axis, graph_values
+from ..graph.patterns import SKIP_BIAS_INPUT
+from ..graph.values import attr, input_at, is_initializer, name_of, take_over
 from .targets import AffinePlan, Namer, affine_plan, derived_initializer, move_affine, new_initializer, set_input
-from .values import attr, input_at, is_initializer, name_of, take_over
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
 # A map of a constant's output features along an axis (None: the constant is constant along it), e.g.

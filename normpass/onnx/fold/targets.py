@@ -24,14 +24,14 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..core.algebra import migrate_affine, scale_along
-from ..core.analysis import regroup_axis
-from ..errors import WeightOverflowError
-from ..io import drop_pages
-from .constants import constant_values, is_constant
-from .frontend import SHAPE_READERS, OnnxGraph
-from .patterns import SKIP_BIAS_INPUT
-from .values import attr, input_at, is_initializer, name_of, readers
+from ...core.algebra import migrate_affine, scale_along
+from ...core.analysis import regroup_axis
+from ...errors import WeightOverflowError
+from ...io import drop_pages
+from ..graph.constants import constant_values, is_constant
+from ..graph.frontend import SHAPE_READERS, OnnxGraph
+from ..graph.patterns import SKIP_BIAS_INPUT
+from ..graph.values import attr, input_at, is_initializer, name_of, readers
 
 LAZY_MIN_BYTES = 2**20  # derived weights at least this large are computed when written
 

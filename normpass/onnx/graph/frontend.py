@@ -36,8 +36,8 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import InlinePass
 
-from ..core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
-from ..core.rules import (
+from ...core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
+from ...core.rules import (
     Broadcast,
     Centered,
     Choose,
@@ -55,8 +55,8 @@ from ..core.rules import (
     Sum,
     Take,
 )
-from ..errors import InputError, UnsupportedModelError
-from ..io import LIGHT_INITIALIZER_LIMIT, skeleton
+from ...errors import InputError, UnsupportedModelError
+from ...io import LIGHT_INITIALIZER_LIMIT, skeleton
 from .constants import constant_values, is_constant, unit_slice
 from .patterns import MatchContext, NormMatch, match_decomposed, match_single_op, norm_info
 from .values import attr, bodies, input_at, is_initializer, name_of, shape_axes

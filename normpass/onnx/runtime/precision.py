@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..errors import InputError
+from ...errors import InputError
 
 STASH_TYPE_OPS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization")
 FLOAT = 1  # stash_type value: compute statistics in float32

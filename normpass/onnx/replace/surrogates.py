@@ -64,19 +64,16 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from ..core.analysis import ShiftChecker, safe_centrings
-from ..core.cost import Emission, costs
-from ..core.graph import NormInfo, NormType
-from ..core.plan import Centring
-from ..core.stream import STREAM_KINDS, on_scaled_input, scale_limit, stream_scale
-from ..core.surrogates import NormSpec, Surrogate
-from .constants import constant_values
-from .export import export_model as annotate
-from .frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
-from .fuse import fuse_skip_rms, skip_fused_adds
-from .passes import in_memory_proto
-from .rewrite import Rewriter, new_value, rms_nodes
-from .targets import (
+from ...core.analysis import ShiftChecker, safe_centrings
+from ...core.cost import Emission, costs
+from ...core.graph import NormInfo, NormType
+from ...core.plan import Centring
+from ...core.stream import STREAM_KINDS, on_scaled_input, scale_limit, stream_scale
+from ...core.surrogates import NormSpec, Surrogate
+from ..fold.driver import in_memory_proto
+from ..fold.fuse import fuse_skip_rms, skip_fused_adds
+from ..fold.rewrite import Rewriter, new_value, rms_nodes
+from ..fold.targets import (
     StreamPlan,
     affine_plan,
     move_affine,
@@ -86,7 +83,10 @@ from .targets import (
     stream_plan,
     value_readers,
 )
-from .values import input_at, name_of, take_over
+from ..graph.constants import constant_values
+from ..graph.export import export_model as annotate
+from ..graph.frontend import OnnxGraph, body_holders, build_zero_mean_graph, graph_values
+from ..graph.values import input_at, name_of, take_over
 
 LIGHT_LIMIT = 4096  # elements; larger constants become graph inputs of a light model
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from .. import __version__
-from ..calibration import Batch, InputSpec, find_mask_input, load_batches
-from ..core.budget import compare
-from ..core.cost import Emission
-from ..core.graph import NormInfo
-from ..core.replace import (
+from ... import __version__
+from ...calibration import Batch, InputSpec, find_mask_input, load_batches
+from ...core.budget import compare
+from ...core.cost import Emission
+from ...core.graph import NormInfo
+from ...core.replace import (
     Frame,
     ReplaceOptions,
     ReplaceReport,
@@ -46,15 +46,15 @@ from ..core.replace import (
     select,
     split_roles,
 )
-from ..core.stats import StatsCollector, token_rows
-from ..core.surrogates import NormSpec, Surrogate
-from ..errors import InputError, UnsupportedModelError, VerificationError
-from ..io import checked_model
-from .constants import constant_values
-from .frontend import build_zero_mean_graph, load_graph
-from .passes import FoldOptions, fold_onnx
+from ...core.stats import StatsCollector, token_rows
+from ...core.surrogates import NormSpec, Surrogate
+from ...errors import InputError, UnsupportedModelError, VerificationError
+from ...io import checked_model
+from ..fold.driver import FoldOptions, fold_onnx
+from ..graph.constants import constant_values
+from ..graph.frontend import build_zero_mean_graph, load_graph
+from ..runtime.verify import check_input_shapes, fixed_dim, index_bounds, make_inputs, session
 from .surrogates import Emitter, export_model, light_model, norm_cost, norm_spec, open_graph, width_of
-from .verify import check_input_shapes, fixed_dim, index_bounds, make_inputs, session
 
 CENTRING_TOLERANCE = 1e-4  # relative, float32: input centring may only change rounding
 

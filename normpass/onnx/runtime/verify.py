@@ -35,8 +35,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError
-from ..io import (
+from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError
+from ...io import (
     keeps_external_data,
     may_exceed_proto_limit,
     release_weights,

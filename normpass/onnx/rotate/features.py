@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from ..calibration import load_batches
-from .frontend import OnnxGraph
-from .passes import in_memory_proto
-from .replace import input_spec
-from .verify import check_input_shapes, session
+from ...calibration import load_batches
+from ..fold.driver import in_memory_proto
+from ..graph.frontend import OnnxGraph
+from ..replace.driver import input_spec
+from ..runtime.verify import check_input_shapes, session
 
 
 @dataclass(frozen=True)

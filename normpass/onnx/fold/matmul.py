@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .constants import constant_values, is_constant, unit_slice
-from .values import attr, input_at, name_of, shape_axes, take_over
+from ..graph.constants import constant_values, is_constant, unit_slice
+from ..graph.values import attr, input_at, name_of, shape_axes, take_over
 
 # The RMS ops the fold emits for ONNX Runtime: a Gemm reading one, or feeding the residual Add before one, converts.
 RMS_OPS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization"}

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from .constants import constant_values, is_constant
-from .export import STANDARD_DOMAINS as STANDARD
-from .frontend import OnnxGraph
-from .targets import value_readers
-from .values import attr, name_of
+from ..fold.targets import value_readers
+from ..graph.constants import constant_values, is_constant
+from ..graph.export import STANDARD_DOMAINS as STANDARD
+from ..graph.frontend import OnnxGraph
+from ..graph.values import attr, name_of
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..core.algebra import has_zero_mean, is_uniform
-from ..core.graph import ALREADY_RMS, NormInfo, NormType
+from ...core.algebra import has_zero_mean, is_uniform
+from ...core.graph import ALREADY_RMS, NormInfo, NormType
 from .constants import EVALUATORS, constant_values
 from .values import attr, input_at, name_of, readers
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from ..errors import InputError
+from ...errors import InputError
 
 # Each RMS op the fold emits counts as the LayerNorm op it replaces.
 AS_LAYER_NORM = {

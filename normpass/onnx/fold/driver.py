@@ -42,19 +42,19 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .. import __version__
-from ..core.analysis import plan as make_plan
-from ..core.plan import FoldPlan
-from ..errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
-from ..io import checked_model, interface, load_ir, save_onnx_atomic, to_proto
-from .export import export_model
-from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
+from ... import __version__
+from ...core.analysis import plan as make_plan
+from ...core.plan import FoldPlan
+from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
+from ...io import checked_model, interface, load_ir, save_onnx_atomic, to_proto
+from ..graph.export import export_model
+from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph
+from ..graphsurgeon import from_graphsurgeon, to_graphsurgeon
+from ..runtime.ortopt import OrtOptimizer, optimize, ordering_note
+from ..runtime.verify import Comparison, Model, check_input_shapes, check_signature, verify
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
-from .graphsurgeon import from_graphsurgeon, to_graphsurgeon
 from .matmul import gemms_to_matmuls
-from .ortopt import OrtOptimizer, optimize, ordering_note
 from .rewrite import RMS_OPS, Rewriter
-from .verify import Comparison, Model, check_input_shapes, check_signature, verify
 
 if TYPE_CHECKING:
     import onnx_graphsurgeon as gs

@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from ..core.graph import ZeroMeanGraph
-from ..core.stream import scale_limit
-from .constants import constant_values, is_constant
-from .frontend import OnnxGraph
-from .targets import value_readers
-from .values import name_of
+from ...core.graph import ZeroMeanGraph
+from ...core.stream import scale_limit
+from ..fold.targets import value_readers
+from ..graph.constants import constant_values, is_constant
+from ..graph.frontend import OnnxGraph
+from ..graph.values import name_of
 
 EPSILON = 1e-5  # the floor of either maximum, as SmoothQuant's reference code has it
 DEFAULT_ALPHA = 0.5

@@ -40,29 +40,29 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .. import __version__
-from ..core.algebra import rotate, scale_along
-from ..core.graph import ZNode
-from ..core.orthogonal import KINDS, rotation_matrix
-from ..core.plan import FoldPlan
-from ..core.rotation import RotationPlan, Stream, gamma_of, plan_rotation
-from ..errors import InputError, UnsupportedModelError
-from .constants import is_constant
-from .export import export_model
+from ... import __version__
+from ...core.algebra import rotate, scale_along
+from ...core.graph import ZNode
+from ...core.orthogonal import KINDS, rotation_matrix
+from ...core.plan import FoldPlan
+from ...core.rotation import RotationPlan, Stream, gamma_of, plan_rotation
+from ...errors import InputError, UnsupportedModelError
+from ..fold.driver import FoldOptions, FoldResult, ModelSource, checked, fold_onnx
+from ..fold.rewrite import Rewriter
+from ..fold.targets import new_initializer
+from ..graph.constants import is_constant
+from ..graph.export import export_model
+from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph
+from ..graph.values import attr, input_at, name_of
+from ..graphsurgeon import from_graphsurgeon
+from ..runtime.verify import structure
 from .features import CalibData, FeatureStats, feature_statistics
-from .frontend import OnnxGraph, build_zero_mean_graph, load_graph
-from .graphsurgeon import from_graphsurgeon
 from .keys import KeyPlan, find_sites
 from .online import DEFAULT_BLOCK, SEED_OFFSET, SUFFIX, OnlinePlan
 from .online import METADATA_KEY as KEEP_FP32
 from .online import find_sites as find_online_sites
-from .passes import FoldOptions, FoldResult, ModelSource, checked, fold_onnx
-from .rewrite import Rewriter
 from .smooth import DEFAULT_ALPHA, SmoothPlan, smoothing_scale, weight_rows
 from .smooth import find_sites as find_smooth_sites
-from .targets import new_initializer
-from .values import attr, input_at, name_of
-from .verify import structure
 
 STANDARD = ("", "ai.onnx")
 

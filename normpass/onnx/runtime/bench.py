@@ -50,9 +50,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .. import __version__
-from ..errors import InputError, VerificationError
-from ..io import write_text_atomic
+from ... import __version__
+from ...errors import InputError, VerificationError
+from ...io import write_text_atomic
 from .verify import compare_outputs, fixed_dim, make_inputs, ort_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}

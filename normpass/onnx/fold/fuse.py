@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .values import attr, input_at, is_initializer, name_of, take_over
+from ..graph.values import attr, input_at, is_initializer, name_of, take_over
 
 MS_DOMAIN = "com.microsoft"
 SKIP_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)  # ORT's kernels for SkipSimplifiedLayerNormalization

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from ..core.graph import ZeroMeanGraph
-from .constants import constant_values, is_constant
-from .frontend import OnnxGraph
-from .values import attr, name_of
+from ...core.graph import ZeroMeanGraph
+from ..graph.constants import constant_values, is_constant
+from ..graph.frontend import OnnxGraph
+from ..graph.values import attr, name_of
 
 DEFAULT_BLOCK = 64
 SEED_OFFSET = 1000  # H is seeded `RotateOptions.rotation_seed` + this, apart from the streams' matrices
