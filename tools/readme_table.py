@@ -105,10 +105,13 @@ class Timing:
         ratios = [point["variants"][self.variant]["ratio"] for point in points]
         names = ", ".join(sorted({MODEL_NAMES.get(point["model"], point["model"]) for point in points}))
         baselines = " / ".join(sorted({BASELINES[point["baseline"]] for point in points}))
+        setting = ", ".join(
+            sorted({point["dtype"] for point in points}) + sorted({point["device"] for point in points})
+        )
         label = f"{self.label}: " if self.label else ""
         return (
             f"{label}{verdict(ratios)}, {span(ratios)}× {baselines}'s time "
-            f"({names}; {len(ratios)} points, {link(self.record, page)})"
+            f"({names}; {setting}; {len(ratios)} points, {link(self.record, page)})"
         )
 
 
@@ -124,11 +127,13 @@ class Int8:
     def render(self, page: str) -> str:
         rows = load(self.record)["points"][0]["rows"]
         ratios = [row["ratio"] for row in rows if row["recipe"] == self.recipe]
-        forms = {row["form"]: row for row in load(self.latency)["points"][0]["rows"]}
+        latency = load(self.latency)
+        forms = {row["form"]: row for row in latency["points"][0]["rows"]}
         speedup = 1 / forms[f"{self.recipe} rotated"]["ratio"]
+        threads = {0: "ORT's default threads", 1: "one thread"}.get(latency["settings"]["threads"], "threads")
         return (
             f"{self.label}: error {span(ratios)}× the original's ({len(ratios)} splits, {link(self.record, page)}), "
-            f"{speedup:.2f}× fp32's speed ({link(self.latency, page)})"
+            f"{speedup:.2f}× fp32's speed ({latency['machine']['cpu']}, {threads}; {link(self.latency, page)})"
         )
 
 
