@@ -21,7 +21,7 @@ import pytest
 from conftest import load_module, rng
 from test_patterns import post_ln, pre_ln_block
 
-from normpass.cli.main import main
+from normpass.cli.main import build_parser, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -146,3 +146,28 @@ def test_no_figure_that_changes_with_every_commit(page):
     text = (ROOT / page).read_text()
     assert not re.search(r"\b\d[\d,]* tests\b", text), "a test count: pytest prints it"
     assert not re.search(r"\b(about|in) \d+ minutes\b", text), "the suite's time: pytest prints it"
+
+
+def documented_commands(page: pathlib.Path) -> list[str]:
+    """The `normpass …` commands in the shell blocks of `page`, continuation lines joined."""
+    commands = []
+    for block in re.findall(r"^```(?:bash|sh|shell)\n(.*?)^```", page.read_text(), re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in re.split(r"&&|\|\||;|\|", line):
+                words = shlex.split(part, comments=True)
+                if words[:1] == ["normpass"]:
+                    commands.append(shlex.join(words[1:]))
+    return commands
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_documented_commands_parse(page, capsys):
+    """Every documented `normpass` command is one the command line accepts (its verb, options and values)."""
+    parser = build_parser()
+    refused = []
+    for command in documented_commands(page):
+        try:
+            parser.parse_args(shlex.split(command))
+        except SystemExit:
+            refused.append(f"normpass {command}: {capsys.readouterr().err.strip().splitlines()[-1]}")
+    assert refused == [], "\n".join(refused)
