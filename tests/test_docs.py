@@ -72,7 +72,12 @@ def schema_examples() -> list[tuple[str, str, str]]:
 
 def test_the_schemas_are_documented():
     commands = {args for _page, args, _example in schema_examples()}
-    assert {"inspect MODEL --json", "inspect MODEL --json --rotation", "fold MODEL -o OUT --report REPORT"} <= commands
+    assert {
+        "inspect MODEL --json",
+        "inspect MODEL --json --rotation",
+        "fold MODEL -o OUT --report REPORT",
+        "rotate MODEL -o OUT --report REPORT",
+    } <= commands
 
 
 def assert_same_keys(documented, printed, where: str) -> None:
