@@ -3,11 +3,12 @@
 Every figure in the table is computed here from a JSON record committed under `docs/results/`, and the
 cell links to that record, so no figure is typed by hand. A cell is one measurement series:
 
-* **time** (`Timing`): `records-*.json` (docs/results/README.md), the variant's ratio to the record's
-  baseline at every point (batch × sequence, dtype) of the models named. The cell shows the range of the
-  medians, the baseline, and a verdict by a fixed rule: **faster** when every point is at most `FASTER`
-  (3 % or more faster everywhere), **slower** when the median point is at least 1 / `FASTER`, **nothing**
-  when the median point is at least `FASTER` (no gain beyond noise), **mixed** otherwise.
+* **time** (`Timing`): the `records-*.json` (docs/results/README.md) of every round that measured the
+  variant, its ratio to the record's baseline at every point (batch × sequence, dtype) of the models
+  named. The cell shows the range of the medians, the baseline, and a verdict by a fixed rule:
+  **faster** when every point is at most `FASTER` (3 % or more faster everywhere), **slower** when the
+  median point is at least 1 / `FASTER`, **nothing** when the median point is at least `FASTER` (no gain
+  beyond noise), **mixed** otherwise.
 * **INT8 error** (`Int8`): a `tools/bench_rotation.py` report, the rotated model's INT8 error over the
   original's INT8 error on every calibration/judging split of one recipe, with the speed over fp32
   from the matching latency report.
@@ -59,10 +60,10 @@ def load(record: str) -> dict:
     return json.loads((ROOT / RESULTS / record).read_text())
 
 
-def link(record: str, page: str) -> str:
+def link(record: str, page: str, text: str = "record") -> str:
     """A Markdown link to `record` from the page at `page` (a path relative to the repository root)."""
     target = (ROOT / RESULTS / record).relative_to(ROOT)
-    return f"[record]({os.path.relpath(target, pathlib.PurePath(page).parent)})"
+    return f"[{text}]({os.path.relpath(target, pathlib.PurePath(page).parent)})"
 
 
 def span(values: Sequence[float], digits: int = 2) -> str:
@@ -83,22 +84,29 @@ def verdict(ratios: Sequence[float]) -> str:
 
 @dataclass(frozen=True)
 class Timing:
-    """A variant's time over its baseline's in one `records-*.json`, on the models named (all if none)."""
+    """A variant's time over its baseline's in `records-*.json` files (every round that measured it), on
+    the models named (all if none)."""
 
-    record: str
+    records: tuple[str, ...]
     variant: str
     models: tuple[str, ...] = ()
     label: str = ""  # what the variant is, where the row's verb does not say it
 
     def points(self) -> list[dict]:
         points = [
-            record
-            for record in load(self.record)["records"]
-            if self.variant in record["variants"] and (not self.models or record["model"] in self.models)
+            point
+            for record in self.records
+            for point in load(record)["records"]
+            if self.variant in point["variants"] and (not self.models or point["model"] in self.models)
         ]
         if not points:
-            raise ValueError(f"{self.record}: no point of variant {self.variant!r} on {self.models or 'any model'}")
+            raise ValueError(f"{self.records}: no point of variant {self.variant!r} on {self.models or 'any model'}")
         return points
+
+    def links(self, page: str) -> str:
+        if len(self.records) == 1:
+            return link(self.records[0], page)
+        return "records " + " ".join(link(record, page, str(n)) for n, record in enumerate(self.records, 1))
 
     def render(self, page: str) -> str:
         points = self.points()
@@ -111,7 +119,7 @@ class Timing:
         label = f"{self.label}: " if self.label else ""
         return (
             f"{label}{verdict(ratios)}, {span(ratios)}× {baselines}'s time "
-            f"({names}; {setting}; {len(ratios)} points, {link(self.record, page)})"
+            f"({names}; {setting}; {len(ratios)} points, {self.links(page)})"
         )
 
 
@@ -172,41 +180,44 @@ CPU = "cpu-2026-11-26"
 GPU = "gpu-2026-11-26-h200"
 GPU2 = "gpu-2026-11-26-h200-round2"
 GPU3 = "gpu-2026-11-26-h200-round3"
+CUDA_ROUNDS = (f"{GPU}/records-ort.json", f"{GPU2}/records-ort.json", f"{GPU3}/records-ort.json")
+EAGER_ROUNDS = (f"{GPU}/records-torch.json", f"{GPU2}/records-torch.json", f"{GPU3}/records-torch.json")
 
 ROWS = (
     Row(
         "`fold` a raw export",
         {
-            "ORT CPU": [Timing(f"{CPU}/records-ort.json", "raw-folded")],
+            "ORT CPU": [Timing((f"{CPU}/records-ort.json", f"{CPU}/records-ort-norm-free.json"), "raw-folded")],
             "ORT CUDA": [
-                Timing(f"{GPU}/records-ort.json", "raw-folded", ("gpt2-small-shape-4k", "vit-b16-shape")),
-                Timing(f"{GPU}/records-ort.json", "raw-folded", ("bert-base-shape",)),
+                Timing(CUDA_ROUNDS, "raw-folded", ("gpt2-small-shape-4k", "vit-b16-shape")),
+                Timing(CUDA_ROUNDS, "raw-folded", ("bert-base-shape",)),
             ],
-            "PyTorch eager": [Timing(f"{GPU}/records-torch.json", "folded")],
+            "PyTorch eager": [Timing(EAGER_ROUNDS, "folded")],
         },
     ),
     Row(
         "`fold --ort-optimizer` (the fold after ORT's transformers optimizer)",
         {
-            "ORT CPU": [Timing(f"{CPU}/records-ort.json", "opt-fold")],
-            "ORT CUDA": [Timing(f"{GPU}/records-ort.json", "opt-fold")],
+            "ORT CPU": [Timing((f"{CPU}/records-ort.json", f"{CPU}/records-ort-norm-free.json"), "opt-fold")],
+            "ORT CUDA": [Timing(CUDA_ROUNDS, "opt-fold")],
         },
     ),
     Row(
         "`replace --with affine --all-norms` (norm-free, γ along the stream)",
         {
-            "ORT CPU": [Timing(f"{CPU}/records-ort-norm-free.json", "opt-affine")],
+            "ORT CPU": [Timing((f"{CPU}/records-ort-norm-free.json",), "opt-affine")],
             "ORT CUDA": [
-                Timing(f"{GPU2}/records-ort.json", "opt-affine", ("gpt2-small-shape-4k", "bert-base-shape")),
-                Timing(f"{GPU3}/records-ort.json", "opt-affine"),
+                # ViT's norm-free model of round 2 left each writer's bias Add; round 3 measured it with them carried
+                Timing((f"{GPU2}/records-ort.json",), "opt-affine", ("gpt2-small-shape-4k", "bert-base-shape")),
+                Timing((f"{GPU3}/records-ort.json",), "opt-affine", ("vit-b16-shape",)),
             ],
-            "PyTorch eager": [Timing(f"{GPU3}/records-torch.json", "all-affine")],
+            "PyTorch eager": [Timing(EAGER_ROUNDS[1:], "all-affine")],
         },
     ),
     Row(
         "`rotate`, then ONNX Runtime's quantizer",
         {
-            "ORT CUDA": [Timing(f"{GPU2}/records-ort.json", "rot-opt-int4", label="4-bit weights (`MatMulNBits`)")],
+            "ORT CUDA": [Timing(CUDA_ROUNDS[1:], "rot-opt-int4", label="4-bit weights (`MatMulNBits`)")],
             "INT8, ORT CPU": [
                 Int8(
                     f"{CPU}/rotation-attention-dinov2.json",
