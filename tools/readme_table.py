@@ -17,7 +17,9 @@ cell links to that record, so no figure is typed by hand. A cell is one measurem
   line under the table (`LINES`), not a row.
 
 `ROWS` is the table: one `Row` per verb (or recipe), one cell per column of `COLUMNS`. To add a verb's
-row, add a `Row` whose cells read its records; the pages between the markers (`PAGES`) change only by running
+row, add a `Row` whose cells read its records; every `records-*.json` under docs/results/ must be read
+by some cell (a new round's too: add its file to the cells of the variants it measured). The pages
+between the markers (`PAGES`) change only by running
 
     python tools/readme_table.py            # rewrite the table in README.md and docs/BENCHMARKS.md
     python tools/readme_table.py --check    # exit 1 if a page's table differs from the records
@@ -231,6 +233,20 @@ ROWS = (
 )
 
 LINES = (Line("`distill`", Distill(f"{GPU3}/distill.json")),)
+
+
+def records_read(rows: Sequence[Row] = ROWS, notes: Sequence[Line] = LINES) -> set[str]:
+    """Every record the table reads, relative to docs/results/."""
+    cells = [cell for row in rows for series in row.cells.values() for cell in series] + [n.cell for n in notes]
+    read: set[str] = set()
+    for cell in cells:
+        if isinstance(cell, Timing):
+            read.update(cell.records)
+        elif isinstance(cell, Int8):
+            read.update((cell.record, cell.latency))
+        else:
+            read.add(cell.record)
+    return read
 
 
 PAGES = ("README.md", "docs/BENCHMARKS.md")  # the pages that hold the table, relative to the repository root
