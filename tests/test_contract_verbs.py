@@ -4,14 +4,98 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
+import onnx
+import pytest
 from conftest import load_module
+from test_contract import cli, ln_model, refused
 
+from normpass import FoldOptions, fold_onnx
+from normpass.cli.main import build_parser
+from normpass.errors import InputError
+from normpass.onnx.runtime.ortopt import OrtOptimizer
 from normpass.viz import build_view
 
 TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
+
+
+@pytest.fixture()
+def model_file(tmp_path):
+    path = tmp_path / "model.onnx"
+    onnx.save(ln_model(), path)
+    return path
+
+
+@pytest.fixture()
+def no_ort_optimizer(monkeypatch):
+    """ONNX Runtime's transformers optimizer fails the test if it is called."""
+    from onnxruntime.transformers import optimizer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ORT's optimizer ran on settings that should have been refused")
+
+    monkeypatch.setattr(optimizer, "optimize_model", refuse)
+
+
+# --- 8–10. fold --ort-optimizer -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("gpt2:5:64", "5 heads do not divide the hidden size 64"),
+        ("gpt2:0:64", "0 heads and hidden size 64: give each from 1"),
+        ("gpt2:4:0", "4 heads and hidden size 0: give each from 1"),
+        (f"gpt2:{10**20}:64", f"{10**20} heads and hidden size 64: give each from 1"),
+        (f"gpt2:{10**20}:{10**20}", "(an ONNX int64)"),
+    ],
+)
+def test_ort_optimizer_heads_that_do_not_divide_the_hidden_size_are_refused_before_it_runs(
+    capsys, tmp_path, model_file, no_ort_optimizer, spec, says
+):
+    line = refused(capsys, "fold", model_file, "-o", tmp_path / "o.onnx", "--ort-optimizer", spec)
+    assert says in line and spec in line and not (tmp_path / "o.onnx").exists()
+
+
+def test_ort_optimizer_settings_are_checked_through_the_api_too(no_ort_optimizer):
+    with pytest.raises(InputError, match="5 heads do not divide the hidden size 64"):
+        fold_onnx(ln_model(), FoldOptions(ort_optimizer=OrtOptimizer("gpt2", 5, 64)))
+
+
+def test_ort_optimizer_report_says_what_was_detected_not_zeros(capsys, tmp_path, registry_export):
+    """GPT-2 of the registry: hidden size 64 (its fused norms' width); no attention fused, so no heads."""
+    report = tmp_path / "r.json"
+    args = ["fold", registry_export("gpt2"), "-o", tmp_path / "o.onnx", "--provider", "cpu", "--report", report]
+    code, _, err = cli(capsys, *args, "--ort-optimizer", "gpt2")
+    assert code == 0, err
+    settings = json.loads(report.read_text())["ort_optimizer"]
+    assert settings["hidden_size"] == 64 and settings["num_heads"] is None and settings["detected"] is True
+    assert settings["fused"]["SkipLayerNormalization"] > 0
+
+
+def test_fold_torch_refuses_ort_optimizer_and_help_says_so(capsys, tmp_path, monkeypatch):
+    (tmp_path / "untouched_factory.py").write_text("def make():\n    raise AssertionError('must not run')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = refused(
+        capsys, "fold", "--torch", "untouched_factory:make", "--ort-optimizer", "bert", "-o", tmp_path / "o.onnx"
+    )
+    assert "--ort-optimizer does not apply to --torch" in line and not (tmp_path / "o.onnx").exists()
+    (fold_parser,) = [p for name, p in build_parser()._subparsers._group_actions[0].choices.items() if name == "fold"]
+    helps = {option: action.help for action in fold_parser._actions for option in action.option_strings}
+    assert "--ort-optimizer is refused" in helps["--torch"] and "not with --torch" in helps["--ort-optimizer"]
+
+
+def test_ort_optimizer_progress_bars_stay_off_stderr(capsys, tmp_path, model_file):
+    """The unet optimizer draws tqdm bars; after a success stderr holds nothing (or `warning:` lines)."""
+    code, _, err = cli(
+        capsys, "fold", model_file, "-o", tmp_path / "o.onnx", "--provider", "cpu", "--ort-optimizer", "unet"
+    )
+    assert code == 0, err
+    assert all(line.startswith("normpass fold: warning: ") for line in err.splitlines()), err
+    assert "it/s" not in err and "\r" not in err
 
 
 # --- 14. viz: near-linear in the graph's size ----------------------------------------------------
