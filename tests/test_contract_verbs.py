@@ -10,8 +10,8 @@ import sys
 
 import onnx
 import pytest
-from conftest import load_module
-from test_contract import cli, ln_model, refused
+from conftest import build, load_module
+from test_contract import D, cli, ln_model, refused
 
 from normpass import FoldOptions, fold_onnx
 from normpass.cli.main import build_parser
@@ -136,3 +136,40 @@ def test_viz_work_grows_with_the_graph_and_plan_not_with_their_product():
             per_unit.append(_calls(build_view, zmg, fold_plan, full=full) / size)
     small_default, small_full, large_default, large_full = per_unit
     assert large_default < 1.5 * small_default and large_full < 1.5 * small_full, per_unit
+
+
+# --- 11. bench -------------------------------------------------------------------------------------
+
+
+def _failing_at_run_time() -> onnx.ModelProto:
+    """`ln_model`'s signature (x: float[B, 8] → y), but a Reshape to [3, -1]: fails unless 3 divides 8·B."""
+    return build(
+        f"""<ir_version: 10, opset_import: ["" : 17]>
+agraph (float[B, {D}] x) => (float[B, {D}] y) {{
+  shape = Constant<value = int64[2] {{3, -1}}>()
+  y = Reshape(x, shape)
+}}"""
+    )
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--batch", "0"),
+        ("--seq", "0"),
+        ("--threads", "-3"),
+        ("--repeats", "0"),
+        ("--warmup", "-1"),
+        ("--budget", "nan"),
+    ],
+)
+def test_bench_refuses_sizes_below_one_as_bad_options(capsys, tmp_path, model_file, option, value):
+    line = refused(capsys, "bench", model_file, model_file, "--no-progress", "--repeats", "1", option, value)
+    assert f"{option} {value}: give a number of at least" in line and str(model_file) not in line
+
+
+def test_bench_names_the_one_model_that_does_not_run(capsys, tmp_path, model_file):
+    failing = tmp_path / "failing.onnx"
+    onnx.save(_failing_at_run_time(), failing)
+    line = refused(capsys, "bench", model_file, failing, "--no-progress", "--repeats", "1", "--batch", "1")
+    assert f"{failing}: ONNX Runtime cannot run it at batch 1" in line and str(model_file) not in line
