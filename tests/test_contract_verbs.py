@@ -5,9 +5,12 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
+import numpy as np
 import onnx
 import pytest
 from conftest import build, load_module
@@ -173,3 +176,115 @@ def test_bench_names_the_one_model_that_does_not_run(capsys, tmp_path, model_fil
     onnx.save(_failing_at_run_time(), failing)
     line = refused(capsys, "bench", model_file, failing, "--no-progress", "--repeats", "1", "--batch", "1")
     assert f"{failing}: ONNX Runtime cannot run it at batch 1" in line and str(model_file) not in line
+
+
+# --- 12. distill ----------------------------------------------------------------------------------
+
+FACTORIES = """
+import sys
+
+import torch
+
+
+class Coloured(torch.nn.Linear):
+    def forward(self, x):
+        raise ValueError("\\x1b[96mshapes\\x1b[0m do not fit")
+
+
+def pair_with_int():
+    return torch.nn.Linear(4, 4).eval(), 5
+
+
+def exits():
+    sys.exit(7)
+
+
+def wrong_inputs():
+    return torch.nn.Linear(4, 4).eval(), (torch.zeros(2, 3),)
+
+
+def coloured_error():
+    return Coloured(4, 4).eval(), (torch.zeros(2, 4),)
+
+
+def linear():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).eval(), (torch.zeros(2, 4),)
+"""
+
+
+@pytest.fixture()
+def factories(tmp_path, monkeypatch):
+    (tmp_path / "verb_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    np.savez(tmp_path / "calib.npz", x=np.zeros((32, 4), dtype=np.float32))
+    return tmp_path
+
+
+@pytest.fixture()
+def no_training(monkeypatch):
+    import normpass.torch.distill
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("distill trained on a factory it should have refused")
+
+    monkeypatch.setattr(normpass.torch.distill, "distill", refuse)
+
+
+def _distill(capsys, directory, factory, *more):
+    out = directory / "o.onnx"
+    line = refused(
+        capsys, "distill", "--torch", f"verb_factories:{factory}", "--calib", directory / "calib.npz", "-o", out, *more
+    )
+    assert not out.exists()
+    return line
+
+
+@pytest.mark.parametrize(
+    "factory, says",
+    [
+        (
+            "pair_with_int",
+            "example_inputs must be a tensor or a tuple of arguments, got int",
+        ),
+        ("exits", "the factory exited (sys.exit(7))"),
+        (
+            "wrong_inputs",
+            "the module does not run on its example inputs: RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+        ),
+        ("coloured_error", "the module does not run on its example inputs: ValueError: shapes do not fit"),
+    ],
+)
+def test_distill_refuses_a_bad_factory_before_training_in_one_plain_line(capsys, factories, no_training, factory, says):
+    line = _distill(capsys, factories, factory)
+    assert f"factory 'verb_factories:{factory}': " in line and says in line and "\x1b" not in line
+
+
+@pytest.mark.parametrize("limit", ["-1", "0", "nan"])
+def test_distill_refuses_a_time_limit_that_is_not_positive(capsys, factories, no_training, limit):
+    assert f"--time-limit {limit}: give seconds > 0" in _distill(capsys, factories, "linear", "--time-limit", limit)
+
+
+def test_torch_export_logs_no_torchvision_lines(tmp_path):
+    """torch.onnx's exporter logs four `torchvision is not installed` lines through its own stderr handler on
+    the first export of a process (where torchvision is missing): a fresh process shows whether they pass."""
+    (tmp_path / "verb_factories.py").write_text(FACTORIES)
+    command = [
+        sys.executable,
+        "-m",
+        "normpass",
+        "fold",
+        "--torch",
+        "verb_factories:linear",
+        "-o",
+        str(tmp_path / "o.onnx"),
+    ]
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": str(tmp_path)},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "torchvision" not in done.stderr and (tmp_path / "o.onnx").exists()

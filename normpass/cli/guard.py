@@ -82,7 +82,8 @@ def run(command: str, verb, args) -> int:
 
 
 def _say(command: str, text: str) -> None:
-    print(f"normpass {command}: {text}", file=sys.stderr)
+    """One line on stderr, without the colour codes some libraries put in their messages."""
+    print(f"normpass {command}: {ANSI_ESCAPE.sub('', text)}", file=sys.stderr)
 
 
 def _with_notes(message: str, notes: list[str]) -> str:
