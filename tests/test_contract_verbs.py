@@ -288,3 +288,55 @@ def test_torch_export_logs_no_torchvision_lines(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "torchvision" not in done.stderr and (tmp_path / "o.onnx").exists()
+
+
+# --- 15. a signal once the work is done ------------------------------------------------------------
+
+# `normpass ARGS` (as the program: `main()` reads sys.argv) that sends itself a signal once the work is
+# done: `guard`, when the verb has returned (model and report written, summary printed) and the guard
+# is putting away what it set up around it; `program`, when the guard has returned, before the
+# interpreter exits.
+SIGNAL_WHEN_DONE = """
+import contextlib, os, signal, sys
+from normpass.cli import guard
+from normpass.cli.main import main
+
+when, signum = sys.argv[1], getattr(signal, sys.argv[2])
+sys.argv = ["normpass", *sys.argv[3:]]
+if when == "guard":
+    caught = guard._caught_messages
+
+    @contextlib.contextmanager
+    def then_signal(notes):
+        with caught(notes):
+            yield
+            os.kill(os.getpid(), signum)
+
+    guard._caught_messages = then_signal
+else:
+    run = guard.run
+
+    def then_signal(*args, **kwargs):
+        code = run(*args, **kwargs)
+        os.kill(os.getpid(), signum)
+        return code
+
+    guard.run = then_signal
+sys.exit(main())
+"""
+
+
+def test_a_signal_after_the_work_is_done_changes_nothing(tmp_path, model_file):
+    """A SIGTERM, SIGHUP or SIGINT after both outputs are written and the summary printed: exit 0, no line
+    (it was 143 / 129 with no line after the guard, a `terminated` line and 143 / 129 / 130 inside it)."""
+    cases = [(when, name) for when in ("guard", "program") for name in ("SIGTERM", "SIGHUP", "SIGINT")]
+    runs = []
+    for index, (when, name) in enumerate(cases):
+        out, report = tmp_path / f"o{index}.onnx", tmp_path / f"r{index}.json"
+        argv = ["fold", str(model_file), "-o", str(out), "--report", str(report), "--provider", "cpu"]
+        command = [sys.executable, "-c", SIGNAL_WHEN_DONE, when, name, *argv]
+        runs.append((subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out, report))
+    for (when, name), (process, out, report) in zip(cases, runs, strict=True):
+        stdout, stderr = process.communicate(timeout=300)
+        assert (process.returncode, stderr) == (0, ""), (when, name, process.returncode, stderr)
+        assert f"wrote {out}" in stdout and out.exists() and json.loads(report.read_text())["output"] == str(out)
