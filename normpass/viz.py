@@ -335,7 +335,7 @@ def _collapsed_edges(g: nx.DiGraph, nodes: dict[str, VNode], edges: list[VEdge])
         return []
     index = {n: i for i, n in enumerate(nodes)}
     position = {n: i for i, n in enumerate(v for v in nx.topological_sort(g) if v in nodes)}
-    found = {u: [] for u in nodes}
+    found: dict[str, list[str]] = {u: [] for u in nodes}
     for edge in edges:
         found[edge.source].append(edge.target)
     below: dict[str, set[str]] = {}

@@ -23,6 +23,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -85,10 +86,10 @@ def transformer_stack(layers: int) -> onnx.ModelProto:
         return onnx.load(f"{tmp}/stack.onnx")
 
 
-MODELS = {"chain": pre_ln_chain, "stack": transformer_stack}
+MODELS: dict[str, Callable[[int], onnx.ModelProto]] = {"chain": pre_ln_chain, "stack": transformer_stack}
 
 
-def analyse(model: onnx.ModelProto):
+def analyse(model: onnx.ModelProto) -> tuple:
     """The zero-mean graph and fold plan, as `normpass viz` makes them."""
     from normpass.core.analysis import plan as make_plan
     from normpass.onnx.fold.driver import open_graph
@@ -102,7 +103,8 @@ def draw(model: onnx.ModelProto, fmt: str, full: bool) -> str:
     """What `normpass viz` does after loading the model."""
     from normpass.viz import render
 
-    return render(*analyse(model), fmt, full=full)
+    zmg, fold_plan = analyse(model)
+    return render(zmg, fold_plan, fmt, full=full)
 
 
 def main() -> None:
