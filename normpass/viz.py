@@ -193,7 +193,7 @@ class _Graph:
             for ident in nodes:
                 end_of[ident] = end_of.get(ident, 0) | bit[norm]
         order = list(nx.topological_sort(self.g))
-        passes: dict[str, int] = {}  # what reaches the norms in `reaches[v]` through v: v's bit, more if transparent
+        passes: dict[str, int] = {}  # the norms reached through v: v's own bit; if v is transparent, all it reaches
         reaches: dict[str, int] = {}
         for v in reversed(order):
             reaches[v] = bit.get(v, 0)
@@ -327,9 +327,9 @@ def _collapsed_edges(g: nx.DiGraph, nodes: dict[str, VNode], edges: list[VEdge])
     """Dashed edges u → w where w is reached from u only through hidden nodes, transitively reduced: none
     where a longer path of drawn and dashed edges leads from u to w as well.
 
-    Each is labelled with the number of hidden nodes it stands for. A walk through the hidden nodes below
-    each drawn one, and one through the drawn nodes between u and its farthest dashed target (in
-    topological order) for the reduction: time linear in what lies between, never all pairs."""
+    Each is labelled with the number of hidden nodes it stands for. Per drawn node u: a walk through the
+    hidden nodes below it, and for the reduction one through the drawn nodes up to its farthest dashed
+    target in topological order, not through the whole view."""
     hidden = {n for n in g if n not in nodes}
     if not hidden:
         return []
