@@ -24,6 +24,7 @@ from __future__ import annotations
 import html
 import itertools
 import json
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from statistics import fmean
 
@@ -177,20 +178,34 @@ class _Graph:
             edges.extend(itertools.pairwise(path))
         return edges
 
-    def proof_region(self, decision: NormDecision, ends: set[str]) -> set[str]:
-        """The norm, `ends`, and the nodes on axis-transparent paths from `ends` to the norm."""
-        reached, stack = {decision.name}, [decision.name]
-        while stack:
-            for source in self.g.predecessors(stack.pop()):
-                if source not in reached:
-                    reached.add(source)
-                    if self.g.nodes[source]["kind"] in TRANSPARENT:
-                        stack.append(source)
-        sub = self.g.subgraph(reached)
-        upstream = nx.ancestors(sub, decision.name)
-        region = {decision.name} | (ends & reached)
-        for end in ends & reached:
-            region |= nx.descendants(sub, end) & upstream
+    def proof_regions(self, ends: dict[str, set[str]]) -> dict[str, int]:
+        """For each node, the norms whose proof region holds it, as the bits of an int (bit i: the i-th norm
+        of `ends`, which maps each norm to its ends). A norm's proof region is the norm, its ends that reach
+        it, and the nodes on the paths from those ends to it among what reaches it through transparent nodes.
+
+        Two passes over the graph instead of a walk per norm (a residual stream makes the regions of
+        successive norms overlap, their sizes summing to O(nodes · norms)): bottom-up, the norms each node
+        reaches through transparent nodes; top-down, the norms one of whose ends lies above it among those.
+        Time O(edges · norms / 64)."""
+        bit = {norm: 1 << i for i, norm in enumerate(ends)}
+        end_of: dict[str, int] = {}
+        for norm, nodes in ends.items():
+            for ident in nodes:
+                end_of[ident] = end_of.get(ident, 0) | bit[norm]
+        order = list(nx.topological_sort(self.g))
+        passes: dict[str, int] = {}  # the norms reached through v: v's own bit; if v is transparent, all it reaches
+        reaches: dict[str, int] = {}
+        for v in reversed(order):
+            reaches[v] = bit.get(v, 0)
+            for w in self.g.successors(v):
+                reaches[v] |= passes[w]
+            passes[v] = bit.get(v, 0) | (reaches[v] if self.g.nodes[v]["kind"] in TRANSPARENT else 0)
+        region: dict[str, int] = {}
+        for v in order:
+            from_ends = end_of.get(v, 0)
+            for u in self.g.predecessors(v):
+                from_ends |= region[u]
+            region[v] = bit.get(v, 0) | (reaches[v] & from_ends)
         return region
 
 
@@ -205,17 +220,19 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
             names = ", ".join(d.name for d in plan.decisions) or "none"
             raise InputError(f"norm {norm!r}: no such norm in {zmg.model_name}; its norms are: {names}")
     focus = {d.name for d in decisions}
+    by_name = {d.name: d for d in plan.decisions}
     roles: dict[str, list[str]] = {n: [] for n in g}
     notes: dict[str, dict[str, list[str]]] = {n: {} for n in g}
     relevant: set[str] = set()
-    proof_edges: set[tuple[str, str]] = set()
     block_edges: set[tuple[str, str]] = set()
 
     def mark(ident, role, note, norm_name):
         if ident is not None:
-            roles[ident].append(role)
+            if role not in roles[ident]:
+                roles[ident].append(role)
             notes[ident].setdefault(note, []).append(norm_name)
 
+    ends: dict[str, set[str]] = {}
     for decision in plan.decisions:
         roles[decision.name].append("folded" if decision.foldable else "refused")
         centred = {r for c in decision.centrings if (r := graph.resolve(c.label)) is not None}
@@ -234,11 +251,13 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
         if decision.name not in focus:
             continue
         on_path = {ident for edge in path_edges for ident in edge}
-        region = graph.proof_region(decision, centred | inserted | on_path)
-        relevant |= region | on_path
+        ends[decision.name] = centred | inserted | on_path
+        relevant |= on_path
         block_edges |= set(path_edges)
-        if decision.foldable:
-            proof_edges |= set(g.subgraph(region).edges)
+    regions = graph.proof_regions(ends)
+    folded_bits = sum(1 << i for i, name in enumerate(ends) if by_name[name].foldable)
+    relevant |= {ident for ident, bits in regions.items() if bits}
+    proof_edges = {(u, w) for u, w in g.edges if regions[u] & regions[w] & folded_bits}
     if full:
         visible = set(g)
     else:
@@ -246,7 +265,6 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
         for ident in context:
             roles[ident].append("context")
         visible = relevant | context
-    by_name = {d.name: d for d in plan.decisions}
     nodes = {}
     for ident in g:  # graph order keeps the output deterministic
         if ident not in visible:
@@ -306,28 +324,56 @@ def _shape(zmg: ZeroMeanGraph, tensor: str):
 
 
 def _collapsed_edges(g: nx.DiGraph, nodes: dict[str, VNode], edges: list[VEdge]) -> list[VEdge]:
-    """Dashed edges u → w where w is reached from u only through hidden nodes, transitively reduced.
+    """Dashed edges u → w where w is reached from u only through hidden nodes, transitively reduced: none
+    where a longer path of drawn and dashed edges leads from u to w as well.
 
-    Each is labelled with the number of hidden nodes it stands for.
-    """
-    found: nx.DiGraph[str] = nx.DiGraph()
-    found.add_nodes_from(nodes)
-    found.add_edges_from((e.source, e.target) for e in edges)
-    drawn = set(found.edges)
-    hidden = g.subgraph(n for n in g if n not in nodes)
+    Each is labelled with the number of hidden nodes it stands for. Per drawn node u: a walk through the
+    hidden nodes below it, and for the reduction one through the drawn nodes up to its farthest dashed
+    target in topological order, not through the whole view."""
+    hidden = {n for n in g if n not in nodes}
+    if not hidden:
+        return []
+    index = {n: i for i, n in enumerate(nodes)}
+    position = {n: i for i, n in enumerate(v for v in nx.topological_sort(g) if v in nodes)}
+    found: dict[str, list[str]] = {u: [] for u in nodes}
+    for edge in edges:
+        found[edge.source].append(edge.target)
     below: dict[str, set[str]] = {}
+    dashed: dict[str, list[str]] = {}
     for source in nodes:
-        starts = [m for m in g.successors(source) if m not in nodes]
-        below[source] = set(starts).union(*(nx.descendants(hidden, m) for m in starts))
-        targets = {t for current in below[source] for t in g.successors(current)}
-        found.add_edges_from((source, t) for t in nodes if t in targets)  # in node order: deterministic
+        below[source] = _reached(g.successors, g.successors(source), hidden)
+        exits = {t for current in below[source] for t in g.successors(current) if t in nodes}
+        dashed[source] = sorted(exits - set(found[source]), key=index.__getitem__)  # node order: deterministic
+        found[source] += dashed[source]
     collapsed = []
-    for u, w in nx.transitive_reduction(found).edges:
-        if (u, w) not in drawn:
-            above = {m for m in g.predecessors(w) if m not in nodes}
-            between = below[u] & above.union(*(nx.ancestors(hidden, m) for m in above))
-            collapsed.append(VEdge(u, w, "collapsed", [], hidden=len(between)))
+    for u, targets in dashed.items():
+        if not targets:
+            continue
+        limit = max(position[w] for w in targets)
+        longer, stack = set(), list(found[u])
+        while stack:
+            for w in found[stack.pop()]:
+                if w not in longer and position[w] <= limit:
+                    longer.add(w)
+                    stack.append(w)
+        for w in targets:
+            if w not in longer:
+                above = _reached(g.predecessors, g.predecessors(w), below[u])
+                collapsed.append(VEdge(u, w, "collapsed", [], hidden=len(above)))
     return collapsed
+
+
+def _reached(step, starts: Iterable[str], within: Container[str]) -> set[str]:
+    """The nodes of `within` among `starts` and what `step` (successors or predecessors) leads to from
+    them through nodes of `within`."""
+    reached = {n for n in starts if n in within}
+    stack = list(reached)
+    while stack:
+        for n in step(stack.pop()):
+            if n in within and n not in reached:
+                reached.add(n)
+                stack.append(n)
+    return reached
 
 
 # --- layout ------------------------------------------------------------------------------------

@@ -240,6 +240,6 @@ def test_cuda_outputs_are_checked_with_tf32_off_where_a_model_has_fp32_matrices(
 
     monkeypatch.setattr(bench, "open_session", fake_open)
     candidates = [bench.Candidate(label, path) for label, path in zip(("a", "b"), paths, strict=True)]
-    outputs = bench._checked_outputs(candidates, {}, provider, 0)
+    outputs = bench._checked_outputs(candidates, {}, provider, 0, (1, 8))
     assert len(calls) == opened and seen_tf32 == [False] * opened
     assert (outputs is None) == (opened == 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from ..errors import InputError, VerificationError
 from ..io import check_paths, load_onnx, model_files, replacing, write_text_atomic
@@ -55,15 +56,9 @@ def add_parser(sub) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _onnx_runtime_errors() -> tuple[type[BaseException], ...]:
-    """The exception classes ONNX Runtime raises (Fail, InvalidArgument, RuntimeException ...)."""
-    from onnxruntime.capi import onnxruntime_pybind11_state as state
-
-    return tuple(c for c in vars(state).values() if isinstance(c, type) and issubclass(c, Exception))
-
-
 def run(args: argparse.Namespace) -> int:
     from ..onnx.runtime.bench import (  # ONNX Runtime: only when benchmarking
+        ORT_ERRORS,
         Candidate,
         parse_sweep,
         plot,
@@ -71,6 +66,16 @@ def run(args: argparse.Namespace) -> int:
         to_csv,
     )
 
+    for option, value, least in (
+        ("--batch", args.batch, 1),
+        ("--seq", args.seq, 1),
+        ("--threads", args.threads, 0),
+        ("--repeats", args.repeats, 1),
+        ("--warmup", args.warmup, 0),
+        ("--budget", args.budget, 0),
+    ):
+        if not least <= value < math.inf:  # NaN fails too
+            raise InputError(f"{option} {value}: give a number of at least {least}")
     inputs = model_files("ORIGINAL", args.original) | model_files("OPTIMIZED", args.optimized)
     outputs = list(check_paths(inputs, {"--json": args.json, "--csv": args.csv, "--plot": args.plot}).values())
     for path in (args.original, args.optimized):
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except VerificationError as e:
         raise VerificationError(str(e).replace("Candidate.bound", "--max-diff REL")) from e
-    except _onnx_runtime_errors() as e:  # a model that loads but does not run: the input's fault
+    except ORT_ERRORS as e:  # one the benchmark could not pin on either model
         raise InputError(
             f"{args.original}, {args.optimized}: ONNX Runtime cannot run them: {str(e).splitlines()[0]}; "
             "check that both models run in ONNX Runtime"

@@ -62,8 +62,9 @@ def add_parser(sub) -> None:
         "--ort-optimizer",
         metavar="TYPE[:HEADS:HIDDEN]",
         help="run ONNX Runtime's transformers optimizer (model type bert, gpt2, vit, swin, …; heads and hidden "
-        "size detected unless given) first and fold its output: the order that keeps every fusion; for the GPU "
-        "with --provider cuda, else for the CPU; verified against MODEL as given",
+        "size detected unless given: HEADS must divide HIDDEN) first and fold its output: the order that keeps "
+        "every fusion; for the GPU with --provider cuda, else for the CPU; verified against MODEL as given; "
+        "not with --torch (the optimizer takes an ONNX graph: export the module, then fold the file)",
     )
     add_verification_arguments(parser)
     parser.add_argument(
@@ -72,7 +73,8 @@ def add_parser(sub) -> None:
         help="fold a PyTorch model instead: FACTORY() returns (module, example_inputs); the folded "
         "module is exported to ONNX at -o (--target, --provider, --rms-op, --fold-with-beta-add, "
         "--no-fuse-skip, --input-shape and --seed do not apply: the exporter writes the RMS ops, "
-        "verification uses the example inputs; input dimensions stay dynamic where the module allows it)",
+        "verification uses the example inputs; --ort-optimizer is refused: it must run before the fold, on "
+        "an ONNX graph; input dimensions stay dynamic where the module allows it)",
     )
 
 
@@ -130,6 +132,12 @@ def _run_torch(args: argparse.Namespace) -> int:
     """Fold a PyTorch model from a factory and export the folded module to ONNX."""
     if args.model is not None or args.builtin is not None:
         raise InputError("--torch replaces MODEL and --builtin; give only one")
+    if args.ort_optimizer is not None:
+        raise InputError(
+            "--ort-optimizer does not apply to --torch: ONNX Runtime's optimizer must run before the fold, on an "
+            "ONNX graph (its Attention fusions start from LayerNorms); export the module to ONNX, then run "
+            "normpass fold MODEL.onnx --ort-optimizer TYPE"
+        )
     from ..torch.api import export_onnx, fold, load_factory
 
     out, _ = checked_paths(args, _factory_file(args.torch))

@@ -5,7 +5,11 @@
   write in progress runs (`io.save_onnx_atomic` removes its temporary files; renames and
   clean-ups defer signals, `io.signals_deferred`); further signals are ignored while it does.
   Exit 128 + the signal's number (130, 143, 129), and the line says what was written before:
-  "nothing written", or which outputs.
+  "nothing written", or which outputs. Once the verb has returned, its outputs written and its
+  summary printed, the work is done: the signals are ignored from then on and the exit code is the
+  verb's. For the program itself (`run(..., program=True)`: `main()` reading the process's command
+  line) they stay ignored until the process exits, so that a signal during the interpreter's
+  shutdown cannot turn a finished run into a silent 143.
 * Anything else is a bug: one line, exit 3 (the traceback with NORMPASS_DEBUG=1).
 
 What libraries print on the way is not printed as it comes: Python warnings (a NumPy overflow)
@@ -47,13 +51,15 @@ class Stopped(BaseException):
         self.signum = signum
 
 
-def run(command: str, verb, args) -> int:
-    """`verb(args)` under the rules of the module docstring; returns the exit code."""
+def run(command: str, verb, args, program: bool = False) -> int:
+    """`verb(args)` under the rules of the module docstring; returns the exit code. `program`: this run is the
+    process's command, which ends when it returns (the stopping signals are then left ignored)."""
     written = len(io.WRITTEN)
     notes: list[str] = []
     try:
-        with _stopping_signals(), _caught_messages(notes):
+        with _stopping_signals(program), _caught_messages(notes):
             code = verb(args)
+            _ignore_stopping_signals()  # done: a signal from here on changes nothing
     except NormpassError as e:
         _say(command, f"error: {_with_notes(str(e), notes)}")
         return e.exit_code
@@ -82,7 +88,8 @@ def run(command: str, verb, args) -> int:
 
 
 def _say(command: str, text: str) -> None:
-    print(f"normpass {command}: {text}", file=sys.stderr)
+    """One line on stderr, without the colour codes some libraries put in their messages."""
+    print(f"normpass {command}: {ANSI_ESCAPE.sub('', text)}", file=sys.stderr)
 
 
 def _with_notes(message: str, notes: list[str]) -> str:
@@ -101,16 +108,16 @@ def _core(note: str) -> str:
 
 
 @contextlib.contextmanager
-def _stopping_signals():
+def _stopping_signals(program: bool = False):
     """SIGINT, SIGTERM and SIGHUP raise `Stopped`; the first one sets every one to be ignored until
-    the block ends (the clean-up runs in peace); the previous handlers come back after."""
+    the block ends (the clean-up runs in peace); the previous handlers come back after, unless this is
+    the `program`, which leaves them ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, frame):
-        for other in STOPPING_SIGNALS:
-            signal.signal(other, signal.SIG_IGN)
+        _ignore_stopping_signals()
         raise Stopped(signum)
 
     previous = {signum: signal.signal(signum, stop) for signum in STOPPING_SIGNALS}
@@ -118,7 +125,13 @@ def _stopping_signals():
         yield
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if program else handler)
+
+
+def _ignore_stopping_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOPPING_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 class _Collector(logging.Handler):

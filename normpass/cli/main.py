@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command `argv` (None: the process's own command line, `sys.argv`); returns the exit code."""
     args = build_parser().parse_args(argv)
-    return guard.run(args.command, COMMANDS[args.command].run, args)
+    return guard.run(args.command, COMMANDS[args.command].run, args, program=argv is None)
 
 
 if __name__ == "__main__":

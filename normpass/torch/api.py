@@ -17,8 +17,10 @@ float64 run of the original, which shows how much of the difference is fp32 roun
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+import logging
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -224,7 +226,9 @@ def _verify(model: nn.Module, folded: nn.Module, args: tuple, kwargs: dict, repo
 
 
 def load_factory(spec: str) -> tuple[nn.Module, tuple]:
-    """`package.module:factory` → `factory()`, which must return `(module, example_inputs)`."""
+    """`package.module:factory` → `factory()`, which must return `(module, example_inputs)`: a module in eval
+    mode, with its weights, that runs on the example inputs (a tensor, or a tuple of arguments). Run once here,
+    without gradients, so that inputs that do not fit are said before any work."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise InputError(f"factory {spec!r}: expected package.module:factory")
@@ -238,12 +242,45 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple]:
         built = factory()
     except Exception as e:
         raise InputError(f"factory {spec!r}: the factory raised {type(e).__name__}: {e}") from e
-    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
+    except SystemExit as e:
+        raise InputError(
+            f"factory {spec!r}: the factory exited (sys.exit({e.code!r})) instead of returning (module, example_inputs)"
+        ) from e
+    if not (isinstance(built, tuple) and len(built) == 2):
         raise InputError(
             f"factory {spec!r}: the factory must return (module, example_inputs), got {type(built).__name__}"
         )
-    module, inputs = built
-    return module, (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    try:
+        inputs, _ = _arguments(*built, None)
+    except InputError as e:
+        raise InputError(f"factory {spec!r}: {e}") from None
+    module = built[0]
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise InputError(
+            f"factory {spec!r}: the module does not run on its example inputs: {type(e).__name__}: {first}"
+        ) from e
+    return module, inputs
+
+
+# The exporter's op registry warns through torch's own stderr handler (not the root logger) for each
+# torchvision op it skips where torchvision is not installed: four lines per run, nothing to act on.
+REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
+
+
+@contextlib.contextmanager
+def _registration_quiet():
+    """The exporter's op registry logs errors only while the block runs."""
+    logger = logging.getLogger(REGISTRATION_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def to_onnx(module: nn.Module, example_inputs: tuple, dynamic_shapes=None) -> onnx.ModelProto:
@@ -258,9 +295,10 @@ def to_onnx(module: nn.Module, example_inputs: tuple, dynamic_shapes=None) -> on
             for x in example_inputs
         )
     try:
-        program = torch.onnx.export(
-            module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False
-        )
+        with _registration_quiet():
+            program = torch.onnx.export(
+                module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False
+            )
     except Exception as e:
         raise UnsupportedModelError(
             f"torch.onnx.export failed on the {type(module).__name__} module: {type(e).__name__}: "

@@ -134,6 +134,8 @@ class DistillOptions:
                 raise InputError(f"{name} {getattr(self, name)}: must be > 0")
         if isinstance(self.keep, int) and self.keep < 0:
             raise InputError(f"keep {self.keep}: give a count ≥ 0 or norm names")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise InputError(f"time_limit {self.time_limit:g}: give seconds > 0")
         return ReplaceOptions(
             kind=self.kind,
             budget=self.budget,

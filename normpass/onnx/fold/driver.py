@@ -90,6 +90,8 @@ class FoldOptions:
         """The RMS op and the skip-fusion choice (None: decided per dtype), after checking the options."""
         if self.ort_optimizer is not None and self.target != "ort":
             raise InputError("the ORT optimizer option is for the target ort; the target onnx emits standard ops only")
+        if self.ort_optimizer is not None:
+            self.ort_optimizer.checked()
         if self.target not in TARGETS:
             raise InputError(f"target {self.target!r}: choose one of {', '.join(TARGETS)}")
         if self.provider not in PROVIDERS:
@@ -235,7 +237,7 @@ def fold_onnx(model: ModelSource, options: FoldOptions | None = None, name: str 
     seconds = time.perf_counter() - start
     result = _fold(load_graph(optimized, name), original, options, name, optimized=True)
     result.seconds["ort_optimizer"] = seconds
-    result.emitted["ort_optimizer"] = vars(options.ort_optimizer) | {"fused": fused}
+    result.emitted["ort_optimizer"] = options.ort_optimizer.report(optimized, fused)
     return result
 
 

@@ -56,6 +56,10 @@ from ...io import write_text_atomic
 from .verify import compare_outputs, fixed_dim, make_inputs, ort_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+# What ONNX Runtime raises when a model does not load or run (Fail, InvalidArgument, RuntimeException ...).
+ORT_ERRORS = tuple(
+    c for c in vars(ort.capi.onnxruntime_pybind11_state).values() if isinstance(c, type) and issubclass(c, Exception)
+)
 SWEEP_AXES = ("batch", "seq")
 CSV_FIELDS = (
     "batch",
@@ -370,8 +374,11 @@ def bench_point(
     """Time every candidate at one point (see the module docstring); the first is the baseline."""
     feeds = make_feeds(candidates[0].graph(), batch, seq, seed)
     shapes = {k: list(v.shape) for k, v in feeds.items()}
-    outputs = _checked_outputs(candidates, feeds, provider, threads)
-    runners = {c.label: Runner(open_session(c.path, provider, threads), feeds, provider, clock) for c in candidates}
+    outputs = _checked_outputs(candidates, feeds, provider, threads, (batch, seq))
+    runners = {}
+    for c in candidates:
+        with _blamed(c, batch, seq):
+            runners[c.label] = Runner(open_session(c.path, provider, threads), feeds, provider, clock)
     outputs = outputs or {label: runner.outputs for label, runner in runners.items()}
     base = candidates[0]
     checks = {}
@@ -398,7 +405,21 @@ def bench_point(
     return {"batch": batch, "seq": seq, "input_shapes": shapes, "results": results}
 
 
-def _checked_outputs(candidates: list[Candidate], feeds: dict, provider: str, threads: int) -> dict | None:
+@contextlib.contextmanager
+def _blamed(candidate: Candidate, batch: int, seq: int):
+    """ONNX Runtime's errors while `candidate` loads or runs become an `InputError` naming its file."""
+    try:
+        yield
+    except ORT_ERRORS as e:
+        raise InputError(
+            f"{candidate.path}: ONNX Runtime cannot run it at batch {batch}, seq {seq}: {str(e).splitlines()[0]}; "
+            "check that the model runs in ONNX Runtime at that size"
+        ) from e
+
+
+def _checked_outputs(
+    candidates: list[Candidate], feeds: dict, provider: str, threads: int, point: tuple[int, int]
+) -> dict | None:
     """On CUDA, each candidate's outputs from a session with TF32 off, to compare with the dtype's tolerance.
 
     ORT's CUDA provider computes fp32 MatMuls in TF32 by default (10-bit mantissas): an fp32 model and its
@@ -410,10 +431,11 @@ def _checked_outputs(candidates: list[Candidate], feeds: dict, provider: str, th
         return None
     outputs = {}
     for candidate in candidates:
-        session = open_session(candidate.path, provider, threads, tf32=False)
-        outputs[candidate.label] = dict(
-            zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True)
-        )
+        with _blamed(candidate, *point):
+            session = open_session(candidate.path, provider, threads, tf32=False)
+            outputs[candidate.label] = dict(
+                zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True)
+            )
         del session
     return outputs
 
@@ -443,6 +465,8 @@ def run_benchmark(
         raise InputError("give at least two models: a baseline and a candidate")
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats {repeats} / warmup {warmup}: need at least one timed run and no negative warm-up")
+    if threads < 0 or any(size < 1 for point in points for size in point):
+        raise InputError(f"threads {threads}, points {points}: sizes of at least 1 and threads of at least 0")
     _check_signatures(candidates)
     bar = progress_bar(len(points) * len(candidates) * (repeats + warmup), progress)
     load_before = os.getloadavg()

@@ -40,6 +40,7 @@ AS_LAYER_NORM = {
 # Ops that count as fusions besides the contrib ops: a LayerNorm the optimizer fused from its decomposed form.
 FUSED_STANDARD_OPS = {"LayerNormalization"}
 MS_DOMAIN = "com.microsoft"
+MAX_INT64 = 2**63 - 1  # the optimizer writes the heads into an ONNX int64 attribute
 
 
 @dataclass(frozen=True)
@@ -62,16 +63,63 @@ class OrtOptimizer:
             heads = hidden = -1
         if len(parts) not in (1, 3) or heads < 0 or hidden < 0:
             raise InputError(f"--ort-optimizer {spec!r}: give TYPE or TYPE:HEADS:HIDDEN, e.g. gpt2 or gpt2:12:768")
-        return cls(parts[0], heads, hidden, use_gpu).checked()
+        try:
+            return cls(parts[0], heads, hidden, use_gpu).checked()
+        except InputError as e:
+            raise InputError(f"--ort-optimizer {spec!r}: {e}") from None
 
     def checked(self) -> OrtOptimizer:
+        """These settings, after checking what the optimizer would otherwise fail an assertion on."""
         from onnxruntime.transformers.optimizer import MODEL_TYPES
 
         if self.model_type not in MODEL_TYPES:
             raise InputError(
                 f"ORT optimizer model type {self.model_type!r}: choose one of {', '.join(sorted(MODEL_TYPES))}"
             )
-        return self
+        if (self.num_heads, self.hidden_size) == (0, 0):
+            return self  # the optimizer detects both
+        heads, hidden = self.num_heads, self.hidden_size
+        if not 0 < heads <= MAX_INT64 or not 0 < hidden <= MAX_INT64:
+            problem = f"{heads} heads and hidden size {hidden}: give each from 1 to {MAX_INT64} (an ONNX int64)"
+        elif hidden % heads:
+            problem = f"{heads} heads do not divide the hidden size {hidden} (HEADS must divide HIDDEN)"
+        else:
+            return self
+        raise InputError(
+            f"{problem}, e.g. gpt2:12:768, or give the model type alone to have both detected from the model"
+        )
+
+    def report(self, optimized: onnx.ModelProto, fused: dict[str, int]) -> dict:
+        """What the optimizer was asked and what it used: the heads of its fused attention ops (`num_heads`)
+        and the width of its fused norms' γ (`hidden_size`), the values given where the graph shows none,
+        null where neither does (nothing fused, nothing given)."""
+        heads = sorted(
+            {a.i for n in optimized.graph.node if n.domain == MS_DOMAIN for a in n.attribute if a.name == "num_heads"}
+        )
+        widths = sorted(_norm_widths(optimized))
+        return {
+            "model_type": self.model_type,
+            "num_heads": _one_or_all(heads) or self.num_heads or None,
+            "hidden_size": _one_or_all(widths) or self.hidden_size or None,
+            "detected": (self.num_heads, self.hidden_size) == (0, 0),
+            "use_gpu": self.use_gpu,
+            "fused": fused,
+        }
+
+
+def _one_or_all(values: list[int]) -> int | list[int] | None:
+    return values[0] if len(values) == 1 else values or None
+
+
+def _norm_widths(model: onnx.ModelProto) -> set[int]:
+    """The lengths of the γ initializers of `model`'s fused norms (LayerNormalization, SkipLayerNormalization)."""
+    sizes = {t.name: list(t.dims) for t in model.graph.initializer}
+    scales = (
+        n.input[2 if n.op_type.startswith("Skip") else 1]
+        for n in model.graph.node
+        if AS_LAYER_NORM.get(n.op_type, n.op_type) in ("LayerNormalization", "SkipLayerNormalization")
+    )
+    return {sizes[s][-1] for s in scales if len(sizes.get(s, [])) == 1}
 
 
 def optimize(model: onnx.ModelProto, settings: OrtOptimizer) -> tuple[onnx.ModelProto, dict[str, int]]:
@@ -97,11 +145,12 @@ def optimize(model: onnx.ModelProto, settings: OrtOptimizer) -> tuple[onnx.Model
 
 @contextlib.contextmanager
 def _quiet():
-    """ORT's optimizer logs through `logging` and prints: both held back while it runs."""
+    """ORT's optimizer logs through `logging`, prints, and draws progress bars on stderr (tqdm, for unet and
+    mmdit): all held back while it runs."""
     level = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             yield
     finally:
         logging.disable(level)
