@@ -7,6 +7,7 @@ docs/contract.md, "Calibration files and budgets", states the decisions.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import randn, rng
-from test_contract import D, ln_model, refused
+from test_contract import D, cli, ln_model, refused
 
 POSITIONS, VOCAB = 64, 128  # the registry's BERT and GPT-2
 
@@ -35,6 +36,25 @@ def good_npz(path: Path, count: int = 16) -> Path:
 def ids_npz(path: Path, length: int, count: int = 16, dtype=np.int64) -> Path:
     np.savez(path, input_ids=rng(2).integers(0, VOCAB, (count, length)).astype(dtype))
     return path
+
+
+# --- 3. splits --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("split", "says"), [("inf,1,1", "finite"), ("nan,1,1", "finite"), ("0.5,0.5,0", "judged on no data")]
+)
+def test_replace_refuses_a_split_that_cannot_be_judged(tmp_path, capsys, model_file, split, says):
+    calib = good_npz(tmp_path / "calib.npz")
+    line = refused(capsys, "replace", model_file, "--calib", calib, "--split", split, "-o", tmp_path / "o.onnx")
+    assert "--split" in line and says in line and not (tmp_path / "o.onnx").exists()
+
+
+def test_a_test_split_of_zero_is_fine_with_held_out_data(tmp_path, capsys, model_file):
+    calib, holdout = good_npz(tmp_path / "calib.npz"), good_npz(tmp_path / "holdout.npz")
+    args = ["--split", "0.5,0.5,0", "--holdout", holdout, "-o", tmp_path / "o.onnx"]
+    code, out, err = cli(capsys, "replace", model_file, "--calib", calib, *args)
+    assert code == 0 and "test (16 samples)" in out, err
 
 
 # --- 4. a report redirected over a file ----------------------------------------------------------------
@@ -60,3 +80,21 @@ def test_a_symlink_to_stdout_is_refused_too(tmp_path, capsys, model_file):
     link.symlink_to("/dev/stdout")
     line = refused(capsys, "fold", model_file, "-o", tmp_path / "o.onnx", "--report", link)
     assert "open file descriptor" in line or "not a regular file" in line  # the file under it decides which
+
+
+# --- undecided: budgets (--write-best: tests/test_replace.py) ----------------------------------------
+
+
+def test_a_repeated_budget_term_is_refused(tmp_path, capsys, model_file):
+    calib = good_npz(tmp_path / "calib.npz")
+    for budget in (["--budget", "cos=0.99,cos=0.9"], ["--budget", "cos=0.99", "--budget", "cos=0.9"]):
+        line = refused(capsys, "replace", model_file, "--calib", calib, *budget, "-o", tmp_path / "o.onnx")
+        assert "cos is given twice" in line
+
+
+def test_a_budget_is_printed_with_every_digit_given(tmp_path, capsys, model_file):
+    calib = good_npz(tmp_path / "calib.npz")
+    args = ["--budget", "cos=0.99999999,rel=0.00001", "-o", tmp_path / "o.onnx", "--report", tmp_path / "r.json"]
+    code, out, err = cli(capsys, "replace", model_file, "--calib", calib, *args)
+    assert code == 0 and "budget cos=0.99999999,rel=0.00001;" in out, err
+    assert json.loads((tmp_path / "r.json").read_text())["budget"]["cos"] == 0.99999999
