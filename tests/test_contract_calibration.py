@@ -21,9 +21,10 @@ import pytest
 from conftest import randn, rng
 from test_contract import D, cli, ln_model, refused
 
-from normpass import calibration
+from normpass import RotateOptions, calibration, rotate_onnx
 from normpass.calibration import InputSpec, load_batches
 from normpass.errors import InputError
+from normpass.io import to_proto
 from normpass.onnx.graph.positions import position_limit
 
 POSITIONS, VOCAB = 64, 128  # the registry's BERT and GPT-2
@@ -249,6 +250,43 @@ def test_a_shape_error_names_the_calibration_file(tmp_path, capsys):
     calib = good_npz(tmp_path / "calib.npz", count=32)
     line = refused(capsys, "replace", path, "--calib", calib, "--batch-size", "8", "-o", tmp_path / "o.onnx")
     assert f"{calib}: calibration batch 0, input x: dimension 0 is 8, the model fixes it to 16" in line
+
+
+# --- 6. rotate --calib reads the file even where nothing needs it --------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["missing", "garbage", "truncated", "empty", "wrong key"])
+def test_rotate_checks_a_named_calibration_file_that_nothing_needs(tmp_path, capsys, model_file, kind):
+    calib = tmp_path / "calib.npz"
+    if kind == "garbage":
+        calib.write_bytes(b"not an archive at all")
+    elif kind == "truncated":
+        truncated(calib)
+    elif kind == "empty":
+        calib.write_bytes(b"")
+    elif kind == "wrong key":
+        np.savez(calib, y=randn(rng(1), 4, D))
+    out = tmp_path / "o.onnx"
+    assert str(calib) in refused(capsys, "rotate", model_file, "-o", out, "--calib", calib)
+    assert not out.exists()
+    code, printed, err = cli(capsys, "rotate", model_file, "-o", out, "--calib", good_npz(tmp_path / "good.npz"))
+    assert code == 0 and "wrote" in printed, err
+
+
+# --- 7. the online rotation leaves no weight behind ----------------------------------------------------
+
+
+def test_online_rotation_leaves_no_unused_initializer(registry_model):
+    model = registry_model("gpt2")
+    offline = to_proto(rotate_onnx(model, RotateOptions()).ir_model)
+    online = rotate_onnx(model, RotateOptions(online_block=16))
+    assert online.comparison.passed and len(online.online.sites) == 2
+    proto = to_proto(online.ir_model)
+    read = {name for node in proto.graph.node for name in node.input}
+    assert [i.name for i in proto.graph.initializer if i.name not in read] == []
+    # the down projections' weights are replaced, not added to: the 16×16 matrix, Reshape shapes, names and
+    # metadata come to about 3 KiB more than the offline rotation; each down projection's weight is 64 KiB
+    assert proto.ByteSize() - offline.ByteSize() < 16 * 1024
 
 
 # --- undecided: budgets (--write-best: tests/test_replace.py) ----------------------------------------
