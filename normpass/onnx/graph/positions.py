@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .constants import constant_values, is_constant
-from .values import attr, input_at, is_initializer
+from .values import attr, input_at, is_initializer, name_of
 
 DATA, SHAPE, RANGE, CONST = "data", "shape", "range", "const"
 
@@ -39,9 +39,9 @@ class PositionLimit:
     table: str
 
 
-def _kinds(graph: ir.Graph) -> dict[ir.Value, str]:
+def _kinds(graph: ir.Graph) -> dict[ir.Value | None, str]:
     """Each node output's kind (see the module docstring), in the graph's topological order."""
-    kinds: dict[ir.Value, str] = {}
+    kinds: dict[ir.Value | None, str] = {}
 
     def kind(value: ir.Value | None) -> str:
         if value is None:
@@ -68,12 +68,12 @@ def _kinds(graph: ir.Graph) -> dict[ir.Value, str]:
 def _dims(value: ir.Value) -> tuple[int, ...] | None:
     """The static shape of a constant: declared, else computed from its (small) constant subgraph."""
     if value.shape is not None and value.shape.is_static():
-        return tuple(int(d) for d in value.shape)
+        return tuple(int(d) for d in value.shape.numpy())
     values = constant_values(value)
     return None if values is None else values.shape
 
 
-def _bounds(node: ir.Node, kinds: dict[ir.Value, str]) -> list[int]:
+def _bounds(node: ir.Node, kinds: dict[ir.Value | None, str]) -> list[int]:
     """The lengths `node` bounds: a table gathered by position ids, a constant sliced to a shape's length."""
     data = input_at(node, 0)
     if data is None or not is_constant(data) or (dims := _dims(data)) is None or not dims:
@@ -93,7 +93,7 @@ def position_limit(model: ir.Model) -> PositionLimit | None:
     """The smallest bound on the sequence length the graph holds (see the module docstring), or None."""
     kinds = _kinds(model.graph)
     found = [
-        PositionLimit(rows, node.inputs[0].name or "")
+        PositionLimit(rows, name_of(node.inputs[0]))
         for node in model.graph
         if node.op_type in ("Gather", "Slice") and node.domain in ("", "ai.onnx")
         for rows in _bounds(node, kinds)
