@@ -1,4 +1,4 @@
-"""The fold's `Reshape → Gemm → Reshape` → `MatMul → Add` conversion next to a folded norm (`onnx/matmul.py`).
+"""The fold's `Reshape → Gemm → Reshape` → `MatMul → Add` conversion next to a folded norm (`onnx/fold/matmul.py`).
 
 A small pre-LN graph in HF Conv1D's spelling: an embedding, a LayerNorm, the norm's output flattened to
 [-1, K], a Gemm, and the result reshaped to the norm's leading dims and N. The conversion happens only where

@@ -203,7 +203,7 @@ def test_gamma_moves_along_each_consumers_own_axis_into_large_weights():
     """γ migrates into two consumers that contract over different axes of their weights (a MatMul's
     [in, out] and a Gemm's transB [out, in]), each weight large enough to be computed when written:
     each migration keeps its own axis (found by ruff's B023, a loop variable read by a lambda)."""
-    d = 512  # 1 MiB fp32 weights: computed when written (onnx/targets.py LAZY_MIN_BYTES)
+    d = 512  # 1 MiB fp32 weights: computed when written (onnx/fold/targets.py LAZY_MIN_BYTES)
     gen = rng(4)
     model = build(
         f"""{HEADER}

@@ -26,7 +26,7 @@ DEFAULT_BUDGET = "cos=0.99"
 ONNX_REFUSAL = (
     "distill trains the model, which takes its PyTorch module: give --torch package.module:factory instead of "
     "an ONNX file (ONNX-to-PyTorch converters handle only some exporters' graphs, and a closed-form fit without "
-    "training stays far from the budget; docs/surrogates.md, 'Distillation')"
+    "training stays far from the budget; docs/distill.md)"
 )
 # ONNX ops that compute a norm's reduction: none may be left for a replaced norm.
 NORM_OPS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "ReduceMean")

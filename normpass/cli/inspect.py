@@ -7,8 +7,9 @@ enclosing module when there is none (`model.transformer.ln_f.weight` → `transf
 
 Output: a coloured table when stdout is a terminal and `rich` is installed (`normpass[pretty]`;
 rich honours NO_COLOR), else plain aligned text that is easy to grep. `--json` prints a stable
-object: {"model", "norms": [{"name", "op", "foldable", "reason", "centred_layers",
-"inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"}.
+object: {"model", "norms": [{"name", "op", "foldable", "kept", "reason", "centred_layers",
+"inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"} (docs/inspect.md
+shows it; tests/test_docs.py checks that page against this command's output).
 
 `--rotation` also folds the model as `normpass rotate` does and says which residual streams could
 then be rotated, and why the others not, whose keys `rotate --calib` could centre, which norm outputs

@@ -1,6 +1,6 @@
 """The surrogate pass, front-end neutral: sequential calibration, selection under a budget, the report.
 
-A front end (`onnx/replace.py`, `torch/replace.py`) folds what folds exactly, finds the candidate
+A front end (`onnx/replace/driver.py`, `torch/replace.py`) folds what folds exactly, finds the candidate
 norms, and gives this module a `Workbench`: a model whose candidate norms it can replace by
 surrogates, run on calibration batches (collecting each norm's input, or the outputs) and emit
 (saying which ops remain and what they cost). Everything else happens here, in NumPy:

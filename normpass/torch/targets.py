@@ -1,6 +1,6 @@
 """Where a norm's shift and affine can go in a PyTorch module, found on its zero-mean graph.
 
-The module-level counterpart of `onnx/targets.py`; both rewrites use it (the exact fold for γ/β,
+The module-level counterpart of `onnx/fold/targets.py`; both rewrites use it (the exact fold for γ/β,
 the surrogates for c, γ and β). A norm writes y = u⊙γ + β from x (a surrogate: u = core(x − c)):
 
 * **γ and β into linear layers** (`migration_targets`): when every path from y reaches, through

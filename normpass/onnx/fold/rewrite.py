@@ -8,7 +8,7 @@
   W⊙s and b⊙s, and the Mul is removed once the rewrite is done.
 * Copy-on-write: a rewritten constant is a new initializer read only by the rewritten input;
   whatever else read the old one (a tied LM head, a deduplicated bias) still reads the original.
-* Affine migration (`onnx/targets.py`): when every consumer of a folded norm is a linear layer with
+* Affine migration (`onnx/fold/targets.py`): when every consumer of a folded norm is a linear layer with
   constant weights that can take a bias, γ and β move into them and the RMS op keeps only ones as
   its scale; otherwise the RMS op keeps γ, and β moves into the consumers' biases and across
   residual Adds where it can, else stays an Add. `stranded_beta` names the folds that would

@@ -5,7 +5,7 @@
 1. **Exact first.** `fold_onnx` folds every provable LayerNorm (verified); only the others are
    candidates, unless `why_not` (core) or this front end (a norm fused with its residual `Add`,
    an RMSNorm whose γ is computed at run time) rules them out. LayerNorms among them get *input
-   centring* (exact, `onnx/surrogates.py`), checked numerically against the folded model.
+   centring* (exact, `onnx/replace/surrogates.py`), checked numerically against the folded model.
 2. **Data.** `calibration.load_batches` against the graph inputs (or seeded `"synthetic"`
    inputs, for tests and demos), split into the core's roles.
 3. **Capture.** A `Runner` is an ONNX Runtime session (CPU, optimizations off) of a working graph

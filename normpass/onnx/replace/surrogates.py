@@ -18,11 +18,11 @@ removed and the cheapest exact form of that formula is emitted:
   linear layer reading it takes W·b into its bias (`stream_plan` from x). ORT fuses a norm with its
   residual and bias Adds; without the norm, each site keeps one Add instead of two.
 * **core** — rms: `SimplifiedLayerNormalization` (ORT), opset-23 `RMSNormalization`, or the
-  decomposed chain, emitted by the exact fold's `onnx/rewrite.py` `rms_nodes` (the chain ends at the
+  decomposed chain, emitted by the exact fold's `onnx/fold/rewrite.py` `rms_nodes` (the chain ends at the
   division when γ is ones); affine, scalebias: nothing; dyt: `Mul(α)` → `Tanh`; derf:
   `Mul(α)` → `Erf` (Derf's s is part of the shift: erf(α u + s) = erf(α (u + s/α))).
 * **γ and β** — when every path from y reaches a linear layer that contracts over the features
-  (through feature-preserving reshapes; `onnx/targets.py` `migration_targets`), both migrate into it:
+  (through feature-preserving reshapes; `onnx/fold/targets.py` `migration_targets`), both migrate into it:
   W' = diag(γ)·W, b' = b + β·W. Otherwise γ stays (the RMS op's scale, else a `Mul`; a scalar
   one for scalebias), and β
   still migrates if every consumer is such a linear layer or a residual `Add` whose other

@@ -1,9 +1,9 @@
 """The rotation pass for ONNX models: fold → prove which residual streams rotate → rotate them → verify.
 
 With calibration inputs (`RotateOptions.calib`), attention's key biases are centred too before the check
-(`onnx/keys.py`: exact, softmax ignores a constant per row), so that a quantizer sees narrower scores;
+(`onnx/rotate/keys.py`: exact, softmax ignores a constant per row), so that a quantizer sees narrower scores;
 with `RotateOptions.smooth` too, the outputs of the norms no rotation reached are smoothed
-(`onnx/smooth.py`: a calibrated per-feature scale moved into the linear layers that read them).
+(`onnx/rotate/smooth.py`: a calibrated per-feature scale moved into the linear layers that read them).
 
 A residual stream read only by RMSNorms without affine (and residual adds) is invariant under any
 orthogonal Q: RMSNorm(xQ) = RMSNorm(x)·Q (DESIGN §2b, `core/rotation.py`). So:
