@@ -134,14 +134,20 @@ def test_a_single_npy_file_is_the_input_of_a_one_input_model(tmp_path, capsys, m
         load_batches(tmp_path / "calib.npy", spec)
 
 
-def test_distill_refuses_a_damaged_holdout_naming_it(tmp_path, capsys, monkeypatch):
+@pytest.fixture()
+def torch_factory(tmp_path, monkeypatch) -> str:
+    """`distill --torch`'s argument for the registry's BERT (64 positions)."""
     (tmp_path / "calib_factory.py").write_text(
         "from normpass import models\n\n\ndef make():\n    return models.get('bert').build_torch()\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    return "calib_factory:make"
+
+
+def test_distill_refuses_a_damaged_holdout_naming_it(tmp_path, capsys, torch_factory):
     np.savez(tmp_path / "calib.npz", x=rng(0).integers(0, VOCAB, (32, 16)))
     bad = truncated(tmp_path / "holdout.npz")
-    args = ["distill", "--torch", "calib_factory:make", "--calib", tmp_path / "calib.npz", "--holdout", bad]
+    args = ["distill", "--torch", torch_factory, "--calib", tmp_path / "calib.npz", "--holdout", bad]
     assert str(bad) in refused(capsys, *args, "-o", tmp_path / "o.onnx", "--steps", "1", "--no-progress")
 
 
@@ -166,6 +172,13 @@ def test_sequences_longer_than_the_position_table_are_refused_with_the_number(re
     line = refused(capsys, *args, "--calib", calib, "-o", out)
     assert f"{calib}: input input_ids has 200 tokens; the model's position table has 64 rows" in line
     assert not out.exists()
+
+
+def test_distill_refuses_sequences_longer_than_the_modules_configuration_says(torch_factory, tmp_path, capsys):
+    calib = tmp_path / "long.npz"
+    np.savez(calib, x=rng(2).integers(0, VOCAB, (16, 200)))
+    args = ["distill", "--torch", torch_factory, "--calib", calib, "-o", tmp_path / "o.onnx", "--no-progress"]
+    assert f"{calib}: input x has 200 tokens; the model's position table has 64 rows" in refused(capsys, *args)
 
 
 def test_text_longer_than_the_position_table_is_cut_there_with_a_warning(registry_export, tmp_path, capsys):
