@@ -127,10 +127,10 @@ def _read_arrays(path: Path, spec: InputSpec) -> dict[str, np.ndarray]:
         return _read_all(path, {name: _npy_file(p) for name, p in files.items()})
     if path.suffix.lower() == ".npy":
         required = [name for name in spec.names if name not in spec.optional]
-        if len(required) > 1:
+        if len(required) > 1 or not spec.names:
             raise InputError(
-                f"{path}: one array, but the model takes {', '.join(required)}: pass an .npz with one array "
-                "per input (np.savez(path, name=array, ...)) or a directory of NAME.npy files"
+                f"{path}: one array, but the model takes {', '.join(required) or 'no input'}: pass an .npz with "
+                "one array per input (np.savez(path, name=array, ...)) or a directory of NAME.npy files"
             )
         name = required[0] if required else spec.names[0]
         return _read_all(path, {name: _npy_file(path)})

@@ -235,7 +235,8 @@ def prepare(
     """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`."""
     model = checked_model(model, name)
     options = options or ReplaceOptions()
-    scalars = [n for n, (_, rank) in input_spec(model).inputs.items() if rank == 0]
+    spec = input_spec(model)
+    scalars = [n for n, (_, rank) in spec.inputs.items() if rank == 0]
     if scalars:
         raise InputError(
             f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
@@ -248,7 +249,7 @@ def prepare(
     batches = load(calibration, model, options, options.seed)
     holdout = None if options.holdout is None else load(options.holdout, model, options, options.seed + 1)
     splits = split_roles(batches, holdout, options)
-    mask_input = find_mask_input(input_spec(model), options.mask_input)
+    mask_input = find_mask_input(spec, options.mask_input)
 
     folded = fold_onnx(
         model,
