@@ -224,6 +224,25 @@ def _bytes(count: int) -> str:
     return f"{count} B" if exponent == 0 else f"{count / 1024**exponent:.1f} {' KMGT'[exponent]}iB"
 
 
+def source_label(source) -> str:
+    """How messages name calibration data: its path, or "calibration data" for arrays given in Python."""
+    return str(source) if isinstance(source, (str, os.PathLike)) else "calibration data"
+
+
+def longest_sample(batches: list[Batch]) -> tuple[Batch, int] | None:
+    """The sample of `batches` longest along axis 1 (a sequence), as a batch of one, and that length; None where
+    no input has an axis 1."""
+    found = [
+        (max(v.shape[1] for v in batch.values() if v.ndim >= 2), batch)
+        for batch in batches
+        if any(v.ndim >= 2 for v in batch.values())
+    ]
+    if not found:
+        return None
+    width, batch = max(found, key=lambda item: item[0])
+    return {name: values[:1] for name, values in batch.items()}, width
+
+
 def sample_count(batches: list[Batch]) -> int:
     """The number of samples (axis 0) in `batches`."""
     return int(sum(next(iter(b.values())).shape[0] for b in batches if b))

@@ -174,6 +174,19 @@ def test_sequences_longer_than_the_position_table_are_refused_with_the_number(re
     assert not out.exists()
 
 
+@pytest.mark.parametrize("verb", ["replace", "rotate-smooth"])
+def test_a_bound_the_graph_does_not_show_is_refused_before_the_pass(registry_export, tmp_path, capsys, verb):
+    """OPT counts its positions from a mask (no table read from the graph): the original model is tried on the
+    longest sample first, and ONNX Runtime's refusal is bad data, naming the file."""
+    model, out = registry_export("opt"), tmp_path / "o.onnx"
+    assert position_limit(ir.from_proto(onnx.load(str(model)))) is None
+    calib = ids_npz(tmp_path / "long.npz", 200)
+    args = ["replace", model] if verb == "replace" else ["rotate", model, "--smooth"]
+    line = refused(capsys, *args, "--calib", calib, "-o", out)
+    assert f"{calib}: the model does not run on its longest sample (200 along axis 1)" in line
+    assert not out.exists()
+
+
 def test_distill_refuses_sequences_longer_than_the_modules_configuration_says(torch_factory, tmp_path, capsys):
     calib = tmp_path / "long.npz"
     np.savez(calib, x=rng(2).integers(0, VOCAB, (16, 200)))

@@ -32,7 +32,7 @@ import onnx
 import onnx_ir as ir
 
 from ... import __version__
-from ...calibration import MIN_SAMPLES, Batch, InputSpec, find_mask_input, load_batches
+from ...calibration import MIN_SAMPLES, Batch, InputSpec, find_mask_input, load_batches, longest_sample, source_label
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
@@ -116,6 +116,23 @@ def load_fitting(
     for index, batch in enumerate(batches):
         check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"{file}calibration batch {index}, input")
     return batches
+
+
+def check_runs(runner: Runner, batches: list[Batch], source) -> None:
+    """The original model on the calibration sample longest along axis 1: a sequence it cannot take (a bound the
+    graph does not show as a table, such as OPT's positions counted from a mask) is refused as bad data, before
+    the pass, instead of failing in its middle."""
+    longest = longest_sample(batches)
+    if longest is None:
+        return
+    sample, width = longest
+    try:
+        runner.run(sample)
+    except Exception as e:  # ONNX Runtime's InvalidArgument, Fail ... derive from Exception only
+        raise InputError(
+            f"{source_label(source)}: the model does not run on its longest sample ({width} along axis 1): "
+            f"{str(e).splitlines()[0]}; shorten the sequences (text: --max-length) or give data that fits"
+        ) from e
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -286,6 +303,9 @@ def prepare(
     base = export_model(ctx, folded.model, emitter.docs, {})
 
     reference = Runner(model)
+    check_runs(reference, batches, calibration)
+    if holdout is not None:
+        check_runs(reference, holdout, options.holdout)
     for role in ("select", "check", "test"):
         data = splits.batches[role]
         splits.references[role] = [

@@ -16,8 +16,7 @@ import onnx
 
 from ..fold.driver import in_memory_proto
 from ..graph.frontend import OnnxGraph
-from ..replace.driver import load_fitting
-from ..runtime.verify import session
+from ..replace.driver import Runner, check_runs, load_fitting
 
 
 @dataclass(frozen=True)
@@ -49,12 +48,13 @@ def feature_statistics(ctx: OnnxGraph, names: list[str], data, options: CalibDat
     for name in wanted:
         dtype = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(ctx.dtypes[name]))
         proto.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype, None))
-    run = session(proto)
+    runner = Runner(proto)
+    check_runs(runner, batches, data)
     sums: dict[str, np.ndarray] = {}
     peaks: dict[str, np.ndarray] = {}
     counts = dict.fromkeys(wanted, 0)
     for batch in batches:
-        for name, values in zip(wanted, run.run(wanted, batch), strict=True):
+        for name, values in runner.run(batch, wanted).items():
             rows = np.asarray(values, dtype=np.float64).reshape(-1, values.shape[-1])
             sums[name] = sums.get(name, 0) + rows.sum(0)
             peaks[name] = np.maximum(peaks.get(name, 0), np.abs(rows).max(0))
