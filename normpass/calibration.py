@@ -33,9 +33,10 @@ import os
 import re
 import warnings
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -47,7 +48,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 CHARS_PER_TOKEN = 16  # a text's head read for each token kept, at first (`_encode_heads` doubles it as needed)
 LAST_SPACE = re.compile(r"\s\S*\Z")
 MIN_SAMPLES = 8  # fit, selection, check and test need two samples each
-MEMORY_SHARE = 0.5  # of the available memory, the most calibration arrays may take (the pass copies them)
+MEMORY_SHARE = 0.5  # of the memory available, the most calibration arrays may claim (the pass copies them)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def load_batches(
 
 
 def _read_arrays(path: Path, spec: InputSpec) -> dict[str, np.ndarray]:
-    """The arrays of an .npz, a directory of NAME.npy, or one .npy (the model's one required input)."""
+    """The arrays of an .npz, a directory of NAME.npy, or one .npy (the model's first input, its only required one)."""
     if path.is_dir():
         files = {p.stem: p for p in sorted(path.glob("*.npy"))}
         if not files:
@@ -143,25 +144,30 @@ def _read_arrays(path: Path, spec: InputSpec) -> dict[str, np.ndarray]:
         return _read_all(path, {name: _npz_member(archive, info) for name, info in members.items()})
 
 
-ArrayOpener = tuple  # (a function opening a binary stream of one .npy array, the bytes that stream holds)
+@dataclass(frozen=True)
+class _StoredArray:
+    """One .npy array in a file or an .npz member: how to open a binary stream of it, and the bytes it holds."""
+
+    open: Callable[[], IO[bytes]]
+    size: int
 
 
-def _npy_file(path: Path) -> ArrayOpener:
-    return (lambda: open(path, "rb")), path.stat().st_size
+def _npy_file(path: Path) -> _StoredArray:
+    return _StoredArray(lambda: open(path, "rb"), path.stat().st_size)
 
 
-def _npz_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> ArrayOpener:
-    return (lambda: archive.open(info)), info.file_size
+def _npz_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> _StoredArray:
+    return _StoredArray(lambda: archive.open(info), info.file_size)
 
 
-def _read_all(path: Path, openers: dict[str, ArrayOpener]) -> dict[str, np.ndarray]:
+def _read_all(path: Path, stored: dict[str, _StoredArray]) -> dict[str, np.ndarray]:
     """Each array, once every header has been read and the sizes they claim checked against the bytes
     the file holds and the memory available (`_claimed_bytes`): a damaged header never allocates."""
     try:
         claimed = {}
-        for name, (opener, size) in openers.items():
-            with opener() as stream:
-                claimed[name] = _claimed_bytes(stream, size, f"{path}: array {name}")
+        for name, array in stored.items():
+            with array.open() as stream:
+                claimed[name] = _claimed_bytes(stream, array.size, f"{path}: array {name}")
         total, available = sum(claimed.values()), available_memory()
         if available is not None and total > available * MEMORY_SHARE:
             raise InputError(
@@ -169,8 +175,8 @@ def _read_all(path: Path, openers: dict[str, ArrayOpener]) -> dict[str, np.ndarr
                 "available (the pass copies them); give fewer samples"
             )
         arrays = {}
-        for name, (opener, _) in openers.items():
-            with opener() as stream:
+        for name, array in stored.items():
+            with array.open() as stream:
                 arrays[name] = np.lib.format.read_array(stream, allow_pickle=False)
         return arrays
     except InputError:
