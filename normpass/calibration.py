@@ -89,14 +89,15 @@ def load_batches(
                 "or a .txt/.jsonl file with a tokenizer"
             )
         if path.suffix.lower() in TEXT_SUFFIXES and path.is_file():
-            if spec.positions is not None and max_length > spec.positions:
+            positions = spec.positions if spec.positions is not None and spec.positions < max_length else None
+            batches = tokenize(read_texts(path), tokenizer, spec, positions or max_length, str(path))
+            cut = positions is not None and any(b["input_ids"].shape[1] == positions for b in batches)
+            if cut:
                 warnings.warn(
-                    f"{path}: sentences cut at {spec.positions} tokens, the rows of the model's position table "
+                    f"{path}: sentences cut at {positions} tokens, the rows of the model's position table "
                     f"(--max-length {max_length} is more)",
                     stacklevel=2,
                 )
-                max_length = spec.positions
-            batches = tokenize(read_texts(path), tokenizer, spec, max_length, str(path))
             check_indices(batches, spec.index_bounds, str(path), tokenizer)
             return _enough(batches, str(path), "sentences", minimum)
         if tokenizer is not None:

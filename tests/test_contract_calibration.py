@@ -194,7 +194,10 @@ def test_distill_refuses_sequences_longer_than_the_modules_configuration_says(to
     assert f"{calib}: input x has 200 tokens; the model's position table has 64 rows" in refused(capsys, *args)
 
 
-def test_text_longer_than_the_position_table_is_cut_there_with_a_warning(registry_export, tmp_path, capsys):
+@pytest.mark.parametrize("words_per_line", [150, 20])
+def test_text_longer_than_the_position_table_is_cut_there_with_a_warning(
+    registry_export, tmp_path, capsys, words_per_line
+):
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers.models import WordLevel
 
@@ -203,12 +206,14 @@ def test_text_longer_than_the_position_table_is_cut_there_with_a_warning(registr
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     calib = tmp_path / "calib.txt"
-    calib.write_text("".join(" ".join(words[(i + j) % len(words)] for j in range(150)) + "\n" for i in range(8)))
+    lines = (" ".join(words[(i + j) % len(words)] for j in range(words_per_line)) for i in range(8))
+    calib.write_text("".join(line + "\n" for line in lines))
     out = tmp_path / "o.onnx"
     args = ["rotate", registry_export("bert"), "-o", out, "--calib", calib, "--tokenizer", tmp_path / "tokenizer.json"]
     code, _, err = cli(capsys, *args, "--smooth")  # --max-length 128 by default
     assert code == 0 and out.exists(), err
-    assert "sentences cut at 64 tokens, the rows of the model's position table (--max-length 128 is more)" in err
+    warned = "sentences cut at 64 tokens, the rows of the model's position table (--max-length 128 is more)" in err
+    assert warned == (words_per_line > POSITIONS)  # only where a sentence was cut
 
 
 # --- 3. splits --------------------------------------------------------------------------------------
