@@ -236,9 +236,9 @@ def source_label(source) -> str:
     return str(source) if isinstance(source, (str, os.PathLike)) else "calibration data"
 
 
-def longest_sample(batches: list[Batch]) -> tuple[Batch, int] | None:
-    """The sample of `batches` longest along axis 1 (a sequence), as a batch of one, and that length; None where
-    no input has an axis 1."""
+def longest_batch(batches: list[Batch]) -> tuple[Batch, int] | None:
+    """The batch holding the sample longest along axis 1 (a sequence), and that length; None where no input has
+    an axis 1. The whole batch, as the model may fix the batch size."""
     found = [
         (max(v.shape[1] for v in batch.values() if v.ndim >= 2), batch)
         for batch in batches
@@ -247,7 +247,7 @@ def longest_sample(batches: list[Batch]) -> tuple[Batch, int] | None:
     if not found:
         return None
     width, batch = max(found, key=lambda item: item[0])
-    return {name: values[:1] for name, values in batch.items()}, width
+    return batch, width
 
 
 def sample_count(batches: list[Batch]) -> int:

@@ -273,14 +273,30 @@ def test_an_id_beyond_int64_is_reported_as_itself(registry_export, tmp_path, cap
     assert "9223372036854775813" in line and "-9223372036854775803" not in line and str(calib) in line
 
 
-def test_a_shape_error_names_the_calibration_file(tmp_path, capsys):
+def test_a_shape_error_names_the_calibration_file(tmp_path, capsys, model_file):
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=randn(rng(1), 16, D + 1))
+    line = refused(capsys, "replace", model_file, "--calib", calib, "-o", tmp_path / "o.onnx")
+    assert f"{calib}: calibration batch 0, input x: dimension 1 is {D + 1}, the model fixes it to {D}" in line
+
+
+def test_a_model_that_fixes_its_batch_size_is_refused_by_replace(tmp_path, capsys):
+    """The splits make parts of any size: a fixed batch of 16 failed in ONNX Runtime (exit 3) on the first part
+    that was not 16 samples."""
     model = ln_model()
-    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 16  # a fixed batch
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 16
     path = tmp_path / "fixed.onnx"
     onnx.save(model, path)
     calib = good_npz(tmp_path / "calib.npz", count=32)
-    line = refused(capsys, "replace", path, "--calib", calib, "--batch-size", "8", "-o", tmp_path / "o.onnx")
-    assert f"{calib}: calibration batch 0, input x: dimension 0 is 8, the model fixes it to 16" in line
+    line = refused(capsys, "replace", path, "--calib", calib, "--batch-size", "16", "-o", tmp_path / "o.onnx")
+    assert "input x fixes axis 0, the samples, to 16" in line
+
+
+def test_the_run_check_takes_the_whole_batch_with_the_longest_sample():
+    batches = [{"ids": np.zeros((16, 5))}, {"ids": np.ones((16, 9))}, {"ids": np.zeros((3, 7))}]
+    batch, width = calibration.longest_batch(batches)
+    assert width == 9 and batch["ids"].shape == (16, 9)
+    assert calibration.longest_batch([{"x": np.zeros(4)}]) is None
 
 
 # --- 6. rotate --calib reads the file even where nothing needs it --------------------------------------

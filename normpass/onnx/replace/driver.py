@@ -32,7 +32,7 @@ import onnx
 import onnx_ir as ir
 
 from ... import __version__
-from ...calibration import MIN_SAMPLES, Batch, InputSpec, find_mask_input, load_batches, longest_sample, source_label
+from ...calibration import MIN_SAMPLES, Batch, InputSpec, find_mask_input, load_batches, longest_batch, source_label
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
@@ -119,15 +119,15 @@ def load_fitting(
 
 
 def check_runs(runner: Runner, batches: list[Batch], source) -> None:
-    """The original model on the calibration sample longest along axis 1: a sequence it cannot take (a bound the
-    graph does not show as a table, such as OPT's positions counted from a mask) is refused as bad data, before
-    the pass, instead of failing in its middle."""
-    longest = longest_sample(batches)
+    """The original model on the calibration batch holding the sample longest along axis 1: a sequence it cannot
+    take (a bound the graph does not show as a table, such as OPT's positions counted from a mask) is refused as
+    bad data, before the pass, instead of failing in its middle."""
+    longest = longest_batch(batches)
     if longest is None:
         return
-    sample, width = longest
+    batch, width = longest
     try:
-        runner.run(sample)
+        runner.run(batch)
     except Exception as e:  # ONNX Runtime's InvalidArgument, Fail ... derive from Exception only
         raise InputError(
             f"{source_label(source)}: the model does not run on its longest sample ({width} along axis 1): "
@@ -258,6 +258,13 @@ def prepare(
         raise InputError(
             f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
             "axis 0 of every input, so the surrogate pass takes models whose inputs all have a batch axis"
+        )
+    dims = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input if i.name in spec.inputs}
+    batched = [(key, size) for key, d in dims.items() if d and (size := fixed_dim(d[0])) is not None and size > 1]
+    if batched:
+        raise InputError(
+            f"{name}: input {batched[0][0]} fixes axis 0, the samples, to {batched[0][1]}; the surrogate pass splits "
+            "calibration samples into parts of other sizes: export the model with a dynamic batch axis"
         )
     budget, kinds, only_cheaper = options.checked()
     check_input_shapes(model, options.input_shapes)
