@@ -183,7 +183,7 @@ def test_a_bound_the_graph_does_not_show_is_refused_before_the_pass(registry_exp
     calib = ids_npz(tmp_path / "long.npz", 200)
     args = ["replace", model] if verb == "replace" else ["rotate", model, "--smooth"]
     line = refused(capsys, *args, "--calib", calib, "-o", out)
-    assert f"{calib}: the model does not run on its longest sample (200 along axis 1)" in line
+    assert f"{calib}: the model does not run on the batch holding its longest sample (200 along axis 1)" in line
     assert not out.exists()
 
 

@@ -130,8 +130,8 @@ def check_runs(runner: Runner, batches: list[Batch], source) -> None:
         runner.run(batch)
     except Exception as e:  # ONNX Runtime's InvalidArgument, Fail ... derive from Exception only
         raise InputError(
-            f"{source_label(source)}: the model does not run on its longest sample ({width} along axis 1): "
-            f"{str(e).splitlines()[0]}; shorten the sequences (text: --max-length) or give data that fits"
+            f"{source_label(source)}: the model does not run on the batch holding its longest sample ({width} along "
+            f"axis 1): {str(e).splitlines()[0]}; shorten the sequences (text: --max-length) or give data that fits"
         ) from e
 
 
