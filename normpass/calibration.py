@@ -1,17 +1,24 @@
 """Calibration data for the surrogate pass, whatever the front end: files, text, checks and splits.
 
 * **Sources** (`load_batches`): an `.npz` of input arrays (axis 0 = samples), a directory of
-  `.npy` files named after the inputs, a `.txt` (one sentence per line; blank lines and lines
+  `.npy` files named after the inputs, one `.npy` file (the model's first input, refused where it
+  requires several), a `.txt` (one sentence per line; blank lines and lines
   starting with `#` skipped) or `.jsonl` (one JSON object per line with a `"text"` field) file
   together with a tokenizer (`tokenizers`' `tokenizer.json`), a dict of arrays, or an iterable
   (or a callable returning one) of input dicts, each one batch.
 * **Text**: each sentence is tokenized on its own (truncated at `max_length` tokens) into the
   inputs the model has among `input_ids`, `attention_mask` and `token_type_ids`; sentences become
   batches only after the split, padded with zeros to the longest sentence of their batch.
-* **Checks** (`InputSpec`): names, ranks and dtypes against the model's inputs (integer kinds are
-  cast), the same number of samples in every input of a batch, finite float values, token ids
-  inside the embedding table they index (`check_indices`), and at least `MIN_SAMPLES` samples. Each failure is an
-  `InputError` naming the file and what to do.
+* **Reading** an array file never trusts its header: every header is read first, and the bytes it
+  claims must follow it in the file and fit in half the memory available, before any array is
+  allocated; any failure of the zip or `.npy` format is one `InputError` naming the file.
+* **Checks** (`InputSpec`): names, ranks and dtypes against the model's inputs (a dtype is cast
+  only where every value comes back unchanged: float16 → float32, bool or uint8 → int64, float64
+  that holds float32 values; else refused, `_cast`), the same number of samples in every input of
+  a batch, finite float values, token ids inside the embedding table they index (`check_indices`),
+  sequences no longer than the model's position table (text is cut there instead, with a
+  warning), and at least `MIN_SAMPLES` samples. Each failure is an `InputError` naming the file
+  and what to do.
 * **Splits** (`split_batches`): a seeded shuffle of samples, then consecutive shares. Batches of
   equal shapes are split by sample and rebatched; single sentences of different lengths by
   sentence, then collated; other batches of different shapes (e.g. each padded to its own
@@ -23,9 +30,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable
+import re
+import warnings
+import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -34,18 +45,23 @@ from .errors import InputError, missing_extra
 Batch = dict  # input name -> np.ndarray, axis 0 = samples
 TOKENIZER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 TEXT_SUFFIXES = (".txt", ".jsonl")
+CHARS_PER_TOKEN = 16  # a text's head read for each token kept, at first (`_encode_heads` doubles it as needed)
+LAST_SPACE = re.compile(r"\s\S*\Z")
 MIN_SAMPLES = 8  # fit, selection, check and test need two samples each
+MEMORY_SHARE = 0.5  # of the memory available, the most calibration arrays may claim (the pass copies them)
 
 
 @dataclass(frozen=True)
 class InputSpec:
     """What a model takes: per input its dtype and rank (None where the front end cannot tell),
-    the inputs that may be left out (those with a default), and for integer inputs used as indices
-    into a table, the table's size."""
+    the inputs that may be left out (those with a default), for integer inputs used as indices
+    into a table, the table's size, and the most positions along axis 1 of its integer inputs
+    (the rows of its position table; None where the front end cannot tell)."""
 
     inputs: dict[str, tuple[np.dtype | None, int | None]]
     index_bounds: dict[str, int] = field(default_factory=dict)
     optional: frozenset = frozenset()
+    positions: int | None = None
 
     @property
     def names(self) -> list[str]:
@@ -73,7 +89,15 @@ def load_batches(
                 "or a .txt/.jsonl file with a tokenizer"
             )
         if path.suffix.lower() in TEXT_SUFFIXES and path.is_file():
-            batches = tokenize(read_texts(path), tokenizer, spec, max_length, str(path))
+            positions = spec.positions if spec.positions is not None and spec.positions < max_length else None
+            batches = tokenize(read_texts(path), tokenizer, spec, positions or max_length, str(path))
+            cut = positions is not None and any(b["input_ids"].shape[1] == positions for b in batches)
+            if cut:
+                warnings.warn(
+                    f"{path}: sentences cut at {positions} tokens, the rows of the model's position table "
+                    f"(--max-length {max_length} is more)",
+                    stacklevel=2,
+                )
             check_indices(batches, spec.index_bounds, str(path), tokenizer)
             return _enough(batches, str(path), "sentences", minimum)
         if tokenizer is not None:
@@ -97,21 +121,133 @@ def load_batches(
 
 
 def _read_arrays(path: Path, spec: InputSpec) -> dict[str, np.ndarray]:
+    """The arrays of an .npz, a directory of NAME.npy, or one .npy (the model's first input, its only required one)."""
     if path.is_dir():
         files = {p.stem: p for p in sorted(path.glob("*.npy"))}
         if not files:
             raise InputError(f"{path}: no .npy files; name one file per model input ({', '.join(spec.names)})")
-        try:
-            return {name: np.load(p, allow_pickle=False) for name, p in files.items()}
-        except (OSError, ValueError) as e:
-            raise InputError(f"{path}: cannot read the .npy files ({e})") from e
+        return _read_all(path, {name: _npy_file(p) for name, p in files.items()})
+    if path.suffix.lower() == ".npy":
+        required = [name for name in spec.names if name not in spec.optional]
+        if len(required) > 1 or not spec.names:
+            raise InputError(
+                f"{path}: one array, but the model takes {', '.join(required) or 'no input'}: pass an .npz with "
+                "one array per input (np.savez(path, name=array, ...)) or a directory of NAME.npy files"
+            )
+        name = required[0] if required else spec.names[0]
+        return _read_all(path, {name: _npy_file(path)})
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError) as e:
+        archive = zipfile.ZipFile(path)
+    except Exception as e:  # zipfile raises BadZipFile, OSError, ValueError ...
+        raise _unreadable(path, e) from e
+    with archive:
+        members = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
+        return _read_all(path, {name: _npz_member(archive, info) for name, info in members.items()})
+
+
+@dataclass(frozen=True)
+class _StoredArray:
+    """One .npy array in a file or an .npz member: how to open a binary stream of it, and the bytes it holds."""
+
+    open: Callable[[], IO[bytes]]
+    size: int
+
+
+def _npy_file(path: Path) -> _StoredArray:
+    return _StoredArray(lambda: open(path, "rb"), path.stat().st_size)
+
+
+def _npz_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> _StoredArray:
+    return _StoredArray(lambda: archive.open(info), info.file_size)
+
+
+def _read_all(path: Path, stored: dict[str, _StoredArray]) -> dict[str, np.ndarray]:
+    """Each array, once every header has been read and the sizes they claim checked against the bytes
+    the file holds and the memory available (`_claimed_bytes`): a damaged header never allocates."""
+    try:
+        claimed = {}
+        for name, array in stored.items():
+            with array.open() as stream:
+                claimed[name] = _claimed_bytes(stream, array.size, f"{path}: array {name}")
+        total, available = sum(claimed.values()), available_memory()
+        if available is not None and total > available * MEMORY_SHARE:
+            raise InputError(
+                f"{path}: its arrays need {_bytes(total)} of memory, more than half the {_bytes(available)} "
+                "available (the pass copies them); give fewer samples"
+            )
+        arrays = {}
+        for name, array in stored.items():
+            with array.open() as stream:
+                arrays[name] = np.lib.format.read_array(stream, allow_pickle=False)
+        return arrays
+    except InputError:
+        raise
+    except Exception as e:  # zipfile, zlib, NumPy's header parser: BadZipFile, error, TokenError, ValueError ...
+        raise _unreadable(path, e) from e
+
+
+def _claimed_bytes(stream, size: int, where: str) -> int:
+    """The bytes the .npy array at the start of `stream` (`size` bytes in all) claims in its header; a claim
+    larger than what follows the header is a damaged or truncated file."""
+    version = np.lib.format.read_magic(stream)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read_header(stream)
+    claimed = math.prod(shape) * dtype.itemsize
+    present = size - stream.tell()
+    if claimed > present:
         raise InputError(
-            f"{path}: not a readable .npz file ({e}); pass .npz, a directory of .npy, .txt or .jsonl"
-        ) from e
+            f"{where}: its header claims {dtype} of shape {shape} ({_bytes(claimed)}) but {_bytes(present)} "
+            "follow: the file is truncated or damaged; write it again"
+        )
+    return claimed
+
+
+def _unreadable(path: Path, error: Exception) -> InputError:
+    first = str(error).splitlines()[0] if str(error) else ""
+    kind = ".npy" if path.suffix.lower() == ".npy" or path.is_dir() else ".npz"
+    return InputError(
+        f"{path}: not a readable {kind} file ({type(error).__name__}: {first}); write it again with NumPy "
+        "(np.savez, np.save), or pass .txt or .jsonl text with --tokenizer"
+    )
+
+
+def available_memory() -> int | None:
+    """The bytes of memory available now (Linux's MemAvailable; elsewhere the free pages), None if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _bytes(count: int) -> str:
+    """`count` bytes in the largest binary unit that leaves at least 1 (1.5 GiB, 116.4 TiB)."""
+    exponent = min(int(math.log(count, 1024)), 4) if count > 0 else 0
+    return f"{count} B" if exponent == 0 else f"{count / 1024**exponent:.1f} {' KMGT'[exponent]}iB"
+
+
+def source_label(source) -> str:
+    """How messages name calibration data: its path, or "calibration data" for arrays given in Python."""
+    return str(source) if isinstance(source, (str, os.PathLike)) else "calibration data"
+
+
+def longest_batch(batches: list[Batch]) -> tuple[Batch, int] | None:
+    """The batch holding the sample longest along axis 1 (a sequence), and that length; None where no input has
+    an axis 1. The whole batch, as the model may fix the batch size."""
+    found = [
+        (max(v.shape[1] for v in batch.values() if v.ndim >= 2), batch)
+        for batch in batches
+        if any(v.ndim >= 2 for v in batch.values())
+    ]
+    if not found:
+        return None
+    width, batch = max(found, key=lambda item: item[0])
+    return batch, width
 
 
 def sample_count(batches: list[Batch]) -> int:
@@ -146,19 +282,47 @@ def _checked(batch, spec: InputSpec, where: str) -> Batch:
         if rank is not None and value.ndim != rank:
             raise InputError(f"{where}: input {name} has rank {value.ndim}, the model expects {rank}")
         if dtype is not None and value.dtype != dtype:
-            if value.dtype.kind != dtype.kind and not (value.dtype.kind in "iub" and dtype.kind in "iub"):
-                raise InputError(f"{where}: input {name} is {value.dtype}, the model expects {dtype}")
-            value = value.astype(dtype)
+            value = _cast(value, dtype, f"{where}: input {name}")
         if value.dtype.kind == "f" and not np.isfinite(value).all():
             bad = int((~np.isfinite(value)).sum())
             raise InputError(
                 f"{where}: input {name} has {bad} non-finite values (NaN or ±inf); remove those samples or fix the data"
+            )
+        positions = spec.positions
+        if positions is not None and value.dtype.kind in "iu" and value.ndim >= 2 and value.shape[1] > positions:
+            raise InputError(
+                f"{where}: input {name} has {value.shape[1]} tokens; the model's position table has {positions} "
+                f"rows: cut the sequences to at most {positions} tokens (text: --max-length {positions})"
             )
         out[name] = np.ascontiguousarray(value)
         sizes.add(value.shape[0] if value.ndim else 1)
     if len(sizes) > 1:
         raise InputError(f"{where}: inputs disagree on the number of samples (axis 0): {sorted(sizes)}")
     return out
+
+
+def _cast(value: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
+    """`value` as `dtype` where the cast is exact (every value comes back unchanged: float16 to float32, bool or
+    uint8 to int64, float64 that holds float32 values); refused where it would change a value or is between
+    floats and integers."""
+    if value.dtype.kind != dtype.kind and not (value.dtype.kind in "iub" and dtype.kind in "iub"):
+        raise InputError(f"{where} is {value.dtype}, the model expects {dtype}")
+    if dtype.kind == "f":
+        with np.errstate(all="ignore"):
+            cast = value.astype(dtype)
+            changed = (cast.astype(value.dtype) != value) & np.isfinite(value)  # NaN and ±inf are refused by name
+        bad = value[changed][0].item() if changed.any() else None
+    else:
+        cast = value.astype(dtype)
+        low, high = (int(value.min()), int(value.max())) if value.size else (0, 0)
+        lowest, highest = (0, 1) if dtype.kind == "b" else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+        bad = high if high > highest else low if low < lowest else None
+    if bad is not None:
+        raise InputError(
+            f"{where} is {value.dtype} and holds {bad!r}, which {dtype} cannot hold exactly; the model expects "
+            f"{dtype}: convert the data with the rounding you want (array.astype(np.{dtype}))"
+        )
+    return cast
 
 
 def _rebatch(arrays: dict[str, np.ndarray], batch_size: int) -> list[Batch]:
@@ -226,7 +390,7 @@ def tokenize(
     tok.no_padding()
     tok.enable_truncation(max_length)
     batches = []
-    for encoding in tok.encode_batch(texts):
+    for encoding in _encode_heads(tok, texts, max_length):
         made = {
             "input_ids": encoding.ids,
             "attention_mask": encoding.attention_mask,
@@ -235,6 +399,36 @@ def tokenize(
         arrays = {name: np.asarray([made[name]], dtype=np.int64) for name in spec.names if name in made}
         batches.append(arrays)
     return [_checked(b, spec, where) for b in batches]
+
+
+def _encode_heads(tok, texts: list[str], max_length: int) -> list:
+    """Each text's encoding (truncated at `max_length` tokens), read from its head only: a text longer than
+    `CHARS_PER_TOKEN`·`max_length` characters is cut at its last whitespace before that length (`_head`), and the
+    length doubled until the head's own encoding is truncated, or the head is the whole text. Tokenizers split
+    at whitespace before they tokenize, so a truncated head holds the text's first `max_length` tokens; and a
+    50 MB line costs milliseconds, not the minutes its whole encoding takes."""
+    encodings: list = [None] * len(texts)
+    pending, limit = list(range(len(texts))), CHARS_PER_TOKEN * max_length
+    while pending:
+        heads = [_head(texts[i], limit) for i in pending]
+        again = []
+        for i, head, encoding in zip(pending, heads, tok.encode_batch(heads), strict=True):
+            if len(head) < len(texts[i]) and not encoding.overflowing:
+                again.append(i)
+            else:
+                encodings[i] = encoding
+        pending, limit = again, 2 * limit
+    return encodings
+
+
+def _head(text: str, limit: int) -> str:
+    """`text` up to its last whitespace before `limit` characters (all of it if shorter; the first `limit`
+    characters if no whitespace is there)."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    last = LAST_SPACE.search(head)
+    return head[: last.start()] if last and last.start() > 0 else head
 
 
 def check_indices(batches: list[Batch], bounds: dict[str, int], where: str, tokenizer=None) -> None:
@@ -297,8 +491,8 @@ def split_batches(
 
     Every part with a positive fraction gets at least one unit (sample, sentence or batch).
     """
-    if not fractions or any(f < 0 for f in fractions) or not sum(fractions) > 0:
-        raise InputError(f"split {tuple(fractions)}: give non-negative fractions, at least one positive")
+    if not fractions or not all(math.isfinite(f) and f >= 0 for f in fractions) or not sum(fractions) > 0:
+        raise InputError(f"split {tuple(fractions)}: give finite non-negative fractions, at least one positive")
     total = sum(fractions)
     rng = np.random.default_rng(seed)
     size = batch_size or max(sample_count([b]) for b in batches)

@@ -5,7 +5,9 @@ inside the model's directory, present and long enough; unique initializer names)
 sparse initializers are made dense (onnx-ir has none). Every such refusal is an `InputError`.
 
 **The output check.** `check_paths` runs before any work: each output must be a regular file
-or not exist yet (never a FIFO, device or directory), and no output may be the same file as
+or not exist yet (never a FIFO, device or directory), must not name an open file descriptor
+(`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`, directly or through symlinks: redirected to a
+file, the atomic write would replace that file, not append to it), and no output may be the same file as
 another output or as any file an input reads (`model_files`: the model and each of its external
 data files; `calibration_files`: an .npz, or the .npy files of a directory) — same path,
 symlinks and hard links included.
@@ -63,6 +65,7 @@ DATA_ALIGNMENT = 4096  # tensors of ≥ 1 MiB start at a page boundary of the da
 DATA_MARK = b"\n# written by normpass as the external data of "  # + the model's file name, at the end of a data file
 DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PathArgument = str | os.PathLike[str] | None
+MAX_SYMLINKS = 40  # links followed to find where an output path leads, as the kernel does
 
 
 def _default_mode() -> int:
@@ -224,8 +227,25 @@ def calibration_files(label: str, path) -> dict[str, Path]:
     return {label: path}
 
 
+def _descriptor_link(path: Path) -> Path | None:
+    """The link on `path`'s chain of symlinks that names an open file descriptor (`/dev/stdout`, `/dev/fd/1`,
+    `/proc/self/fd/1`), or None."""
+    current = Path(os.path.abspath(path))
+    for _ in range(MAX_SYMLINKS):
+        parts = current.parts
+        if parts[1:3] in (("dev", "stdout"), ("dev", "stderr"), ("dev", "fd")) or (
+            parts[1:2] == ("proc",) and parts[3:4] == ("fd",)
+        ):
+            return current
+        if not current.is_symlink():
+            return None
+        current = Path(os.path.abspath(current.parent / os.readlink(current)))
+    return None
+
+
 def check_paths(inputs: Mapping[str, PathArgument], outputs: Mapping[str, PathArgument]) -> dict[str, Path]:
-    """Refuse outputs that are not regular files, cannot be written, or are an input or each other.
+    """Refuse outputs that are not regular files, name an open file descriptor, cannot be written, or are an input
+    or each other.
 
     `inputs` and `outputs` map a label for messages (e.g. "the model", "-o") to a path or None
     (absent); inputs that are not existing files (e.g. "synthetic") are ignored: give every file an
@@ -241,6 +261,12 @@ def check_paths(inputs: Mapping[str, PathArgument], outputs: Mapping[str, PathAr
             raise InputError(
                 f"{out}: {label} exists and is not a regular file (a directory, FIFO or device); "
                 f"choose another path for {label}"
+            )
+        descriptor = _descriptor_link(out)
+        if descriptor is not None:
+            raise InputError(
+                f"{out}: {label} names an open file descriptor ({descriptor}), whose file (a shell redirection's) "
+                f"an atomic write would replace, not write to; give {label} a file path"
             )
         for other, path in [*sources.items(), *checked.items()]:
             if _same_file(out, path):

@@ -139,7 +139,7 @@ def test_a_bias_shared_with_another_layer_keeps_its_values_there():
         (dict(masked="Tanh(ss)"), "(Tanh) stands between the scores and the Softmax"),
         (dict(key="Identity(km)"), "(Identity) stands between the keys and the scores"),
         (dict(key="MatMul(n, wk)"), "have no bias Add to take the shift"),
-        (dict(key="Add(km, bias)", inputs=", float[8] bias"), "adds no constant bias to the keys"),
+        (dict(key="Add(km, bias)", inputs=", float[B, 1, 8] bias"), "adds no constant bias to the keys"),
         (dict(masked="Add(ss, ss)"), "ss is also read by"),
         # the keys with their features last: a Softmax over them would see the shift
         (

@@ -4,7 +4,7 @@
   reported, the budget held on the test split, a valid model out, sequential and parallel;
 * a model whose held-out data differs from its calibration data: the pass refuses (never returns
   or writes a model that misses its budget), writes the report, names the largest selection that
-  meets the budget there and writes it with `--write-best`;
+  meets the budget there and writes it with `--write-best` (saying when that is the exact folds alone);
 * the CLI contract (one-line errors, exit 2 for bad input, exit 1 when the budget is missed,
   atomic writes, the input untouched, `--report`);
 * calibration data as .npz, a directory of .npy, a callable, and text (.txt, .jsonl) with a
@@ -110,7 +110,7 @@ def _narrow(gen, count, scale):
     return {"a": (pattern * scale + 0.01 * gen.standard_normal((count, 8))).astype(np.float32)}
 
 
-def test_a_model_missing_its_budget_on_held_out_data_is_refused(gen, tmp_path):
+def test_a_model_missing_its_budget_on_held_out_data_is_refused(gen, tmp_path, capsys):
     model = _post_ln(gen)
     calib, holdout = _narrow(gen, 96, 1.0), _narrow(gen, 32, -3.0)  # held-out inputs unlike the calibration
     options = ReplaceOptions(kind="affine", budget="cos=0.99", holdout=holdout, margin=1.0, orders=("input",))
@@ -127,9 +127,11 @@ def test_a_model_missing_its_budget_on_held_out_data_is_refused(gen, tmp_path):
     args += ["--holdout", str(tmp_path / "holdout.npz"), "--budget", "cos=0.99", "--margin", "1", "--orders", "input"]
     args += ["-o", str(out), "--report", str(report), "--no-progress"]
     assert main(args) == 1 and not out.exists()
+    assert "no selection on the way with a surrogate meets it there" in capsys.readouterr().err
     data = json.loads(report.read_text())
     assert data["output"] is None and data["passed"] is False and data["replaced"] == 1
     assert main(args + ["--write-best"]) == 0 and out.exists()
+    assert "0 replaced by surrogates (--write-best: the selection missed the budget" in capsys.readouterr().out
     data = json.loads(report.read_text())
     assert data["output"] == str(out) and data["passed"] and data["wrote_fallback"] and data["replaced"] == 0
     assert data["test"]["cos_min"] >= 0.99

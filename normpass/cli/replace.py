@@ -216,10 +216,18 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)
     test = report["test"]
-    fallback = " (the largest selection that meets the budget on the test split, --write-best)"
+    fallback = ""
+    if report["wrote_fallback"]:
+        fallback = (
+            " (--write-best: the selection missed the budget on the test split; this is the largest on its way "
+            "that meets it there)"
+            if report["replaced"]
+            else " (--write-best: the selection missed the budget on the test split and none on its way with a "
+            "surrogate meets it there: only the exact folds are written)"
+        )
     print(
         f"{label}: {report['exact']} of {report['total']} norms folded exactly, {report['replaced']} replaced by "
-        f"surrogates{fallback if report['wrote_fallback'] else ''}, {report['kept']} kept; test "
+        f"surrogates{fallback}, {report['kept']} kept; test "
         f"({test['samples']} samples): cos min {test['cos_min']:.6f}, rel max {test['rel_max']:.3g}; "
         f"budget {options.budget}; wrote {out}"
     )

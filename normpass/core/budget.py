@@ -6,7 +6,8 @@
   attention mask is 0 are zeroed in both before comparing. A sample whose candidate output is not
   finite has cosine −1 and relative error ∞.
 * **Budget**: `cos=` the minimum cosine over samples, `rel=` the maximum relative error, `top1=`
-  the arg-max agreement. `usage` is the share of the allowance used (≤ 1 keeps the budget): for
+  the arg-max agreement, each given at most once, and printed with every digit it was given.
+  `usage` is the share of the allowance used (≤ 1 keeps the budget): for
   `cos=0.999` the allowance is 0.001 of damage 1 − cos.
 """
 
@@ -128,6 +129,10 @@ class Budget:
                     or not math.isfinite(value)
                 ):
                     raise InputError(f"budget {part!r}: {key} must be in {'(0, 1]' if key != 'rel' else '[0, ∞)'}")
+                if key in values:
+                    raise InputError(
+                        f"budget {part!r}: {key} is given twice ({key}={values[key]!r} before); give it once"
+                    )
                 values[key] = value
         if not values:
             raise InputError("budget: give at least one of cos=, rel=, top1=")
@@ -149,7 +154,9 @@ class Budget:
 
     def __str__(self) -> str:
         return ",".join(
-            f"{k}={v:g}" for k, v in (("cos", self.cos), ("rel", self.rel), ("top1", self.top1)) if v is not None
+            f"{k}={np.format_float_positional(v, trim='-')}"
+            for k, v in (("cos", self.cos), ("rel", self.rel), ("top1", self.top1))
+            if v is not None
         )
 
 

@@ -115,9 +115,19 @@ class ReplaceOptions:
             raise InputError(f"margin {self.margin}: must be > 0")
         if not self.check_margin > 0:
             raise InputError(f"check-margin {self.check_margin}: must be > 0")
-        if len(self.split) != 3 or any(f < 0 for f in self.split) or not self.split[0] > 0 or not self.split[1] > 0:
+        if (
+            len(self.split) != 3
+            or not all(math.isfinite(f) and f >= 0 for f in self.split)
+            or not self.split[0] > 0
+            or not self.split[1] > 0
+        ):
             raise InputError(
-                f"split {tuple(self.split)}: give fractions fit,validation,test with fit and validation > 0"
+                f"split {tuple(self.split)}: give finite fractions fit,validation,test with fit and validation > 0"
+            )
+        if self.split[2] == 0 and self.holdout is None:
+            raise InputError(
+                f"split {tuple(self.split)}: the test fraction is 0 and no holdout is given, so the budget would be "
+                "judged on no data; give the test split a share, or held-out data (--holdout)"
             )
         if not 0 <= self.check < 1:
             raise InputError(f"check {self.check}: the share of validation held back must be in [0, 1)")
@@ -653,7 +663,8 @@ def conclude(
             f"({search.evaluate(best, 'test').cos_min:.6f} cos min); write it with --write-best "
             "(ReplaceOptions.write_best)"
             if best
-            else "no selection on the way meets it there"
+            else "no selection on the way with a surrogate meets it there (--write-best would write the exact "
+            "folds alone)"
         )
         raise BudgetMissed(
             report,

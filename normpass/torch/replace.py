@@ -71,14 +71,28 @@ from .targets import BiasTarget, claim_residual, migration_targets, shift_target
 
 
 def input_spec(module: nn.Module) -> InputSpec:
-    """The forward's parameters (those with a default may be left out); dtypes and ranks unknown."""
+    """The forward's parameters (those with a default may be left out); dtypes and ranks unknown; the
+    positions the module takes where its configuration says (`position_limit`)."""
     parameters = [
         p
         for p in inspect.signature(module.forward).parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
     optional = frozenset(p.name for p in parameters if p.default is not p.empty)
-    return InputSpec({p.name: (None, None) for p in parameters}, optional=optional)
+    return InputSpec({p.name: (None, None) for p in parameters}, optional=optional, positions=position_limit(module))
+
+
+def position_limit(module: nn.Module) -> int | None:
+    """The most positions `module` takes, as the Hugging Face configuration of it or of a submodule says
+    (`max_position_embeddings`; GPT-2's `n_positions`), or None: the graph is not read here, a longer
+    sequence fails inside the module's own code."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        for key in ("max_position_embeddings", "n_positions"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
 
 
 def _as_arrays(item, spec: InputSpec, module: nn.Module, where: str) -> Batch:

@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from ... import __version__
-from ...calibration import Batch, InputSpec, find_mask_input, load_batches
+from ...calibration import MIN_SAMPLES, Batch, InputSpec, find_mask_input, load_batches, longest_batch, source_label
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
@@ -53,6 +55,7 @@ from ...io import checked_model
 from ..fold.driver import FoldOptions, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.frontend import build_zero_mean_graph, load_graph
+from ..graph.positions import position_limit
 from ..runtime.verify import check_input_shapes, fixed_dim, index_bounds, make_inputs, session
 from .surrogates import Emitter, export_model, light_model, norm_cost, norm_spec, open_graph, width_of
 
@@ -74,7 +77,8 @@ def input_spec(model: onnx.ModelProto) -> InputSpec:
             np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)),
             len(tensor_type.shape.dim),
         )
-    return InputSpec(inputs, index_bounds(model))
+    limit = position_limit(ir.from_proto(model))
+    return InputSpec(inputs, index_bounds(model), positions=None if limit is None else limit.rows)
 
 
 def synthetic_batches(
@@ -82,10 +86,11 @@ def synthetic_batches(
 ) -> list[Batch]:
     """Seeded random inputs (randn floats, in-range indices, all-ones masks). Tests and demos only."""
     batches = []
+    names = input_spec(model).names
     for index, start in enumerate(range(0, samples, batch_size)):
         size = min(batch_size, samples - start)
         shapes = dict(input_shapes or {})
-        for name in input_spec(model).inputs:
+        for name in names:
             if name not in shapes:
                 value = next(v for v in model.graph.input if v.name == name)
                 dims = value.type.tensor_type.shape.dim
@@ -99,10 +104,35 @@ def load(source, model: onnx.ModelProto, options: ReplaceOptions, seed: int) -> 
     """Calibration batches from `source` (`calibration.load_batches`, or `"synthetic"`), shape-checked."""
     if isinstance(source, str) and source == "synthetic":
         return synthetic_batches(model, options.samples, options.batch_size, seed, options.input_shapes)
-    batches = load_batches(source, input_spec(model), options.batch_size, options.tokenizer, options.max_length)
+    return load_fitting(source, model, options.batch_size, options.tokenizer, options.max_length)
+
+
+def load_fitting(
+    source, model: onnx.ModelProto, batch_size: int, tokenizer, max_length: int, minimum: int = MIN_SAMPLES
+) -> list[Batch]:
+    """`calibration.load_batches` for `model`, each batch's shapes checked against the model's fixed dims."""
+    batches = load_batches(source, input_spec(model), batch_size, tokenizer, max_length, minimum)
+    file = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
     for index, batch in enumerate(batches):
-        check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
+        check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"{file}calibration batch {index}, input")
     return batches
+
+
+def check_runs(runner: Runner, batches: list[Batch], source) -> None:
+    """The original model on the calibration batch holding the sample longest along axis 1: a sequence it cannot
+    take (a bound the graph does not show as a table, such as OPT's positions counted from a mask) is refused as
+    bad data, before the pass, instead of failing in its middle."""
+    longest = longest_batch(batches)
+    if longest is None:
+        return
+    batch, width = longest
+    try:
+        runner.run(batch)
+    except Exception as e:  # ONNX Runtime's InvalidArgument, Fail ... derive from Exception only
+        raise InputError(
+            f"{source_label(source)}: the model does not run on the batch holding its longest sample ({width} along "
+            f"axis 1): {str(e).splitlines()[0]}; shorten the sequences (text: --max-length) or give data that fits"
+        ) from e
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -222,11 +252,19 @@ def prepare(
     """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`."""
     model = checked_model(model, name)
     options = options or ReplaceOptions()
-    scalars = [n for n, (_, rank) in input_spec(model).inputs.items() if rank == 0]
+    spec = input_spec(model)
+    scalars = [n for n, (_, rank) in spec.inputs.items() if rank == 0]
     if scalars:
         raise InputError(
             f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
             "axis 0 of every input, so the surrogate pass takes models whose inputs all have a batch axis"
+        )
+    dims = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input if i.name in spec.inputs}
+    batched = [(key, size) for key, d in dims.items() if d and (size := fixed_dim(d[0])) is not None and size > 1]
+    if batched:
+        raise InputError(
+            f"{name}: input {batched[0][0]} fixes axis 0, the samples, to {batched[0][1]}; the surrogate pass splits "
+            "calibration samples into parts of other sizes: export the model with a dynamic batch axis"
         )
     budget, kinds, only_cheaper = options.checked()
     check_input_shapes(model, options.input_shapes)
@@ -235,7 +273,7 @@ def prepare(
     batches = load(calibration, model, options, options.seed)
     holdout = None if options.holdout is None else load(options.holdout, model, options, options.seed + 1)
     splits = split_roles(batches, holdout, options)
-    mask_input = find_mask_input(input_spec(model), options.mask_input)
+    mask_input = find_mask_input(spec, options.mask_input)
 
     folded = fold_onnx(
         model,
@@ -272,6 +310,9 @@ def prepare(
     base = export_model(ctx, folded.model, emitter.docs, {})
 
     reference = Runner(model)
+    check_runs(reference, batches, calibration)
+    if holdout is not None:
+        check_runs(reference, holdout, options.holdout)
     for role in ("select", "check", "test"):
         data = splits.batches[role]
         splits.references[role] = [

@@ -394,15 +394,15 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         if options.smooth is not None:
             smoothing = _smoothing(rotator, rotation, options.smooth)
         wanted = [site.keys for site in keys.sites] + [site.tensor for site in (smoothing.sites if smoothing else [])]
-        if wanted:
-            stats = feature_statistics(rotator.ctx, wanted, options.calib, options.calib_data)
-            rotator.centre_keys(keys, stats)
-            if smoothing is not None:
-                rotator.smooth(smoothing, stats)
-            RemoveUnusedNodesPass()(rotator.ctx.model)
+        stats = feature_statistics(rotator.ctx, wanted, options.calib, options.calib_data)  # checked even if unused
+        rotator.centre_keys(keys, stats)
+        if smoothing is not None:
+            rotator.smooth(smoothing, stats)
+        RemoveUnusedNodesPass()(rotator.ctx.model)
     if online is not None and online.sites:
         matrix, online.matrix = rotation_matrix(online.block, options.rotation, options.rotation_seed + SEED_OFFSET)
         rotator.rotate_online(online, np.asarray(matrix, dtype=np.float64))
+        RemoveUnusedNodesPass()(rotator.ctx.model)  # the weights the rotated-back ones replaced
     rotator.ctx.graph.sort()
     metadata = {
         "normpass.version": __version__,

@@ -14,11 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from ...calibration import load_batches
 from ..fold.driver import in_memory_proto
 from ..graph.frontend import OnnxGraph
-from ..replace.driver import input_spec
-from ..runtime.verify import check_input_shapes, session
+from ..replace.driver import Runner, check_runs, load_fitting
 
 
 @dataclass(frozen=True)
@@ -40,23 +38,23 @@ class FeatureStats:
 
 def feature_statistics(ctx: OnnxGraph, names: list[str], data, options: CalibData) -> dict[str, FeatureStats]:
     """`FeatureStats` of each tensor in `names` over every position of the calibration inputs `data` (an .npz,
-    a directory of .npy, text with a tokenizer, or batches: `calibration.load_batches`)."""
+    a directory of .npy, text with a tokenizer, or batches: `calibration.load_batches`), read and checked even
+    when `names` is empty."""
     proto = in_memory_proto(ctx.model)
-    batches = load_batches(
-        data, input_spec(proto), options.batch_size, options.tokenizer, options.max_length, minimum=1
-    )
-    for index, batch in enumerate(batches):
-        check_input_shapes(proto, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
+    batches = load_fitting(data, proto, options.batch_size, options.tokenizer, options.max_length, minimum=1)
+    if not names:  # the data is read and checked all the same: a file the user names must be one
+        return {}
     wanted = sorted(set(names))
     for name in wanted:
         dtype = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(ctx.dtypes[name]))
         proto.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype, None))
-    run = session(proto)
+    runner = Runner(proto)
+    check_runs(runner, batches, data)
     sums: dict[str, np.ndarray] = {}
     peaks: dict[str, np.ndarray] = {}
     counts = dict.fromkeys(wanted, 0)
     for batch in batches:
-        for name, values in zip(wanted, run.run(wanted, batch), strict=True):
+        for name, values in runner.run(batch, wanted).items():
             rows = np.asarray(values, dtype=np.float64).reshape(-1, values.shape[-1])
             sums[name] = sums.get(name, 0) + rows.sum(0)
             peaks[name] = np.maximum(peaks.get(name, 0), np.abs(rows).max(0))
