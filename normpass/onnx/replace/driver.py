@@ -77,6 +77,16 @@ def input_spec(model: onnx.ModelProto) -> InputSpec:
     return InputSpec(inputs, index_bounds(model))
 
 
+def refuse_scalar_inputs(model: onnx.ModelProto, name: str, verb: str) -> None:
+    """Calibration data is split into samples along axis 0 of every input: refuse a model with a scalar input."""
+    scalars = [n for n, (_, rank) in input_spec(model).inputs.items() if rank == 0]
+    if scalars:
+        raise InputError(
+            f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
+            f"axis 0 of every input, so {verb} takes models whose inputs all have a batch axis"
+        )
+
+
 def synthetic_batches(
     model: onnx.ModelProto, samples: int = 64, batch_size: int = 16, seed: int = 0, input_shapes: dict | None = None
 ) -> list[Batch]:
@@ -222,12 +232,7 @@ def prepare(
     """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`."""
     model = checked_model(model, name)
     options = options or ReplaceOptions()
-    scalars = [n for n, (_, rank) in input_spec(model).inputs.items() if rank == 0]
-    if scalars:
-        raise InputError(
-            f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
-            "axis 0 of every input, so the surrogate pass takes models whose inputs all have a batch axis"
-        )
+    refuse_scalar_inputs(model, name, "the surrogate pass")
     budget, kinds, only_cheaper = options.checked()
     check_input_shapes(model, options.input_shapes)
     started = time.perf_counter()

@@ -47,7 +47,7 @@ from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx, in_memory
 from ..graph.constants import constant_values
 from ..graph.export import export_model
 from ..graphsurgeon import from_graphsurgeon
-from ..replace.driver import Runner, input_spec
+from ..replace.driver import Runner, input_spec, refuse_scalar_inputs
 from ..rotate.driver import RotateOptions, plan_streams
 from ..rotate.features import CalibData, captured
 from ..runtime.verify import check_input_shapes, structure
@@ -271,6 +271,8 @@ def stream_covariances(
     axes = {name: slicer.zmg.norm_by_name(name).axis for s in streams for name in s.norms}
     wanted = [t for entries in reads.values() for _, tensors, _ in entries for t in tensors]
     covariances = {s.name: Covariance(s.width or 0) for s in streams}
+    if not streams:
+        return covariances
     data = CalibData(options.batch_size, options.tokenizer, options.max_length)
     for batch, values in captured(slicer.ctx, wanted, batches, data):
         mask = batch.get(mask_input) if mask_input else None
@@ -325,6 +327,7 @@ def slice_onnx(
     options = options or SliceOptions()
     budget = options.checked()
     original = checked_model(from_graphsurgeon(model), name)
+    refuse_scalar_inputs(original, name, "slicing")
     check_input_shapes(original, options.input_shapes)
     start = time.perf_counter()
     folded = fold_onnx(original, options.rotate_options().fold_options(), name)
