@@ -317,9 +317,9 @@ def derived_initializer(
             raise AssertionError(f"{name}: a derived weight changed its shape or dtype")
         return ir.Tensor(values, name=name)
 
-    lazy = ir.LazyTensor(compute, dtype=tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name)
+    deferred = ir.LazyTensor(compute, dtype=tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name)
     value = ir.Value(
-        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=lazy
+        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=deferred
     )
     graph.register_initializer(value)
     return value

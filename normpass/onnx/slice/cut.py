@@ -27,6 +27,7 @@ from ...core.rotation import Stream
 from ..fold.targets import new_initializer
 from ..graph.constants import constant_values
 from ..graph.frontend import OnnxGraph, graph_values
+from ..graph.values import name_of
 from ..rotate.driver import Rotator
 
 SINGLE_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization")
@@ -98,15 +99,15 @@ class Slicer(Rotator):
                     self._replace_input(node, index, tag, sliced_gamma, "sliced: γ·√(d/k) over k columns")
         site = _epsilon_site(norm)
         assert site is not None  # `slice_refusal` refused the stream otherwise
-        node, index = site
+        eps_node, eps_index = site
         factor = gamma_factor if match.eps_outside_root else eps_factor
-        if index is None:
-            node.attributes["epsilon"] = ir.AttrFloat32("epsilon", norm.epsilon * factor)
+        if eps_index is None:
+            eps_node.attributes["epsilon"] = ir.AttrFloat32("epsilon", norm.epsilon * factor)
         else:
             self._replace_input(
-                node, index, f"sliced_eps:{label}", lambda v: (v * factor).astype(v.dtype), "sliced: ε·d/k"
+                eps_node, eps_index, f"sliced_eps:{label}", lambda v: (v * factor).astype(v.dtype), "sliced: ε·d/k"
             )
-        self._note(node.name, f"normalizes {kept} of {width} columns: γ·√(d/k), ε·{factor:.4g}")
+        self._note(name_of(eps_node), f"normalizes {kept} of {width} columns: γ·√(d/k), ε·{factor:.4g}")
 
     def _cut_shapes(self, stream: Stream, width: int, kept: int, label: str) -> None:
         axes = dict(stream.states)
@@ -133,13 +134,15 @@ class Slicer(Rotator):
         constants) gets a copy of its own with the constant piece changed. A piece computed at run time is
         left: it is computed from the sliced tensors themselves."""
         target = node.inputs[position]
+        if target is None:
+            return
         values = constant_values(target)
         if values is not None:
             if -values.size <= at and values.ravel()[at] == width:
                 self._replace_input(node, position, f"sliced_shape:{label}:{at}", _named(at, kept), f"sliced to {kept}")
-                self._note(node.name, f"target shape names {kept} features of the sliced stream, not {width}")
+                self._note(name_of(node), f"target shape names {kept} features of the sliced stream, not {width}")
             return
-        concat = target.producer() if target is not None else None
+        concat = target.producer()
         if concat is None or concat.op_type != "Concat":
             return
         pieces = [constant_values(piece) for piece in concat.inputs]
@@ -159,20 +162,20 @@ class Slicer(Rotator):
                 )
                 inputs = list(concat.inputs)
                 inputs[index] = changed
-                shape = self._new_value(f"{target.name}.sliced", np.dtype(np.int64))
+                shape = self._new_value(f"{name_of(target)}.sliced", np.dtype(np.int64))
                 copy = ir.node(
                     "Concat", inputs, {"axis": 0}, outputs=[shape], name=self._unique(f"{concat.name}.sliced")
                 )
                 self.ctx.graph.insert_before(node, copy)
                 node.replace_input_with(position, shape)
-                self._note(node.name, f"target shape names {kept} features of the sliced stream, not {width}")
+                self._note(name_of(node), f"target shape names {kept} features of the sliced stream, not {width}")
                 return
             end -= length
 
 
 def _length(ctx: OnnxGraph, value: ir.Value | None) -> int | None:
     """The static length of a 1-D tensor, or None."""
-    shape = None if value is None else ctx.shapes.get(value.name)
+    shape = None if value is None else ctx.shapes.get(name_of(value))
     return shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
 
 

@@ -252,7 +252,7 @@ def _data(model: onnx.ModelProto, calibration, options: SliceOptions) -> tuple[l
 def _read_tensors(slicer: Slicer, stream: Stream) -> list[tuple[str, list[str], np.ndarray | None]]:
     """Per norm of `stream`: its axis, the run-time tensors summed into what it normalizes (x, or a Skip
     op's x and skip), and a constant added to them (a Skip op's bias), in the folded graph."""
-    reads = []
+    reads: list[tuple[str, list[str], np.ndarray | None]] = []
     for name in stream.norms:
         norm = slicer.zmg.norm_by_name(name)
         match = norm.ref
