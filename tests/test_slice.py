@@ -70,11 +70,12 @@ def test_covariance_streams_unit_tokens_and_its_basis_is_orthonormal_and_descend
 # --- a hand-built stream of rank RANK -----------------------------------------------------------
 
 
-def low_rank_model(gen, epsilon: float = 0.5) -> onnx.ModelProto:
+def low_rank_model(gen, epsilon: float = 0.5, head_bias: bool = True) -> onnx.ModelProto:
     """A pre-LN block whose stream lies in a RANK-dimensional subspace of its D features: the embedding table
-    and the MLP's output projection both write rows of `span` [RANK, D]. Every reader has a bias, so the fold
-    moves each β into a bias and the cut drops nothing the stream holds."""
+    and the MLP's output projection both write rows of `span` [RANK, D]. With `head_bias` every reader has a
+    bias, so the fold moves each β into one; without, the final norm's β stays an Add before the head."""
     span = randn(gen, RANK, D)
+    head = "logits = Add(m3, c3)" if head_bias else "logits = Identity(m3)"
     return build(
         f"""{header()}
 agraph (int64[B, {S}] ids) => (float[B, {S}, {V}] logits) {{
@@ -87,7 +88,7 @@ agraph (int64[B, {S}] ids) => (float[B, {S}, {V}] logits) {{
   h1 = Add(emb, m2)
   nf = LayerNormalization<axis=-1, epsilon={epsilon}>(h1, gf, bf)
   m3 = MatMul(nf, head)
-  logits = Add(m3, c3)
+  {head}
 }}""",
         table=randn(gen, V, RANK) @ span,
         g1=gamma(gen, D),
@@ -107,7 +108,7 @@ def ids(seed: int, batch: int = 8) -> dict[str, np.ndarray]:
 
 
 def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch):
-    model = low_rank_model(rng(3))
+    model = low_rank_model(rng(3), head_bias=True)
     before = model.SerializeToString()
     result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5))
     assert model.SerializeToString() == before, "slice_onnx modified its input model"
@@ -130,6 +131,22 @@ def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch):
     eps_unscaled = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5)).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, eps_unscaled, rel_tol=1e-5)
+
+
+def test_a_beta_kept_after_the_final_norm_reaches_a_biasless_head_as_its_bias(monkeypatch):
+    model = low_rank_model(rng(4), head_bias=False)
+    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5))
+    (stream,) = result.slicing.sliceable
+    assert any(".beta" in w for w in stream.to_json()["writers"])  # the fold kept the final β as an Add
+    check_structure(result.model)
+    assert producer(result.model, "m3").op_type == "Add"  # the one op added, after the head, under its output's name
+    head = next(n for n in result.model.graph.node if n.name == "m3")
+    assert head.op_type == "MatMul" and head.output[0] in producer(result.model, "m3").input
+    assert_equivalent(model, result.model, rel_tol=1e-5)
+    monkeypatch.setattr("normpass.onnx.slice.cut.Slicer._carried_constants", lambda self, stream, basis: {})
+    dropped = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5)).model
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_equivalent(model, dropped, rel_tol=1e-3)
 
 
 # --- registry models ----------------------------------------------------------------------------

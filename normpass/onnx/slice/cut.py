@@ -11,9 +11,14 @@ module (DESIGN §2c, `core/pca.py`):
   in a chain computing x / (√mean(x²) + ε)), so that each keeps the dense model's scale.
 * **Shapes.** Every tensor of the stream has k features along its axis: its recorded shape says so, and a
   `Reshape` or `Expand` inside the stream whose constant target shape names d there names k instead.
+* **A β after a norm** (the fold keeps it as an `Add` when no reader can take it as a bias, e.g. before a
+  bias-less LM head) is not part of what the basis was fitted on: its part outside the kept columns,
+  r = (β⊘γ)·(I − Q_k·Q_kᵀ), would be lost. Each reader it reaches through layout ops alone takes it as a
+  bias instead, r·diag(γ)·W (SliceGPT gives such a head a bias too): into a `Gemm`'s C, the constant of a
+  `MatMul`'s bias `Add`, or one inserted `Add` after a `MatMul` that has none (the only op slicing adds).
 
 Every changed constant is a new initializer (copy-on-write, computed now: its shape changes), shared by the
-uses that take the same map, so weights tied before stay tied where their uses are cut alike. No op is added.
+uses that take the same map, so weights tied before stay tied where their uses are cut alike.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import onnx_ir as ir
 
 from ...core.graph import NormInfo, ZeroMeanGraph
 from ...core.pca import rms_rescale
-from ...core.rotation import Stream
-from ..fold.targets import new_initializer
+from ...core.rotation import Stream, gamma_of
+from ..fold.targets import new_initializer, set_input
 from ..graph.constants import constant_values
 from ..graph.frontend import OnnxGraph, graph_values
-from ..graph.values import name_of
-from ..rotate.driver import Rotator
+from ..graph.values import input_at, name_of, take_over
+from ..rotate.driver import Rotator, reader_weight
 
+LAYOUT_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Slice", "Gather", "Expand")
 SINGLE_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization")
 RESHAPING = {"Reshape": 1, "Expand": 1}  # op → the input holding its target shape
 
@@ -72,10 +78,13 @@ class Slicer(Rotator):
         assert stream.width is not None  # a stream without a static width is refused
         width, kept = stream.width, basis.shape[1]
         gamma_factor, eps_factor = rms_rescale(width, kept)
+        carried = self._carried_constants(stream, basis) if kept < width else {}
         for name in stream.norms:  # first: the rotation then finds γ replaced and leaves it (see rotate_stream)
             moved = name in stream.moved_gamma
             self._rescale_norm(self.zmg.norm_by_name(name), moved, width, kept, (gamma_factor, eps_factor), label)
         self.rotate_stream(stream, basis, label)
+        for reader, bias in carried.values():
+            self._add_bias(reader, bias, label)
         if kept < width:
             self._cut_shapes(stream, width, kept, label)
 
@@ -108,6 +117,64 @@ class Slicer(Rotator):
                 eps_node, eps_index, f"sliced_eps:{label}", lambda v: (v * factor).astype(v.dtype), "sliced: ε·d/k"
             )
         self._note(name_of(eps_node), f"normalizes {kept} of {width} columns: γ·√(d/k), ε·{factor:.4g}")
+
+    def _carried_constants(self, stream: Stream, basis: np.ndarray) -> dict[str, tuple[ir.Node, np.ndarray]]:
+        """Per reader (by name): the bias that carries what the cut drops of the constants added after a norm
+        that keeps γ (the module docstring), computed from the weights before the cut."""
+        carried: dict[str, tuple[ir.Node, np.ndarray]] = {}
+        for centring, tag in stream.writers.items():
+            adder = self.zmg.nodes[centring.node].ref
+            if tag is None or adder.op_type != "Add" or centring.tensor is None:
+                continue
+            constant = constant_values(next(v for v in adder.inputs if v is not None and v.name == centring.tensor))
+            if constant is None or constant.size != basis.shape[0]:  # not one vector along the stream's axis
+                continue
+            gamma = gamma_of(self.zmg, self.zmg.norm_by_name(tag)).astype(np.float64)
+            scaled = np.ravel(constant).astype(np.float64) / gamma
+            dropped = (scaled - (scaled @ basis) @ basis.T) * gamma
+            for reader in stream.readers:
+                node = self.zmg.nodes[reader.node].ref
+                found = reader_weight(self.ctx, node, reader.index, reader.axis)
+                if reader.scale != tag or found is None or not _reads(node.inputs[reader.index], adder.outputs[0]):
+                    continue
+                weight = constant_values(node.inputs[found[0]])
+                if weight is None or weight.ndim != 2:
+                    continue
+                bias = np.moveaxis(weight.astype(np.float64), found[1], 0).T @ dropped
+                previous = carried.get(reader.node, (node, 0.0))[1]
+                carried[reader.node] = (node, previous + bias)
+        return carried
+
+    def _add_bias(self, node: ir.Node, bias: np.ndarray, label: str) -> None:
+        """Add `bias` (one value per output feature) to the output of the linear layer `node`."""
+        out = node.outputs[0]
+        dtype = self._dtype(out)
+        note = f"bias carries the β the cut drops from its input ({label})"
+        if node.op_type == "Gemm":
+            if input_at(node, 2) is None:
+                set_input(
+                    node, 2, new_initializer(self.ctx.graph, self._unique(f"{name_of(node)}.bias"), bias.astype(dtype))
+                )
+            else:
+                self._replace_input(node, 2, f"carried:{label}", lambda v: (v + bias).astype(v.dtype), note)
+            self._note(name_of(node), note)
+            return
+        users = list(out.uses())
+        if len(users) == 1 and not out.is_graph_output() and users[0].node.op_type == "Add":
+            add = users[0].node
+            other = 1 - users[0].idx
+            values = constant_values(add.inputs[other])
+            if values is not None and np.broadcast_shapes(values.shape, bias.shape)[-1:] == bias.shape:
+                self._replace_input(add, other, f"carried:{label}", lambda v: (v + bias).astype(v.dtype), note)
+                self._note(name_of(add), note)
+                return
+        biased = self._new_value(name_of(out), dtype)
+        take_over(out, biased)
+        out.name = self._unique(f"{biased.name}.unbiased")
+        constant = new_initializer(self.ctx.graph, self._unique(f"{name_of(node)}.bias"), bias.astype(dtype))
+        add = ir.node("Add", [out, constant], outputs=[biased], name=self._unique(f"{name_of(node)}.bias"))
+        self.ctx.graph.insert_after(node, add)
+        self._note(name_of(add), note)
 
     def _cut_shapes(self, stream: Stream, width: int, kept: int, label: str) -> None:
         axes = dict(stream.states)
@@ -171,6 +238,16 @@ class Slicer(Rotator):
                 self._note(name_of(node), f"target shape names {kept} features of the sliced stream, not {width}")
                 return
             end -= length
+
+
+def _reads(value: ir.Value | None, source: ir.Value) -> bool:
+    """Whether `value` is `source` or made from it by layout ops alone (no other operand, no arithmetic)."""
+    while value is not None and value is not source:
+        producer = value.producer()
+        if producer is None or producer.op_type not in LAYOUT_OPS:
+            return False
+        value = producer.inputs[0]
+    return value is source
 
 
 def _length(ctx: OnnxGraph, value: ir.Value | None) -> int | None:
