@@ -49,7 +49,8 @@ generator's first feeds), so that keys are centred and norm outputs smoothed too
 off: the rotated model must compute what the original computes on the generator's feeds ("mismatch
 [rotate]"), keep its signature, leave the caller's model as it was, or be refused in one line.
 
-`check_slice(case)` (`tools/fuzz.py --slice`) checks `slice_onnx` at ratios 0 and 0.5, with the generator's feeds that
+`check_slice(case)` (`tools/fuzz.py --slice`) checks `slice_onnx` at ratios 0 and 0.5, with one basis per
+stream and one per layer, with the generator's feeds that
 set no initializer as calibration and held-out data: at ratio 0 the result must compute what the original
 computes ("mismatch [slice]"); above it every sliced stream must be narrower, the model must keep its
 signature, pass the checker and give finite outputs wherever the original does ("structure [slice]");
@@ -210,17 +211,19 @@ def check_rotate(case) -> list[Failure]:
 
 
 def check_slice(case, ratios: tuple[float, ...] = (0.0, 0.5)) -> list[Failure]:
-    """Failures of the slicing of `case` at each of `ratios` (the module docstring)."""
-    return [failure for ratio in ratios for failure in _check_slice(case, ratio)]
+    """Failures of the slicing of `case` at each of `ratios`, with either basis (the module docstring)."""
+    return [
+        failure for ratio in ratios for basis in ("stream", "layer") for failure in _check_slice(case, ratio, basis)
+    ]
 
 
-def _check_slice(case, ratio: float) -> list[Failure]:
-    """`check_slice` at one ratio; `round_to` 2, so that D = 8 slices."""
-    mode, original = "slice", case.model.SerializeToString()
+def _check_slice(case, ratio: float, basis: str) -> list[Failure]:
+    """`check_slice` at one ratio and basis; `round_to` 2, so that D = 8 slices."""
+    mode, original = f"slice-{basis}", case.model.SerializeToString()
     initializers = {i.name for i in case.model.graph.initializer}
     inputs = {i.name for i in case.model.graph.input} - initializers
     calibration = [feeds for feeds in case.feeds if set(feeds) <= inputs]
-    options = SliceOptions(ratio=ratio, round_to=2, holdout=calibration, verify=False)
+    options = SliceOptions(ratio=ratio, round_to=2, basis=basis, holdout=calibration, verify=False)
     try:
         result = slice_onnx(case.model, calibration, options)
     except NormpassError as e:  # a refusal

@@ -119,13 +119,18 @@ def ids(seed: int, batch: int = 8) -> dict[str, np.ndarray]:
     return {"ids": rng(seed).integers(0, V, (batch, S)).astype(np.int64)}
 
 
-def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch):
+@pytest.mark.parametrize("basis", ["stream", "layer"])
+def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis):
     model = low_rank_model(rng(3), head_bias=True)
     before = model.SerializeToString()
-    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5))
+    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis))
     assert model.SerializeToString() == before, "slice_onnx modified its input model"
     (stream,) = result.slicing.sliceable
     assert result.chosen is not None and result.chosen.kept == {stream.name: RANK}
+    # layer: a basis per norm (the block's and the final one) and a k×k shortcut on the residual edge between
+    assert len(result.pieces[stream.name]) == result.shortcuts + 1 == (2 if basis == "layer" else 1)
+    shortcuts = [n for n in result.model.graph.node if n.op_type == "MatMul" and n.name.endswith(".shortcut")]
+    assert [initializers(result.model)[n.input[1]].shape for n in shortcuts] == [(RANK, RANK)] * result.shortcuts
     assert result.comparison is None  # k < d: judged, not verified by a tolerance
     assert result.slice_report()["verification"].startswith("k < d")
     check_structure(result.model)
@@ -136,11 +141,11 @@ def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch):
     assert result.bases[stream.name].energy_kept(RANK) == pytest.approx(1.0)
     # without the RMS rescale (γ·√(d/k), ε·d/k) the same cut is not exact
     monkeypatch.setattr("normpass.onnx.slice.cut.rms_rescale", lambda width, kept: (1.0, 1.0))
-    unscaled = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5)).model
+    unscaled = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis)).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, unscaled, rel_tol=1e-3)
     monkeypatch.setattr("normpass.onnx.slice.cut.rms_rescale", lambda width, kept: (rms_rescale(width, kept)[0], 1.0))
-    eps_unscaled = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5)).model
+    eps_unscaled = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis)).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, eps_unscaled, rel_tol=1e-5)
 
@@ -199,9 +204,12 @@ def gpt2(registry_model):
     return model, entry_feeds(get("gpt2"), model, batch=16, seq=8)
 
 
-def test_ratio_zero_is_the_original_rotated_into_its_principal_basis_and_verified(gpt2):
+@pytest.mark.parametrize("basis", ["stream", "layer"])
+def test_ratio_zero_is_the_original_rotated_into_its_principal_bases_and_verified(gpt2, basis):
     model, feeds = gpt2
-    result = slice_onnx(model, feeds, SliceOptions(ratio=0.0), name="gpt2")
+    result = slice_onnx(model, feeds, SliceOptions(ratio=0.0, basis=basis), name="gpt2")
+    (stream,) = result.slicing.sliceable
+    assert len(result.pieces[stream.name]) == (5 if basis == "layer" else 1)  # 2 blocks × 2 norms, the final norm
     assert result.comparison is not None and result.comparison.passed
     assert result.chosen is not None and all(result.chosen.kept[s.name] == s.width for s in result.slicing.sliceable)
     assert result.slicing.sliceable and result.report()["slice"]["verification"].startswith("k = d")
@@ -310,7 +318,7 @@ def test_cli_slice_budget_missed_writes_nothing_and_write_best_writes_the_larges
         (["--calib", "wrong.npz"], "not model inputs: tokens"),
         (["--calib", "calib.npz", "--ratio", "1"], "--ratio 1.0: choose a share"),
         (["--calib", "calib.npz", "--write-best"], "--write-best writes the largest ratio that meets a budget"),
-        (["--calib", "calib.npz", "--basis", "layer"], "--basis 'layer': only 'stream'"),
+        (["--calib", "calib.npz", "--split", "0.5"], "--split '0.5': expected two fractions"),
         (["--calib", "calib.npz", "--budget", "cos=2"], "cos must be in (0, 1]"),
     ],
 )

@@ -53,10 +53,10 @@ def add_parser(sub) -> None:
     )
     parser.add_argument(
         "--basis",
-        choices=BASES + ("layer",),
+        choices=BASES,
         default="stream",
-        help="stream: one principal basis per residual stream (default); layer: one per norm with shortcut "
-        "matrices (SliceGPT's; not built yet)",
+        help="stream: one principal basis per residual stream (default; no op added); layer: one per norm, with a "
+        "k×k shortcut MatMul on the residual path between them (SliceGPT's)",
     )
     add_data_arguments(parser, required=True)
     add_budget_arguments(parser, "default: none, the held-out figures are reported")

@@ -27,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ...core.graph import NormInfo, ZeroMeanGraph
+from ...core.layers import Shortcut
 from ...core.pca import rms_rescale
 from ...core.rotation import Stream, gamma_of
 from ..fold.targets import new_initializer, set_input
@@ -117,6 +118,21 @@ class Slicer(Rotator):
                 eps_node, eps_index, f"sliced_eps:{label}", lambda v: (v * factor).astype(v.dtype), "sliced: ε·d/k"
             )
         self._note(name_of(eps_node), f"normalizes {kept} of {width} columns: γ·√(d/k), ε·{factor:.4g}")
+
+    def add_shortcut(self, shortcut: Shortcut, matrix: np.ndarray) -> None:
+        """Change the basis of the operand of a residual sum that comes from another piece (`core/layers.py`):
+        one inserted MatMul by the k×k `matrix` Q_a,kᵀ·Q_b,k on that edge."""
+        node = self.zmg.nodes[shortcut.node].ref
+        index = next(i for i, v in enumerate(node.inputs) if v is not None and v.name == shortcut.tensor)
+        operand = node.inputs[index]
+        dtype = self._dtype(operand)
+        weight = new_initializer(self.ctx.graph, self._unique(f"{shortcut.tensor}.shortcut"), matrix.astype(dtype))
+        changed = self._new_value(f"{shortcut.tensor}.shortcut", dtype)
+        changed.shape = operand.shape
+        name = self._unique(f"{shortcut.node}.shortcut")
+        self.ctx.graph.insert_before(node, ir.node("MatMul", [operand, weight], outputs=[changed], name=name))
+        node.replace_input_with(index, changed)
+        self._note(name, f"shortcut from the basis of {shortcut.source} to that of {shortcut.target}")
 
     def _carried_constants(self, stream: Stream, basis: np.ndarray) -> dict[str, tuple[ir.Node, np.ndarray]]:
         """Per reader (by name): the bias that carries what the cut drops of the constants added after a norm

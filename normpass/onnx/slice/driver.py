@@ -12,7 +12,9 @@
 3. **Bases** (`core/pca.py`): per stream, Σ uᵀu over the unit-length tokens u where its RMS ops read it
    (padding excluded where the model has a mask input), streamed over the fitting batches in float64 and
    summed across processes when a `torch.distributed` group is initialized; its eigenvectors, descending.
-   `basis="stream"`: one basis per stream, so no change of basis is needed between its layers.
+   `basis="stream"`: one basis per stream, so no change of basis is needed between its layers; `"layer"`:
+   one per piece of the stream an RMS op reads (`core/layers.py`: per norm, as SliceGPT), a k×k shortcut
+   Q_a,kᵀ·Q_b,k on each residual edge between two pieces.
 4. **Cut** (`cut.py`): k = (1 − R)·d rounded to a multiple of `round_to`; writers W·Q_k, readers
    Q_kᵀ·W, the RMS ops over k columns with γ·√(d/k) and ε·d/k.
 5. **Judge** on the held-out part against the original (`core/budget.compare`): with a `budget`, a model
@@ -37,6 +39,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from ... import __version__
 from ...calibration import Batch, find_mask_input, load_batches, split_batches
 from ...core.budget import Budget, Metrics, compare
+from ...core.layers import Shortcut, layer_pieces
 from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis, sliced_width
 from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
@@ -53,7 +56,7 @@ from ..rotate.features import CalibData, captured
 from ..runtime.verify import check_input_shapes, structure
 from .cut import Slicer, slice_refusal
 
-BASES = ("stream",)  # "layer" (SliceGPT's basis per norm, with shortcut matrices): not built yet
+BASES = ("stream", "layer")  # one basis per stream; one per layer with shortcuts between them (SliceGPT's)
 LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last ratio above 0
 
 
@@ -61,7 +64,7 @@ LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last rat
 class SliceOptions:
     ratio: float = 0.25  # R: k = (1 − R)·d columns kept per stream
     round_to: int = DEFAULT_ROUND_TO  # k a multiple of this (`core/pca.sliced_width`)
-    basis: str = "stream"  # one principal basis per proven stream
+    basis: str = "stream"  # one principal basis per proven stream; "layer": one per norm, with shortcuts
     budget: Budget | str | None = None  # e.g. "cos=0.99"; None: judged and reported, never refused
     write_best: bool = False  # on a miss, write the largest ratio of the ladder that meets the budget
     split: tuple[float, float] = (0.75, 0.25)  # fitting, held out (with `holdout`: all fits)
@@ -87,8 +90,8 @@ class SliceOptions:
             raise InputError(f"round_to {self.round_to}: choose a whole number of at least 1 (16 by default)")
         if self.basis not in BASES:
             raise InputError(
-                f"basis {self.basis!r}: only 'stream' (one basis per residual stream) is built so far; "
-                "SliceGPT's one basis per layer with shortcut matrices is not"
+                f"basis {self.basis!r}: choose 'stream' (one per residual stream) or 'layer' (one per norm, "
+                "with k×k shortcuts on the residual path, as SliceGPT)"
             )
         if len(self.split) != 2 or min(self.split) < 0 or (self.holdout is None and min(self.split) <= 0):
             raise InputError(f"split {tuple(self.split)}: give two positive fractions FIT,HELD_OUT, e.g. 0.75,0.25")
@@ -178,8 +181,10 @@ class SliceResult(FoldResult):
     written and its held-out figures, `tried` every ratio judged."""
 
     slicing: SlicePlan = field(default_factory=lambda: SlicePlan([], {}))
-    bases: dict[str, Basis] = field(default_factory=dict, repr=False)
-    tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens per stream's basis
+    bases: dict[str, Basis] = field(default_factory=dict, repr=False)  # by piece (`core/layers.py`): the stream
+    pieces: dict[str, list[str]] = field(default_factory=dict)  # stream → its pieces, each with a basis
+    tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens per piece's basis
+    shortcuts: int = 0  # k×k matrices inserted between pieces
     chosen: Trial | None = None
     tried: list[Trial] = field(default_factory=list)
     requested_ratio: float = 0.0
@@ -201,14 +206,17 @@ class SliceResult(FoldResult):
         for entry in plan["streams"]:
             name = entry["stream"]
             if name in kept and entry["hidden_size"]:
+                pieces = self.pieces.get(name, [name])
                 entry["kept"] = kept[name]
-                entry["energy_kept"] = self.bases[name].energy_kept(kept[name])
-                entry["calibration_tokens"] = self.tokens.get(name, 0)
+                entry["energy_kept"] = min(self.bases[p].energy_kept(kept[name]) for p in pieces)  # the worst basis
+                entry["calibration_tokens"] = sum(self.tokens.get(p, 0) for p in pieces)
+                entry["bases"] = pieces
         exact = bool(kept) and all(kept[s.name] == s.width for s in self.slicing.sliceable)
         return {
             "requested_ratio": self.requested_ratio,
             "ratio": self.ratio,
             "basis": self.basis,
+            "shortcuts": self.shortcuts,
             "budget": None if self.budget is None else str(self.budget),
             "wrote_fallback": self.chosen is not None and self.ratio != self.requested_ratio,
             "verification": VERIFIED_EXACT if exact or not kept else VERIFIED_BY_BUDGET,
@@ -295,17 +303,44 @@ def _plan(folded: FoldResult, name: str) -> tuple[Slicer, SlicePlan]:
     return slicer, SlicePlan.of(slicer, rotation)
 
 
-def _cut(folded: FoldResult, name: str, bases: dict[str, Basis], kept: dict[str, int]) -> ir.Model:
+def _pieces(slicer: Slicer, plan: SlicePlan, basis: str) -> tuple[dict[str, list[Stream]], list[Shortcut]]:
+    """Per sliceable stream the pieces that take a basis each (itself alone with `basis` "stream"), and the
+    shortcuts between them. A stream whose shortcut would not read its last axis (a MatMul contracts that
+    one) keeps one basis."""
+    pieces: dict[str, list[Stream]] = {}
+    shortcuts: list[Shortcut] = []
+    for stream in plan.sliceable:
+        found, between = layer_pieces(slicer.zmg, stream) if basis == "layer" else ([stream], [])
+        axes = dict(stream.states)
+        if any(axes[s.tensor] != len(slicer.ctx.shapes.get(s.tensor) or ()) - 1 for s in between):
+            found, between = [stream], []
+        pieces[stream.name] = found
+        shortcuts += between
+    return pieces, shortcuts
+
+
+def _cut(
+    folded: FoldResult, name: str, options: SliceOptions, bases: dict[str, Basis], kept: dict[str, int]
+) -> ir.Model:
     """The folded model with each stream of `kept` cut to its first `kept[stream]` principal directions."""
     slicer, plan = _plan(folded, name)
-    for index, stream in enumerate(plan.sliceable):
-        slicer.cut_stream(stream, bases[stream.name].vectors[:, : kept[stream.name]], str(index))
+    pieces, shortcuts = _pieces(slicer, plan, options.basis)
+    width = {}
+    for stream, found in pieces.items():
+        for piece in found:
+            width[piece.name] = kept[stream]
+            slicer.cut_stream(piece, bases[piece.name].vectors[:, : kept[stream]], piece.name)
+    for shortcut in shortcuts:
+        source = bases[shortcut.source].vectors[:, : width[shortcut.source]]
+        target = bases[shortcut.target].vectors[:, : width[shortcut.target]]
+        slicer.add_shortcut(shortcut, source.T @ target)
     RemoveUnusedNodesPass()(slicer.ctx.model)
     slicer.ctx.graph.sort()
     widths = "; ".join(f"{s.name}: {s.width} → {kept[s.name]}" for s in plan.sliceable)
     metadata = {
         "normpass.version": __version__,
-        "normpass.sliced": f"{len(plan.sliceable)} of {len(plan.streams)} residual streams sliced ({widths})",
+        "normpass.sliced": f"{len(plan.sliceable)} of {len(plan.streams)} residual streams sliced ({widths}), "
+        f"{sum(len(p) for p in pieces.values())} bases, {len(shortcuts)} shortcuts",
     }
     return export_model(slicer.ctx.model, slicer.docs, metadata)
 
@@ -337,7 +372,9 @@ def slice_onnx(
     start = time.perf_counter()
     fit, held = _data(original, calibration, options)
     mask_input = find_mask_input(input_spec(original), options.mask_input)
-    covariances = stream_covariances(slicer, plan.sliceable, fit, options, mask_input)
+    pieces, shortcuts = _pieces(slicer, plan, options.basis)
+    every_piece = [piece for found in pieces.values() for piece in found]
+    covariances = stream_covariances(slicer, every_piece, fit, options, mask_input)
     combine(list(covariances.values()))
     bases = {stream: eigenbasis(covariance) for stream, covariance in covariances.items()}
     seconds["bases"] = time.perf_counter() - start
@@ -352,7 +389,7 @@ def slice_onnx(
         kept = {s.name: sliced_width(s.width or 0, ratio, options.round_to) for s in plan.sliceable}
         if tried and kept == tried[-1].kept:
             continue
-        cut = _cut(folded, name, bases, kept)
+        cut = _cut(folded, name, options, bases, kept)
         candidate = Runner(in_memory_proto(cut))
         metrics = compare(references, [candidate.run(b, reference.outputs) for b in held], masks)
         tried.append(Trial(ratio, kept, metrics, None if budget is None else budget.holds(metrics)))
@@ -371,7 +408,9 @@ def slice_onnx(
         emitted=folded.emitted,
         slicing=plan,
         bases=bases,
+        pieces={stream: [p.name for p in found] for stream, found in pieces.items()},
         tokens={s: c.tokens for s, c in covariances.items()},
+        shortcuts=len(shortcuts),
         chosen=chosen,
         tried=tried,
         requested_ratio=options.ratio,
