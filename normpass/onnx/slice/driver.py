@@ -37,7 +37,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ... import __version__
-from ...calibration import Batch, find_mask_input, load_batches, split_batches
+from ...calibration import Batch, find_mask_input, split_batches
 from ...core.budget import Budget, Metrics, compare
 from ...core.layers import Shortcut, layer_pieces
 from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis, sliced_width
@@ -50,7 +50,7 @@ from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx, in_memory
 from ..graph.constants import constant_values
 from ..graph.export import export_model
 from ..graphsurgeon import from_graphsurgeon
-from ..replace.driver import Runner, input_spec, refuse_scalar_inputs
+from ..replace.driver import Runner, input_spec, load, refuse_scalar_inputs
 from ..rotate.driver import RotateOptions, plan_streams
 from ..rotate.features import CalibData, captured
 from ..runtime.verify import check_input_shapes, structure
@@ -62,6 +62,8 @@ LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last rat
 
 @dataclass
 class SliceOptions:
+    """Options of the slice pass (the CLI flag is the name with dashes); the fold's are as for `rotate`."""
+
     ratio: float = 0.25  # R: k = (1 − R)·d columns kept per stream
     round_to: int = DEFAULT_ROUND_TO  # k a multiple of this (`core/pca.sliced_width`)
     basis: str = "stream"  # one principal basis per proven stream; "layer": one per norm, with shortcuts
@@ -73,13 +75,14 @@ class SliceOptions:
     tokenizer: str | None = None
     max_length: int = 128
     mask_input: str | None = None  # default: the rank-2 input named *mask* (`calibration.find_mask_input`)
+    samples: int = 64  # of "synthetic" calibration data (seeded random inputs: demos and tests only)
     target: str = "ort"  # the fold's options, as for `rotate`
     provider: str = "cuda"
     rms_op: str | None = None
     insert_centering: bool = True
     fuse_skip: bool | None = None
     verify: bool = True  # at R = 0: verified against the original (at R > 0 the budget judges)
-    input_shapes: dict = field(default_factory=dict)  # of the verification inputs
+    input_shapes: dict = field(default_factory=dict)  # of the verification inputs (and of synthetic data)
     seed: int = 0  # of the split and of the verification inputs
 
     def checked(self) -> Budget | None:
@@ -243,17 +246,12 @@ VERIFIED_BY_BUDGET = (
 
 def _data(model: onnx.ModelProto, calibration, options: SliceOptions) -> tuple[list[Batch], list[Batch]]:
     """(fitting, held-out) batches: a seeded split of `calibration`, or all of it and `options.holdout`."""
-    spec = input_spec(model)
-
-    def load(source, minimum: int) -> list[Batch]:
-        batches = load_batches(source, spec, options.batch_size, options.tokenizer, options.max_length, minimum)
-        for index, batch in enumerate(batches):
-            check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
-        return batches
-
     if options.holdout is not None:
-        return load(calibration, 1), load(options.holdout, 1)
-    fit, held = split_batches(load(calibration, 2), tuple(options.split), options.seed, options.batch_size)
+        return load(calibration, model, options, options.seed, 1), load(
+            options.holdout, model, options, options.seed + 1, 1
+        )
+    whole = load(calibration, model, options, options.seed, 2)
+    fit, held = split_batches(whole, tuple(options.split), options.seed, options.batch_size)
     return fit, held
 
 
