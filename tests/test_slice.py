@@ -119,11 +119,20 @@ def ids(seed: int, batch: int = 8) -> dict[str, np.ndarray]:
     return {"ids": rng(seed).integers(0, V, (batch, S)).astype(np.int64)}
 
 
-@pytest.mark.parametrize("basis", ["stream", "layer"])
-def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis):
+@pytest.mark.parametrize(
+    "basis, rms_op, target",
+    [
+        ("stream", "simplified", "ort"),
+        ("layer", "simplified", "ort"),
+        ("stream", "decomposed", "onnx"),  # ε in a constant of the chain's Add
+        ("layer", "onnx", "onnx"),  # RMSNormalization
+    ],
+)
+def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis, rms_op, target):
     model = low_rank_model(rng(3), head_bias=True)
     before = model.SerializeToString()
-    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis))
+    options = SliceOptions(ratio=0.5, basis=basis, rms_op=rms_op, target=target)
+    result = slice_onnx(model, ids(0, 16), options)
     assert model.SerializeToString() == before, "slice_onnx modified its input model"
     (stream,) = result.slicing.sliceable
     assert result.chosen is not None and result.chosen.kept == {stream.name: RANK}
@@ -141,11 +150,11 @@ def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis):
     assert result.bases[stream.name].energy_kept(RANK) == pytest.approx(1.0)
     # without the RMS rescale (γ·√(d/k), ε·d/k) the same cut is not exact
     monkeypatch.setattr("normpass.onnx.slice.cut.rms_rescale", lambda width, kept: (1.0, 1.0))
-    unscaled = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis)).model
+    unscaled = slice_onnx(model, ids(0, 16), options).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, unscaled, rel_tol=1e-3)
     monkeypatch.setattr("normpass.onnx.slice.cut.rms_rescale", lambda width, kept: (rms_rescale(width, kept)[0], 1.0))
-    eps_unscaled = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis)).model
+    eps_unscaled = slice_onnx(model, ids(0, 16), options).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, eps_unscaled, rel_tol=1e-5)
 
