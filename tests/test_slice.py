@@ -14,12 +14,13 @@ from conftest import assert_equivalent, build, check_structure, initializers, pr
 from test_patterns import beta, gamma, header
 from test_rotation import tied_rms_model
 
-from normpass import SliceOptions, inspect_slice, slice_onnx
+from normpass import SliceOptions, UnsupportedModelError, inspect_slice, slice_onnx
 from normpass.cli.main import main
 from normpass.core import pca
 from normpass.core.pca import Covariance, eigenbasis, rms_rescale, sliced_width
 from normpass.models import get
 from normpass.models.reference import entry_feeds
+from normpass.onnx.slice.cut import Slicer
 
 D, RANK, S, V = 32, 16, 6, 20
 
@@ -246,6 +247,16 @@ def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
         assert entry["kept"] == kept and 0 < entry["energy_kept"] < 1
     assert widths == [48, 32, 16]
     assert damage[0] < damage[1] < damage[2], damage
+
+
+def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch):
+    """The exporter's `view`s of the stream build their target shape as Concat(Shape…, [64]): without
+    naming k there the sliced model does not run, which is refused in one line, nothing written."""
+    model, feeds = gpt2
+    monkeypatch.setattr(Slicer, "_retarget", lambda self, *args: None)
+    with pytest.raises(UnsupportedModelError, match=r"sliced at ratio 0\.5 does not run") as refused:
+        slice_onnx(model, feeds, SliceOptions(ratio=0.5), name="gpt2")
+    assert "\n" not in str(refused.value)
 
 
 def test_a_post_ln_model_keeps_its_streams_with_the_reasons(registry_export, capsys):

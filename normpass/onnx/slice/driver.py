@@ -44,7 +44,7 @@ from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis
 from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
-from ...errors import InputError
+from ...errors import InputError, UnsupportedModelError
 from ...io import checked_model
 from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx, in_memory_proto
 from ..graph.constants import constant_values
@@ -389,7 +389,14 @@ def slice_onnx(
             continue
         cut = _cut(folded, name, options, bases, kept)
         candidate = Runner(in_memory_proto(cut))
-        metrics = compare(references, [candidate.run(b, reference.outputs) for b in held], masks)
+        try:
+            outputs = [candidate.run(b, reference.outputs) for b in held]
+        except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
+            raise UnsupportedModelError(
+                f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
+                "written; slicing missed something this model computes from the hidden size: report it"
+            ) from e
+        metrics = compare(references, outputs, masks)
         tried.append(Trial(ratio, kept, metrics, None if budget is None else budget.holds(metrics)))
         if tried[-1].budget_met is not False:
             chosen = tried[-1]
