@@ -229,7 +229,7 @@ def test_ratio_zero_is_the_original_rotated_into_its_principal_bases_and_verifie
 
 def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
     model, feeds = gpt2
-    damage, widths = [], []
+    damage, widths, parameters = [], [], []
     for ratio in (0.25, 0.5, 0.75):
         result = slice_onnx(model, feeds, SliceOptions(ratio=ratio), name="gpt2")
         (stream,) = result.slicing.sliceable
@@ -237,6 +237,8 @@ def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
         widths.append(kept)
         assert result.held_out is not None
         damage.append(1 - result.held_out.cos_mean)
+        parameters.append(result.chosen.parameters)
+        assert result.report()["slice"]["parameters"] == {"original": result.parameters, "sliced": parameters[-1]}
         check_structure(result.model)
         outputs = run_ort(result.model, {"input_ids": feeds["input_ids"][:3]})
         assert all(np.isfinite(v).all() for v in outputs.values())
@@ -247,6 +249,7 @@ def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
         assert entry["kept"] == kept and 0 < entry["energy_kept"] < 1
     assert widths == [48, 32, 16]
     assert damage[0] < damage[1] < damage[2], damage
+    assert result.parameters > parameters[0] > parameters[1] > parameters[2]
 
 
 def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch):
@@ -296,7 +299,7 @@ def test_cli_slice_writes_the_model_and_the_report(files, capsys):
         == 0
     )
     printed = capsys.readouterr().out
-    assert "1 of 1 residual streams sliced at ratio 0.5 (32 → 16)" in printed and "held out (8 samples)" in printed
+    assert "1 of 1 residual streams sliced at ratio 0.5 (32 → 16; " in printed and "held out (8 samples)" in printed
     data = json.loads(report.read_text())
     assert data["output"] == str(out) and data["slice"]["streams"][0]["kept"] == RANK
     assert data["slice"]["held_out"]["cos_min"] > 0.9999

@@ -106,11 +106,13 @@ def summary(label: str, result: SliceResult, out) -> list[str]:
     )
     budget = "" if result.budget is None else f"; budget {result.budget}"
     check = "" if result.comparison is None else f" ({result.comparison.describe()})"
+    sliced = "" if result.chosen is None else f"; {result.chosen.parameters} of {result.parameters} parameters"
     bases = sum(len(p) for p in result.pieces.values())
     layers = f", {bases} bases and {result.shortcuts} shortcuts" if result.basis == "layer" else ""
     lines = [
         f"{label}: {len(result.slicing.sliceable)} of {len(result.slicing.streams)} residual streams sliced at "
-        f"ratio {result.ratio:g}{' (' + widths + layers + ')' if widths else ''}{check}{figures}{budget}; wrote {out}"
+        f"ratio {result.ratio:g}{' (' + widths + layers + sliced + ')' if widths else ''}{check}{figures}{budget}; "
+        f"wrote {out}"
     ]
     if report["wrote_fallback"]:
         lines.append(

@@ -167,6 +167,7 @@ class Trial:
     kept: dict[str, int]
     held_out: Metrics
     budget_met: bool | None  # None: no budget
+    parameters: int  # elements of the sliced model's constants
 
     def to_json(self) -> dict:
         return {
@@ -174,6 +175,7 @@ class Trial:
             "kept": self.kept,
             "held_out": self.held_out.to_json(),
             "budget_met": self.budget_met,
+            "parameters": self.parameters,
         }
 
 
@@ -188,6 +190,7 @@ class SliceResult(FoldResult):
     pieces: dict[str, list[str]] = field(default_factory=dict)  # stream → its pieces, each with a basis
     tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens per piece's basis
     shortcuts: int = 0  # k×k matrices inserted between pieces
+    parameters: int = 0  # elements of the original's constants
     chosen: Trial | None = None
     tried: list[Trial] = field(default_factory=list)
     requested_ratio: float = 0.0
@@ -224,6 +227,10 @@ class SliceResult(FoldResult):
             "wrote_fallback": self.chosen is not None and self.ratio != self.requested_ratio,
             "verification": VERIFIED_EXACT if exact or not kept else VERIFIED_BY_BUDGET,
             "held_out": None if self.held_out is None else self.held_out.to_json(),
+            "parameters": {
+                "original": self.parameters,
+                "sliced": None if self.chosen is None else self.chosen.parameters,
+            },
             "tried": [t.to_json() for t in self.tried],
             **plan,
         }
@@ -343,6 +350,11 @@ def _cut(
     return export_model(slicer.ctx.model, slicer.docs, metadata)
 
 
+def _parameters(model: ir.Model) -> int:
+    """The number of elements of `model`'s constants (initializers)."""
+    return sum(v.const_value.size for v in model.graph.initializers.values() if v.const_value is not None)
+
+
 def inspect_slice(model: ModelSource, options: SliceOptions | None = None, name: str = "model") -> SlicePlan:
     """Which residual streams `slice_onnx` would slice and why the others stay whole (no data read)."""
     options = options or SliceOptions()
@@ -397,7 +409,8 @@ def slice_onnx(
                 "written; slicing missed something this model computes from the hidden size: report it"
             ) from e
         metrics = compare(references, outputs, masks)
-        tried.append(Trial(ratio, kept, metrics, None if budget is None else budget.holds(metrics)))
+        met = None if budget is None else budget.holds(metrics)
+        tried.append(Trial(ratio, kept, metrics, met, _parameters(cut)))
         if tried[-1].budget_met is not False:
             chosen = tried[-1]
             break
@@ -416,6 +429,7 @@ def slice_onnx(
         pieces={stream: [p.name for p in found] for stream, found in pieces.items()},
         tokens={s: c.tokens for s, c in covariances.items()},
         shortcuts=len(shortcuts),
+        parameters=sum(int(np.prod(t.dims)) for t in original.graph.initializer),
         chosen=chosen,
         tried=tried,
         requested_ratio=options.ratio,
