@@ -160,9 +160,10 @@ def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis, rms_
         assert_equivalent(model, eps_unscaled, rel_tol=1e-5)
 
 
-def test_a_beta_kept_after_the_final_norm_reaches_a_biasless_head_as_its_bias(monkeypatch):
+@pytest.mark.parametrize("basis", ["stream", "layer"])
+def test_a_beta_kept_after_the_final_norm_reaches_a_biasless_head_as_its_bias(monkeypatch, basis):
     model = low_rank_model(rng(4), head_bias=False)
-    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5))
+    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis))
     (stream,) = result.slicing.sliceable
     assert any(".beta" in w for w in stream.to_json()["writers"])  # the fold kept the final β as an Add
     check_structure(result.model)
@@ -171,7 +172,7 @@ def test_a_beta_kept_after_the_final_norm_reaches_a_biasless_head_as_its_bias(mo
     assert head.op_type == "MatMul" and head.output[0] in producer(result.model, "m3").input
     assert_equivalent(model, result.model, rel_tol=1e-5)
     monkeypatch.setattr("normpass.onnx.slice.cut.Slicer._carried_constants", lambda self, stream, basis: {})
-    dropped = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5)).model
+    dropped = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis)).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, dropped, rel_tol=1e-3)
 
