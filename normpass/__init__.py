@@ -5,7 +5,9 @@ Public API:
   (`.model`, `.plan`, `.comparison`, `.report()`, `.graphsurgeon()`); `FoldPass(FoldOptions(...))`,
   the same fold as an onnx-ir pass for `onnx_ir.passes.PassManager` pipelines;
   `rotate_onnx(model, RotateOptions(...))` → `RotateResult` (a `FoldResult` with `.rotation`, the
-  residual streams rotated and why the others were not).
+  residual streams rotated and why the others were not); `slice_onnx(model, calibration,
+  SliceOptions(ratio=R))` → `SliceResult` (SliceGPT: each proven stream cut to its principal subspace,
+  judged on held-out data; `.model`, `.slicing`, `.held_out`, `.report()`) and `inspect_slice(model)`.
 * PyTorch (the `torch` extra): `inspect(module, example_inputs)` → `FoldPlan`;
   `fold(module, example_inputs)` → `(folded module, TorchFoldReport)`. These import torch on first
   use only, so the ONNX path never loads it; without torch they raise `MissingExtraError` naming
@@ -28,6 +30,7 @@ from .errors import InputError, MissingExtraError, NormpassError, UnsupportedMod
 from .onnx.fold.driver import FoldOptions, FoldPass, FoldResult, fold_onnx, inspect_onnx
 from .onnx.replace.driver import ReplaceResult, replace_onnx
 from .onnx.rotate.driver import RotateOptions, RotateResult, rotate_onnx
+from .onnx.slice.driver import SliceOptions, SlicePlan, SliceResult, inspect_slice, slice_onnx
 
 TORCH_API = {
     "fold": "api",
@@ -76,6 +79,9 @@ __all__ = [
     "RotateResult",
     "ScaleBias",
     "ShiftedRMSNorm",
+    "SliceOptions",
+    "SlicePlan",
+    "SliceResult",
     "SmoothRemoval",
     "TorchFoldReport",
     "UnsupportedModelError",
@@ -86,8 +92,10 @@ __all__ = [
     "fold_onnx",
     "inspect",
     "inspect_onnx",
+    "inspect_slice",
     "replace",
     "replace_onnx",
     "rotate_onnx",
+    "slice_onnx",
     "smooth_removal",
 ]

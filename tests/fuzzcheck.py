@@ -48,6 +48,13 @@ one-line `NormpassError`.
 generator's first feeds), so that keys are centred and norm outputs smoothed too, its own verification
 off: the rotated model must compute what the original computes on the generator's feeds ("mismatch
 [rotate]"), keep its signature, leave the caller's model as it was, or be refused in one line.
+
+`check_slice(case)` (`tools/fuzz.py --slice`) checks `slice_onnx` at ratios 0 and 0.5, with one basis per
+stream and one per layer, with the generator's feeds that
+set no initializer as calibration and held-out data: at ratio 0 the result must compute what the original
+computes ("mismatch [slice]"); above it every sliced stream must be narrower, the model must keep its
+signature, pass the checker and give finite outputs wherever the original does ("structure [slice]");
+a refusal is a one-line `NormpassError`.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+from conftest import check_structure
 
 from normpass import (
     FoldOptions,
@@ -72,11 +80,13 @@ from normpass import (
     NormpassError,
     ReplaceOptions,
     RotateOptions,
+    SliceOptions,
     VerificationError,
     fold_onnx,
     inspect_onnx,
     io,
     rotate_onnx,
+    slice_onnx,
 )
 from normpass.cli.main import main
 
@@ -198,6 +208,50 @@ def check_rotate(case) -> list[Failure]:
     keys = 0 if result.keys is None else len(result.keys.sites)
     note = f"{result.rotated} streams rotated, {keys} keys centred, {smoothed} outputs smoothed"
     return failures + _compare(case, mode, result.model, run_all(case.model, case.feeds), note)
+
+
+def check_slice(case, ratios: tuple[float, ...] = (0.0, 0.5)) -> list[Failure]:
+    """Failures of the slicing of `case` at each of `ratios`, with either basis (the module docstring)."""
+    return [
+        failure for ratio in ratios for basis in ("stream", "layer") for failure in _check_slice(case, ratio, basis)
+    ]
+
+
+def _check_slice(case, ratio: float, basis: str) -> list[Failure]:
+    """`check_slice` at one ratio and basis; `round_to` 2, so that D = 8 slices."""
+    mode, original = f"slice-{basis}", case.model.SerializeToString()
+    initializers = {i.name for i in case.model.graph.initializer}
+    inputs = {i.name for i in case.model.graph.input} - initializers
+    calibration = [feeds for feeds in case.feeds if set(feeds) <= inputs]
+    options = SliceOptions(ratio=ratio, round_to=2, basis=basis, holdout=calibration, verify=False)
+    try:
+        result = slice_onnx(case.model, calibration, options)
+    except NormpassError as e:  # a refusal
+        return _one_line(e, mode) + _restored(case.model, original, mode)
+    except Exception as e:
+        return [Failure("exception", mode, describe(e))] + _restored(case.model, original, mode)
+    failures = _restored(case.model, original, mode)
+    expected = run_all(case.model, calibration)
+    note = f"{len(result.slicing.sliceable)} streams sliced at {ratio}"
+    if ratio == 0:
+        return failures + _compare(case, mode, result.model, run_all(case.model, case.feeds), note)
+    failures += _signature_change(case.model, result.model, mode)
+    kept = {} if result.chosen is None else result.chosen.kept
+    failures += [
+        Failure("structure", mode, f"stream {s.name} keeps {kept.get(s.name)} of {s.width} columns ({note})")
+        for s in result.slicing.sliceable
+        if not kept.get(s.name, 0) < (s.width or 0)
+    ]
+    try:
+        check_structure(result.model)
+        got = run_all(result.model, calibration)
+    except Exception as e:
+        return failures + [Failure("structure", mode, f"{describe(e)} ({note})")]
+    for reference, candidate in zip(expected, got, strict=True):
+        for name, value in reference.items():
+            if np.isfinite(value).all() and not np.isfinite(candidate[name]).all():
+                failures.append(Failure("structure", mode, f"output {name} is not finite ({note})"))
+    return failures
 
 
 def _check_mode(case, mode: str, options: FoldOptions, expected) -> list[Failure]:

@@ -530,6 +530,8 @@ def hostile_outputs(tmp_path: Path, model: Path) -> list[tuple[str, list]]:
             (target.name, ["viz", model, "-o", target, "--format", "html"]),
             (target.name, ["inspect", model, "--graph", target]),
             (target.name, ["bench", model, model, "--json", target, "--no-progress"]),
+            (target.name, ["slice", model, "--calib", calib_file, "--ratio", "0.25", "-o", target]),
+            (target.name, ["slice", model, "--calib", calib_file, "--ratio", "0.25", "-o", out, "--report", target]),
         ]
     for target in (calib_file, calib_dir / "x.npy"):
         calib = calib_file if target == calib_file else calib_dir
@@ -538,6 +540,24 @@ def hostile_outputs(tmp_path: Path, model: Path) -> list[tuple[str, list]]:
             (
                 target.name,
                 ["replace", model, "--calib", "synthetic", "--holdout", calib, "-o", out, "--report", target],
+            ),
+            (target.name, ["slice", model, "--calib", calib, "--ratio", "0.25", "-o", target]),
+            (
+                target.name,
+                [
+                    "slice",
+                    model,
+                    "--calib",
+                    calib_file,
+                    "--holdout",
+                    calib,
+                    "-o",
+                    out,
+                    "--ratio",
+                    "0.25",
+                    "--report",
+                    target,
+                ],
             ),
         ]
     return cases

@@ -5,6 +5,7 @@
     python tools/fuzz.py --from-files 0 --examples 2000   # fold from files, every tensor external
     python tools/fuzz.py --replace --examples 1000        # the surrogate pass's emission instead
     python tools/fuzz.py --rotate --examples 1000         # the rotation (keys centred, outputs smoothed)
+    python tools/fuzz.py --slice --examples 1000          # the slicing, at ratios 0 (exact) and 0.5 (sound)
 
 Example i uses generator seed S + i (tests/graphgen.py), checked by tests/fuzzcheck.py (with
 `--from-files BYTES`: saved with its tensors of BYTES or more as external data, folded from the
@@ -35,7 +36,11 @@ import fuzzcheck
 import graphgen
 import onnx
 
-ORACLES = {"replace": fuzzcheck.check_replace, "rotate": fuzzcheck.check_rotate}  # besides the fold's
+ORACLES = {
+    "replace": fuzzcheck.check_replace,
+    "rotate": fuzzcheck.check_rotate,
+    "slice": fuzzcheck.check_slice,
+}  # besides the fold's
 
 
 def check(case, from_files: int | None, oracle: str = "fold") -> list:
@@ -143,10 +148,16 @@ def main(argv=None) -> int:
         action="store_true",
         help="check the rotation instead, with keys centred and norm outputs smoothed (fuzzcheck.check_rotate)",
     )
+    parser.add_argument(
+        "--slice",
+        action="store_true",
+        help="check the slicing instead, at ratio 0 (exact) and 0.5 (structure, finite outputs; fuzzcheck.check_slice)",
+    )
     args = parser.parse_args(argv)
-    if args.replace and args.rotate:
-        parser.error("--replace and --rotate are two oracles: choose one")
-    oracle = "replace" if args.replace else "rotate" if args.rotate else "fold"
+    chosen = [name for name in ORACLES if getattr(args, name)]
+    if len(chosen) > 1:
+        parser.error(f"{' and '.join('--' + name for name in chosen)} are separate oracles: choose one")
+    oracle = chosen[0] if chosen else "fold"
     if args.replay is not None:
         return replay(args.replay, args.from_files, oracle)
     return campaign(args.seed, args.examples, args.jobs, args.out, args.from_files, oracle)

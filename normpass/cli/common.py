@@ -55,6 +55,24 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool, more_dat
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch (default 16)")
 
 
+def add_budget_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    """How a pass that is not exact is judged: the budget, the held-out inputs, the mask (`core/budget.py`)."""
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="TERM=V",
+        help="accuracy to keep, e.g. cos=0.999 (min per-sample cosine), rel=0.01 (max relative "
+        f"error), top1=0.99 (arg-max agreement); repeat or comma-separate ({default})",
+    )
+    parser.add_argument(
+        "--holdout", metavar="DATA", help="held-out inputs for the final check (default: a split of --calib)"
+    )
+    parser.add_argument(
+        "--mask-input", metavar="NAME", help="attention-mask input (default: the rank-2 input named *mask*)"
+    )
+
+
 def checked_paths(
     args: argparse.Namespace, other_inputs: dict[str, Path] | None = None
 ) -> tuple[Path, dict[str, Path]]:

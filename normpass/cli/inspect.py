@@ -23,6 +23,10 @@ section after the table; in JSON, added keys "rotation":
 [{"node", "reason"}]}, what `--online-rotation` would rotate).
 Names are those of the folded graph, as in the rotated model.
 
+`--slice` says which residual streams `normpass slice` could cut, and why the others stay whole (a
+section after the table; in JSON, the added key "slice": {"streams": [{"sliceable", "stream", "reason",
+"hidden_size", "norms", "writers", "readers", "blocked_by", "blocking_path"}], "total", "sliceable"}).
+
 `--graph OUT.graphml` (or `OUT.json`, networkx node-link JSON) also writes the zero-mean graph for
 other tools (`ZeroMeanGraph.to_networkx`: nodes with kind, op, rule and, for norms, the decision;
 edges labelled with their tensor and input index), atomically.
@@ -48,6 +52,7 @@ from ..onnx.rotate.driver import RotateOptions, inspect_rotation
 from ..onnx.rotate.keys import KeyPlan
 from ..onnx.rotate.online import OnlinePlan
 from ..onnx.rotate.smooth import SmoothPlan
+from ..onnx.slice.driver import SliceOptions, SlicePlan, inspect_slice
 from .common import add_model_arguments, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
@@ -65,6 +70,11 @@ def add_parser(sub) -> None:
         "--rotation",
         action="store_true",
         help="also say which residual streams `normpass rotate` could rotate after folding, and why the others not",
+    )
+    parser.add_argument(
+        "--slice",
+        action="store_true",
+        help="also say which residual streams `normpass slice` could cut after folding, and why the others not",
     )
 
 
@@ -193,6 +203,24 @@ def render_rotation(rotation: RotationPlan, keys: KeyPlan, smoothing: SmoothPlan
     return "\n".join(lines)
 
 
+def render_slice(plan: SlicePlan) -> str:
+    """The slicing section: one line per stream, sliceable (its width, norms, writers and readers) or why not."""
+    lines = [
+        f"slicing (after folding; names as in the sliced model): {len(plan.sliceable)} of {len(plan.streams)} "
+        "residual streams sliceable"
+    ]
+    for stream in plan.streams:
+        reason = plan.reasons.get(stream.name)
+        verdict = (
+            f"sliceable: hidden size {stream.width}, {len(stream.norms)} norms, {len(stream.writers)} writers, "
+            f"{len(stream.readers)} readers"
+            if reason is None
+            else f"left whole: {reason}"
+        )
+        lines.append(f"  stream of {stream.name}: {verdict}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     graph_out = check_paths(model_files("the input model", args.model), {"--graph": args.graph}).get("--graph")
     if graph_out is not None and graph_out.suffix.lower() not in GRAPH_FORMATS:
@@ -205,6 +233,11 @@ def run(args: argparse.Namespace) -> int:
         options = RotateOptions(insert_centering=not args.no_insert_centering)
         # streams, keys, smoothing, online
         rotation = inspect_rotation(model, options, label)[1:] if args.rotation else None
+        slicing = (
+            inspect_slice(model, SliceOptions(insert_centering=not args.no_insert_centering), label)
+            if args.slice
+            else None
+        )
         if graph_out is not None:
             write_text_atomic(graph_text(zmg, fold_plan, graph_out.suffix.lower()), graph_out)
             print(f"{label}: wrote the zero-mean graph to {graph_out}")
@@ -214,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
             streams, keys, smoothing, online = rotation
             data["rotation"], data["keys"], data["smoothing"] = streams.to_json(), keys.to_json(), smoothing.to_json()
             data["online_rotation"] = online.to_json()
+        if slicing is not None:
+            data["slice"] = slicing.to_json()
         print(json.dumps(data, indent=2))
         return 0
     console = _terminal_console()
@@ -223,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
         print_rich(fold_plan, label, block, console)
     if rotation is not None:
         print("\n" + render_rotation(*rotation))
+    if slicing is not None:
+        print("\n" + render_slice(slicing))
     return 0
 
 

@@ -11,12 +11,13 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, distill, fold, guard, inspect, replace, rotate, viz
+from . import bench, distill, fold, guard, inspect, replace, rotate, slice, viz
 
 COMMANDS = {
     "inspect": inspect,
     "fold": fold,
     "rotate": rotate,
+    "slice": slice,
     "viz": viz,
     "bench": bench,
     "replace": replace,

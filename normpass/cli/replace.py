@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
-from .common import add_data_arguments, add_model_arguments, load_model
+from .common import add_budget_arguments, add_data_arguments, add_model_arguments, load_model
 
 
 def add_parser(sub) -> None:
@@ -119,25 +119,12 @@ def add_calibration_arguments(
 ) -> None:
     """The calibration data, budget and report options `replace` and `distill` share."""
     add_data_arguments(parser, required=True, more_data=more_data)
-    parser.add_argument(
-        "--budget",
-        action="append",
-        default=[],
-        metavar="TERM=V",
-        help="accuracy to keep, e.g. cos=0.999 (min per-sample cosine), rel=0.01 (max relative "
-        f"error), top1=0.99 (arg-max agreement); repeat or comma-separate (default {budget})",
-    )
-    parser.add_argument(
-        "--holdout", metavar="DATA", help="held-out inputs for the final check (default: a split of --calib)"
-    )
+    add_budget_arguments(parser, f"default {budget}")
     parser.add_argument(
         "--split",
         default=split,
         metavar=split_names,
         help=f"fractions of --calib for {split_roles} (default {split}; with --holdout the third is ignored)",
-    )
-    parser.add_argument(
-        "--mask-input", metavar="NAME", help="attention-mask input (default: the rank-2 input named *mask*)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the splits, sampling and synthetic data")
     parser.add_argument("--report", help="write a JSON report here (also when the budget is missed)")

@@ -75,6 +75,7 @@ class Stream:
     readers: list[Reader] = field(default_factory=list)
     moved_gamma: list[str] = field(default_factory=list)  # norms whose γ moves into the readers
     tensors: int = 0
+    states: list[State] = field(default_factory=list, repr=False)  # every (tensor, axis) of the stream
     blocker: Blocker | None = None
 
     @property
@@ -164,6 +165,7 @@ class _Closure:
             self._backward(state)
             self._forward(state)
         self.stream.tensors = len(self.tags)
+        self.stream.states = list(self.tags)
         return self.stream
 
     # --- bookkeeping ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -132,6 +133,7 @@ class Rewriter:
     ctx: OnnxGraph
     zmg: ZeroMeanGraph
     rms_op: str = "simplified"
+    lazy_weights: ClassVar[bool] = True  # large derived weights computed when written (they keep their shape)
 
     def __post_init__(self) -> None:
         self.docs: dict[str, str] = {}  # node name → what normpass did to it (→ NodeProto.doc_string)
@@ -152,7 +154,7 @@ class Rewriter:
         key = (name_of(old), transform)
         if key not in self._copies:
             name = self._unique(f"{old.name}.{transform.split(':')[0]}")
-            self._copies[key] = derived_initializer(self.ctx.graph, name, old, make, change)
+            self._copies[key] = derived_initializer(self.ctx.graph, name, old, make, change, lazy=self.lazy_weights)
         set_input(node, index, self._copies[key])
 
     def centre_layer(self, centring: Centring, norms: list[str]) -> None:

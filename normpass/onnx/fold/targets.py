@@ -291,7 +291,7 @@ def refuse_overflow(
 
 
 def derived_initializer(
-    graph: ir.Graph, name: str, source: ir.Value, make, change: str, migrated: bool = False
+    graph: ir.Graph, name: str, source: ir.Value, make, change: str, migrated: bool = False, lazy: bool = True
 ) -> ir.Value:
     """A new initializer of `graph` holding `make(values of source)`, of the source's dtype and shape:
     the source after `change` (e.g. "centred for ln"), refused where that overflows (`refuse_overflow`).
@@ -299,11 +299,12 @@ def derived_initializer(
     A source initializer of at least `LAZY_MIN_BYTES` gives an `ir.LazyTensor`: computed from the
     source (memory-mapped, or itself derived) each time it is written, and not held in between, so
     a large model's changed weights are never all in memory (an overflow is then refused when the
-    model is written: the atomic write leaves nothing). Others are computed now.
+    model is written: the atomic write leaves nothing). Others are computed now, and all with `lazy` off
+    (a change of shape: slicing).
     """
     what = f"initializer {name_of(source)} {change}"
     tensor = source.const_value if is_initializer(source) else None
-    if tensor is None or tensor.nbytes < LAZY_MIN_BYTES:
+    if tensor is None or tensor.nbytes < LAZY_MIN_BYTES or not lazy:
         values = constant_values(source)
         return new_initializer(graph, name, refuse_overflow(make(values), [values], what, migrated))
 
@@ -316,9 +317,9 @@ def derived_initializer(
             raise AssertionError(f"{name}: a derived weight changed its shape or dtype")
         return ir.Tensor(values, name=name)
 
-    lazy = ir.LazyTensor(compute, dtype=tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name)
+    deferred = ir.LazyTensor(compute, dtype=tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name)
     value = ir.Value(
-        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=lazy
+        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=deferred
     )
     graph.register_initializer(value)
     return value

@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -81,6 +82,25 @@ def input_spec(model: onnx.ModelProto) -> InputSpec:
     return InputSpec(inputs, index_bounds(model), positions=None if limit is None else limit.rows)
 
 
+def refuse_unsplittable_inputs(model: onnx.ModelProto, name: str, verb: str) -> None:
+    """Calibration data is split into samples along axis 0 of every input: refuse a model with a scalar input,
+    or one that fixes axis 0 above 1."""
+    spec = input_spec(model)
+    scalars = [n for n, (_, rank) in spec.inputs.items() if rank == 0]
+    if scalars:
+        raise InputError(
+            f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
+            f"axis 0 of every input, so {verb} takes models whose inputs all have a batch axis"
+        )
+    dims = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input if i.name in spec.inputs}
+    batched = [(key, size) for key, d in dims.items() if d and (size := fixed_dim(d[0])) is not None and size > 1]
+    if batched:
+        raise InputError(
+            f"{name}: input {batched[0][0]} fixes axis 0, the samples, to {batched[0][1]}; {verb} splits "
+            "calibration samples into parts of other sizes: export the model with a dynamic batch axis"
+        )
+
+
 def synthetic_batches(
     model: onnx.ModelProto, samples: int = 64, batch_size: int = 16, seed: int = 0, input_shapes: dict | None = None
 ) -> list[Batch]:
@@ -100,12 +120,22 @@ def synthetic_batches(
     return batches
 
 
-def load(source, model: onnx.ModelProto, options: ReplaceOptions, seed: int) -> list[Batch]:
-    """Calibration batches from `source` (`calibration.load_batches`, or `"synthetic"`), shape-checked."""
+class DataOptions(Protocol):
+    """How calibration inputs are read: `ReplaceOptions`, `SliceOptions`."""
+
+    batch_size: int
+    tokenizer: str | None
+    max_length: int
+    samples: int  # of synthetic data
+    input_shapes: dict  # of synthetic data
+
+
+def load(source, model: onnx.ModelProto, options: DataOptions, seed: int, minimum: int = MIN_SAMPLES) -> list[Batch]:
+    """Calibration batches from `source` (`calibration.load_batches`, at least `minimum` samples, or
+    `"synthetic"`), shape-checked."""
     if isinstance(source, str) and source == "synthetic":
         return synthetic_batches(model, options.samples, options.batch_size, seed, options.input_shapes)
-    return load_fitting(source, model, options.batch_size, options.tokenizer, options.max_length)
-
+    return load_fitting(source, model, options.batch_size, options.tokenizer, options.max_length, minimum)
 
 def load_fitting(
     source, model: onnx.ModelProto, batch_size: int, tokenizer, max_length: int, minimum: int = MIN_SAMPLES
@@ -252,20 +282,7 @@ def prepare(
     """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`."""
     model = checked_model(model, name)
     options = options or ReplaceOptions()
-    spec = input_spec(model)
-    scalars = [n for n, (_, rank) in spec.inputs.items() if rank == 0]
-    if scalars:
-        raise InputError(
-            f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
-            "axis 0 of every input, so the surrogate pass takes models whose inputs all have a batch axis"
-        )
-    dims = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input if i.name in spec.inputs}
-    batched = [(key, size) for key, d in dims.items() if d and (size := fixed_dim(d[0])) is not None and size > 1]
-    if batched:
-        raise InputError(
-            f"{name}: input {batched[0][0]} fixes axis 0, the samples, to {batched[0][1]}; the surrogate pass splits "
-            "calibration samples into parts of other sizes: export the model with a dynamic batch axis"
-        )
+    refuse_unsplittable_inputs(model, name, "the surrogate pass")
     budget, kinds, only_cheaper = options.checked()
     check_input_shapes(model, options.input_shapes)
     started = time.perf_counter()

@@ -35,8 +35,10 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -65,6 +67,7 @@ from .smooth import DEFAULT_ALPHA, SmoothPlan, smoothing_scale, weight_rows
 from .smooth import find_sites as find_smooth_sites
 
 STANDARD = ("", "ai.onnx")
+R = TypeVar("R", bound="Rotator")
 
 
 @dataclass
@@ -343,12 +346,20 @@ def _input_dims(graph: ir.Graph) -> set[str]:
     return {d.value for d in dims if isinstance(d, ir.SymbolicDim) and d.value}
 
 
-def _fold_and_plan(model, options: RotateOptions, name: str) -> tuple[FoldResult, Rotator, RotationPlan]:
-    folded = fold_onnx(model, options.fold_options(), name)
-    ctx = load_graph(folded.ir_model, name)
+def plan_streams(
+    folded: FoldResult, model: ir.Model | onnx.ModelProto, name: str, kind: type[R]
+) -> tuple[R, RotationPlan]:
+    """A rewriter of `kind` over `model` (the fold's result: an `ir.Model` is rewritten in place, a
+    `ModelProto` copy is not) and the residual streams the proof finds in it."""
+    ctx = load_graph(model, name)
     ctx.shapes.update(merged_shapes(folded.shapes, ctx.shapes, _input_dims(ctx.graph)))
     zmg = build_zero_mean_graph(ctx)
-    return folded, Rotator(ctx, zmg, folded.emitted["rms_op"]), plan_rotation(zmg, partial(_reads, ctx))
+    return kind(ctx, zmg, folded.emitted["rms_op"]), plan_rotation(zmg, partial(_reads, ctx))
+
+
+def _fold_and_plan(model, options: RotateOptions, name: str) -> tuple[FoldResult, Rotator, RotationPlan]:
+    folded = fold_onnx(model, options.fold_options(), name)
+    return (folded, *plan_streams(folded, folded.ir_model, name, Rotator))
 
 
 def _smoothing(rotator: Rotator, rotation: RotationPlan, alpha: float) -> SmoothPlan:

@@ -1,0 +1,171 @@
+"""`normpass slice MODEL -o OUT --calib DATA --ratio R [--budget cos=V] [--write-best] [--report R.json]`:
+fold, cut every provable residual stream to its principal subspace (SliceGPT), judge on held-out data, write.
+
+Exit 1 and nothing written when the budget is missed (the report is written either way); `--write-best`
+writes the largest ratio of R, R − 0.05, … that meets it instead. At R = 0 the result is verified against
+the original; at R > 0 the held-out figures are the verification. The input is never modified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..core.replace import BudgetMissed
+from ..errors import InputError
+from ..io import calibration_files, write_text_atomic
+from ..onnx.fold.driver import PROVIDERS, TARGETS
+from ..onnx.runtime.verify import parse_input_shapes
+from ..onnx.slice.driver import BASES, DEFAULT_ROUND_TO, LADDER_STEP, SliceOptions, SliceResult, slice_onnx
+from .common import (
+    add_budget_arguments,
+    add_data_arguments,
+    add_model_arguments,
+    add_verification_arguments,
+    checked_paths,
+    model_source,
+    save_result,
+)
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        "slice",
+        help="fold, then cut residual streams to their principal subspace (SliceGPT: fewer FLOPs, judged on "
+        "held-out data)",
+        description="Fold every provable LayerNorm into an RMSNorm, prove which residual streams are read only "
+        "by such norms and linear layers, rotate each into the principal basis of its calibration activations and "
+        "keep its first k = (1 − R)·d columns (writers W·Q_k, readers Q_kᵀ·W, the RMS ops rescaled), then judge "
+        "the result against the original on held-out inputs.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("-o", "--output", required=True, help="where to write the sliced model")
+    parser.add_argument("--report", help="write a JSON report here (also when the budget is missed)")
+    parser.add_argument(
+        "--ratio", type=float, required=True, metavar="R", help="share of each stream's width to remove (0 ≤ R < 1)"
+    )
+    parser.add_argument(
+        "--round-to",
+        type=int,
+        default=DEFAULT_ROUND_TO,
+        metavar="N",
+        help=f"keep a multiple of N columns (default {DEFAULT_ROUND_TO}: what fp16 and INT8 kernels tile by)",
+    )
+    parser.add_argument(
+        "--basis",
+        choices=BASES,
+        default="stream",
+        help="stream: one principal basis per residual stream (default; no op added); layer: one per norm, with a "
+        "k×k shortcut MatMul on the residual path between them (SliceGPT's)",
+    )
+    add_data_arguments(
+        parser, required=True, more_data=", or 'synthetic' (seeded random inputs, for demos and tests only)"
+    )
+    parser.add_argument("--samples", type=int, default=64, help="samples of synthetic data (default 64)")
+    add_budget_arguments(parser, "default: none, the held-out figures are reported")
+    parser.add_argument(
+        "--write-best",
+        action="store_true",
+        help=f"when R misses the budget, write the largest of R − {LADDER_STEP:g}, R − {2 * LADDER_STEP:g}, … "
+        "(above 0) that meets it (exit 0) instead of writing nothing (exit 1)",
+    )
+    parser.add_argument(
+        "--split",
+        default="0.75,0.25",
+        metavar="FIT,HELD_OUT",
+        help="fractions of --calib for the bases and for judging (default 0.75,0.25; with --holdout all fits)",
+    )
+    parser.add_argument(
+        "--target", choices=TARGETS, default="ort", help="the fold's target: ort (default) or onnx (standard ops)"
+    )
+    parser.add_argument(
+        "--provider", choices=PROVIDERS, default="cuda", help="the fold's execution provider, as for fold"
+    )
+    add_verification_arguments(parser)
+
+
+def _split(text: str) -> tuple[float, float]:
+    try:
+        fit, held = (float(part) for part in text.split(","))
+    except ValueError:
+        raise InputError(f"--split {text!r}: expected two fractions FIT,HELD_OUT, e.g. 0.75,0.25") from None
+    return fit, held
+
+
+def summary(label: str, result: SliceResult, out) -> list[str]:
+    """The lines `slice` prints: what was cut, the held-out figures, then each stream left whole, with why."""
+    report = result.slice_report()
+    kept = {} if result.chosen is None else result.chosen.kept
+    widths = ", ".join(f"{s.width} → {kept[s.name]}" for s in result.slicing.sliceable)
+    held = result.held_out
+    figures = (
+        ""
+        if held is None
+        else f"; held out ({held.samples} samples): cos min {held.cos_min:.6f}, mean {held.cos_mean:.6f}, "
+        f"rel max {held.rel_max:.3g}"
+    )
+    budget = "" if result.budget is None else f"; budget {result.budget}"
+    check = "" if result.comparison is None else f" ({result.comparison.describe()})"
+    sliced = "" if result.chosen is None else f"; {result.chosen.parameters} of {result.parameters} parameters"
+    bases = sum(len(p) for p in result.pieces.values())
+    layers = f", {bases} bases and {result.shortcuts} shortcuts" if result.basis == "layer" else ""
+    lines = [
+        f"{label}: {len(result.slicing.sliceable)} of {len(result.slicing.streams)} residual streams sliced at "
+        f"ratio {result.ratio:g}{' (' + widths + layers + sliced + ')' if widths else ''}{check}{figures}{budget}; "
+        f"wrote {out}"
+    ]
+    if report["wrote_fallback"]:
+        lines.append(
+            f"  ratio {result.requested_ratio:g} missed the budget: wrote ratio {result.ratio:g}, the largest tried "
+            "that meets it (--write-best)"
+        )
+    for stream in result.slicing.streams:
+        if stream.name in result.slicing.reasons:
+            lines.append(f"  left whole: the stream of {stream.name}: {result.slicing.reasons[stream.name]}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    out, inputs = checked_paths(
+        args,
+        calibration_files("--calib", args.calib)
+        | calibration_files("--holdout", args.holdout)
+        | calibration_files("--tokenizer", args.tokenizer),
+    )
+    if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
+        raise InputError("--batch-size, --samples and --max-length must be at least 1")
+    options = SliceOptions(
+        ratio=args.ratio,
+        round_to=args.round_to,
+        basis=args.basis,
+        budget=",".join(args.budget) if args.budget else None,
+        write_best=args.write_best,
+        split=_split(args.split),
+        holdout=args.holdout,
+        batch_size=args.batch_size,
+        tokenizer=args.tokenizer,
+        max_length=args.max_length,
+        mask_input=args.mask_input,
+        samples=args.samples,
+        target=args.target,
+        provider=args.provider,
+        insert_centering=not args.no_insert_centering,
+        verify=not args.no_verify,
+        input_shapes=parse_input_shapes(args.input_shape),
+        seed=args.seed,
+    )
+    try:
+        options.checked()
+    except InputError as e:  # the library's message starts with the option's name
+        option, _, rest = str(e).partition(" ")
+        raise InputError(f"--{option.replace('_', '-')} {rest}") from None
+    model, label = model_source(args)
+    try:
+        result = slice_onnx(model, args.calib, options, name=label)
+    except BudgetMissed as e:
+        if args.report:
+            write_text_atomic(json.dumps({"model": label, **e.report.to_json()}, indent=2) + "\n", args.report)
+        raise
+    save_result(result, out, inputs, label, args.report)
+    print("\n".join(summary(label, result, out)))
+    return 0

@@ -1,0 +1,454 @@
+"""The slice pass for ONNX models (SliceGPT): fold → prove the streams → their principal bases → cut → judge.
+
+`slice_onnx(model, calibration, SliceOptions(ratio=R))` (docs/slice.md, DESIGN §2c):
+
+1. **Fold and prove**, as `rotate` does (`rotate/driver.plan_streams`): every provable LayerNorm becomes
+   an RMS op with its affine moved into the next layers, and each residual stream read only by such ops
+   and by linear layers is found, with every writer and reader. The others stay whole, with the reason
+   (`SlicePlan`; `normpass inspect --slice`).
+2. **Data.** The calibration inputs (`calibration.load_batches`: .npz, .npy directory, text with a
+   tokenizer, batches) are split (`split_batches`, seeded) into a fitting part and a held-out part, or
+   all fit and `holdout` is held out.
+3. **Bases** (`core/pca.py`): per stream, Σ uᵀu over the unit-length tokens u where its RMS ops read it
+   (padding excluded where the model has a mask input), streamed over the fitting batches in float64 and
+   summed across processes when a `torch.distributed` group is initialized; its eigenvectors, descending.
+   `basis="stream"`: one basis per stream, so no change of basis is needed between its layers; `"layer"`:
+   one per piece of the stream an RMS op reads (`core/layers.py`: per norm, as SliceGPT), a k×k shortcut
+   Q_a,kᵀ·Q_b,k on each residual edge between two pieces.
+4. **Cut** (`cut.py`): k = (1 − R)·d rounded to a multiple of `round_to`; writers W·Q_k, readers
+   Q_kᵀ·W, the RMS ops over k columns with γ·√(d/k) and ε·d/k.
+5. **Judge** on the held-out part against the original (`core/budget.compare`): with a `budget`, a model
+   that misses it is refused (`BudgetMissed`, its report attached), unless `write_best`, which tries
+   R, R − 0.05, … (above 0) and keeps the largest that meets it. At R = 0 (k = d: a rotation into the
+   principal basis) the result must equal the original within the dtype's tolerance and is verified as
+   every rewrite is (`fold.driver.checked`); at R > 0 slicing is not exact, and the budget on held-out
+   data is its verification, not a tolerance: the report says which applied.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from ... import __version__
+from ...calibration import Batch, find_mask_input, split_batches
+from ...core.budget import Budget, Metrics, compare
+from ...core.layers import Shortcut, layer_pieces
+from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis, sliced_width
+from ...core.replace import BudgetMissed, ReplaceReport
+from ...core.rotation import RotationPlan, Stream
+from ...core.stats import token_rows
+from ...errors import InputError, UnsupportedModelError
+from ...io import checked_model
+from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx, in_memory_proto
+from ..graph.constants import constant_values
+from ..graph.export import export_model
+from ..graphsurgeon import from_graphsurgeon
+from ..replace.driver import Runner, input_spec, load, refuse_unsplittable_inputs
+from ..rotate.driver import RotateOptions, plan_streams
+from ..rotate.features import CalibData, captured
+from ..runtime.verify import check_input_shapes, structure
+from .cut import Slicer, slice_refusal
+
+BASES = ("stream", "layer")  # one basis per stream; one per layer with shortcuts between them (SliceGPT's)
+LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last ratio above 0
+
+
+@dataclass
+class SliceOptions:
+    """Options of the slice pass (the CLI flag is the name with dashes); the fold's are as for `rotate`."""
+
+    ratio: float = 0.25  # R: k = (1 − R)·d columns kept per stream
+    round_to: int = DEFAULT_ROUND_TO  # k a multiple of this (`core/pca.sliced_width`)
+    basis: str = "stream"  # one principal basis per proven stream; "layer": one per norm, with shortcuts
+    budget: Budget | str | None = None  # e.g. "cos=0.99"; None: judged and reported, never refused
+    write_best: bool = False  # on a miss, write the largest ratio of the ladder that meets the budget
+    split: tuple[float, float] = (0.75, 0.25)  # fitting, held out (with `holdout`: all fits)
+    holdout: object = None  # held-out inputs from elsewhere (the calibration data's forms)
+    batch_size: int = 16
+    tokenizer: str | None = None
+    max_length: int = 128
+    mask_input: str | None = None  # default: the rank-2 input named *mask* (`calibration.find_mask_input`)
+    samples: int = 64  # of "synthetic" calibration data (seeded random inputs: demos and tests only)
+    target: str = "ort"  # the fold's options, as for `rotate`
+    provider: str = "cuda"
+    rms_op: str | None = None
+    insert_centering: bool = True
+    fuse_skip: bool | None = None
+    verify: bool = True  # at R = 0: verified against the original (at R > 0 the budget judges)
+    input_shapes: dict = field(default_factory=dict)  # of the verification inputs (and of synthetic data)
+    seed: int = 0  # of the split and of the verification inputs
+
+    def checked(self) -> Budget | None:
+        """The budget, parsed; bad options refused (`InputError`) before any model is read."""
+        if not (isinstance(self.ratio, (int, float)) and 0 <= self.ratio < 1):
+            raise InputError(f"ratio {self.ratio}: choose a share of the stream to remove, from 0 up to (not) 1")
+        if self.round_to < 1:
+            raise InputError(f"round_to {self.round_to}: choose a whole number of at least 1 (16 by default)")
+        if self.basis not in BASES:
+            raise InputError(
+                f"basis {self.basis!r}: choose 'stream' (one per residual stream) or 'layer' (one per norm, "
+                "with k×k shortcuts on the residual path, as SliceGPT)"
+            )
+        if len(self.split) != 2 or min(self.split) < 0 or (self.holdout is None and min(self.split) <= 0):
+            raise InputError(f"split {tuple(self.split)}: give two positive fractions FIT,HELD_OUT, e.g. 0.75,0.25")
+        budget = (
+            None if self.budget is None else Budget.parse(self.budget) if isinstance(self.budget, str) else self.budget
+        )
+        if self.write_best and budget is None:
+            raise InputError("write_best writes the largest ratio that meets a budget: give one (e.g. cos=0.99)")
+        self.rotate_options().fold_options()
+        return budget
+
+    def rotate_options(self) -> RotateOptions:
+        """The rotation's options for the fold and proof that come first (not verified alone)."""
+        return RotateOptions(
+            target=self.target,
+            provider=self.provider,
+            rms_op=self.rms_op,
+            insert_centering=self.insert_centering,
+            fuse_skip=self.fuse_skip,
+            verify=False,
+            input_shapes=self.input_shapes,
+            seed=self.seed,
+        )
+
+    def ladder(self) -> list[float]:
+        """The ratios tried, largest first: R alone, or with `write_best` R, R − 0.05, … above 0."""
+        if not self.write_best:
+            return [self.ratio]
+        steps = math.floor(self.ratio / LADDER_STEP + 1e-9)
+        ratios = [round(self.ratio - i * LADDER_STEP, 6) for i in range(steps + 1)]
+        return [r for r in ratios if r > 0] or [self.ratio]
+
+
+@dataclass
+class SlicePlan:
+    """Every residual stream the fold's proof found: sliceable, or left whole with the reason."""
+
+    streams: list[Stream]
+    reasons: dict[str, str]  # stream name → why it stays whole
+
+    @classmethod
+    def of(cls, slicer: Slicer, rotation: RotationPlan) -> SlicePlan:
+        reasons = {}
+        for stream in rotation.streams:
+            why = stream.reason if not stream.rotatable else slice_refusal(slicer.zmg, stream)
+            if why is not None:
+                reasons[stream.name] = why
+        return cls(rotation.streams, reasons)
+
+    @property
+    def sliceable(self) -> list[Stream]:
+        return [s for s in self.streams if s.name not in self.reasons]
+
+    def to_json(self) -> dict:
+        streams = []
+        for stream in self.streams:
+            entry = stream.to_json()
+            del entry["rotatable"], entry["gamma_moved_from"], entry["tensors"]
+            streams.append(
+                {"sliceable": stream.name not in self.reasons, **entry, "reason": self.reasons.get(stream.name)}
+            )
+        return {"streams": streams, "total": len(self.streams), "sliceable": len(self.sliceable)}
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One ratio tried: the width kept per stream and the held-out figures."""
+
+    ratio: float
+    kept: dict[str, int]
+    held_out: Metrics
+    budget_met: bool | None  # None: no budget
+    parameters: int  # elements of the sliced model's constants
+
+    def to_json(self) -> dict:
+        return {
+            "ratio": self.ratio,
+            "kept": self.kept,
+            "held_out": self.held_out.to_json(),
+            "budget_met": self.budget_met,
+            "parameters": self.parameters,
+        }
+
+
+@dataclass
+class SliceResult(FoldResult):
+    """A fold's result (the plan of the fold that came first) with the slicing's: `slicing` which streams
+    were cut and why the others were not, `bases` each cut stream's principal basis, `chosen` the ratio
+    written and its held-out figures, `tried` every ratio judged."""
+
+    slicing: SlicePlan = field(default_factory=lambda: SlicePlan([], {}))
+    bases: dict[str, Basis] = field(default_factory=dict, repr=False)  # by piece (`core/layers.py`): the stream
+    pieces: dict[str, list[str]] = field(default_factory=dict)  # stream → its pieces, each with a basis
+    tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens per piece's basis
+    shortcuts: int = 0  # k×k matrices inserted between pieces
+    parameters: int = 0  # elements of the original's constants
+    chosen: Trial | None = None
+    tried: list[Trial] = field(default_factory=list)
+    requested_ratio: float = 0.0
+    budget: Budget | None = None
+    basis: str = "stream"
+
+    @property
+    def ratio(self) -> float:
+        return 0.0 if self.chosen is None else self.chosen.ratio
+
+    @property
+    def held_out(self) -> Metrics | None:
+        return None if self.chosen is None else self.chosen.held_out
+
+    def slice_report(self) -> dict:
+        """The slicing's own part of the report (also what a refusal reports)."""
+        kept = {} if self.chosen is None else self.chosen.kept
+        plan = self.slicing.to_json()
+        for entry in plan["streams"]:
+            name = entry["stream"]
+            if name in kept and entry["hidden_size"]:
+                pieces = self.pieces.get(name, [name])
+                entry["kept"] = kept[name]
+                entry["energy_kept"] = min(self.bases[p].energy_kept(kept[name]) for p in pieces)  # the worst basis
+                entry["calibration_tokens"] = sum(self.tokens.get(p, 0) for p in pieces)
+                entry["bases"] = pieces
+        exact = bool(kept) and all(kept[s.name] == s.width for s in self.slicing.sliceable)
+        return {
+            "requested_ratio": self.requested_ratio,
+            "ratio": self.ratio,
+            "basis": self.basis,
+            "shortcuts": self.shortcuts,
+            "budget": None if self.budget is None else str(self.budget),
+            "wrote_fallback": self.chosen is not None and self.ratio != self.requested_ratio,
+            "verification": VERIFIED_EXACT if exact or not kept else VERIFIED_BY_BUDGET,
+            "held_out": None if self.held_out is None else self.held_out.to_json(),
+            "parameters": {
+                "original": self.parameters,
+                "sliced": None if self.chosen is None else self.chosen.parameters,
+            },
+            "tried": [t.to_json() for t in self.tried],
+            **plan,
+        }
+
+    def report(self) -> dict:
+        return super().report() | {"slice": self.slice_report()}
+
+
+VERIFIED_EXACT = (
+    "k = d: a rotation into the principal basis, verified against the original within the dtype's tolerance"
+)
+VERIFIED_BY_BUDGET = (
+    "k < d: slicing drops the least energetic directions and is not exact; the held-out figures against the "
+    "original (and the budget, where given) are its verification, not a tolerance"
+)
+
+
+# --- data and bases ------------------------------------------------------------------------------
+
+
+def _data(model: onnx.ModelProto, calibration, options: SliceOptions) -> tuple[list[Batch], list[Batch]]:
+    """(fitting, held-out) batches: a seeded split of `calibration`, or all of it and `options.holdout`."""
+    if options.holdout is not None:
+        return load(calibration, model, options, options.seed, 1), load(
+            options.holdout, model, options, options.seed + 1, 1
+        )
+    whole = load(calibration, model, options, options.seed, 2)
+    fit, held = split_batches(whole, tuple(options.split), options.seed, options.batch_size)
+    return fit, held
+
+
+def _read_tensors(slicer: Slicer, stream: Stream) -> list[tuple[str, list[str], np.ndarray | None]]:
+    """Per norm of `stream`: its axis, the run-time tensors summed into what it normalizes (x, or a Skip
+    op's x and skip), and a constant added to them (a Skip op's bias), in the folded graph."""
+    reads: list[tuple[str, list[str], np.ndarray | None]] = []
+    for name in stream.norms:
+        norm = slicer.zmg.norm_by_name(name)
+        match = norm.ref
+        if match.skip is None:
+            reads.append((norm.input, [norm.input], None))
+        else:
+            reads.append((norm.input, [match.x.name, match.skip.name], constant_values(match.skip_bias)))
+    return reads
+
+
+def stream_covariances(
+    slicer: Slicer, streams: list[Stream], batches: list[Batch], options: SliceOptions, mask_input: str | None
+) -> dict[str, Covariance]:
+    """Σ uᵀu per stream over the unit-length tokens where its RMS ops read it (`core/pca.py`), streamed."""
+    reads = {s.name: _read_tensors(slicer, s) for s in streams}
+    axes = {name: slicer.zmg.norm_by_name(name).axis for s in streams for name in s.norms}
+    wanted = [t for entries in reads.values() for _, tensors, _ in entries for t in tensors]
+    covariances = {s.name: Covariance(s.width or 0) for s in streams}
+    if not streams:
+        return covariances
+    data = CalibData(options.batch_size, options.tokenizer, options.max_length)
+    for batch, values in captured(slicer.ctx, wanted, batches, data):
+        mask = batch.get(mask_input) if mask_input else None
+        for stream in streams:
+            for norm, (_, tensors, bias) in zip(stream.norms, reads[stream.name], strict=True):
+                summed = sum(np.asarray(values[t], dtype=np.float64) for t in tensors)
+                if bias is not None:
+                    summed = summed + bias
+                rows = token_rows(np.moveaxis(np.asarray(summed), axes[norm] or 0, -1), mask)
+                covariances[stream.name].add(rows)
+    return covariances
+
+
+# --- the pass ------------------------------------------------------------------------------------
+
+
+def _plan(folded: FoldResult, name: str) -> tuple[Slicer, SlicePlan]:
+    """A `Slicer` over a fresh copy of the folded model, and the streams it finds."""
+    slicer, rotation = plan_streams(folded, folded.model, name, Slicer)
+    return slicer, SlicePlan.of(slicer, rotation)
+
+
+def _pieces(slicer: Slicer, plan: SlicePlan, basis: str) -> tuple[dict[str, list[Stream]], list[Shortcut]]:
+    """Per sliceable stream the pieces that take a basis each (itself alone with `basis` "stream"), and the
+    shortcuts between them. A stream whose shortcut would not read its last axis (a MatMul contracts that
+    one) keeps one basis."""
+    pieces: dict[str, list[Stream]] = {}
+    shortcuts: list[Shortcut] = []
+    for stream in plan.sliceable:
+        found, between = layer_pieces(slicer.zmg, stream) if basis == "layer" else ([stream], [])
+        axes = dict(stream.states)
+        if any(axes[s.tensor] != len(slicer.ctx.shapes.get(s.tensor) or ()) - 1 for s in between):
+            found, between = [stream], []
+        pieces[stream.name] = found
+        shortcuts += between
+    return pieces, shortcuts
+
+
+def _cut(
+    folded: FoldResult, name: str, options: SliceOptions, bases: dict[str, Basis], kept: dict[str, int]
+) -> ir.Model:
+    """The folded model with each stream of `kept` cut to its first `kept[stream]` principal directions."""
+    slicer, plan = _plan(folded, name)
+    pieces, shortcuts = _pieces(slicer, plan, options.basis)
+    width = {}
+    for stream, found in pieces.items():
+        for piece in found:
+            width[piece.name] = kept[stream]
+            slicer.cut_stream(piece, bases[piece.name].vectors[:, : kept[stream]], piece.name)
+    for shortcut in shortcuts:
+        source = bases[shortcut.source].vectors[:, : width[shortcut.source]]
+        target = bases[shortcut.target].vectors[:, : width[shortcut.target]]
+        slicer.add_shortcut(shortcut, source.T @ target)
+    RemoveUnusedNodesPass()(slicer.ctx.model)
+    slicer.ctx.graph.sort()
+    widths = "; ".join(f"{s.name}: {s.width} → {kept[s.name]}" for s in plan.sliceable)
+    metadata = {
+        "normpass.version": __version__,
+        "normpass.sliced": f"{len(plan.sliceable)} of {len(plan.streams)} residual streams sliced ({widths}), "
+        f"{sum(len(p) for p in pieces.values())} bases, {len(shortcuts)} shortcuts",
+    }
+    return export_model(slicer.ctx.model, slicer.docs, metadata)
+
+
+def _parameters(model: ir.Model) -> int:
+    """The number of elements of `model`'s constants (initializers)."""
+    return sum(v.const_value.size for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def inspect_slice(model: ModelSource, options: SliceOptions | None = None, name: str = "model") -> SlicePlan:
+    """Which residual streams `slice_onnx` would slice and why the others stay whole (no data read)."""
+    options = options or SliceOptions()
+    options.checked()
+    folded = fold_onnx(from_graphsurgeon(model), options.rotate_options().fold_options(), name)
+    return _plan(folded, name)[1]
+
+
+def slice_onnx(
+    model: ModelSource, calibration, options: SliceOptions | None = None, name: str = "model"
+) -> SliceResult:
+    """Fold `model` (a ModelProto, not modified, an .onnx path, or an onnx-graphsurgeon `Graph`), cut every
+    provable residual stream to its principal subspace, and judge the result on held-out data (the module
+    docstring). Raises `BudgetMissed` (its `.report`: what was tried) when the budget is missed."""
+    options = options or SliceOptions()
+    budget = options.checked()
+    original = checked_model(from_graphsurgeon(model), name)
+    refuse_unsplittable_inputs(original, name, "slicing")
+    check_input_shapes(original, options.input_shapes)
+    start = time.perf_counter()
+    folded = fold_onnx(original, options.rotate_options().fold_options(), name)
+    slicer, plan = _plan(folded, name)
+    seconds = {"fold": time.perf_counter() - start}
+
+    start = time.perf_counter()
+    fit, held = _data(original, calibration, options)
+    mask_input = find_mask_input(input_spec(original), options.mask_input)
+    pieces, shortcuts = _pieces(slicer, plan, options.basis)
+    every_piece = [piece for found in pieces.values() for piece in found]
+    covariances = stream_covariances(slicer, every_piece, fit, options, mask_input)
+    combine(list(covariances.values()))
+    bases = {stream: eigenbasis(covariance) for stream, covariance in covariances.items()}
+    seconds["bases"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    masks = [b.get(mask_input) if mask_input else None for b in held]
+    reference = Runner(original)
+    references = [reference.run(b) for b in held]
+    tried: list[Trial] = []
+    cut, chosen = None, None
+    for ratio in options.ladder():
+        kept = {s.name: sliced_width(s.width or 0, ratio, options.round_to) for s in plan.sliceable}
+        if tried and kept == tried[-1].kept:
+            continue
+        cut = _cut(folded, name, options, bases, kept)
+        candidate = Runner(in_memory_proto(cut))
+        try:
+            outputs = [candidate.run(b, reference.outputs) for b in held]
+        except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
+            raise UnsupportedModelError(
+                f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
+                "written; slicing missed something this model computes from the hidden size: report it"
+            ) from e
+        metrics = compare(references, outputs, masks)
+        met = None if budget is None else budget.holds(metrics)
+        tried.append(Trial(ratio, kept, metrics, met, _parameters(cut)))
+        if tried[-1].budget_met is not False:
+            chosen = tried[-1]
+            break
+    seconds["judge"] = time.perf_counter() - start
+    assert cut is not None  # the ladder has one ratio at least
+    result = SliceResult(
+        cut,
+        folded.plan,
+        None,
+        folded.affine_notes,
+        seconds,
+        modified=folded.modified or bool(plan.sliceable),
+        emitted=folded.emitted,
+        slicing=plan,
+        bases=bases,
+        pieces={stream: [p.name for p in found] for stream, found in pieces.items()},
+        tokens={s: c.tokens for s, c in covariances.items()},
+        shortcuts=len(shortcuts),
+        parameters=sum(int(np.prod(t.dims)) for t in original.graph.initializer),
+        chosen=chosen,
+        tried=tried,
+        requested_ratio=options.ratio,
+        budget=budget,
+        basis=options.basis,
+    )
+    if chosen is None:
+        last = tried[-1].held_out
+        raise BudgetMissed(
+            ReplaceReport({"output": None, **result.report()}),
+            f"{name}: sliced at ratio {tried[-1].ratio:g}, the model misses the budget {budget} on {last.samples} "
+            f"held-out samples (cos min {last.cos_min:.6f}, rel max {last.rel_max:.3g}); nothing written; "
+            + ("no ratio tried meets it" if options.write_best else "try a smaller ratio, or --write-best"),
+            cut,
+        )
+    if all(chosen.kept[s.name] == s.width for s in plan.sliceable):  # k = d: exact, verified as every rewrite
+        done = f"{len(plan.sliceable)} of {len(plan.streams)} residual streams rotated into their principal bases"
+        verb = ("slice", "sliced")
+        result.comparison = checked(
+            original, cut, structure(original), options, name, done, verb, seconds, result.modified
+        )
+    return result
