@@ -137,6 +137,7 @@ def load(source, model: onnx.ModelProto, options: DataOptions, seed: int, minimu
         return synthetic_batches(model, options.samples, options.batch_size, seed, options.input_shapes)
     return load_fitting(source, model, options.batch_size, options.tokenizer, options.max_length, minimum)
 
+
 def load_fitting(
     source, model: onnx.ModelProto, batch_size: int, tokenizer, max_length: int, minimum: int = MIN_SAMPLES
 ) -> list[Batch]:
@@ -290,7 +291,7 @@ def prepare(
     batches = load(calibration, model, options, options.seed)
     holdout = None if options.holdout is None else load(options.holdout, model, options, options.seed + 1)
     splits = split_roles(batches, holdout, options)
-    mask_input = find_mask_input(spec, options.mask_input)
+    mask_input = find_mask_input(input_spec(model), options.mask_input)
 
     folded = fold_onnx(
         model,
