@@ -82,21 +82,24 @@ def input_spec(model: onnx.ModelProto) -> InputSpec:
     return InputSpec(inputs, index_bounds(model), positions=None if limit is None else limit.rows)
 
 
-def refuse_unsplittable_inputs(model: onnx.ModelProto, name: str, verb: str) -> None:
-    """Calibration data is split into samples along axis 0 of every input: refuse a model with a scalar input,
-    or one that fixes axis 0 above 1."""
-    spec = input_spec(model)
-    scalars = [n for n, (_, rank) in spec.inputs.items() if rank == 0]
+def refuse_scalar_inputs(model: onnx.ModelProto, name: str, verb: str) -> None:
+    """Calibration data is split into samples along axis 0 of every input: refuse a model with a scalar input."""
+    scalars = [n for n, (_, rank) in input_spec(model).inputs.items() if rank == 0]
     if scalars:
         raise InputError(
             f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
             f"axis 0 of every input, so {verb} takes models whose inputs all have a batch axis"
         )
+
+
+def refuse_fixed_batch(model: onnx.ModelProto, name: str) -> None:
+    """The surrogate pass splits calibration samples into parts of other sizes: axis 0 must not be fixed above 1."""
+    spec = input_spec(model)
     dims = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input if i.name in spec.inputs}
     batched = [(key, size) for key, d in dims.items() if d and (size := fixed_dim(d[0])) is not None and size > 1]
     if batched:
         raise InputError(
-            f"{name}: input {batched[0][0]} fixes axis 0, the samples, to {batched[0][1]}; {verb} splits "
+            f"{name}: input {batched[0][0]} fixes axis 0, the samples, to {batched[0][1]}; the surrogate pass splits "
             "calibration samples into parts of other sizes: export the model with a dynamic batch axis"
         )
 
@@ -283,7 +286,8 @@ def prepare(
     """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`."""
     model = checked_model(model, name)
     options = options or ReplaceOptions()
-    refuse_unsplittable_inputs(model, name, "the surrogate pass")
+    refuse_scalar_inputs(model, name, "the surrogate pass")
+    refuse_fixed_batch(model, name)
     budget, kinds, only_cheaper = options.checked()
     check_input_shapes(model, options.input_shapes)
     started = time.perf_counter()

@@ -50,7 +50,7 @@ from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx, in_memory
 from ..graph.constants import constant_values
 from ..graph.export import export_model
 from ..graphsurgeon import from_graphsurgeon
-from ..replace.driver import Runner, input_spec, load, refuse_unsplittable_inputs
+from ..replace.driver import Runner, input_spec, load, refuse_scalar_inputs
 from ..rotate.driver import RotateOptions, plan_streams
 from ..rotate.features import CalibData, captured
 from ..runtime.verify import check_input_shapes, structure
@@ -372,7 +372,7 @@ def slice_onnx(
     options = options or SliceOptions()
     budget = options.checked()
     original = checked_model(from_graphsurgeon(model), name)
-    refuse_unsplittable_inputs(original, name, "slicing")
+    refuse_scalar_inputs(original, name, "slicing")
     check_input_shapes(original, options.input_shapes)
     start = time.perf_counter()
     folded = fold_onnx(original, options.rotate_options().fold_options(), name)
