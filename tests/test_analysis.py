@@ -241,3 +241,16 @@ def test_inspect_refuses_a_graph_path_it_cannot_write(tmp_path, capsys):
     assert main(["inspect", str(model), "--graph", str(tmp_path / "graph.txt")]) == 2
     assert not (tmp_path / "graph.txt").exists()
     assert ".graphml or .json" in capsys.readouterr().err
+
+
+def test_the_graph_module_never_imports_the_rules():
+    """`graph.py` defines the `Rule` interface and `rules.py` implements it: the import goes one way only
+    (the two modules once imported each other)."""
+    import ast
+    import pathlib
+
+    import normpass.core.graph as graph_module
+
+    tree = ast.parse(pathlib.Path(graph_module.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {"rules", "analysis"} & imported, imported

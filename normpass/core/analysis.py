@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .graph import NormInfo, ZeroMeanGraph, ZNode
+from .graph import NormInfo, Shift, ZeroMeanGraph, ZNode
 from .plan import Blocker, Centring, FoldPlan, Insertion, NormDecision
-from .rules import Shift, layer_scale, regroup_axis  # noqa: F401  (re-exported for the front ends)
+from .rules import layer_scale, regroup_axis  # noqa: F401  (re-exported for the front ends)
 
 MIN_FOLDS_PER_INSERTION = 2
 

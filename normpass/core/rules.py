@@ -1,6 +1,7 @@
 """Rules: how zero mean along one axis, and a shift constant along it, flow through one operation.
 
-Every node of the zero-mean graph carries a rule, and each rule owns both directions of its algebra:
+Every node of the zero-mean graph carries a rule (the `Rule` interface of `graph.py`, which this module
+implements and `graph.py` never imports), and each rule owns both directions of its algebra:
 
 * `backward` (the proof, seed 003 §4.2): for the node's output to be zero-mean along axis k, which
   inputs must be zero-mean, and along which of their axes; or a `Centring` of the node itself; or
@@ -45,74 +46,10 @@ suffix products (`regroup_axis`).
 from __future__ import annotations
 
 import math
-from dataclasses import Field, dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from dataclasses import dataclass
 
+from .graph import Backward, Forward, NormInfo, Required, Shift, ZeroMeanGraph, ZNode
 from .plan import Centring
-
-if TYPE_CHECKING:
-    from .graph import NormInfo, ZeroMeanGraph, ZNode
-
-Required = list[tuple[int, str, int | None]]  # (input index, input tensor, its axis or None)
-Backward = Required | Centring | str  # inputs that must be zero-mean, a centring, or why not
-Forward = list[tuple[str, int]] | str  # (output, axis) states that carry the shift on, or why not
-
-
-@dataclass(frozen=True, eq=False)
-class Shift:
-    """A per-sample shift entering input `index` of `node`.
-
-    `axis` is the shifted axis of that input; None when the input is broadcast along the
-    normalized axis, which is then `out_axis` of the output.
-    """
-
-    zmg: ZeroMeanGraph
-    node: ZNode
-    index: int
-    axis: int | None
-    out_axis: int | None = None
-
-    @property
-    def out(self) -> str:
-        return self.node.outputs[0]
-
-    @property
-    def in_shape(self):
-        return self.zmg.shape(self.node.inputs[self.index])
-
-    @property
-    def out_shape(self):
-        return self.zmg.shape(self.out)
-
-    @property
-    def lift(self) -> int:
-        """How many axes broadcasting prepends to the input."""
-        return len(self.out_shape) - len(self.in_shape)
-
-
-class Rule(Protocol):
-    """The algebra of one node: see the module docstring. Every rule is a frozen dataclass."""
-
-    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
-
-    def backward(self, zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int) -> Backward:
-        """What makes output `tensor` of `node` zero-mean along `axis`."""
-        ...
-
-    def forward(self, shift: Shift) -> Forward:
-        """Where a shift entering `node` goes; a reason completes "{op} {name} …"."""
-        ...
-
-
-def describe(rule: Rule) -> str:
-    """A rule's name and parameters as one string, e.g. `Linear(axis=2)`, `NormRule(norm=ln_f)`."""
-    params = ", ".join(f"{f.name}={_short(getattr(rule, f.name))}" for f in fields(rule))
-    return f"{type(rule).__name__}({params})"
-
-
-def _short(value) -> str:
-    return value.name if hasattr(value, "name") else repr(value)
-
 
 # --- axis algebra ------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..core.algebra import has_zero_mean, is_uniform
-from ..core.graph import ALREADY_RMS, NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
+from ..core.graph import ALREADY_RMS, NodeKind, NormInfo, NormType, Rule, ZeroMeanGraph, ZNode
 from ..core.rules import (
     Broadcast,
     Centered,
@@ -41,7 +41,6 @@ from ..core.rules import (
     Opaque,
     Permute,
     Regroup,
-    Rule,
     Scale,
     Select,
     ShiftInvariant,
