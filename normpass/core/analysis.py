@@ -13,7 +13,8 @@ it; anything else blocks the proof.
 
 **Safety (forward, seed 003 App. D.2).** Centring a layer changes its output y into
 y − m(x)·1ₖ, a per-sample shift constant along k. The model is unchanged iff every path from y
-carries that shift (through sums, scalings constant along k and axis-preserving layout ops) into
+carries that shift (through sums, scalings constant along k, axis-preserving layout ops and means
+over other axes) into
 an op that removes it: a LayerNorm over k (folded or not: LN(x + c·1) = LN(x)), a centring
 x − mean_k(x), or a Softmax over k; a reader of shapes only (Shape, Size) never sees it. A shift
 reaching a graph output, a linear layer, a nonlinearity or an RMSNorm makes the centring unsafe,

@@ -28,6 +28,11 @@ The rules (the inputs of an op that the front end classifies; `x` is the stream 
 * `Mix(kept)`         y = a linear map over the other axes, the same for every slice along an axis
                       in `kept` (Resize, average pooling, Pad with zeros, Tile with repeat 1 on
                       the axis): zero-mean slices stay zero-mean, a shift constant along it stays so.
+* `Reduce(axes, keepdims)`  y = mean (or sum) of x over `axes`, not the normalized axis k (a mean-pooled
+                      head: tokens or spatial positions averaged). Each row of y along k is an
+                      average Σⱼ wⱼ·xⱼ of rows of x along k: mean_k(y) = Σⱼ wⱼ·mean_k(xⱼ) = 0 when every
+                      row is zero-mean, and a shift cⱼ·1 (constant along k, any value per row) becomes
+                      (Σⱼ wⱼ·cⱼ)·1, still constant along k. Reducing over k itself mixes along it.
 * `Choose()`          Where(c, a, b) with c constant along the axis: whole rows come from a or b.
 * `Centered(axis)`    the output is already zero-mean along `axis` (x − mean(x)); removes a shift.
 * `NormRule(norm)`    a normalization node. Its output γ⊙x̂+β is zero-mean only when the front end
@@ -330,6 +335,37 @@ class Mix(_Flow):
         if shift.index != 0 or axis not in self.kept:
             return "mixes or pads along the shifted axis"
         return [(shift.out, axis)]
+
+
+@dataclass(frozen=True)
+class Reduce(_Flow):
+    """Mean or sum of input 0 over `axes` (of the input; None: not known statically), see the module docstring.
+
+    With `keepdims` every axis keeps its place; without, the reduced axes are dropped.
+    """
+
+    axes: tuple[int, ...] | None
+    keepdims: bool
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        in_axis = self._in_axis(zmg.rank(node.inputs[0]), axis)
+        if in_axis is None:
+            return f"{node.op} {node.name} reduces over the normalized axis (or its axes are not known)"
+        return [(0, node.inputs[0], in_axis)]
+
+    def push(self, shift: Shift, axis: int) -> Forward:
+        if shift.index != 0 or self.axes is None or axis in self.axes:
+            return "reduces over the shifted axis (or its axes are not known)"
+        return [(shift.out, axis if self.keepdims else axis - sum(a < axis for a in self.axes))]
+
+    def _in_axis(self, rank: int | None, out_axis: int) -> int | None:
+        """The input axis that output axis `out_axis` is, if it is not reduced."""
+        if self.axes is None or rank is None:
+            return None
+        kept = list(range(rank)) if self.keepdims else [a for a in range(rank) if a not in self.axes]
+        if out_axis >= len(kept) or kept[out_axis] in self.axes:
+            return None
+        return kept[out_axis]
 
 
 @dataclass(frozen=True)

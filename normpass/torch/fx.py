@@ -40,6 +40,7 @@ from ..core.rules import (
     NormRule,
     Opaque,
     Permute,
+    Reduce,
     Regroup,
     Scale,
     Select,
@@ -365,6 +366,17 @@ def _pad(ctx, call):
     return Classified(NodeKind.LAYOUT, Take(axes[0], 1), [a["self"]])
 
 
+def _reduce(ctx, call):  # x.mean(dim) / x.sum(dim): the same average (sum) of rows for every row
+    rank, dims = ctx.rank(call.args["self"]), call.args.get("dim")
+    if rank is None:
+        return _opaque(f"a {call.op} of unknown rank")
+    dims = list(range(rank)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else dims
+    axes = tuple(_axis(d, rank) for d in dims)
+    if None in axes:
+        return Classified(NodeKind.LAYOUT, Reduce(None, False), [call.args["self"]])
+    return Classified(NodeKind.LAYOUT, Reduce(axes, bool(call.args.get("keepdim"))), [call.args["self"]])
+
+
 def _softmax(ctx, call):  # not linear, but f(x + c·1) = f(x) along its axis
     axis = _axis(call.args["dim"], ctx.rank(call.args["self"]))
     if axis is None:
@@ -422,6 +434,8 @@ OP_TABLE = {
     "index_select": _index_select,
     "pad": _pad,
     "constant_pad_nd": _pad,
+    "mean": _reduce,  # mean-pooled heads: a mean over tokens or space
+    "sum": _reduce,
     "softmax": _softmax,
     "_softmax": _softmax,
     "log_softmax": _softmax,

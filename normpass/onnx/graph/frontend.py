@@ -47,6 +47,7 @@ from ...core.rules import (
     NormRule,
     Opaque,
     Permute,
+    Reduce,
     Regroup,
     Scale,
     Select,
@@ -576,6 +577,26 @@ def _shape_slice(ctx, data: ir.Value, part: ir.Value) -> list[int] | None:
     return shape_axes(node, rank)[bounds]
 
 
+def _reduce(ctx, node):
+    """ReduceMean / ReduceSum over the axes of its attribute (opset < 18) or constant input 1 (all axes
+    when none are given, unless `noop_with_empty_axes`)."""
+    rank = _rank(ctx, node.inputs[0])
+    keepdims = bool(attr(node, "keepdims", 1))
+    axes = attr(node, "axes")
+    if axes is None and input_at(node, 1) is not None:
+        axes = constant_values(node.inputs[1])
+        if axes is None:
+            return NodeKind.LAYOUT, Reduce(None, keepdims)
+    if axes is None or np.size(axes) == 0:
+        if attr(node, "noop_with_empty_axes", 0):
+            return NodeKind.SCALAR, Scale(0, None)
+        axes = [] if rank is None else list(range(rank))
+    resolved = tuple(_axis(int(a), rank) for a in np.ravel(axes))
+    if rank is None or None in resolved:
+        return NodeKind.LAYOUT, Reduce(None, keepdims)
+    return NodeKind.LAYOUT, Reduce(tuple(a for a in resolved if a is not None), keepdims)
+
+
 def _average_pool(ctx, node):
     """Averages over the spatial axes of N×C×spatial: the same weights for every (batch, channel)."""
     return NodeKind.LAYOUT, Mix((0, 1))
@@ -671,6 +692,8 @@ OP_TABLE = {
     "Einsum": _einsum,  # x·W as an equation: general linear on the axis W produces
     "Resize": _resize,  # interpolation over other axes: the same linear map for every row
     "Upsample": _resize,
+    "ReduceMean": _reduce,  # a mean over other axes (a mean-pooled head): the same average for every row
+    "ReduceSum": _reduce,
     "AveragePool": _average_pool,  # averages over spatial axes, per channel
     "GlobalAveragePool": _average_pool,
     "Pad": _pad,  # zero rows (or copies) on other axes

@@ -1,0 +1,132 @@
+"""Patterns third-party architectures hide norms behind (issue 36): each proven on a small graph that has it,
+checked for the fold count and against the original in ONNX Runtime, with a counter-example that must refuse.
+
+* a mean-pooled head (BEiT, EVA-02): a mean over tokens keeps a shift constant along the features;
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_equivalent, build, check_structure, randn
+from torch import nn
+
+from normpass import FoldOptions, fold_onnx, inspect_onnx
+from normpass.torch.api import fold as torch_fold
+from normpass.torch.api import inspect as torch_inspect
+
+
+def _fold(model):
+    result = fold_onnx(model, FoldOptions(fold_with_beta_add=True))
+    check_structure(result.model)
+    assert_equivalent(model, result.model)
+    return result
+
+
+def _reasons(plan) -> dict[str, str | None]:
+    return {d.name: d.reason for d in plan.decisions}
+
+
+# --- mean-pooled heads -------------------------------------------------------------------------
+
+MEAN_POOLED = """<ir_version: 10, opset_import: ["" : {opset}]>
+m (float[2,5,8] x) => (float[2,{out}] y) {{
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n1 = LayerNormalization<axis=-1>(h, g1, be1)
+  a0 = MatMul(n1, W1)
+  s = Add(h, a0)
+  {pool}
+  n2 = LayerNormalization<axis=-1>(p, g2, be2)
+  y0 = MatMul(n2, W2)
+  y = {tail}
+}}"""
+
+
+def _mean_pooled(gen, pool: str, opset: int = 17, out: str = "3", tail: str = "Identity(y0)", **extra):
+    text = MEAN_POOLED.format(opset=opset, out=out, pool=pool, tail=tail)
+    weights = dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), W1=randn(gen, 8, 8), W2=randn(gen, 8, 3))
+    norms = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2) for p in ("g", "be")}
+    return build(text, **weights, **norms, **extra)
+
+
+@pytest.mark.parametrize(
+    "opset, pool",
+    [
+        (17, "p = ReduceMean<axes=[1], keepdims=0>(s)"),  # the axes an attribute
+        (18, "p = ReduceMean<keepdims=0>(s, tokens)"),  # the axes an input (opset 18)
+        (17, "p1 = ReduceMean<axes=[-2]>(s)\n  p = Squeeze(p1, one)"),  # keepdims, then squeezed
+        (17, "p1 = ReduceSum<keepdims=0>(s, tokens)\n  p = Div(p1, five)"),  # a sum scaled
+    ],
+)
+def test_a_mean_over_tokens_keeps_the_stream_provable(gen, opset, pool):
+    """mean_tokens(x)'s rows are averages of x's rows: zero-mean stays zero-mean, a shift stays constant along d."""
+    model = _mean_pooled(
+        gen,
+        pool,
+        opset,
+        tokens=np.array([1], np.int64),
+        one=np.array([1], np.int64),
+        five=np.array(5.0, np.float32),
+    )
+    result = _fold(model)
+    assert result.folded == 2, _reasons(result.plan)
+
+
+def test_a_mean_over_the_features_refuses(gen):
+    """Averaging along the normalized axis reads the shift: the head sees mean_d(x + c) = mean_d(x) + c."""
+    model = _mean_pooled(
+        gen,
+        "p = Identity(s)\n  f = ReduceMean<axes=[-1], keepdims=0>(s)",
+        out="5",
+        tail="Identity(f)",
+    )
+    plan = inspect_onnx(model)
+    reasons = _reasons(plan)
+    assert len(plan.folded) == 0, reasons
+    assert "ReduceMean" in reasons["n1"] and "reduces over the shifted axis" in reasons["n1"]
+
+
+class MeanPooled(nn.Module):
+    """Patch embedding, a pre-LN block, then the mean over tokens normalized by a head norm (BEiT's pooler)."""
+
+    def __init__(self, dim: int = 1):
+        super().__init__()
+        self.dim = dim
+        self.embed, self.ln1, self.mlp = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.ln2, self.head = nn.LayerNorm(8), nn.Linear(8 if dim == 1 else 5, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = h + self.mlp(self.ln1(h))
+        pooled = h[:, 1:].mean(dim=self.dim)
+        return self.head(self.ln2(pooled) if self.dim == 1 else pooled)
+
+
+def _seeded(module: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, nn.LayerNorm):
+                sub.weight.uniform_(0.5, 1.5)
+                sub.bias.normal_()
+    return module.eval()
+
+
+def test_torch_mean_over_tokens_keeps_the_stream_provable():
+    torch.manual_seed(0)
+    model = _seeded(MeanPooled())
+    x = torch.randn(2, 6, 6)
+    folded, report = torch_fold(model, x)
+    assert len(report.plan.folded) == 2, _reasons(report.plan)
+    with torch.no_grad():
+        other = 3 * torch.randn(3, 4, 6) + 1
+        torch.testing.assert_close(folded(other), model(other), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_mean_over_features_refuses():
+    torch.manual_seed(0)
+    plan = torch_inspect(_seeded(MeanPooled(dim=2)), torch.randn(2, 6, 6))
+    assert len(plan.folded) == 0
+    assert "reduces over the shifted axis" in _reasons(plan)["ln1"]
