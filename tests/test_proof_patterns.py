@@ -2,6 +2,7 @@
 checked for the fold count and against the original in ONNX Runtime, with a counter-example that must refuse.
 
 * a mean-pooled head (BEiT, EVA-02): a mean over tokens keeps a shift constant along the features;
+* a read that carries no values (BART's TorchScript encoder): a Gather whose output only Shape reads;
 """
 
 from __future__ import annotations
@@ -130,3 +131,48 @@ def test_torch_mean_over_features_refuses():
     plan = torch_inspect(_seeded(MeanPooled(dim=2)), torch.randn(2, 6, 6))
     assert len(plan.folded) == 0
     assert "reduces over the shifted axis" in _reasons(plan)["ln1"]
+
+
+# --- reads that carry no values ----------------------------------------------------------------
+
+SHAPE_ONLY_GATHER = """<ir_version: 10, opset_import: ["" : 17]>
+m (int64[2,5] ids) => (float[2,5,3] y{extra_output}) {{
+  e0 = Gather(E, ids)
+  e = Mul(e0, scale)
+  last = Gather<axis=2>(e, minus1)
+  sh = Shape(last)
+  seq = Gather(sh, one)
+  r = Range(zero, seq, step)
+  pos = Gather(P, r)
+  h = Add(e, pos)
+  n = LayerNormalization<axis=-1>(h, g, be)
+  y = MatMul(n, W)
+}}"""
+
+
+def _shape_only_gather(gen, extra_output: str = ""):
+    return build(
+        SHAPE_ONLY_GATHER.format(extra_output=extra_output),
+        E=randn(gen, 11, 8),
+        scale=np.array(2.0, np.float32),
+        minus1=np.array(-1, np.int64),
+        one=np.array(1, np.int64),
+        zero=np.array(0, np.int64),
+        step=np.array(1, np.int64),
+        P=randn(gen, 9, 8),
+        g=randn(gen, 8) + 1,
+        be=randn(gen, 8),
+        W=randn(gen, 8, 3),
+    )
+
+
+def test_a_gather_read_only_for_its_shape_carries_no_shift(gen):
+    """BART's TorchScript encoder: `inputs_embeds[:, :, -1]` read by Shape only, for the position ids."""
+    result = _fold(_shape_only_gather(gen))
+    assert result.folded == 1, _reasons(result.plan)
+
+
+def test_a_gather_whose_values_are_read_refuses(gen):
+    plan = inspect_onnx(_shape_only_gather(gen, extra_output=", float[2,5] last"))
+    assert len(plan.folded) == 0
+    assert "gathers along the shifted axis" in _reasons(plan)["n"]

@@ -44,6 +44,13 @@ The rules (the inputs of an op that the front end classifies; `x` is the stream 
 * `Opaque(reason)`    anything else: zero mean does not flow through it, and a shift reaching it
                       changes the model.
 
+**Values nobody reads.** A shift entering the data input (input 0) of a modelled op (any rule but
+`Opaque`) whose outputs only shape readers read, and no graph output is, changes nothing: those ops'
+output shapes follow their inputs' shapes and constant parameters, never input 0's values (ops
+whose shapes do depend on values, NonZero and kin, are `Opaque`). So a `Gather` along the shifted
+axis whose output is read only by `Shape` (BART's TorchScript encoder takes `inputs_embeds[..., -1]`
+for its shape) lets the shift through, as does one whose output nothing reads.
+
 Axes map through broadcasting right-aligned (`broadcast_axis`) and through reshapes by their
 suffix products (`regroup_axis`).
 """
@@ -52,6 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .graph import Backward, Forward, NormInfo, Required, Shift, ZeroMeanGraph, ZNode
 from .plan import Centring
@@ -158,6 +166,15 @@ def _along_rows(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> bool:
     return cond_axis is None and why is None
 
 
+def _values_unread(zmg: ZeroMeanGraph, node: ZNode) -> bool:
+    """Whether no value of `node`'s outputs is read: none is a graph output, and only shape readers read them."""
+    return all(
+        output not in zmg.graph_outputs and all(isinstance(c.rule, ShapeOnly) for c, _ in zmg.consumers_of(output))
+        for output in node.outputs
+        if output
+    )
+
+
 # --- the rules ---------------------------------------------------------------------------------
 
 
@@ -177,7 +194,11 @@ class _Flow:
     def pull(self, zmg, node, tensor, axis) -> Backward:
         raise NotImplementedError
 
+    shapes_follow_shapes: ClassVar[bool] = True  # output shapes never depend on input 0's values
+
     def forward(self, shift: Shift) -> Forward:
+        if shift.index == 0 and self.shapes_follow_shapes and _values_unread(shift.zmg, shift.node):
+            return []
         if shift.out_shape is None or shift.in_shape is None:
             return "has an unknown shape"
         if shift.axis is not None:
@@ -475,6 +496,8 @@ class ShapeOnly(_Flow):
 @dataclass(frozen=True)
 class Opaque(_Flow):
     reason: str
+
+    shapes_follow_shapes: ClassVar[bool] = False  # an unknown op: its output shape may depend on values
 
     def pull(self, zmg, node, tensor, axis) -> Backward:
         return f"{node.op} {node.name}: {self.reason}"
