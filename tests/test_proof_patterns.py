@@ -3,6 +3,7 @@ checked for the fold count and against the original in ONNX Runtime, with a coun
 
 * a mean-pooled head (BEiT, EVA-02): a mean over tokens keeps a shift constant along the features;
 * a read that carries no values (BART's TorchScript encoder): a Gather whose output only Shape reads;
+* where the centring goes (wav2vec2): a centring inserted below a layer that cannot be centred;
 """
 
 from __future__ import annotations
@@ -176,3 +177,52 @@ def test_a_gather_whose_values_are_read_refuses(gen):
     plan = inspect_onnx(_shape_only_gather(gen, extra_output=", float[2,5] last"))
     assert len(plan.folded) == 0
     assert "gathers along the shifted axis" in _reasons(plan)["n"]
+
+
+# --- where the centring goes -------------------------------------------------------------------
+
+POSITIONAL_CONV = """<ir_version: 10, opset_import: ["" : 17]>
+m (float[2,6,4] x) => (float[2,6,3] y{extra_output}) {{
+  p0 = MatMul(x, Wp)
+  h = Add(p0, bp)
+  t = Transpose<perm=[0,2,1]>(h)
+  c = Conv<group=2, pads=[1,1], kernel_shape=[3]>(t, Wc, bc)
+  r = Tanh(c)
+  pos = Transpose<perm=[0,2,1]>(r)
+  s = Add(h, pos)
+  n1 = LayerNormalization<axis=-1>(s, g1, be1)
+  a = MatMul(n1, W1)
+  s2 = Add(s, a)
+  n2 = LayerNormalization<axis=-1>(s2, g2, be2)
+  y = MatMul(n2, W2)
+}}"""
+
+
+def _positional_conv(gen, extra_output: str = ""):
+    norms = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2) for p in ("g", "be")}
+    return build(
+        POSITIONAL_CONV.format(extra_output=extra_output),
+        Wp=randn(gen, 4, 8),
+        bp=randn(gen, 8),
+        Wc=randn(gen, 8, 4, 3),
+        bc=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        W2=randn(gen, 8, 3),
+        **norms,
+    )
+
+
+def test_a_centring_inserted_after_a_positional_conv_add(gen):
+    """wav2vec2: the projection feeds the stream and a grouped conv, so it cannot be centred; the sum of both is
+    read only by norms and the stream, so centring the sum itself is exact and folds both norms."""
+    result = _fold(_positional_conv(gen))
+    assert result.folded == 2, _reasons(result.plan)
+    assert [(i.tensor, i.axis) for i in result.plan.insertions] == [("s", 2)]
+    assert sum(node.op_type == "ReduceMean" for node in result.model.graph.node) == 1
+
+
+def test_no_centring_is_inserted_where_a_shift_would_survive(gen):
+    plan = inspect_onnx(_positional_conv(gen, extra_output=", float[2,6,8] s"))
+    reasons = _reasons(plan)
+    assert len(plan.folded) == 0 and not plan.insertions
+    assert "Conv c" in reasons["n1"] and "unsafe" in reasons["n1"]

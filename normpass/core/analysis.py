@@ -20,10 +20,12 @@ x − mean_k(x), or a Softmax over k; a reader of shapes only (Shape, Size) neve
 reaching a graph output, a linear layer, a nonlinearity or an RMSNorm makes the centring unsafe,
 and the norms that need it are refused.
 
-**Inserted centring.** Where a proof is blocked at a tensor t whose shifts are all removed
-downstream (the safety condition), inserting t' = t − mean_k(t) makes t zero-mean at the cost of
-one ReduceMean and one Sub. It is planned only where it enables at least `MIN_FOLDS_PER_INSERTION`
-folds, since one insertion costs about what one fold saves.
+**Inserted centring.** Where a proof is blocked, or needs a centring that is unsafe, inserting
+t' = t − mean_k(t) at a tensor t of its walk whose shifts are all removed downstream (the safety
+condition) makes t zero-mean exactly, at the cost of one ReduceMean and one Sub; the walk above t
+is then not needed (`Cutter`: the blocked tensor itself where that is exact, else a tensor below it,
+e.g. the sum of a layer and a grouped conv that reads it). It is planned only where it enables at
+least `MIN_FOLDS_PER_INSERTION` folds, since one insertion costs about what one fold saves.
 
 **Cost.** Each rule's transfer (`Rule.backward`, `Rule.forward` in `rules.py`) is evaluated at most
 once per (tensor, axis) state and plan: proofs and shift checks are memoised per state and shared
@@ -81,6 +83,7 @@ class Prover:
     def __init__(self, zmg: ZeroMeanGraph):
         self.zmg = zmg
         self.memo: dict[State, _Found] = {}
+        self.steps: dict[State, _Step] = {}  # each state's own rule evaluation, for `Cutter`
 
     def prove(self, norm: NormInfo) -> Proof:
         """The centrings that make the norm's input zero-mean, or the blockers that prevent it."""
@@ -94,7 +97,7 @@ class Prover:
         return Proof(list(found.centrings), blockers)
 
     def _found(self, start: State) -> _Found:
-        steps: dict[State, _Step] = {}
+        steps = self.steps
         stack = [start]
         while stack:
             state = stack[-1]
@@ -244,7 +247,7 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
     keep = keep or {}
     prover, checker = Prover(zmg), ShiftChecker(zmg)
     decisions: list[NormDecision] = []
-    pending: dict[str, tuple[NormInfo, Proof]] = {}
+    pending: dict[str, NormInfo] = {}
     for norm in zmg.norms:
         decision = NormDecision(norm.name, norm.op, False, None)
         decisions.append(decision)
@@ -253,22 +256,22 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
             continue
         proof = prover.prove(norm)
         decision.centrings = proof.centrings
+        if norm.name in keep:
+            decision.kept, decision.reason, decision.centrings = True, keep[norm.name], []
+            continue
         unsafe = _first_unsafe(checker, proof.centrings)
         if unsafe is not None:
             decision.blocker = unsafe
             decision.reason = f"centring {unsafe.path[0]} is unsafe: {unsafe.reason}"
-            continue
-        if norm.name in keep:
-            decision.kept, decision.reason, decision.centrings = True, keep[norm.name], []
-            continue
-        if proof.blockers:
+        elif proof.blockers:
             decision.blocker = proof.blockers[0]
             decision.reason = f"input not provably zero-mean: {proof.blockers[0].reason}"
-            pending[norm.name] = (norm, proof)
+        else:
+            decision.foldable = True
             continue
-        decision.foldable = True
+        pending[norm.name] = norm
     if insert_centering:
-        _plan_insertions(checker, decisions, pending)
+        _plan_insertions(zmg, Cutter(prover, checker), decisions, pending)
     return FoldPlan(decisions)
 
 
@@ -288,34 +291,92 @@ def safe_centrings(zmg: ZeroMeanGraph, norm: NormInfo, checker: ShiftChecker | N
     return [c for c in prove(zmg, norm).centrings if checker.unsafe(c) is None]
 
 
-def _plan_insertions(checker: ShiftChecker, decisions: list[NormDecision], pending) -> None:
-    """Insert x − mean(x) at blocked tensors whose shift is removed downstream, where it pays."""
+Cut = tuple[frozenset[State], tuple[Centring, ...]]  # states to centre by insertion, centrings the rest needs
+
+
+class Cutter:
+    """Where inserted centrings make a norm's input zero-mean: a cut through the walk of its proof.
+
+    A state (t, k) of the walk is *clean* when its proof found no blocker and every centring it needs
+    is safe. A dirty state is cut either there, by inserting t' = t − mean_k(t), which is exact iff a
+    shift of t along k is removed downstream (`ShiftChecker.removed`), or above it: when its own rule
+    step neither failed nor needs an unsafe centring, by cutting each dirty state it needs. The cut
+    furthest upstream is taken (it is the blocked tensor itself where inserting there is exact, and
+    is shared by the most norms). Below a cut, the norm needs the clean parts' centrings and the
+    steps' own; the centrings above a cut are not needed (and may be unsafe).
+
+    This finds, e.g., wav2vec2's: the projection's output feeds the stream and a grouped positional
+    conv, which cannot take the projection's centring; the Add of both is centred instead.
+    """
+
+    def __init__(self, prover: Prover, checker: ShiftChecker):
+        self.prover, self.checker = prover, checker
+        self.memo: dict[State, Cut | None] = {}
+
+    def cut(self, start: State) -> Cut | None:
+        """The cut of a state the prover walked, or None where no insertion makes it zero-mean."""
+        stack, opened = [start], set()
+        while stack:
+            state = stack[-1]
+            if state in self.memo:
+                stack.pop()
+                continue
+            found, step = self.prover.memo[state], self.prover.steps[state]
+            if not found.blockers and self._safe(found.centrings):
+                self.memo[state] = (frozenset(), tuple(found.centrings))
+                stack.pop()
+                continue
+            above = step.blocker is None and self._safe(step.centrings)
+            if above and state not in opened:
+                opened.add(state)
+                waiting = [n for n in step.needs if n not in self.memo and n not in opened]
+                if waiting:
+                    stack.extend(waiting)
+                    continue
+            stack.pop()
+            parts = [self.memo.get(need) for need in step.needs] if above else [None]
+            if all(part is not None for part in parts):
+                cuts = frozenset().union(*(part[0] for part in parts if part is not None))
+                centrings = dict.fromkeys(step.centrings)
+                for part in parts:
+                    centrings.update(dict.fromkeys(part[1] if part is not None else ()))
+                self.memo[state] = (cuts, tuple(centrings))
+            elif self.checker.removed(*state) is None:
+                self.memo[state] = (frozenset([state]), ())
+            else:
+                self.memo[state] = None
+        return self.memo[start]
+
+    def _safe(self, centrings) -> bool:
+        return all(self.checker.unsafe(c) is None for c in centrings)
+
+
+def _plan_insertions(zmg: ZeroMeanGraph, cutter: Cutter, decisions: list[NormDecision], pending) -> None:
+    """Insert x − mean(x) where it makes pending norms provable (`Cutter`), where it pays."""
+    cuts: dict[str, Cut] = {}
     candidates: dict[Insertion, set[str]] = {}
-    for name, (_norm, proof) in pending.items():
-        insertions = set()
-        for blocker in proof.blockers:
-            if blocker.tensor is None or blocker.axis is None or checker.removed(blocker.tensor, blocker.axis):
-                break
-            insertions.add(Insertion(blocker.tensor, blocker.axis))
-        else:
-            for insertion in insertions:
-                candidates.setdefault(insertion, set()).add(name)
+    for name, norm in pending.items():
+        if norm.axis is None or zmg.is_constant(norm.input):
+            continue
+        cut = cutter.cut((norm.input, norm.axis))
+        if cut is None:
+            continue
+        cuts[name] = cut
+        for state in cut[0]:
+            candidates.setdefault(Insertion(*state), set()).add(name)
     chosen = set(candidates)
     while True:
-        enabled = {
-            name
-            for name, (_, proof) in pending.items()
-            if all(Insertion(b.tensor, b.axis) in chosen for b in proof.blockers)
-        }
+        enabled = {name for name, (states, _) in cuts.items() if all(Insertion(*s) in chosen for s in states)}
         weak = {i for i in chosen if len(candidates[i] & enabled) < MIN_FOLDS_PER_INSERTION}
         if not weak:
             break
         chosen -= weak
     by_name = {d.name: d for d in decisions}
     for name in enabled:
-        _, proof = pending[name]
+        states, centrings = cuts[name]
         decision = by_name[name]
-        decision.insertions = sorted({Insertion(b.tensor, b.axis) for b in proof.blockers}, key=lambda i: i.tensor)
+        decision.insertions = sorted((Insertion(*s) for s in states), key=lambda i: (i.tensor, i.axis))
+        decision.centrings = list(centrings)
         decision.foldable = True
         decision.reason = None
         decision.blocker = None
