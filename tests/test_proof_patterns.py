@@ -4,6 +4,7 @@ checked for the fold count and against the original in ONNX Runtime, with a coun
 * a mean-pooled head (BEiT, EVA-02): a mean over tokens keeps a shift constant along the features;
 * a read that carries no values (BART's TorchScript encoder): a Gather whose output only Shape reads;
 * where the centring goes (wav2vec2): a centring inserted below a layer that cannot be centred;
+* shapes known only from shape arithmetic (Twins' TorchScript export): ONNX Runtime's symbolic shape inference;
 """
 
 from __future__ import annotations
@@ -226,3 +227,67 @@ def test_no_centring_is_inserted_where_a_shift_would_survive(gen):
     reasons = _reasons(plan)
     assert len(plan.folded) == 0 and not plan.insertions
     assert "Conv c" in reasons["n1"] and "unsafe" in reasons["n1"]
+
+
+# --- shapes known only from shape arithmetic ---------------------------------------------------
+
+RUNTIME_RESHAPE = """<ir_version: 10, opset_import: ["" : 17]>
+m (float[B,16,6] x, float[B,3,16,16] img) => (float[B,4,{rest},3] y) {{
+  h0 = MatMul(x, W0)
+  s = Add(h0, b0)
+  n1 = LayerNormalization<axis=-1>(s, g1, be1)
+  a = MatMul(n1, W1)
+  s2 = Add(s, a)
+  shape_s = Shape(s2)
+  batch = Gather<axis=0>(shape_s, i0)
+  shape_img = Shape(img)
+  height = Gather<axis=0>(shape_img, i2)
+  rows = Div(height, four)
+  width = Gather<axis=0>(shape_img, i3)
+  cols = Div(width, four)
+  batch1 = Unsqueeze(batch, axis0)
+  rows1 = Unsqueeze(rows, axis0)
+  cols1 = Unsqueeze(cols, axis0)
+  target = Concat<axis=0>(batch1, rows1, {columns})
+  r = Reshape(s2, target)
+  n2 = LayerNormalization<axis=-1>(r, g2, be2)
+  y = MatMul(n2, W2)
+}}"""
+
+
+def _runtime_reshape(gen, columns: str, rest: int, width: int):
+    """Twins' `x.reshape(B, *size, -1)`, as TorchScript exports it: the grid size computed from the image's."""
+    return build(
+        RUNTIME_RESHAPE.format(columns=columns, rest=rest),
+        W0=randn(gen, 6, 8),
+        b0=randn(gen, 8),
+        g1=randn(gen, 8) + 1,
+        be1=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        g2=randn(gen, width) + 1,
+        be2=randn(gen, width),
+        W2=randn(gen, width, 3),
+        i0=np.array(0, np.int64),
+        i2=np.array(2, np.int64),
+        i3=np.array(3, np.int64),
+        four=np.array(4, np.int64),
+        axis0=np.array([0], np.int64),
+        minus1=np.array([-1], np.int64),
+        split=np.array([-1, 4], np.int64),
+    )
+
+
+def test_a_reshape_to_a_computed_size_keeps_the_axis_intact(gen):
+    """[B, 16, 8] → [B, H/4, W/4, -1]: ONNX's inference cannot divide, ONNX Runtime's symbolic inference can."""
+    result = _fold(_runtime_reshape(gen, "cols1, minus1", rest=4, width=8))
+    assert result.folded == 2, _reasons(result.plan)
+
+
+def test_a_reshape_that_splits_the_axis_refuses(gen):
+    """[B, 16, 8] → [B, H/4, -1, 4] splits each row of 8 features in two: the norm over 4 is not provable, and
+    the shift a centring would leave in the stream reaches it."""
+    plan = inspect_onnx(_runtime_reshape(gen, "split", rest=8, width=4))
+    reasons = _reasons(plan)
+    assert len(plan.folded) == 0, reasons
+    assert "does not keep the normalized axis intact" in reasons["n2"]
+    assert "Reshape r does not keep the shifted axis intact" in reasons["n1"]

@@ -136,6 +136,8 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
     _read_types(_infer(light), shapes, dtypes)
     if any(out and out not in shapes for node in light.graph.node for out in node.output):
         _read_types(_infer_at_latest_opset(light), shapes, dtypes, only_missing=True)
+    if not _has_contrib_ops(light) and _unresolved_reshapes(light, shapes):
+        _take_better_shapes(_symbolic_inference(light), shapes, _input_dims(light))
     for init in model.graph.initializer:
         shapes[init.name] = tuple(init.dims)
         dtypes[init.name] = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
@@ -158,6 +160,63 @@ def _read_types(inferred: onnx.ModelProto | None, shapes: dict, dtypes: dict, on
                 d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
                 for d in tensor_type.shape.dim
             )
+
+
+REGROUPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _input_dims(model: onnx.ModelProto) -> set[str]:
+    """The symbolic dimensions the graph inputs declare (`batch`, `seq`): one value in every shape that names them."""
+    return {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param}
+
+
+def _unresolved_reshapes(model: onnx.ModelProto, shapes: dict) -> bool:
+    """Whether a reshape-like node has an input or output dimension ONNX's inference could not express in the
+    graph inputs' dimensions (unknown, or a symbol it made up), which can leave its axes unproven."""
+    named = _input_dims(model)
+    for node in model.graph.node:
+        if node.op_type in REGROUPS:
+            for tensor in (node.input[0], *node.output):
+                shape = shapes.get(tensor)
+                if shape is None or any(not isinstance(d, int) and d not in named for d in shape):
+                    return True
+    return False
+
+
+def _symbolic_inference(light: onnx.ModelProto) -> onnx.ModelProto | None:
+    """ONNX Runtime's symbolic shape inference, or None where it fails (best effort)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
+    except Exception:
+        return None
+
+
+def _take_better_shapes(inferred: onnx.ModelProto | None, shapes: dict, named: set[str]) -> None:
+    """Replace each shape in `shapes` by `inferred`'s where that knows more static dimensions and agrees with every
+    static one already known.
+
+    ONNX's inference cannot evaluate shape arithmetic such as `Div` (a TorchScript export computes a reshape's
+    target from the image size at run time); ONNX Runtime's symbolic inference can. A symbol it makes up is
+    renamed (`…@symbolic`) so that it never equals one of ONNX's: only the graph inputs' dimensions mean the
+    same in both.
+    """
+    if inferred is None:
+        return
+    found: dict[str, tuple | None] = {}
+    _read_types(inferred, found, {})
+    for tensor, shape in found.items():
+        if shape is None:
+            continue
+        shape = tuple(d if isinstance(d, int) or d is None or d in named else f"{d}@symbolic" for d in shape)
+        known = shapes.get(tensor)
+        if known is None or (
+            len(known) == len(shape)
+            and all(not isinstance(k, int) or k == d for k, d in zip(known, shape, strict=True))
+            and sum(isinstance(d, int) for d in shape) > sum(isinstance(k, int) for k in known)
+        ):
+            shapes[tensor] = shape
 
 
 def _infer_at_latest_opset(light: onnx.ModelProto) -> onnx.ModelProto | None:
