@@ -145,6 +145,9 @@ class Counting:
         self.calls["forward"] += 1
         return self.rule.forward(shift)
 
+    def rows(self, shift, output):
+        return self.rule.rows(shift, output)
+
 
 def counted_plan(layers: int) -> tuple[dict, ZeroMeanGraph]:
     zmg = stream(layers)

@@ -4,6 +4,7 @@ checked for the fold count and against the original in ONNX Runtime, with a coun
 * a mean-pooled head (BEiT, EVA-02): a mean over tokens keeps a shift constant along the features;
 * a read that carries no values (BART's TorchScript encoder): a Gather whose output only Shape reads;
 * where the centring goes (wav2vec2): a centring inserted below a layer that cannot be centred;
+* a row re-normalized before it is read (XCiT's class attention): a slice of a concatenation keeps its part's rows;
 * shapes known only from shape arithmetic (Twins' TorchScript export): ONNX Runtime's symbolic shape inference;
 """
 
@@ -291,3 +292,96 @@ def test_a_reshape_that_splits_the_axis_refuses(gen):
     assert len(plan.folded) == 0, reasons
     assert "does not keep the normalized axis intact" in reasons["n2"]
     assert "Reshape r does not keep the shifted axis intact" in reasons["n1"]
+
+
+# --- a row re-normalized before it is read -----------------------------------------------------
+
+CLASS_ATTENTION = """<ir_version: 10, opset_import: ["" : 17]>
+m (float[2,4,6] x) => (float[2,4,3] y) {{
+  h0 = MatMul(x, W0)
+  s = Add(h0, b0)
+  n1 = LayerNormalization<axis=-1>(s, g1, be1)
+  a = MatMul(n1, W1)
+  s1 = Add(s, a)
+  first = Slice(s1, i0, i1, axis1)
+  others = Slice(s1, i1, end, axis1)
+  n2 = LayerNormalization<axis=-1>(first, g2, be2)
+  x2 = Concat<axis=1>(n2, others)
+  read = Slice(x2, i0, {read_end}, axis1)
+  rest = Slice(x2, {read_end}, end, axis1)
+  mlp = MatMul(read, W2)
+  x3 = Concat<axis=1>(mlp, rest)
+  s2 = Add(x2, x3)
+  n3 = LayerNormalization<axis=-1>(s2, g3, be3)
+  y = MatMul(n3, W3)
+}}"""
+
+
+def _class_attention(gen, read_end: str):
+    norms = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2, 3) for p in ("g", "be")}
+    return build(
+        CLASS_ATTENTION.format(read_end=read_end),
+        W0=randn(gen, 6, 8),
+        b0=randn(gen, 8),
+        W1=randn(gen, 8, 8),
+        W2=randn(gen, 8, 8),
+        W3=randn(gen, 8, 3),
+        i0=np.array([0], np.int64),
+        i1=np.array([1], np.int64),
+        i2=np.array([2], np.int64),
+        end=np.array([2**62], np.int64),
+        axis1=np.array([1], np.int64),
+        **norms,
+    )
+
+
+def test_a_row_normalized_again_before_it_is_read_carries_no_shift(gen):
+    """XCiT's class attention: `x = cat([norm2(x[:, :1]), x[:, 1:]])`, then the MLP reads `x[:, :1]`: only rows
+    1: carry the stream's shift, and the MLP reads none of them."""
+    result = _fold(_class_attention(gen, read_end="i1"))
+    reasons = _reasons(result.plan)
+    assert sorted(d.name for d in result.plan.folded) == ["n1", "n2"], reasons
+    assert "post-LN" in reasons["n3"]
+
+
+def test_a_read_of_a_shifted_row_refuses(gen):
+    """The MLP reads rows 0 and 1; row 1 carries the shift."""
+    plan = inspect_onnx(_class_attention(gen, read_end="i2"))
+    reasons = _reasons(plan)
+    assert len(plan.folded) == 0, reasons
+    assert "MatMul mlp would change its output" in reasons["n1"]
+
+
+class ClassAttention(nn.Module):
+    """XCiT's class-attention tail: the class row normalized again, the MLP reads only that row."""
+
+    def __init__(self, read: int = 1):
+        super().__init__()
+        self.read = read
+        self.embed, self.norm1, self.attn = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.norm2, self.mlp = nn.LayerNorm(8), nn.Linear(8, 8)
+        self.norm3, self.head = nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        s = self.embed(x)
+        s = s + self.attn(self.norm1(s))
+        x2 = torch.cat([self.norm2(s[:, :1]), s[:, 1:]], dim=1)
+        x3 = torch.cat([self.mlp(x2[:, : self.read]), x2[:, self.read :]], dim=1)
+        return self.head(self.norm3(x2 + x3))
+
+
+def test_torch_row_normalized_again_before_it_is_read():
+    torch.manual_seed(0)
+    model = _seeded(ClassAttention())
+    folded, report = torch_fold(model, torch.randn(2, 4, 6))
+    assert sorted(d.name for d in report.plan.folded) == ["norm1", "norm2"], _reasons(report.plan)
+    with torch.no_grad():
+        other = 3 * torch.randn(3, 4, 6) + 1
+        torch.testing.assert_close(folded(other), model(other), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_read_of_a_shifted_row_refuses():
+    torch.manual_seed(0)
+    plan = torch_inspect(_seeded(ClassAttention(read=2)), torch.randn(2, 4, 6))
+    assert len(plan.folded) == 0
+    assert "would change its output" in _reasons(plan)["norm1"]

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .graph import NormInfo, Shift, ZeroMeanGraph, ZNode
+from .graph import NormInfo, Rows, Shift, ZeroMeanGraph, ZNode
 from .plan import Blocker, Centring, FoldPlan, Insertion, NormDecision
 from .rules import layer_scale, regroup_axis  # noqa: F401  (re-exported for the front ends)
 
 MIN_FOLDS_PER_INSERTION = 2
 
 State = tuple[str, int]  # (tensor, axis)
+ShiftState = tuple[str, int, Rows | None]  # (tensor, axis, the rows that carry the shift; None: all)
 
 
 # --- proof (backward) --------------------------------------------------------------------------
@@ -161,13 +162,14 @@ def prove(zmg: ZeroMeanGraph, norm: NormInfo) -> Proof:
 class ShiftChecker:
     """Decides whether a per-sample shift constant along an axis is removed downstream.
 
-    `removed(tensor, axis)` is memoised over (tensor, axis), so checking every centring of a deep
-    residual stream is linear in graph size; so is `unsafe`, over centrings.
+    `removed(tensor, axis)` is memoised over (tensor, axis, rows) states (`rows`: the one slice of the
+    tensor that carries the shift, where a concatenation tells, see `rules.py`), so checking every
+    centring of a deep residual stream is linear in graph size; so is `unsafe`, over centrings.
     """
 
     def __init__(self, zmg: ZeroMeanGraph):
         self.zmg = zmg
-        self.memo: dict[State, Blocker | None] = {}
+        self.memo: dict[ShiftState, Blocker | None] = {}
         self.verdicts: dict[Centring, Blocker | None] = {}
 
     def unsafe(self, centring: Centring) -> Blocker | None:
@@ -188,24 +190,32 @@ class ShiftChecker:
             self.verdicts[centring] = blocker
         return self.verdicts[centring]
 
-    def _through(self, node: ZNode, index: int, axis: int | None, out_axis: int | None = None):
-        """Successor states of a shift entering `node` at input `index` (see `rules.Shift`), or a Blocker."""
-        result = node.rule.forward(Shift(self.zmg, node, index, axis, out_axis))
+    def _through(self, node: ZNode, index: int, axis: int | None, out_axis: int | None = None, rows=None):
+        """Successor states of a shift entering `node` at input `index` (see `graph.Shift`), or a Blocker.
+
+        A successor whose rows are empty (a slice that keeps none of the shifted rows) carries no shift.
+        """
+        shift = Shift(self.zmg, node, index, axis, out_axis, rows)
+        result = node.rule.forward(shift)
         if isinstance(result, str):
             return Blocker(node.name, f"{node.op} {node.name} {result}")
-        return result
+        states = [(out, out_axis, node.rule.rows(shift, out)) for out, out_axis in result]
+        return [s for s in states if s[2] is None or s[2][1] < s[2][2]]
 
     def entering(self, node: ZNode, index: int, axis: int | None, out_axis: int) -> Blocker | None:
         """Is a shift entering `node` at input `index` (along `axis` of that input) removed downstream?"""
         successors = self._through(node, index, axis, out_axis)
         if isinstance(successors, Blocker):
             return successors
-        return next((b for s in successors if (b := self.removed(*s)) is not None), None)
+        return next((b for s in successors if (b := self._removed(s)) is not None), None)
 
     def removed(self, tensor: str, axis: int) -> Blocker | None:
         """None if a shift along `axis` of `tensor` is removed on every path, else where it is not."""
-        stack = [((tensor, axis), False)]
-        successors_of: dict[State, list[State]] = {}
+        return self._removed((tensor, axis, None))
+
+    def _removed(self, start: ShiftState) -> Blocker | None:
+        stack = [(start, False)]
+        successors_of: dict[ShiftState, list[ShiftState]] = {}
         while stack:
             state, expanded = stack.pop()
             if state in self.memo:
@@ -221,14 +231,14 @@ class ShiftChecker:
             successors_of[state] = successors
             stack.append((state, True))
             stack.extend((s, False) for s in successors if s not in self.memo)
-        return self.memo[(tensor, axis)]
+        return self.memo[start]
 
-    def _expand(self, tensor: str, axis: int):
+    def _expand(self, tensor: str, axis: int, rows: Rows | None):
         if tensor in self.zmg.graph_outputs:
             return Blocker(tensor, f"the shift reaches graph output {tensor}")
         states = []
         for node, index in self.zmg.consumers_of(tensor):
-            result = self._through(node, index, axis)
+            result = self._through(node, index, axis, rows=rows)
             if isinstance(result, Blocker):
                 return result
             states.extend(result)

@@ -92,6 +92,7 @@ class NormInfo:
 Required = list[tuple[int, str, int | None]]  # (input index, input tensor, its axis or None)
 Backward = Required | Centring | str  # inputs that must be zero-mean, a centring, or why not
 Forward = list[tuple[str, int]] | str  # (output, axis) states that carry the shift on, or why not
+Rows = tuple[int, int, int]  # (axis, start, stop): the only slice along another axis that carries a shift
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,7 +100,8 @@ class Shift:
     """A per-sample shift entering input `index` of `node`.
 
     `axis` is the shifted axis of that input; None when the input is broadcast along the
-    normalized axis, which is then `out_axis` of the output.
+    normalized axis, which is then `out_axis` of the output. `rows`, where known, is the one slice
+    along another axis of the input that carries the shift (the rest of the input carries none).
     """
 
     zmg: ZeroMeanGraph
@@ -107,6 +109,7 @@ class Shift:
     index: int
     axis: int | None
     out_axis: int | None = None
+    rows: Rows | None = None
 
     @property
     def out(self) -> str:
@@ -137,6 +140,10 @@ class Rule(Protocol):
 
     def forward(self, shift: Shift) -> Forward:
         """Where a shift entering `node` goes; a reason completes "{op} {name} …"."""
+        ...
+
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        """The slice of `output` that carries a shift `forward` passed on to it (None: all of it)."""
         ...
 
 

@@ -44,6 +44,12 @@ The rules (the inputs of an op that the front end classifies; `x` is the stream 
 * `Opaque(reason)`    anything else: zero mean does not flow through it, and a shift reaching it
                       changes the model.
 
+**Rows that carry a shift.** A shift entering part i of a `Concat` along another axis a lives in
+that part's rows of a alone; a `Slice` along a that keeps none of those rows passes no shift on
+(`Rule.rows`). So a row taken from a concatenation whose other rows were normalized again reads
+no shift (XCiT's class attention: `cat([norm2(x[:, :1]), x[:, 1:]])[:, :1]` feeds the MLP). Every
+other rule forgets where the shift is (all rows), which is always sound.
+
 **Values nobody reads.** A shift entering the data input (input 0) of a modelled op (any rule but
 `Opaque`) whose outputs only shape readers read, and no graph output is, changes nothing: those ops'
 output shapes follow their inputs' shapes and constant parameters, never input 0's values (ops
@@ -61,7 +67,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .graph import Backward, Forward, NormInfo, Required, Shift, ZeroMeanGraph, ZNode
+from .graph import Backward, Forward, NormInfo, Required, Rows, Shift, ZeroMeanGraph, ZNode
 from .plan import Centring
 
 # --- axis algebra ------------------------------------------------------------------------------
@@ -210,6 +216,9 @@ class _Flow:
     def push_broadcast(self, shift: Shift, out_axis: int) -> Forward:
         return "receives a shift it may not pass on"
 
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        return None  # all of it: forgetting where a shift is never makes the check unsound
+
     def push(self, shift: Shift, axis: int) -> Forward:
         return "would change its output (it is not shift-invariant)"
 
@@ -340,6 +349,17 @@ class Concat(_Flow):
             return "concatenates along the shifted axis"
         return [(shift.out, axis)]
 
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        """The rows of the shifted part (where the parts' sizes along the axis are static)."""
+        sizes = [(shift.zmg.shape(t) or ())[self.axis : self.axis + 1] for t in shift.node.inputs]
+        if not all(len(size) == 1 and isinstance(size[0], int) for size in sizes):
+            return shift.rows
+        offset = sum(size[0] for size in sizes[: shift.index])
+        if shift.rows is None:
+            return (self.axis, offset, offset + sizes[shift.index][0])
+        axis, start, stop = shift.rows
+        return (axis, offset + start, offset + stop) if axis == self.axis else shift.rows
+
 
 @dataclass(frozen=True)
 class Mix(_Flow):
@@ -423,9 +443,13 @@ class Regroup(_Flow):
 
 @dataclass(frozen=True)
 class Select(_Flow):
-    """Slice or split along `axes` of input 0 (None: the axes are not known statically)."""
+    """Slice or split along `axes` of input 0 (None: the axes are not known statically).
+
+    `bounds`: (axis, start, stop) of each axis a unit-step slice keeps, where all are static.
+    """
 
     axes: tuple[int, ...] | None
+    bounds: tuple[Rows, ...] | None = None
 
     def pull(self, zmg, node, tensor, axis) -> Backward:
         if self.axes is None:
@@ -436,6 +460,18 @@ class Select(_Flow):
 
     def push(self, shift: Shift, axis: int) -> Forward:
         return [(output, axis) for output in shift.node.outputs if output]
+
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        """The shifted rows that the slice keeps, renumbered (none: an empty slice, stop ≤ start)."""
+        if shift.rows is None or self.axes is None:
+            return None
+        axis, start, stop = shift.rows
+        if axis not in self.axes:
+            return shift.rows
+        kept = next((b for b in self.bounds or () if b[0] == axis), None)
+        if kept is None:
+            return None
+        return (axis, max(start, kept[1]) - kept[1], min(stop, kept[2]) - kept[1])
 
 
 @dataclass(frozen=True)

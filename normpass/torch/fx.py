@@ -24,7 +24,7 @@ of the same module); other nodes by `module path/fx node`; constants by their pa
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -332,7 +332,21 @@ def _slice(ctx, call):  # slice / split / narrow / roll along `dim`: other axes'
         if not dims:
             return _opaque("rolls the flattened tensor")
         return _select_axes(ctx, call, dims)
-    return _select_axes(ctx, call, [call.args.get("dim", 0)])
+    selected = _select_axes(ctx, call, [call.args.get("dim", 0)])
+    if call.op != "slice" or not isinstance(selected.rule, Select) or not selected.rule.axes:
+        return selected
+    return replace(selected, rule=Select(selected.rule.axes, _slice_bounds(ctx, call, selected.rule.axes[0])))
+
+
+def _slice_bounds(ctx, call, axis: int) -> tuple[tuple[int, int, int], ...] | None:
+    """(axis, start, stop) of `x[..., start:end]` along a static `axis`, with step 1 (`rules.Select`)."""
+    a = call.args
+    size = (ctx.capture.shapes.get(a["self"]) or ())[axis : axis + 1]
+    start, end = a.get("start") or 0, a.get("end")
+    if a.get("step", 1) != 1 or len(size) != 1 or not all(isinstance(v, int) for v in (size[0], start, end or 0)):
+        return None
+    begin, stop, _ = slice(start, end).indices(size[0])
+    return ((axis, begin, stop),)
 
 
 def _select(ctx, call):  # x.select(dim, i): a gather with a scalar index

@@ -493,7 +493,26 @@ def _slice(ctx, node):
         axes = list(range(count)) if isinstance(count, int) else None
     if axes is None or (rank is None and any(a < 0 for a in axes)):
         return NodeKind.LAYOUT, Select(None)
-    return NodeKind.LAYOUT, Select(tuple(_axis(a, rank) for a in axes))
+    resolved = tuple(_axis(a, rank) for a in axes)
+    return NodeKind.LAYOUT, Select(resolved, _slice_bounds(ctx, node, resolved))
+
+
+def _slice_bounds(ctx, node, axes) -> tuple[tuple[int, int, int], ...] | None:
+    """(axis, start, stop) of each sliced axis, clamped to its static size, if the slice has unit steps and
+    constant bounds (`rules.Select`)."""
+    starts, ends, steps = constant_values(node.inputs[1]), constant_values(node.inputs[2]), _input_values(node, 4)
+    shape = ctx.shapes.get(name_of(node.inputs[0]))
+    if starts is None or ends is None or shape is None or np.size(starts) != len(axes) or np.size(ends) != len(axes):
+        return None
+    if input_at(node, 4) is not None and (steps is None or np.any(np.ravel(steps) != 1)):
+        return None
+    bounds = []
+    for axis, start, end in zip(axes, np.ravel(starts).tolist(), np.ravel(ends).tolist(), strict=True):
+        size = shape[axis] if axis is not None else None
+        if not isinstance(size, int):
+            return None
+        bounds.append((axis, *(min(max(b + size if b < 0 else b, 0), size) for b in (start, end))))
+    return tuple(bounds)
 
 
 def _split(ctx, node):
