@@ -36,6 +36,7 @@ import functools
 import importlib
 import json
 import pathlib
+import re
 import sys
 import tempfile
 from collections import Counter
@@ -262,7 +263,8 @@ def rows(names: list[str], forms: list[str], root: pathlib.Path) -> list[dict]:
                 try:
                     model = onnx.load(str(export_form(entry, root / f"{name}.{form}.onnx", form)))
                 except Exception as e:  # an exporter's failure is a row, not the end of the table
-                    row["error"] = f"export failed: {type(e).__name__}: {str(e).splitlines()[0]}"[:300]
+                    first = re.sub(r"\x1b\[[0-9;]*m", "", str(e).splitlines()[0])  # no terminal colours
+                    row["error"] = f"export failed: {type(e).__name__}: {first}"[:300]
                     out.append(row)
                     continue
                 row.update(measure(model, functools.partial(entry_feeds, entry, model)))
