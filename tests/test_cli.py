@@ -441,6 +441,31 @@ def test_model_and_builtin_are_exclusive(normpass, workdir):
     assert_input_error(normpass("inspect"), "exactly one")
 
 
+@pytest.mark.parametrize(
+    "args, suggestion",
+    [
+        (("fold", "m.onnx", "--provder", "cpu"), "did you mean --provider?"),  # before the missing -o
+        (("fold", "m.onnx", "-o", "x.onnx", "--provder=cpu"), "did you mean --provider?"),
+        (("inspect", "m.onnx", "--jsn"), "did you mean --json?"),
+        (("fold", "m.onnx", "-o", "x.onnx", "--zzzzzz"), "(see normpass fold --help)"),
+        (("fold", "m.onnx", "-o", "x.onnx", "second.onnx"), "(see normpass fold --help)"),
+    ],
+)
+def test_mistyped_option_gets_the_verbs_usage_and_the_closest_option(normpass, workdir, args, suggestion):
+    result = normpass(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"usage: normpass {args[0]} "), "the verb's usage, not the top-level one"
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"normpass {args[0]}: error: unrecognized argument") and last.endswith(suggestion), last
+    assert list(workdir.glob("x.onnx")) == []
+
+
+def test_abbreviated_options_still_parse(normpass, workdir):
+    result = normpass("fold", workdir / "pre.onnx", "-o", workdir / "x.onnx", "--no-verif", "--prov", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert (workdir / "x.onnx").exists()
+
+
 # --- exit 1: verification failed ------------------------------------------------------------------------------
 
 
