@@ -131,6 +131,39 @@ def test_rich_table_is_coloured_and_grouped():
     assert text.index("h.0") < text.index("ln_1") < text.index("(top level)") < text.index("ln_f") < text.index("h.1")
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_terminal_output_shows_every_reason_in_full_at_the_terminals_width(model_path, monkeypatch, capsys, columns):
+    """On a terminal the reason goes on its own lines, wrapped at the width (COLUMNS): nothing cut, no line
+    wider than the terminal, the reasons' lines use the width (not a narrow column)."""
+    pytest.importorskip("rich", reason="the terminal layout needs rich (pip install 'normpass[pretty]')")
+    assert main(["inspect", model_path, "--json"]) == 0
+    reasons = [norm["reason"] for norm in json.loads(capsys.readouterr().out)["norms"] if norm["reason"]]
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setenv("NO_COLOR", "1")
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    assert main(["inspect", model_path]) == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", terminal.getvalue())
+    lines = text.splitlines()
+    assert "…" not in text and max(len(line) for line in lines) <= columns
+    flowing = " ".join(line.strip() for line in lines)
+    for reason in reasons:
+        assert " ".join(reason.split()) in flowing
+    row = next(i for i, line in enumerate(lines) if line.split()[:1] == ["ln_raw"])
+    assert lines[row].split()[1:] == ["LayerNormalization", "keep"], "the row holds name, op and decision"
+    reason = lines[row + 1]
+    assert reason.startswith(" " * inspect_cli.REASON_INDENT)
+    if inspect_cli.REASON_INDENT + len(reasons[0]) <= columns:
+        assert reason.strip() == reasons[0], "a reason that fits is one line"
+    else:
+        assert len(reason) > columns - 25, "a longer reason fills the terminal's width"
+
+
 def test_terminal_console_only_on_a_tty(monkeypatch):
     monkeypatch.setattr("sys.stdout", io.StringIO())
     assert inspect_cli._terminal_console() is None

@@ -5,8 +5,9 @@ to the first numeric component (`model.transformer.h.0.ln_1.weight` → `transfo
 enclosing module when there is none (`model.transformer.ln_f.weight` → `transformer`). A leading
 `model.` (the usual wrapper attribute) is dropped.
 
-Output: a coloured table when stdout is a terminal and `rich` is installed (`normpass[pretty]`;
-rich honours NO_COLOR), else plain aligned text that is easy to grep. `--json` prints a stable
+Output: on a terminal with `rich` installed (`normpass[pretty]`; rich honours NO_COLOR and COLUMNS), a
+coloured list with each norm's reason on its own line, wrapped at the terminal's width; else (piped, or
+no rich) a plain aligned table, one complete row per norm, that is easy to grep. `--json` prints a stable
 object: {"model", "norms": [{"name", "op", "foldable", "reason", "centred_layers",
 "inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"}.
 
@@ -51,6 +52,7 @@ from .common import add_model_arguments, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
 HEADER = ("block", "norm", "op", "decision", "why")
+REASON_INDENT = 6  # on a terminal, a norm's reason goes on the lines below its row, this far in
 
 
 def add_parser(sub) -> None:
@@ -128,22 +130,24 @@ def render_plain(plan: FoldPlan, label: str, block: dict[str, str]) -> str:
 
 
 def print_rich(plan: FoldPlan, label: str, block: dict[str, str], console) -> None:
-    """A rich table with a bold title row per block; fold in green, keep in red."""
-    from rich import box
-    from rich.table import Table
+    """For a terminal: a bold title row per block, one row per norm (fold in green, keep in red) and its
+    reason on the line below, wrapped at the console's width, so that a reason reads in full at 80 columns."""
+    from rich.text import Text
 
-    table = Table(
-        title=headline(plan, label), title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, header_style="bold"
-    )
-    for name in HEADER[1:-1]:
-        table.add_column(name, no_wrap=True)
-    table.add_column(HEADER[-1], overflow="fold")
-    for name, decisions in grouped(plan, block):
-        table.add_row(f"[bold cyan]{name}[/]")
+    groups = grouped(plan, block)
+    name_width = max(len(d.name) for _, decisions in groups for d in decisions)
+    op_width = max(len(d.op) for _, decisions in groups for d in decisions)
+    console.print(Text(headline(plan, label), style="bold"))
+    for name, decisions in groups:
+        console.print()
+        console.print(Text(name, style="bold cyan"))
         for d in decisions:
-            decision = "[green]fold[/]" if d.foldable else "[red]keep[/]"
-            table.add_row(f"  {d.name}", d.op, decision, why(d))
-    console.print(table)
+            row = Text(f"  {d.name.ljust(name_width)}  {d.op.ljust(op_width)}  ", no_wrap=True, overflow="fold")
+            row.append("fold" if d.foldable else "keep", style="green" if d.foldable else "red")
+            console.print(row)
+            for line in Text(why(d), style="dim").wrap(console, max(console.width - REASON_INDENT, 20)):
+                line.rstrip()
+                console.print(Text(" " * REASON_INDENT) + line)
 
 
 def to_json(plan: FoldPlan, label: str, block: dict[str, str]) -> dict:
