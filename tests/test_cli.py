@@ -169,7 +169,7 @@ def assert_input_error(result: Result, *fragments: str) -> None:
 
 
 def test_inspect_table(normpass, workdir):
-    result = normpass("inspect", workdir / "pre.onnx")
+    result = normpass("inspect", workdir / "pre.onnx", "--fold-with-beta-add")
     assert result.returncode == 0, result.stderr
     assert "2 of 2 norms" in result.stdout
     for name in ("n1", "out"):
@@ -178,6 +178,24 @@ def test_inspect_table(normpass, workdir):
     assert post.returncode == 0
     assert "1 of 2 norms" in post.stdout
     assert "post-LN" in post.stdout  # the refusal is explained
+
+
+@pytest.mark.parametrize("more", [(), ("--fold-with-beta-add",), ("--provider", "cpu")])
+def test_inspect_viz_and_fold_agree_on_what_folds(normpass, workdir, more):
+    """pre.onnx's final norm is proven but its β could move nowhere: fold keeps it unless told otherwise, and
+    inspect and viz say so too (they said "2 of 2 fold" where fold kept one)."""
+    report_path = workdir / "r.json"
+    fold = normpass("fold", workdir / "pre.onnx", "-o", workdir / "f.onnx", "--report", report_path, *more)
+    assert fold.returncode == 0, fold.stderr
+    report = json.loads(report_path.read_text())
+    folded = {n["name"] for n in report["norms"] if n["foldable"]}
+    assert len(folded) == (2 if more else 1)
+    inspected = normpass("inspect", workdir / "pre.onnx", "--json", *more)
+    assert {n["name"] for n in json.loads(inspected.stdout)["norms"] if n["foldable"]} == folded
+    drawn = normpass("viz", workdir / "pre.onnx", "-o", workdir / "g.dot", *more)
+    assert drawn.returncode == 0, drawn.stderr
+    assert f"{len(folded)} of 2 norms fold;" in drawn.stdout
+    assert f"{len(folded)} of 2 norms folded" in fold.stdout
 
 
 def _check_schema(report: dict) -> None:
@@ -209,8 +227,9 @@ def test_inspect_json_schema(normpass, workdir):
 
 
 def test_inspect_no_insert_centering(normpass, workdir):
-    with_insertion = json.loads(normpass("inspect", workdir / "from_input.onnx", "--json").stdout)
-    without = normpass("inspect", workdir / "from_input.onnx", "--json", "--no-insert-centering")
+    proofs = ("--json", "--fold-with-beta-add")  # every proven norm, one with a β that could move nowhere too
+    with_insertion = json.loads(normpass("inspect", workdir / "from_input.onnx", *proofs).stdout)
+    without = normpass("inspect", workdir / "from_input.onnx", *proofs, "--no-insert-centering")
     assert without.returncode == 0
     without = json.loads(without.stdout)
     _check_schema(with_insertion)

@@ -1,5 +1,8 @@
 """`normpass inspect MODEL [--json]`: which norms fold, which do not, and why, grouped by block.
 
+The decisions are `normpass fold`'s with the same `--provider` and `--fold-with-beta-add` (`fold_decisions`):
+the proven norms, less those the fold keeps as LayerNorms because their β could move nowhere.
+
 A norm's *block* is read from the name of its γ (else β, else the norm's own name): the prefix up
 to the first numeric component (`model.transformer.h.0.ln_1.weight` → `transformer.h.0`), or the
 enclosing module when there is none (`model.transformer.ln_f.weight` → `transformer`). A leading
@@ -36,19 +39,16 @@ import json
 import re
 import sys
 
-from ..core.analysis import plan as make_plan
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan, NormDecision
 from ..core.rotation import RotationPlan
 from ..errors import InputError
 from ..io import check_paths, model_files, write_text_atomic
-from ..onnx.fold.driver import open_graph
-from ..onnx.graph.frontend import build_zero_mean_graph
 from ..onnx.rotate.driver import RotateOptions, inspect_rotation
 from ..onnx.rotate.keys import KeyPlan
 from ..onnx.rotate.online import OnlinePlan
 from ..onnx.rotate.smooth import SmoothPlan
-from .common import add_model_arguments, model_source
+from .common import add_decision_arguments, add_model_arguments, fold_decisions_of, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
 HEADER = ("block", "norm", "op", "decision", "why")
@@ -58,6 +58,7 @@ REASON_INDENT = 6  # on a terminal, a norm's reason goes on the lines below its 
 def add_parser(sub) -> None:
     parser = sub.add_parser("inspect", help="explain which norms fold and why")
     add_model_arguments(parser)
+    add_decision_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     parser.add_argument(
         "--graph", metavar="OUT", help="also write the zero-mean graph: OUT.graphml or OUT.json (node-link)"
@@ -202,8 +203,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{graph_out}: --graph writes .graphml or .json; choose a path with one of those suffixes")
     with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings stay off stdout
         model, label = model_source(args)
-        zmg = build_zero_mean_graph(open_graph(model, label))
-        fold_plan = make_plan(zmg, not args.no_insert_centering)
+        zmg, fold_plan = fold_decisions_of(args, model, label)
         block = blocks(zmg)
         options = RotateOptions(insert_centering=not args.no_insert_centering)
         # streams, keys, smoothing, online

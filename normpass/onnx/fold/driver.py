@@ -44,6 +44,7 @@ import onnx_ir as ir
 
 from ... import __version__
 from ...core.analysis import plan as make_plan
+from ...core.graph import ZeroMeanGraph
 from ...core.plan import FoldPlan
 from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
 from ...io import checked_model, interface, load_ir, save_onnx_atomic, to_proto
@@ -216,6 +217,35 @@ def inspect_onnx(model: ModelSource, insert_centering: bool = True, name: str = 
     return make_plan(build_zero_mean_graph(open_graph(from_graphsurgeon(model), name)), insert_centering)
 
 
+def fold_decisions(
+    model: onnx.ModelProto | str | os.PathLike, options: FoldOptions | None = None, name: str = "model"
+) -> tuple[ZeroMeanGraph, FoldPlan]:
+    """The zero-mean graph of `model` and what `fold_onnx(model, options)` folds and keeps, and why, without
+    rewriting: `inspect_onnx`'s proof less the proven norms the fold keeps (a β that would stay an Add).
+    What `normpass inspect` and `normpass viz` show, so that they say what `normpass fold` does."""
+    options = options or FoldOptions()
+    rms_op, _ = options.emission()
+    ctx = open_graph(model, name)
+    zmg = build_zero_mean_graph(ctx)
+    return zmg, _decide(ctx, zmg, Rewriter(ctx, zmg, rms_op), options)
+
+
+def _decide(ctx: OnnxGraph, zmg: ZeroMeanGraph, rewriter: Rewriter, options: FoldOptions) -> FoldPlan:
+    """The proven norms, less those whose β could move nowhere (see the module docstring) unless `options`
+    fold them anyway."""
+    fold_plan = make_plan(zmg, options.insert_centering)
+    if not options.migrate_affine or options.fold_with_beta_add:
+        return fold_plan
+    stranded = rewriter.stranded_beta(fold_plan)
+    if options.target == "ort" and options.provider == "cpu":
+        stranded = {
+            name: why
+            for name, why in stranded.items()
+            if not ort_fuses_into_skip_layer_norm(zmg.norm_by_name(name).ref.x, ctx.shapes, zmg.graph_outputs)
+        }
+    return make_plan(zmg, options.insert_centering, keep=stranded) if stranded else fold_plan
+
+
 def fold_onnx(model: ModelSource, options: FoldOptions | None = None, name: str = "model") -> FoldResult:
     """Fold every provable LayerNorm of `model` into an RMSNorm; verify unless told not to.
 
@@ -293,18 +323,8 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str, opti
     if converted:
         ctx = _to_rms_opset(ctx)
     zmg = build_zero_mean_graph(ctx)
-    fold_plan = make_plan(zmg, options.insert_centering)
     rewriter = Rewriter(ctx, zmg, rms_op)
-    if options.migrate_affine and not options.fold_with_beta_add:
-        stranded = rewriter.stranded_beta(fold_plan)
-        if options.target == "ort" and options.provider == "cpu":
-            stranded = {
-                name: why
-                for name, why in stranded.items()
-                if not ort_fuses_into_skip_layer_norm(zmg.norm_by_name(name).ref.x, ctx.shapes, zmg.graph_outputs)
-            }
-        if stranded:
-            fold_plan = make_plan(zmg, options.insert_centering, keep=stranded)
+    fold_plan = _decide(ctx, zmg, rewriter, options)
     if fuse_skip is None:
         fuse_skip = not (options.provider == "cpu" and _is_half(ctx, zmg, fold_plan))
     seconds["analysis"] = time.perf_counter() - start
