@@ -329,7 +329,10 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str, opti
         fuse_skip = not (options.provider == "cpu" and _is_half(ctx, zmg, fold_plan))
     seconds["analysis"] = time.perf_counter() - start
     start = time.perf_counter()
-    note = ordering_note(ctx.model.graph) if options.target == "ort" and fold_plan.folded else None
+    note = None
+    if options.target == "ort" and fold_plan.folded:
+        refs = [zmg.norm_by_name(d.name).ref for d in fold_plan.folded]
+        note = ordering_note(ctx.model.graph, [ref.x for ref in refs] + [ref.y for ref in refs])
     affine_notes = rewriter.apply(fold_plan, options.migrate_affine) if fold_plan.folded else {}
     rewritten = ctx.model
     if fold_plan.folded or converted:  # a model left as it was carries no note (a second run keeps the first's)
