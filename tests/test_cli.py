@@ -284,6 +284,30 @@ def test_fold_partial_reports_refusals(normpass, workdir):
     assert op_counts(folded)["LayerNormalization"] == 1
 
 
+def test_fold_names_replace_for_the_norms_the_proof_leaves(normpass, workdir):
+    post = normpass("fold", workdir / "post.onnx", "-o", workdir / "p.onnx")
+    assert post.returncode == 0, post.stderr
+    assert post.stdout.splitlines()[-1] == (
+        f"next: 1 norm cannot fold exactly; normpass replace {workdir / 'post.onnx'} --calib DATA -o OUT replaces "
+        "it by calibrated surrogates within an accuracy budget (docs/surrogates.md)"
+    )
+    pre = normpass("fold", workdir / "pre.onnx", "-o", workdir / "q.onnx")  # keeps a proven norm for its β
+    assert pre.returncode == 0 and "kept out:" in pre.stdout and "next:" not in pre.stdout
+
+
+def test_rotate_says_what_would_let_a_stream_rotate(normpass, workdir):
+    post = normpass("rotate", workdir / "post.onnx", "-o", workdir / "p.onnx")
+    assert post.returncode == 0, post.stderr
+    lines = post.stdout.splitlines()
+    blocked = lines.index(
+        "  not rotated: the stream of n1_3: LayerNormalization y subtracts the mean (not an RMSNorm), "
+        "which a rotation does not keep"
+    )
+    assert lines[blocked + 1].startswith("    it would rotate if y were an RMSNorm: the fold cannot prove its input")
+    pre = normpass("rotate", workdir / "pre.onnx", "-o", workdir / "q.onnx")  # the stream is the graph output
+    assert pre.returncode == 0 and "would rotate" not in pre.stdout
+
+
 @pytest.mark.parametrize("rms_op,op", [("onnx", "RMSNormalization"), ("decomposed", None)])
 def test_fold_rms_op_choices(normpass, workdir, rms_op, op):
     out = workdir / f"{rms_op}.onnx"

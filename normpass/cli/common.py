@@ -51,6 +51,29 @@ def fold_decisions_of(args: argparse.Namespace, model, label: str) -> tuple[Zero
     return fold_decisions(model, options, label)
 
 
+def unproven(plan: FoldPlan) -> list[str]:
+    """The norms the fold's proof leaves (input not provably zero-mean: a post-LN stream, most often), not
+    those it proves and keeps."""
+    return [d.name for d in plan.decisions if not d.foldable and not d.kept]
+
+
+def replace_hint(plan: FoldPlan, command_model: str) -> str | None:
+    """What to run next for the norms the proof leaves, or None when it leaves none."""
+    left = unproven(plan)
+    if not left:
+        return None
+    norms, them = ("1 norm", "it") if len(left) == 1 else (f"{len(left)} norms", "them")
+    return (
+        f"next: {norms} cannot fold exactly; normpass replace {command_model} --calib DATA -o OUT replaces {them} "
+        "by calibrated surrogates within an accuracy budget (docs/surrogates.md)"
+    )
+
+
+def command_model(args: argparse.Namespace) -> str:
+    """The model as written on the command line, for a command to suggest."""
+    return args.model if args.model is not None else f"--builtin {args.builtin}"
+
+
 def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true", help="skip the numerical check against the original")
     parser.add_argument(

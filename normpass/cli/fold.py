@@ -22,7 +22,9 @@ from .common import (
     add_model_arguments,
     add_verification_arguments,
     checked_paths,
+    command_model,
     model_source,
+    replace_hint,
     save_result,
 )
 
@@ -82,7 +84,9 @@ def _factory_file(spec: str | None) -> dict[str, Path]:
     return {"--torch's module": Path(origin)} if origin and Path(origin).is_file() else {}
 
 
-def _print_summary(label: str, plan, comparison, out, extra: str = "", notes: list[str] | None = None) -> None:
+def _print_summary(
+    label: str, plan, comparison, out, extra: str = "", notes: list[str] | None = None, hint: str | None = None
+) -> None:
     unverified = "not verified" if plan.folded else "nothing rewritten"
     error = unverified if comparison is None else comparison.describe()
     print(f"{label}: {len(plan.folded)} of {plan.total} norms folded into RMSNorm ({error}{extra}); wrote {out}")
@@ -91,6 +95,8 @@ def _print_summary(label: str, plan, comparison, out, extra: str = "", notes: li
             print(f"  kept {decision.name}: {decision.reason}")
     for note in notes or []:
         print(f"note: {note}")
+    if hint:
+        print(hint)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     save_result(result, out, inputs, label, args.report)
     optimized = result.emitted.get("ort_optimizer")
     extra = f"; after ORT's {optimized['model_type']} optimizer" if optimized else ""
-    _print_summary(label, result.plan, result.comparison, out, extra, result.notes)
+    hint = replace_hint(result.plan, command_model(args))
+    _print_summary(label, result.plan, result.comparison, out, extra, result.notes, hint)
     return 0
 
 

@@ -26,6 +26,7 @@ from .common import (
     checked_paths,
     model_source,
     save_result,
+    unproven,
 )
 
 
@@ -115,9 +116,16 @@ def summary(label: str, result: RotateResult, out) -> list[str]:
         f"{len(rotation.streams)} residual streams rotated{' (' + ', '.join(matrices) + ')' if matrices else ''} "
         f"({error}); wrote {out}"
     ]
+    unproven_norms = set(unproven(result.plan))
     for stream in rotation.streams:
         if not stream.rotatable:
             lines.append(f"  not rotated: the stream of {stream.name}: {stream.reason}")
+            blocker = stream.blocker.node if stream.blocker is not None else None
+            if blocker in unproven_norms:
+                lines.append(
+                    f"    it would rotate if {blocker} were an RMSNorm: the fold cannot prove its input zero-mean "
+                    "(normpass inspect says why), so it stays a LayerNorm"
+                )
     if result.keys is not None:
         lines.append(f"  keys centred in {len(result.keys.sites)} of {result.keys.total} attentions")
         for softmax, reason in result.keys.refused.items():
