@@ -162,7 +162,7 @@ class DistillReport(ReplaceReport):
 
 def damage_order(search: Search, kind: str) -> list[Candidate]:
     """Every candidate norm's calibrated surrogate alone, judged on decide, most damaging first."""
-    pool = candidate_pool(search, (kind,), only_cheaper=False)
+    pool = candidate_pool(search, (kind,), cost_rule="no dearer")
     found = [c for candidates in pool.values() for c in candidates if c.alone is not None]
     return sorted(found, key=lambda c: (-c.usage, search.index[c.norm]))
 

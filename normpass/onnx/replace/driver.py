@@ -212,7 +212,7 @@ class Prepared:
     folded: onnx.ModelProto  # the exact fold, before input centring
     docs: dict
     kinds: tuple
-    only_cheaper: bool
+    cost_rule: str  # COST_RULES
     started: float
 
 
@@ -228,7 +228,7 @@ def prepare(
             f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
             "axis 0 of every input, so the surrogate pass takes models whose inputs all have a batch axis"
         )
-    budget, kinds, only_cheaper = options.checked()
+    budget, kinds, cost_rule = options.checked()
     check_input_shapes(model, options.input_shapes)
     started = time.perf_counter()
 
@@ -305,7 +305,7 @@ def prepare(
     )
     frame = Frame(name, "onnx", [(n.name, n.op) for n in original], exact, declined, centred, kinds, _count_ops(model))
     return Prepared(
-        Search(bench, splits, budget, options), frame, bench, folded.model, emitter.docs, kinds, only_cheaper, started
+        Search(bench, splits, budget, options), frame, bench, folded.model, emitter.docs, kinds, cost_rule, started
     )
 
 
@@ -328,7 +328,7 @@ def replace_onnx(
     the test split and `options.write_best` is off.
     """
     p = prepare(model, calibration, options, name)
-    selection: Selection = select(p.search, p.kinds, p.only_cheaper)
+    selection: Selection = select(p.search, p.kinds, p.cost_rule)
     bench, test = p.bench, p.search.splits.batches["test"]
 
     def build(surrogates):
