@@ -20,6 +20,7 @@ from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, 
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
 from .common import add_data_arguments, add_model_arguments, load_model
+from .progress import Heartbeat
 
 
 def add_parser(sub) -> None:
@@ -207,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--{e}") from None  # the library's message names the option
     model, label = load_model(args)
     try:
-        result = replace_onnx(model, args.calib, options, name=label)
+        with Heartbeat("replace"):
+            result = replace_onnx(model, args.calib, options, name=label)
     except BudgetMissed as e:
         if args.report:
             write_text_atomic(json.dumps({"output": None, **e.report.to_json()}, indent=2) + "\n", args.report)

@@ -9,6 +9,7 @@ The rotation makes the model quantize better (QuaRot): run ONNX Runtime's quanti
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from ..core.orthogonal import KINDS
 from ..io import calibration_files
@@ -28,6 +29,7 @@ from .common import (
     save_result,
     unproven,
 )
+from .progress import Heartbeat
 
 
 def option_value(kind: type, option: str, what: str):
@@ -168,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         online_block=args.online_rotation,
     )
     model, label = model_source(args)
-    result = rotate_onnx(model, options, name=label)
+    with Heartbeat("rotate") if args.calib else contextlib.nullcontext():
+        result = rotate_onnx(model, options, name=label)
     save_result(result, out, inputs, label, args.report)
     print("\n".join(summary(label, result, out)))
     return 0

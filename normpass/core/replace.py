@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from ..errors import InputError, VerificationError
 from .budget import Budget, Metrics, compare
 from .cost import COST_RESOLUTION, Emission, cost_class
 from .graph import NormInfo
+from .progress import progress
 from .stats import NormStats, StatsCollector
 from .surrogates import KINDS, NormSpec, Surrogate, fit_surrogate, why_not
 
@@ -165,24 +165,6 @@ class Workbench(Protocol):
     def outputs(
         self, surrogates: list[tuple[str, Surrogate]], batches: Iterable[Batch]
     ) -> list[dict[str, np.ndarray]]: ...
-
-
-def progress(items: list, description: str, enabled: bool):
-    """`items`, with a progress bar on stderr (tqdm when installed) when `enabled`."""
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is usually there
-        return _plain_progress(items, description)
-    return tqdm(items, desc=description, unit="batch", leave=False, file=sys.stderr)
-
-
-def _plain_progress(items, description):
-    for index, item in enumerate(items):
-        print(f"\r{description}: batch {index + 1}/{len(items)}", end="", file=sys.stderr, flush=True)
-        yield item
-    print(file=sys.stderr)
 
 
 # --- data ---------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ from torch.utils import _pytree as pytree
 from .. import __version__
 from ..calibration import Batch, sample_count
 from ..core.budget import Budget, Metrics
+from ..core.progress import stage
 from ..core.replace import BudgetMissed, Candidate, ReplaceOptions, ReplaceReport, Search, candidate_pool
 from ..errors import InputError, VerificationError
 from ..onnx.runtime.verify import compare_outputs
@@ -390,10 +391,10 @@ class Trainer:
         return holds
 
     def _show(self, kept: int, step: int, alpha: float, loss: float, figure: str) -> None:
-        if not self.options.progress:
-            return
         line = f"distill: {kept} kept, step {step}/{self.options.steps} α={alpha:.2f} loss={loss:.4f} {figure}"
-        print(f"\r{line:<100}", end="", file=sys.stderr, flush=True)
+        stage(line)
+        if self.options.progress:
+            print(f"\r{line:<100}", end="", file=sys.stderr, flush=True)
 
 
 def keep_norm(student: nn.Module, blends: dict[str, SmoothRemoval], name: str, path: str) -> None:

@@ -45,6 +45,7 @@ from ..core.algebra import centre
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.cost import CPU_COST, Emission
 from ..core.graph import NormInfo, NormType
+from ..core.progress import progress
 from ..core.replace import (
     Frame,
     ReplaceOptions,
@@ -52,7 +53,6 @@ from ..core.replace import (
     Search,
     conclude,
     eligible,
-    progress,
     select,
     split_roles,
 )

@@ -34,6 +34,7 @@ from ...calibration import Batch, InputSpec, find_mask_input, load_batches
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
+from ...core.progress import progress
 from ...core.replace import (
     Frame,
     ReplaceOptions,
@@ -42,7 +43,6 @@ from ...core.replace import (
     Selection,
     conclude,
     eligible,
-    progress,
     select,
     split_roles,
 )

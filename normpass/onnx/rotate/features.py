@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 
 from ...calibration import load_batches
+from ...core.progress import progress
 from ..fold.driver import in_memory_proto
 from ..graph.frontend import OnnxGraph
 from ..replace.driver import input_spec
@@ -55,7 +56,7 @@ def feature_statistics(ctx: OnnxGraph, names: list[str], data, options: CalibDat
     sums: dict[str, np.ndarray] = {}
     peaks: dict[str, np.ndarray] = {}
     counts = dict.fromkeys(wanted, 0)
-    for batch in batches:
+    for batch in progress(batches, "calibration statistics", enabled=False):
         for name, values in zip(wanted, run.run(wanted, batch), strict=True):
             rows = np.asarray(values, dtype=np.float64).reshape(-1, values.shape[-1])
             sums[name] = sums.get(name, 0) + rows.sum(0)
