@@ -322,16 +322,15 @@ def keeps_external_data(model: ir.Model) -> bool:
     )
 
 
-def save_ir(path: Path, model: ir.Model, data_name: str | None = None) -> None:
+def save_ir(path: Path, model: ir.Model, data_name: str | None = None, external: bool | None = None) -> None:
     """Write `model` to `path`, with its weights of ≥ 1 KiB in `data_name` beside it (default
-    `path.name + ".data"`) where `keeps_external_data`.
+    `path.name + ".data"`) where `external` (default: where `keeps_external_data`).
 
     The weights are written tensor by tensor, unchanged ones straight from their source (a
     memory-mapped file, say, whose pages are dropped once written); `model` is left as it was.
     """
-    if not keeps_external_data(model):
-        with _errors_of_lazy_weights():
-            ir.save(model, path)
+    if not (keeps_external_data(model) if external is None else external):
+        _save_inline(path, model)
         return
     # Small tensors stored externally in the source are written inline. onnx-ir would load each and
     # close its memory map, which fails while the analysis still holds a view of it: copy them first.
@@ -357,6 +356,31 @@ def save_ir(path: Path, model: ir.Model, data_name: str | None = None) -> None:
         for value, tensor in inlined.items():
             value.const_value = tensor
     release_weights(model)
+
+
+def _save_inline(path: Path, model: ir.Model) -> None:
+    """Write `model` with its weights inside the file, serializing one large weight at a time (never the
+    whole model in memory, twice, as `ir.save` would: as a proto and as its bytes). Protobuf parses
+    concatenated messages as one message, merged (repeated fields appended): the file is `skeleton(model)`
+    without its stubs, then one `ModelProto` per stubbed initializer holding only that initializer."""
+    shape = skeleton(model)
+    stubbed = [tensor.name for tensor in shape.graph.initializer if _is_stub(tensor)]
+    kept = [tensor for tensor in shape.graph.initializer if not _is_stub(tensor)]
+    del shape.graph.initializer[:]
+    shape.graph.initializer.extend(kept)
+    with open(path, "wb") as file, _errors_of_lazy_weights():
+        file.write(shape.SerializeToString())
+        for name in stubbed:
+            piece = onnx.ModelProto()
+            piece.graph.initializer.append(ir.serde.serialize_tensor(model.graph.initializers[name].const_value))
+            file.write(piece.SerializeToString())
+
+
+def _is_stub(tensor: onnx.TensorProto) -> bool:
+    """Whether `tensor` is one of `skeleton`'s stubs (no data)."""
+    return tensor.data_location == onnx.TensorProto.EXTERNAL and any(
+        entry.key == "location" and entry.value == STUB_LOCATION for entry in tensor.external_data
+    )
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
