@@ -4,6 +4,8 @@
 * verification runs a rewritten model with more than `IN_MEMORY_WEIGHT_BYTES` of weights from a temporary
   file whose weights are external data, which ONNX Runtime maps, not from serialized bytes (a proto, its
   bytes and the session's copy side by side);
+* `io.load_ir` maps the weights of a model stored inline from its file (`modelfiles.mapped_model`), as it
+  maps external data: nothing is parsed or copied, and the model is written inline again;
 * `io.save_ir` writes such a model one weight at a time (protobuf merges concatenated messages), never
   the whole model serialized at once (`ir.save`): the file reads back as the same model.
 """
@@ -19,7 +21,7 @@ from conftest import build, randn, rng
 from onnx import numpy_helper
 from test_patterns import pre_ln_block
 
-from normpass.io import load_ir, save_onnx_atomic
+from normpass.io import keeps_external_data, load_ir, save_onnx_atomic
 from normpass.onnx.fold.driver import fold_onnx
 from normpass.onnx.runtime import verify
 
@@ -48,20 +50,50 @@ def test_a_large_rewritten_model_is_verified_from_a_file_with_external_data(tmp_
 
 
 def wide_model() -> onnx.ModelProto:
-    """Two weights of more than `io.LIGHT_INITIALIZER_LIMIT` elements, a norm's small γ and β."""
+    """Two weights of more than `io.LIGHT_INITIALIZER_LIMIT` elements, a norm's small γ and β, a bias."""
     gen = rng(2)
     return build(
         """<ir_version: 10, opset_import: ["" : 18]>
 agraph (float[B, 64] x) => (float[B, 64] y) {
   h = MatMul(x, W1)
   n = LayerNormalization<axis=-1>(h, g, b)
-  y = MatMul(n, W2)
+  z = MatMul(n, W2)
+  y = Add(z, c)
 }""",
         W1=randn(gen, 64, 64),
         W2=randn(gen, 64, 64),
         g=1 + randn(gen, 64, scale=0.1),
         b=randn(gen, 64, scale=0.1),
+        c=randn(gen, 64, scale=0.1),
     )
+
+
+def test_inline_weights_are_mapped_from_the_model_file_and_written_inline_again(tmp_path):
+    path = tmp_path / "inline.onnx"
+    source = wide_model()
+    onnx.save(source, str(path))
+    before = path.read_bytes()
+    model = load_ir(path)
+    expected = {t.name: numpy_helper.to_array(t) for t in source.graph.initializer}
+    mapped = set()
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            assert Path(tensor.path) == path, name
+            mapped.add(name)
+        assert np.array_equal(tensor.numpy(), expected[name])
+    assert mapped == {"W1", "W2"}, "the weights of at least io.EXTERNAL_MIN_BYTES (γ and β are parsed)"
+    assert not keeps_external_data(model), "an inline model is written inline"
+    result = fold_onnx(str(path))
+    assert result.folded == 1 and result.comparison is not None
+    out = tmp_path / "out.onnx"
+    result.save(out)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out")] == ["out.onnx"]
+    in_memory = fold_onnx(source)
+    written = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    reference = {t.name: numpy_helper.to_array(t) for t in in_memory.model.graph.initializer}
+    assert written.keys() == reference.keys() and all(np.array_equal(written[k], reference[k]) for k in written)
+    assert path.read_bytes() == before
 
 
 def test_an_inline_model_is_written_one_weight_at_a_time(tmp_path, monkeypatch):

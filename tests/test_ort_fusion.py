@@ -126,6 +126,15 @@ def classic_attention(scale_op: str) -> onnx.ModelProto:
     residual Add the second norm reads."""
     gen = rng(0)
     d, heads = 8, 2
+    weights = {name: randn(gen, 6 if name == "We" else d, d) for name in ("We", "Wq", "Wk", "Wv", "Wo", "Wf")}
+    weights |= {name: randn(gen, d) for name in ("bq", "bk", "bv", "bo", "bf")}
+    weights |= {name: 1 + randn(gen, d, scale=0.3) for name in ("g1", "g2")}
+    weights |= {name: randn(gen, d, scale=0.3) for name in ("b1", "b2")}
+    weights |= {
+        "split": np.array([0, 0, heads, d // heads], np.int64),
+        "merge": np.array([0, 0, d], np.int64),
+        "scale": np.array(2.0, np.float32),
+    }
     return build(
         f"""<ir_version: 10, opset_import: ["" : 17]>
 agraph (float[2, 4, 6] x) => (float[2, 4, 8] y) {{
@@ -156,13 +165,7 @@ agraph (float[2, 4, 6] x) => (float[2, 4, 8] y) {{
   y0 = MatMul(n2, Wf)
   y = Add(y0, bf)
 }}""",
-        **{name: randn(gen, 6 if name == "We" else d, d) for name in ("We", "Wq", "Wk", "Wv", "Wo", "Wf")},
-        **{name: randn(gen, d) for name in ("bq", "bk", "bv", "bo", "bf")},
-        **{name: 1 + randn(gen, d, scale=0.3) for name in ("g1", "g2")},
-        **{name: randn(gen, d, scale=0.3) for name in ("b1", "b2")},
-        split=np.array([0, 0, heads, d // heads], np.int64),
-        merge=np.array([0, 0, d], np.int64),
-        scale=np.array(2.0, np.float32),
+        **weights,
     )
 
 

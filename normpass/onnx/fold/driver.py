@@ -47,7 +47,7 @@ from ...core.analysis import plan as make_plan
 from ...core.graph import ZeroMeanGraph
 from ...core.plan import FoldPlan
 from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
-from ...io import checked_model, interface, load_ir, save_onnx_atomic, to_proto
+from ...io import checked_model, in_memory_proto, interface, load_ir, save_onnx_atomic
 from ..graph.export import export_model
 from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from ..graphsurgeon import from_graphsurgeon, to_graphsurgeon
@@ -168,19 +168,6 @@ def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], second
         "norms": decisions,
         "seconds": seconds,
     }
-
-
-def in_memory_proto(model: ir.Model) -> onnx.ModelProto:
-    """`model` as a ModelProto with every weight inside it (external data read in)."""
-    proto = to_proto(model)
-    base_dirs = {
-        v.const_value.base_dir
-        for v in model.graph.initializers.values()
-        if isinstance(v.const_value, ir.ExternalTensor)
-    }
-    for base_dir in base_dirs:
-        onnx.external_data_helper.load_external_data_for_model(proto, str(base_dir))
-    return proto
 
 
 def _to_rms_opset(ctx: OnnxGraph) -> OnnxGraph:

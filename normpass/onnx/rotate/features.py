@@ -16,7 +16,7 @@ import onnx
 
 from ...calibration import load_batches
 from ...core.progress import progress
-from ..fold.driver import in_memory_proto
+from ...io import in_memory_proto
 from ..graph.frontend import OnnxGraph
 from ..replace.driver import input_spec
 from ..runtime.verify import check_input_shapes, session

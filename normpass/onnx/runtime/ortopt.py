@@ -195,7 +195,7 @@ def _fusible_attention(softmax: ir.Node, norm_values: set[ir.Value]) -> bool:
         values = [value for node in frontier for value in node.inputs if value is not None]
         if norm_values.intersection(values):
             return True
-        frontier = [value.producer() for value in values if value.producer() is not None]
+        frontier = [producer for value in values if (producer := value.producer()) is not None]
     frontier = [uses[0][0]]
     for _ in range(OUTPUT_STEPS):
         if any(value in norm_values for node in frontier for value in node.outputs):

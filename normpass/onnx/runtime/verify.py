@@ -38,8 +38,10 @@ import onnx_ir as ir
 
 from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError
 from ...io import (
+    in_memory_proto,
     ir_weight_bytes,
     keeps_external_data,
+    maps_weights,
     may_exceed_proto_limit,
     release_weights,
     save_external,
@@ -427,7 +429,7 @@ def _in_memory(model: Model, shape: onnx.ModelProto) -> onnx.ModelProto | None:
     names = [node.name for node in shape.graph.node if node.name]
     if not uses_bf16(shape) and len(names) == len(set(names)):
         return None
-    return to_proto(model) if isinstance(model, ir.Model) else onnx.load(str(model))
+    return in_memory_proto(model) if isinstance(model, ir.Model) else onnx.load(str(model))
 
 
 class Runner:
@@ -444,7 +446,8 @@ class Runner:
             return self
         source = self.model
         if isinstance(source, ir.Model):
-            if not keeps_external_data(source) and ir_weight_bytes(source) < IN_MEMORY_WEIGHT_BYTES:
+            small = not keeps_external_data(source) and ir_weight_bytes(source) < IN_MEMORY_WEIGHT_BYTES
+            if small and not maps_weights(source):
                 source = to_proto(source).SerializeToString()
             else:
                 self._tmp = tempfile.TemporaryDirectory()
