@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import numpy as np
 import onnx
@@ -126,7 +127,9 @@ def classic_attention(scale_op: str) -> onnx.ModelProto:
     residual Add the second norm reads."""
     gen = rng(0)
     d, heads = 8, 2
-    weights = {name: randn(gen, 6 if name == "We" else d, d) for name in ("We", "Wq", "Wk", "Wv", "Wo", "Wf")}
+    weights: dict[str, Any] = {
+        name: randn(gen, 6 if name == "We" else d, d) for name in ("We", "Wq", "Wk", "Wv", "Wo", "Wf")
+    }
     weights |= {name: randn(gen, d) for name in ("bq", "bk", "bv", "bo", "bf")}
     weights |= {name: 1 + randn(gen, d, scale=0.3) for name in ("g1", "g2")}
     weights |= {name: randn(gen, d, scale=0.3) for name in ("b1", "b2")}
