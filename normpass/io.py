@@ -3,6 +3,9 @@
 **Reading.** A model file is checked before it is read (`modelfiles.check_model`: external data
 inside the model's directory, present and long enough; unique initializer names), and its
 sparse initializers are made dense (onnx-ir has none). Every such refusal is an `InputError`.
+`load_ir` reads no weight: external data is memory-mapped, and so are weights stored inline in the
+model file (`modelfiles.mapped_model` makes each an external-data entry pointing into the file itself);
+such a model is marked `INLINE_WEIGHTS` and written inline again, one weight at a time (`save_ir`).
 
 **The output check.** `check_paths` runs before any work: each output must be a regular file
 or not exist yet (never a FIFO, device or directory), must not name an open file descriptor
@@ -60,6 +63,7 @@ PROTO_HEADROOM = 2**28  # room for everything but the tensors' data (graph, name
 EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to the data file
 LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are stubs (type and dims, no data) in `skeleton`
 STUB_LOCATION = "<normpass: data not included>"
+INLINE_WEIGHTS = "normpass.inline_weights"  # ir.Model.meta: its weights are inline in its file, mapped from there
 WRITE_IN_FLIGHT_BYTES = 2**26  # weights read but not yet written, at most, while saving
 DATA_ALIGNMENT = 4096  # tensors of ≥ 1 MiB start at a page boundary of the data file, so ONNX Runtime can map them
 DATA_MARK = b"\n# written by normpass as the external data of "  # + the model's file name, at the end of a data file
@@ -107,10 +111,23 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
 
 
 def _ir_load(path: Path) -> ir.Model:
-    """`ir.load`, with sparse initializers made dense first."""
-    proto = modelfiles.densified(onnx.load(str(path), load_external_data=False), path.parent, str(path))
+    """`ir.load`, with sparse initializers made dense first, and weights stored inline mapped from the file
+    (`modelfiles.mapped_model`: none is parsed or copied; the model is marked `INLINE_WEIGHTS`, so that it
+    is written with its weights inline again)."""
+    mapped = modelfiles.mapped_model(path, EXTERNAL_MIN_BYTES)
+    if mapped is None:  # onnx.load says why
+        mapped = onnx.load(str(path), load_external_data=False)
+    proto = modelfiles.densified(mapped, path.parent, str(path))
+    locations = {
+        entry.value
+        for tensor in proto.graph.initializer
+        for entry in tensor.external_data
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and entry.key == "location"
+    }
     model = ir.serde.deserialize_model(proto)
     ir.external_data.set_base_dir(model.graph, os.path.dirname(path))
+    if locations == {path.name}:
+        model.meta[INLINE_WEIGHTS] = True
     return model
 
 
@@ -340,24 +357,27 @@ def ir_weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
+def maps_weights(model: ir.Model) -> bool:
+    """Whether some of `model`'s weights are read from a file when used (external data, or inline weights mapped)."""
+    return any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
+
+
 def keeps_external_data(model: ir.Model) -> bool:
-    """Whether `model`'s weights go to a data file when written: it came with external data, or may exceed 2 GB."""
-    tensors = [v.const_value for v in model.graph.initializers.values()]
-    return (
-        any(isinstance(t, ir.ExternalTensor) for t in tensors) or ir_weight_bytes(model) + PROTO_HEADROOM >= PROTO_LIMIT
-    )
+    """Whether `model`'s weights go to a data file when written: it came with external data (not its weights
+    inline, mapped from its file: `INLINE_WEIGHTS`), or may exceed 2 GB."""
+    external = not model.meta.get(INLINE_WEIGHTS) and maps_weights(model)
+    return external or ir_weight_bytes(model) + PROTO_HEADROOM >= PROTO_LIMIT
 
 
-def save_ir(path: Path, model: ir.Model, data_name: str | None = None) -> None:
+def save_ir(path: Path, model: ir.Model, data_name: str | None = None, external: bool | None = None) -> None:
     """Write `model` to `path`, with its weights of ≥ 1 KiB in `data_name` beside it (default
-    `path.name + ".data"`) where `keeps_external_data`.
+    `path.name + ".data"`) where `external` (default: where `keeps_external_data`).
 
     The weights are written tensor by tensor, unchanged ones straight from their source (a
     memory-mapped file, say, whose pages are dropped once written); `model` is left as it was.
     """
-    if not keeps_external_data(model):
-        with _errors_of_lazy_weights():
-            ir.save(model, path)
+    if not (keeps_external_data(model) if external is None else external):
+        _save_inline(path, model)
         return
     # Small tensors stored externally in the source are written inline. onnx-ir would load each and
     # close its memory map, which fails while the analysis still holds a view of it: copy them first.
@@ -383,6 +403,43 @@ def save_ir(path: Path, model: ir.Model, data_name: str | None = None) -> None:
         for value, tensor in inlined.items():
             value.const_value = tensor
     release_weights(model)
+
+
+def _save_inline(path: Path, model: ir.Model) -> None:
+    """Write `model` with its weights inside the file, serializing one large weight at a time (never the
+    whole model in memory, twice, as `ir.save` would: as a proto and as its bytes). Protobuf parses
+    concatenated messages as one message, merged (repeated fields appended): the file is `skeleton(model)`
+    without its stubs, then one `ModelProto` per stubbed initializer holding only that initializer."""
+    shape = skeleton(model)
+    stubbed = [tensor.name for tensor in shape.graph.initializer if _is_stub(tensor)]
+    kept = [tensor for tensor in shape.graph.initializer if not _is_stub(tensor)]
+    del shape.graph.initializer[:]
+    shape.graph.initializer.extend(kept)
+    with open(path, "wb") as file, _errors_of_lazy_weights():
+        file.write(shape.SerializeToString())
+        for name in stubbed:
+            tensor = model.graph.initializers[name].const_value
+            assert tensor is not None, name  # skeleton stubs initializers with values only
+            piece = onnx.ModelProto()
+            piece.graph.initializer.append(ir.serde.serialize_tensor(tensor))
+            file.write(piece.SerializeToString())
+
+
+def _is_stub(tensor: onnx.TensorProto) -> bool:
+    """Whether `tensor` is one of `skeleton`'s stubs (no data)."""
+    return tensor.data_location == onnx.TensorProto.EXTERNAL and any(
+        entry.key == "location" and entry.value == STUB_LOCATION for entry in tensor.external_data
+    )
+
+
+def in_memory_proto(model: ir.Model) -> onnx.ModelProto:
+    """`model` as a ModelProto with every weight inside it (external data read in)."""
+    proto = to_proto(model)
+    tensors = [v.const_value for v in model.graph.initializers.values()]
+    base_dirs = {t.base_dir for t in tensors if isinstance(t, ir.ExternalTensor)}
+    for base_dir in base_dirs:
+        onnx.external_data_helper.load_external_data_for_model(proto, str(base_dir))
+    return proto
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:

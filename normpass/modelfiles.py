@@ -52,6 +52,8 @@ TENSOR_DATA = (
     11,
 )  # float_data, int32_data, string_data, int64_data, raw_data, double_data, uint64_data
 LENGTH_DELIMITED = 2
+TENSOR_RAW_DATA, TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION = 9, 13, 14
+ENTRY_KEY, ENTRY_VALUE = 1, 2  # StringStringEntryProto
 
 
 # --- reading a model file without its weights ------------------------------------------------------
@@ -125,6 +127,47 @@ def _sparse(buf, start: int, end: int) -> bytes:
 
 def _graph(buf, start: int, end: int) -> bytes:
     return _rewritten(buf, start, end, {GRAPH_INITIALIZER: _tensor, GRAPH_SPARSE_INITIALIZER: _sparse})
+
+
+def mapped_model(path: Path, min_bytes: int) -> onnx.ModelProto | None:
+    """The model at `path` whose main-graph initializers with at least `min_bytes` of raw data leave it in the
+    file: each becomes an external-data entry naming the model file itself, with the offset and length of its
+    bytes there, which onnx-ir memory-maps as it does any external data. A model with its weights inline so
+    loads as one with external data does: no weight is parsed or copied. None where the file is not a
+    readable protobuf (the loader then says why)."""
+    location = path.name.encode()
+
+    def tensor(buf, start: int, end: int) -> bytes:
+        raw = [(s, e) for field, wire, _, s, e in _fields(buf, start, end) if field == TENSOR_RAW_DATA]
+        if len(raw) != 1 or raw[0][1] - raw[0][0] < min_bytes:
+            return bytes(buf[start:end])
+        (data_start, data_end) = raw[0]
+        length = data_end - data_start
+        entries = [(b"location", location), (b"offset", b"%d" % data_start), (b"length", b"%d" % length)]
+        return (
+            _rewritten(buf, start, end, {TENSOR_RAW_DATA: None})
+            + b"".join(
+                _length_delimited(
+                    TENSOR_EXTERNAL_DATA, _length_delimited(ENTRY_KEY, key) + _length_delimited(ENTRY_VALUE, value)
+                )
+                for key, value in entries
+            )
+            + _encode_varint(TENSOR_DATA_LOCATION << 3)
+            + _encode_varint(onnx.TensorProto.EXTERNAL)
+        )
+
+    def graph(buf, start: int, end: int) -> bytes:
+        return _rewritten(buf, start, end, {GRAPH_INITIALIZER: tensor})
+
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return onnx.ModelProto.FromString(_rewritten(buf, 0, len(buf), {MODEL_GRAPH: graph}))
+    except (OSError, ValueError, IndexError, DecodeError):
+        return None
+
+
+def _length_delimited(field: int, payload: bytes) -> bytes:
+    return _encode_varint(field << 3 | LENGTH_DELIMITED) + _encode_varint(len(payload)) + payload
 
 
 def light_model(path: Path) -> onnx.ModelProto | None:

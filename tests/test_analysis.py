@@ -228,7 +228,7 @@ def test_inspect_writes_the_graph_for_other_tools(tmp_path, capsys, suffix):
     model = tmp_path / "model.onnx"
     onnx.save(exported_model(), str(model))
     out = tmp_path / f"graph{suffix}"
-    assert main(["inspect", str(model), "--json", "--graph", str(out)]) == 0
+    assert main(["inspect", str(model), "--json", "--graph", str(out), "--fold-with-beta-add"]) == 0
     assert json.loads(capsys.readouterr().out)["foldable"] == 2  # stdout stays the report
     if suffix == ".graphml":
         g = nx.read_graphml(out, force_multigraph=True)

@@ -169,7 +169,7 @@ def assert_input_error(result: Result, *fragments: str) -> None:
 
 
 def test_inspect_table(normpass, workdir):
-    result = normpass("inspect", workdir / "pre.onnx")
+    result = normpass("inspect", workdir / "pre.onnx", "--fold-with-beta-add")
     assert result.returncode == 0, result.stderr
     assert "2 of 2 norms" in result.stdout
     for name in ("n1", "out"):
@@ -178,6 +178,24 @@ def test_inspect_table(normpass, workdir):
     assert post.returncode == 0
     assert "1 of 2 norms" in post.stdout
     assert "post-LN" in post.stdout  # the refusal is explained
+
+
+@pytest.mark.parametrize("more", [(), ("--fold-with-beta-add",), ("--provider", "cpu")])
+def test_inspect_viz_and_fold_agree_on_what_folds(normpass, workdir, more):
+    """pre.onnx's final norm is proven but its β could move nowhere: fold keeps it unless told otherwise, and
+    inspect and viz say so too (they said "2 of 2 fold" where fold kept one)."""
+    report_path = workdir / "r.json"
+    fold = normpass("fold", workdir / "pre.onnx", "-o", workdir / "f.onnx", "--report", report_path, *more)
+    assert fold.returncode == 0, fold.stderr
+    report = json.loads(report_path.read_text())
+    folded = {n["name"] for n in report["norms"] if n["foldable"]}
+    assert len(folded) == (2 if more else 1)
+    inspected = normpass("inspect", workdir / "pre.onnx", "--json", *more)
+    assert {n["name"] for n in json.loads(inspected.stdout)["norms"] if n["foldable"]} == folded
+    drawn = normpass("viz", workdir / "pre.onnx", "-o", workdir / "g.dot", *more)
+    assert drawn.returncode == 0, drawn.stderr
+    assert f"{len(folded)} of 2 norms fold;" in drawn.stdout
+    assert f"{len(folded)} of 2 norms folded" in fold.stdout
 
 
 def _check_schema(report: dict) -> None:
@@ -209,8 +227,9 @@ def test_inspect_json_schema(normpass, workdir):
 
 
 def test_inspect_no_insert_centering(normpass, workdir):
-    with_insertion = json.loads(normpass("inspect", workdir / "from_input.onnx", "--json").stdout)
-    without = normpass("inspect", workdir / "from_input.onnx", "--json", "--no-insert-centering")
+    proofs = ("--json", "--fold-with-beta-add")  # every proven norm, one with a β that could move nowhere too
+    with_insertion = json.loads(normpass("inspect", workdir / "from_input.onnx", *proofs).stdout)
+    without = normpass("inspect", workdir / "from_input.onnx", *proofs, "--no-insert-centering")
     assert without.returncode == 0
     without = json.loads(without.stdout)
     _check_schema(with_insertion)
@@ -263,6 +282,30 @@ def test_fold_partial_reports_refusals(normpass, workdir):
     assert [n["name"] for n in refused] == ["y"] and refused[0]["reason"]
     folded = onnx.load(str(out))
     assert op_counts(folded)["LayerNormalization"] == 1
+
+
+def test_fold_names_replace_for_the_norms_the_proof_leaves(normpass, workdir):
+    post = normpass("fold", workdir / "post.onnx", "-o", workdir / "p.onnx")
+    assert post.returncode == 0, post.stderr
+    assert post.stdout.splitlines()[-1] == (
+        f"next: 1 norm cannot fold exactly; normpass replace {workdir / 'post.onnx'} --calib DATA -o OUT replaces "
+        "it by calibrated surrogates within an accuracy budget (docs/surrogates.md)"
+    )
+    pre = normpass("fold", workdir / "pre.onnx", "-o", workdir / "q.onnx")  # keeps a proven norm for its β
+    assert pre.returncode == 0 and "kept out:" in pre.stdout and "next:" not in pre.stdout
+
+
+def test_rotate_says_what_would_let_a_stream_rotate(normpass, workdir):
+    post = normpass("rotate", workdir / "post.onnx", "-o", workdir / "p.onnx")
+    assert post.returncode == 0, post.stderr
+    lines = post.stdout.splitlines()
+    blocked = lines.index(
+        "  not rotated: the stream of n1_3: LayerNormalization y subtracts the mean (not an RMSNorm), "
+        "which a rotation does not keep"
+    )
+    assert lines[blocked + 1].startswith("    it would rotate if y were an RMSNorm: the fold cannot prove its input")
+    pre = normpass("rotate", workdir / "pre.onnx", "-o", workdir / "q.onnx")  # the stream is the graph output
+    assert pre.returncode == 0 and "would rotate" not in pre.stdout
 
 
 @pytest.mark.parametrize("rms_op,op", [("onnx", "RMSNormalization"), ("decomposed", None)])
@@ -439,6 +482,31 @@ def test_unwritable_output_directory(normpass, workdir, tmp_path_factory):
 def test_model_and_builtin_are_exclusive(normpass, workdir):
     assert_input_error(normpass("inspect", workdir / "pre.onnx", "--builtin", "gpt2"), "exactly one")
     assert_input_error(normpass("inspect"), "exactly one")
+
+
+@pytest.mark.parametrize(
+    "args, suggestion",
+    [
+        (("fold", "m.onnx", "--provder", "cpu"), "did you mean --provider?"),  # before the missing -o
+        (("fold", "m.onnx", "-o", "x.onnx", "--provder=cpu"), "did you mean --provider?"),
+        (("inspect", "m.onnx", "--jsn"), "did you mean --json?"),
+        (("fold", "m.onnx", "-o", "x.onnx", "--zzzzzz"), "(see normpass fold --help)"),
+        (("fold", "m.onnx", "-o", "x.onnx", "second.onnx"), "(see normpass fold --help)"),
+    ],
+)
+def test_mistyped_option_gets_the_verbs_usage_and_the_closest_option(normpass, workdir, args, suggestion):
+    result = normpass(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"usage: normpass {args[0]} "), "the verb's usage, not the top-level one"
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"normpass {args[0]}: error: unrecognized argument") and last.endswith(suggestion), last
+    assert list(workdir.glob("x.onnx")) == []
+
+
+def test_abbreviated_options_still_parse(normpass, workdir):
+    result = normpass("fold", workdir / "pre.onnx", "-o", workdir / "x.onnx", "--no-verif", "--prov", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert (workdir / "x.onnx").exists()
 
 
 # --- exit 1: verification failed ------------------------------------------------------------------------------

@@ -365,7 +365,7 @@ def test_unexpected_errors_print_one_line_with_a_hint(tmp_path, capsys, monkeypa
     def boom(*args, **kwargs):
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(verb, "make_plan", boom)
+    monkeypatch.setattr(verb, "fold_decisions_of", boom)
     line = refused(capsys, "inspect", model_file, code=3)
     assert "NORMPASS_DEBUG=1" in line and "ZeroDivisionError" in line
     monkeypatch.setenv("NORMPASS_DEBUG", "1")

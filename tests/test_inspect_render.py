@@ -82,7 +82,7 @@ def test_block_of(name, block):
 
 
 def test_plain_table_groups_rows_by_block(model_path, capsys):
-    assert main(["inspect", model_path]) == 0
+    assert main(["inspect", model_path, "--fold-with-beta-add"]) == 0  # ln_f's β could move nowhere
     out = capsys.readouterr().out
     assert "\x1b[" not in out, "piped output must be plain text"
     lines = out.splitlines()
@@ -96,9 +96,9 @@ def test_plain_table_groups_rows_by_block(model_path, capsys):
 
 
 def test_json_is_stable_and_keeps_the_schema(model_path, capsys):
-    assert main(["inspect", model_path, "--json"]) == 0
+    assert main(["inspect", model_path, "--json", "--fold-with-beta-add"]) == 0
     first = capsys.readouterr().out
-    assert main(["inspect", model_path, "--json"]) == 0
+    assert main(["inspect", model_path, "--json", "--fold-with-beta-add"]) == 0
     assert capsys.readouterr().out == first
     data = json.loads(first)
     assert list(data) == ["model", "norms", "total", "foldable"]
@@ -129,6 +129,37 @@ def test_rich_table_is_coloured_and_grouped():
     for expected in ("blocks: 2 of 3 norms fold exactly into RMSNorm", "h.0", "(top level)", "h.1", "ln_raw"):
         assert expected in text
     assert text.index("h.0") < text.index("ln_1") < text.index("(top level)") < text.index("ln_f") < text.index("h.1")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_terminal_output_shows_every_reason_in_full_at_the_terminals_width(model_path, monkeypatch, capsys, columns):
+    """On a terminal the reason goes on its own lines, wrapped at the width (COLUMNS): nothing cut, no line
+    wider than the terminal, the reasons' lines use the width (not a narrow column)."""
+    pytest.importorskip("rich", reason="the terminal layout needs rich (pip install 'normpass[pretty]')")
+    assert main(["inspect", model_path, "--json"]) == 0
+    reasons = {norm["name"]: norm["reason"] for norm in json.loads(capsys.readouterr().out)["norms"] if norm["reason"]}
+    assert set(reasons) == {"ln_1", "ln_f", "ln_raw"}  # ln_1, ln_f: a long one, kept for their β
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setenv("NO_COLOR", "1")
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    assert main(["inspect", model_path]) == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", terminal.getvalue())
+    lines = text.splitlines()
+    assert "…" not in text and max(len(line) for line in lines) <= columns
+    flowing = " ".join(line.strip() for line in lines)
+    for reason in reasons.values():
+        assert " ".join(reason.split()) in flowing
+    row = next(i for i, line in enumerate(lines) if line.split()[:1] == ["ln_raw"])
+    assert lines[row].split()[1:] == ["LayerNormalization", "keep"], "the row holds name, op and decision"
+    assert lines[row + 1] == " " * inspect_cli.REASON_INDENT + reasons["ln_raw"], "a reason that fits is one line"
+    row = next(i for i, line in enumerate(lines) if line.split()[:1] == ["ln_f"])
+    assert len(lines[row + 1]) > columns - 25, "a longer reason fills the terminal's width"
 
 
 def test_terminal_console_only_on_a_tty(monkeypatch):

@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import check_structure, run_ort
+from conftest import build, check_structure, randn, rng, run_ort
 
 from normpass.onnx.fold.driver import FoldOptions, fold_onnx
 from normpass.onnx.runtime.bench import make_feeds
@@ -120,10 +121,81 @@ def test_fusion_losses_names_what_the_fold_would_lose_without_its_matmul_convers
     assert losses[1].startswith("278 nodes instead of 179"), losses
 
 
-def test_fold_notes_the_order_for_the_transformers_optimizer(registry_export):
-    """A raw export with attention gets the note; the optimizer's own output does not."""
-    from normpass.onnx.runtime.ortopt import OrtOptimizer
+def classic_attention(scale_op: str) -> onnx.ModelProto:
+    """A pre-LN block whose attention scales the scores after Q·Kᵀ (`Div`, as older exporters wrote it, which
+    ORT's bert fusion matches; `Mul` without a mask it does not), its output projection's bias into the
+    residual Add the second norm reads."""
+    gen = rng(0)
+    d, heads = 8, 2
+    weights: dict[str, Any] = {
+        name: randn(gen, 6 if name == "We" else d, d) for name in ("We", "Wq", "Wk", "Wv", "Wo", "Wf")
+    }
+    weights |= {name: randn(gen, d) for name in ("bq", "bk", "bv", "bo", "bf")}
+    weights |= {name: 1 + randn(gen, d, scale=0.3) for name in ("g1", "g2")}
+    weights |= {name: randn(gen, d, scale=0.3) for name in ("b1", "b2")}
+    weights |= {
+        "split": np.array([0, 0, heads, d // heads], np.int64),
+        "merge": np.array([0, 0, d], np.int64),
+        "scale": np.array(2.0, np.float32),
+    }
+    return build(
+        f"""<ir_version: 10, opset_import: ["" : 17]>
+agraph (float[2, 4, 6] x) => (float[2, 4, 8] y) {{
+  h = MatMul(x, We)
+  n1 = LayerNormalization<axis=-1>(h, g1, b1)
+  q0 = MatMul(n1, Wq)
+  q1 = Add(q0, bq)
+  q2 = Reshape(q1, split)
+  q = Transpose<perm=[0, 2, 1, 3]>(q2)
+  k0 = MatMul(n1, Wk)
+  k1 = Add(k0, bk)
+  k2 = Reshape(k1, split)
+  k = Transpose<perm=[0, 2, 3, 1]>(k2)
+  v0 = MatMul(n1, Wv)
+  v1 = Add(v0, bv)
+  v2 = Reshape(v1, split)
+  v = Transpose<perm=[0, 2, 1, 3]>(v2)
+  s0 = MatMul(q, k)
+  s1 = {scale_op}(s0, scale)
+  p = Softmax<axis=-1>(s1)
+  a0 = MatMul(p, v)
+  a1 = Transpose<perm=[0, 2, 1, 3]>(a0)
+  a2 = Reshape(a1, merge)
+  o0 = MatMul(a2, Wo)
+  o1 = Add(o0, bo)
+  r = Add(h, o1)
+  n2 = LayerNormalization<axis=-1>(r, g2, b2)
+  y0 = MatMul(n2, Wf)
+  y = Add(y0, bf)
+}}""",
+        **weights,
+    )
 
-    source = onnx.load(str(registry_export("gpt2")))
-    assert "run it before the fold" in " ".join(fold_onnx(source).notes)
-    assert fold_onnx(source, FoldOptions(ort_optimizer=OrtOptimizer("gpt2", 4, 64))).notes == []
+
+@pytest.mark.parametrize("scale_op, fused", [("Div", True), ("Mul", False)])
+def test_fold_notes_the_order_only_where_the_optimizer_fuses_attention(scale_op, fused):
+    """The note when ORT's optimizer fuses the original's attention and no longer the folded model's; not
+    where it fuses none, nor on its own output."""
+    from normpass.onnx.runtime.ortopt import OrtOptimizer, optimize
+
+    settings = OrtOptimizer("bert", 2, 8)
+    model = classic_attention(scale_op)
+    result = fold_onnx(model)
+    assert result.folded == 2
+    assert optimize(model, settings)[1].get("Attention", 0) == int(fused)
+    assert "Attention" not in optimize(result.model, settings)[1], "the optimizer after the fold fuses none"
+    assert ("run it before the fold" in " ".join(result.notes)) == fused
+    assert fold_onnx(model, FoldOptions(ort_optimizer=settings)).notes == []
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
+def test_no_ordering_note_on_exports_whose_attention_the_optimizer_does_not_fuse(name, registry_export):
+    """Today's exports scale q and k apart (or guard the Softmax with IsNaN/Where): no attention fusion fires."""
+    from normpass import models as builtin_models
+    from normpass.onnx.runtime.ortopt import OrtOptimizer, optimize
+
+    spec = builtin_models.get(name)
+    source = onnx.load(str(registry_export(name)))
+    _, fused = optimize(source, OrtOptimizer(spec.ort_model_type, spec.num_heads, spec.hidden_size))
+    assert "Attention" not in fused
+    assert fold_onnx(source).notes == []

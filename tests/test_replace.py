@@ -173,7 +173,7 @@ post (float[N, 8] a) => (float[N, 8] out) {
 def test_a_shape_reader_of_the_norm_input_does_not_block_shift_and_centring(gen):
     model = _post_ln(gen, POST_LN_SHAPE_READER)
 
-    options = ReplaceOptions(kind="rms", only_cheaper=True, budget="cos=0.99", **FAST)
+    options = ReplaceOptions(kind="rms", cost_rule="cheaper", budget="cos=0.99", **FAST)
     result = replace_onnx(model, zero_mean_rows(gen, 96), options)
     (row,) = result.report.to_json()["norms"]
     assert row["decision"] == "replaced", (row["reason"], row["candidates"])
@@ -196,7 +196,7 @@ POST_LN_LAYER_SCALE = POST_LN.replace("    x = Add(l1, a)\n", "    s1 = Mul(l1, 
 def test_a_layer_scale_absorbed_by_centring_leaves_no_mul(gen):
     model = _post_ln(gen, POST_LN_LAYER_SCALE, ls=randn(gen, 8) + 0.5)
 
-    options = ReplaceOptions(kind="rms", only_cheaper=True, budget="cos=0.99", **FAST)
+    options = ReplaceOptions(kind="rms", cost_rule="cheaper", budget="cos=0.99", **FAST)
     result = replace_onnx(model, zero_mean_rows(gen, 96), options)
     (row,) = result.report.to_json()["norms"]
     assert row["decision"] == "replaced", (row["reason"], row["candidates"])
@@ -215,8 +215,9 @@ def test_no_surrogate_is_emitted_that_costs_more_than_its_norm(gen):
     weights |= dict(bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8, scale=0.3), b2=randn(gen, 8))
     model = build(POST_LN, **weights)
     calibration = {"a": randn(gen, 96, 8)}
-    # ops priced alone: DyT (Mul α, Tanh; γ, β migrate into W2) costs 1.1 LayerNorms: the norm is kept
-    kept = replace_onnx(model, calibration, ReplaceOptions(kind="dyt", budget="cos=0.01", **FAST))
+    # ops priced alone: DyT (Mul α, Tanh; γ, β migrate into W2) costs 1.1 LayerNorms: under the rule, kept
+    options = ReplaceOptions(kind="dyt", budget="cos=0.01", cost_rule="no dearer", **FAST)
+    kept = replace_onnx(model, calibration, options)
     (row,) = kept.report.to_json()["norms"]
     assert row["decision"] == "kept" and row["reason"].startswith("no surrogate pays: the cheapest, dyt, would cost")
     assert row["candidates"][0]["cost"] > row["original_cost"] == 1.0 and row["candidates"][0]["alone"] is None
@@ -254,7 +255,8 @@ def test_on_cuda_a_surrogate_pays_only_if_it_leaves_fewer_kernels_than_the_skip_
     weights |= dict(bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8, scale=0.3), b2=randn(gen, 8))
     model = build(POST_LN, **weights)
     calibration = {"a": randn(gen, 96, 8)}
-    cuda = replace_onnx(model, calibration, ReplaceOptions(kind=kind, budget="cos=0.01", provider="cuda", **FAST))
+    options = ReplaceOptions(kind=kind, budget="cos=0.01", provider="cuda", cost_rule="no dearer", **FAST)
+    cuda = replace_onnx(model, calibration, options)
     (row,) = cuda.report.to_json()["norms"]
     assert row["original_cost"] == CUDA_COST["SkipLayerNormalization"]
     if kind == "dyt":
@@ -267,6 +269,37 @@ def test_on_cuda_a_surrogate_pays_only_if_it_leaves_fewer_kernels_than_the_skip_
         assert ops == collections.Counter({"MatMul": 2, "Add": 2})  # b1's Add went into β
     cpu = replace_onnx(model, calibration, ReplaceOptions(kind=kind, budget="cos=0.01", provider="cpu", **FAST))
     assert cpu.report.to_json()["norms"][0]["decision"] == "replaced"
+
+
+def test_a_named_kind_is_emitted_where_it_keeps_the_budget_whatever_it_costs(gen, tmp_path, capsys):
+    """--with dyt on CUDA, where DyT costs more than the fused norm: emitted (the user's choice), the report has
+    both costs and the CLI says what it costs in a warning line; --with auto keeps the norm."""
+    from normpass.core.cost import CUDA_COST
+
+    weights = dict(W1=randn(gen, 8, 8, scale=0.3), b1=randn(gen, 8), g=1 + randn(gen, 8, scale=0.2))
+    weights |= dict(bb=randn(gen, 8, scale=0.2), W2=randn(gen, 8, 8, scale=0.3), b2=randn(gen, 8))
+    model = build(POST_LN, **weights)
+    calibration = {"a": randn(gen, 96, 8)}
+    named = replace_onnx(model, calibration, ReplaceOptions(kind="dyt", budget="cos=0.01", provider="cuda", **FAST))
+    (row,) = named.report.to_json()["norms"]
+    assert row["decision"] == "replaced" and row["surrogate"] == "dyt"
+    assert row["emission"]["cost"] > row["original_cost"] == CUDA_COST["SkipLayerNormalization"]
+    assert collections.Counter(n.op_type for n in named.model.graph.node)["Tanh"] == 1
+    auto = replace_onnx(model, calibration, ReplaceOptions(kind="auto", budget="cos=0.01", provider="cuda", **FAST))
+    assert all(n["surrogate"] != "dyt" for n in auto.report.to_json()["norms"])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    np.savez(tmp_path / "calib.npz", **calibration)
+    args = ["replace", str(path), "--calib", str(tmp_path / "calib.npz"), "--budget", "cos=0.01", "--provider", "cuda"]
+    assert main([*args, "--with", "dyt", "-o", str(tmp_path / "dyt.onnx"), "--orders", "input"]) == 0
+    warning = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert warning == [
+        f"normpass replace: warning: --with dyt costs more than the norm it replaces at 1 of 1 replaced norms, by "
+        f"the measured table for ONNX Runtime's cuda provider (core/cost.py): {row['emission']['cost']:.2f} instead "
+        f"of {row['original_cost']:.2f} LayerNorm units; --with auto emits only surrogates that cost less"
+    ]
+    assert main([*args, "--with", "affine", "-o", str(tmp_path / "affine.onnx"), "--orders", "input"]) == 0
+    assert "warning:" not in capsys.readouterr().err  # the affine costs less there
 
 
 def test_on_cuda_an_rms_surrogate_fused_with_the_adds_pays(gen):

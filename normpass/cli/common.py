@@ -9,8 +9,11 @@ from pathlib import Path
 
 import onnx
 
+from ..core.graph import ZeroMeanGraph
+from ..core.plan import FoldPlan
 from ..errors import InputError
 from ..io import check_paths, load_onnx, model_files, save_onnx_atomic, write_text_atomic
+from ..onnx.fold.driver import PROVIDERS, FoldOptions, fold_decisions
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +22,56 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--builtin", metavar="NAME", help="use a built-in model from the registry (e.g. gpt2) instead of a file"
     )
     parser.add_argument("--no-insert-centering", action="store_true", help="never insert an explicit x − mean(x)")
+
+
+def add_decision_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that change which proven norms the fold folds (`fold`; `inspect` and `viz` show its decisions)."""
+    parser.add_argument(
+        "--provider",
+        choices=PROVIDERS,
+        default="cuda",
+        help="with --target ort, the execution provider the model is for (default cuda); "
+        "cpu: fp16 models keep residual Adds unfused (ORT's CPU fp16 Skip kernel is slower), and a "
+        "norm ORT would fuse into its slow CPU SkipLayerNormalization folds even with a β Add",
+    )
+    parser.add_argument(
+        "--fold-with-beta-add",
+        action="store_true",
+        help="also fold norms whose β can move nowhere (an RMSNorm plus an Add costs more than a LayerNorm)",
+    )
+
+
+def fold_decisions_of(args: argparse.Namespace, model, label: str) -> tuple[ZeroMeanGraph, FoldPlan]:
+    """What `normpass fold` with these arguments folds and keeps (`fold_decisions`), for `inspect` and `viz`."""
+    options = FoldOptions(
+        provider=args.provider,
+        insert_centering=not args.no_insert_centering,
+        fold_with_beta_add=args.fold_with_beta_add,
+    )
+    return fold_decisions(model, options, label)
+
+
+def unproven(plan: FoldPlan) -> list[str]:
+    """The norms the fold's proof leaves (input not provably zero-mean: a post-LN stream, most often), not
+    those it proves and keeps."""
+    return [d.name for d in plan.decisions if not d.foldable and not d.kept]
+
+
+def replace_hint(plan: FoldPlan, command_model: str) -> str | None:
+    """What to run next for the norms the proof leaves, or None when it leaves none."""
+    left = unproven(plan)
+    if not left:
+        return None
+    norms, them = ("1 norm", "it") if len(left) == 1 else (f"{len(left)} norms", "them")
+    return (
+        f"next: {norms} cannot fold exactly; normpass replace {command_model} --calib DATA -o OUT replaces {them} "
+        "by calibrated surrogates within an accuracy budget (docs/surrogates.md)"
+    )
+
+
+def command_model(args: argparse.Namespace) -> str:
+    """The model as written on the command line, for a command to suggest."""
+    return args.model if args.model is not None else f"--builtin {args.builtin}"
 
 
 def add_verification_arguments(parser: argparse.ArgumentParser) -> None:

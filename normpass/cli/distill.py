@@ -20,6 +20,7 @@ from ..io import calibration_files, check_paths, save_onnx_atomic, write_text_at
 from ..onnx.runtime.verify import compare_outputs
 from ..onnx.runtime.verify import run as run_onnx
 from .fold import _factory_file
+from .progress import Heartbeat
 from .replace import add_calibration_arguments, calibration_options
 
 DEFAULT_BUDGET = "cos=0.99"
@@ -170,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     label = f"torch:{args.torch}"
     module, inputs = load_factory(args.torch)
     try:
-        student, report = distill(module, args.calib, options, name=label)
+        with Heartbeat("distill"):
+            student, report = distill(module, args.calib, options, name=label)
     except BudgetMissed as e:
         if args.report:
             write_text_atomic(json.dumps({"output": None, **e.report.to_json()}, indent=2) + "\n", args.report)

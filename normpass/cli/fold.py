@@ -13,11 +13,20 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..io import write_text_atomic
-from ..onnx.fold.driver import PROVIDERS, TARGETS, FoldOptions, fold_onnx
+from ..onnx.fold.driver import TARGETS, FoldOptions, fold_onnx
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.runtime.ortopt import OrtOptimizer
 from ..onnx.runtime.verify import parse_input_shapes
-from .common import add_model_arguments, add_verification_arguments, checked_paths, model_source, save_result
+from .common import (
+    add_decision_arguments,
+    add_model_arguments,
+    add_verification_arguments,
+    checked_paths,
+    command_model,
+    model_source,
+    replace_hint,
+    save_result,
+)
 
 
 def add_parser(sub) -> None:
@@ -31,14 +40,7 @@ def add_parser(sub) -> None:
         default="ort",
         help="ort: ONNX Runtime, contrib ops allowed (default); onnx: standard ops only, for other runtimes",
     )
-    parser.add_argument(
-        "--provider",
-        choices=PROVIDERS,
-        default="cuda",
-        help="with --target ort, the execution provider the model is for (default cuda); "
-        "cpu: fp16 models keep residual Adds unfused (ORT's CPU fp16 Skip kernel is slower), and a "
-        "norm ORT would fuse into its slow CPU SkipLayerNormalization folds even with a β Add",
-    )
+    add_decision_arguments(parser)
     parser.add_argument(
         "--rms-op",
         choices=RMS_OPS,
@@ -49,11 +51,6 @@ def add_parser(sub) -> None:
         "--no-migrate-affine",
         action="store_true",
         help="keep γ in the RMS op and β as an Add instead of moving them into the next linear layers",
-    )
-    parser.add_argument(
-        "--fold-with-beta-add",
-        action="store_true",
-        help="also fold norms whose β can move nowhere (an RMSNorm plus an Add costs more than a LayerNorm)",
     )
     parser.add_argument(
         "--no-fuse-skip", action="store_true", help="never fuse residual Adds into SkipSimplifiedLayerNormalization"
@@ -89,7 +86,9 @@ def _factory_file(spec: str | None) -> dict[str, Path]:
     return {"--torch's module": Path(origin)} if origin and Path(origin).is_file() else {}
 
 
-def _print_summary(label: str, plan, comparison, out, extra: str = "", notes: list[str] | None = None) -> None:
+def _print_summary(
+    label: str, plan, comparison, out, extra: str = "", notes: list[str] | None = None, hint: str | None = None
+) -> None:
     unverified = "not verified" if plan.folded else "nothing rewritten"
     error = unverified if comparison is None else comparison.describe()
     print(f"{label}: {len(plan.folded)} of {plan.total} norms folded into RMSNorm ({error}{extra}); wrote {out}")
@@ -98,6 +97,8 @@ def _print_summary(label: str, plan, comparison, out, extra: str = "", notes: li
             print(f"  kept {decision.name}: {decision.reason}")
     for note in notes or []:
         print(f"note: {note}")
+    if hint:
+        print(hint)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     save_result(result, out, inputs, label, args.report)
     optimized = result.emitted.get("ort_optimizer")
     extra = f"; after ORT's {optimized['model_type']} optimizer" if optimized else ""
-    _print_summary(label, result.plan, result.comparison, out, extra, result.notes)
+    hint = replace_hint(result.plan, command_model(args))
+    _print_summary(label, result.plan, result.comparison, out, extra, result.notes, hint)
     return 0
 
 

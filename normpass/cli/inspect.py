@@ -1,12 +1,16 @@
 """`normpass inspect MODEL [--json]`: which norms fold, which do not, and why, grouped by block.
 
+The decisions are `normpass fold`'s with the same `--provider` and `--fold-with-beta-add` (`fold_decisions`):
+the proven norms, less those the fold keeps as LayerNorms because their β could move nowhere.
+
 A norm's *block* is read from the name of its γ (else β, else the norm's own name): the prefix up
 to the first numeric component (`model.transformer.h.0.ln_1.weight` → `transformer.h.0`), or the
 enclosing module when there is none (`model.transformer.ln_f.weight` → `transformer`). A leading
 `model.` (the usual wrapper attribute) is dropped.
 
-Output: a coloured table when stdout is a terminal and `rich` is installed (`normpass[pretty]`;
-rich honours NO_COLOR), else plain aligned text that is easy to grep. `--json` prints a stable
+Output: on a terminal with `rich` installed (`normpass[pretty]`; rich honours NO_COLOR and COLUMNS), a
+coloured list with each norm's reason on its own line, wrapped at the terminal's width; else (piped, or
+no rich) a plain aligned table, one complete row per norm, that is easy to grep. `--json` prints a stable
 object: {"model", "norms": [{"name", "op", "foldable", "kept", "reason", "centred_layers",
 "inserted_centering", "blocked_by", "blocking_path", "block"}], "total", "foldable"} (docs/inspect.md
 shows it; tests/test_docs.py checks that page against this command's output).
@@ -40,28 +44,27 @@ import json
 import re
 import sys
 
-from ..core.analysis import plan as make_plan
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan, NormDecision
 from ..core.rotation import RotationPlan
 from ..errors import InputError
 from ..io import check_paths, model_files, write_text_atomic
-from ..onnx.fold.driver import open_graph
-from ..onnx.graph.frontend import build_zero_mean_graph
 from ..onnx.rotate.driver import RotateOptions, inspect_rotation
 from ..onnx.rotate.keys import KeyPlan
 from ..onnx.rotate.online import OnlinePlan
 from ..onnx.rotate.smooth import SmoothPlan
 from ..onnx.slice.driver import SliceOptions, SlicePlan, inspect_slice
-from .common import add_model_arguments, model_source
+from .common import add_decision_arguments, add_model_arguments, fold_decisions_of, model_source
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
 HEADER = ("block", "norm", "op", "decision", "why")
+REASON_INDENT = 6  # on a terminal, a norm's reason goes on the lines below its row, this far in
 
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("inspect", help="explain which norms fold and why")
     add_model_arguments(parser)
+    add_decision_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     parser.add_argument(
         "--graph", metavar="OUT", help="also write the zero-mean graph: OUT.graphml or OUT.json (node-link)"
@@ -139,22 +142,24 @@ def render_plain(plan: FoldPlan, label: str, block: dict[str, str]) -> str:
 
 
 def print_rich(plan: FoldPlan, label: str, block: dict[str, str], console) -> None:
-    """A rich table with a bold title row per block; fold in green, keep in red."""
-    from rich import box
-    from rich.table import Table
+    """For a terminal: a bold title row per block, one row per norm (fold in green, keep in red) and its
+    reason on the line below, wrapped at the console's width, so that a reason reads in full at 80 columns."""
+    from rich.text import Text
 
-    table = Table(
-        title=headline(plan, label), title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, header_style="bold"
-    )
-    for name in HEADER[1:-1]:
-        table.add_column(name, no_wrap=True)
-    table.add_column(HEADER[-1], overflow="fold")
-    for name, decisions in grouped(plan, block):
-        table.add_row(f"[bold cyan]{name}[/]")
+    groups = grouped(plan, block)
+    name_width = max(len(d.name) for _, decisions in groups for d in decisions)
+    op_width = max(len(d.op) for _, decisions in groups for d in decisions)
+    console.print(Text(headline(plan, label), style="bold"))
+    for name, decisions in groups:
+        console.print()
+        console.print(Text(name, style="bold cyan"))
         for d in decisions:
-            decision = "[green]fold[/]" if d.foldable else "[red]keep[/]"
-            table.add_row(f"  {d.name}", d.op, decision, why(d))
-    console.print(table)
+            row = Text(f"  {d.name.ljust(name_width)}  {d.op.ljust(op_width)}  ", no_wrap=True, overflow="fold")
+            row.append("fold" if d.foldable else "keep", style="green" if d.foldable else "red")
+            console.print(row)
+            for line in Text(why(d), style="dim").wrap(console, max(console.width - REASON_INDENT, 20)):
+                line.rstrip()
+                console.print(Text(" " * REASON_INDENT) + line)
 
 
 def to_json(plan: FoldPlan, label: str, block: dict[str, str]) -> dict:
@@ -227,8 +232,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{graph_out}: --graph writes .graphml or .json; choose a path with one of those suffixes")
     with contextlib.redirect_stdout(sys.stderr):  # libraries' warnings stay off stdout
         model, label = model_source(args)
-        zmg = build_zero_mean_graph(open_graph(model, label))
-        fold_plan = make_plan(zmg, not args.no_insert_centering)
+        zmg, fold_plan = fold_decisions_of(args, model, label)
         block = blocks(zmg)
         options = RotateOptions(insert_centering=not args.no_insert_centering)
         # streams, keys, smoothing, online

@@ -20,6 +20,7 @@ from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, 
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
 from .common import add_budget_arguments, add_data_arguments, add_model_arguments, load_model
+from .progress import Heartbeat
 
 
 def add_parser(sub) -> None:
@@ -42,9 +43,10 @@ def add_parser(sub) -> None:
         dest="kind",
         default="auto",
         choices=("auto",) + KINDS,
-        help="surrogate kind: auto (per norm, the cheapest that keeps the budget; default), rms "
-        "(calibrated RMSNorm of x − c), affine (DaMN), scalebias (α·x+β, α a scalar), dyt (γ·tanh(αx)+β), "
-        "derf (γ·erf(αx+s)+β)",
+        help="surrogate kind: auto (per norm, the cheapest that keeps the budget, only where it costs less than "
+        "the norm; default), rms (calibrated RMSNorm of x − c), affine (DaMN), scalebias (α·x+β, α a scalar), dyt "
+        "(γ·tanh(αx)+β), derf (γ·erf(αx+s)+β); a kind named here is emitted wherever it keeps the budget, with "
+        "a warning where it costs more than the norm",
     )
     parser.add_argument(
         "--check",
@@ -193,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--{e}") from None  # the library's message names the option
     model, label = load_model(args)
     try:
-        result = replace_onnx(model, args.calib, options, name=label)
+        with Heartbeat("replace"):
+            result = replace_onnx(model, args.calib, options, name=label)
     except BudgetMissed as e:
         if args.report:
             write_text_atomic(json.dumps({"output": None, **e.report.to_json()}, indent=2) + "\n", args.report)
@@ -227,4 +230,26 @@ def run(args: argparse.Namespace) -> int:
             )
         elif norm["decision"] != "exact":
             print(f"  kept {norm['name']}: {norm['reason']}")
+    dearer = dearer_warning(report, args.kind, args.provider)
+    if dearer:
+        print(f"normpass replace: warning: {dearer}", file=sys.stderr)
     return 0
+
+
+def dearer_warning(report: dict, kind: str, provider: str | None) -> str | None:
+    """What the surrogates the user named cost where they cost more than the norms they replace, or None."""
+    dearer = [
+        norm
+        for norm in report["norms"]
+        if norm["decision"] == "replaced" and norm["emission"]["cost"] > norm["original_cost"]
+    ]
+    if not dearer:
+        return None
+    after = sum(norm["emission"]["cost"] for norm in dearer)
+    before = sum(norm["original_cost"] for norm in dearer)
+    table = f"ONNX Runtime's {provider} provider" if provider else "ops priced alone (no --provider)"
+    return (
+        f"--with {kind} costs more than the norm it replaces at {len(dearer)} of {report['replaced']} replaced "
+        f"norms, by the measured table for {table} (core/cost.py): {after:.2f} instead of {before:.2f} "
+        "LayerNorm units; --with auto emits only surrogates that cost less"
+    )

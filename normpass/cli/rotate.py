@@ -9,6 +9,7 @@ The rotation makes the model quantize better (QuaRot): run ONNX Runtime's quanti
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from ..core.orthogonal import KINDS
 from ..io import calibration_files
@@ -26,7 +27,9 @@ from .common import (
     checked_paths,
     model_source,
     save_result,
+    unproven,
 )
+from .progress import Heartbeat
 
 
 def option_value(kind: type, option: str, what: str):
@@ -115,9 +118,16 @@ def summary(label: str, result: RotateResult, out) -> list[str]:
         f"{len(rotation.streams)} residual streams rotated{' (' + ', '.join(matrices) + ')' if matrices else ''} "
         f"({error}); wrote {out}"
     ]
+    unproven_norms = set(unproven(result.plan))
     for stream in rotation.streams:
         if not stream.rotatable:
             lines.append(f"  not rotated: the stream of {stream.name}: {stream.reason}")
+            blocker = stream.blocker.node if stream.blocker is not None else None
+            if blocker in unproven_norms:
+                lines.append(
+                    f"    it would rotate if {blocker} were an RMSNorm: the fold cannot prove its input zero-mean "
+                    "(normpass inspect says why), so it stays a LayerNorm"
+                )
     if result.keys is not None:
         lines.append(f"  keys centred in {len(result.keys.sites)} of {result.keys.total} attentions")
         for softmax, reason in result.keys.refused.items():
@@ -160,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         online_block=args.online_rotation,
     )
     model, label = model_source(args)
-    result = rotate_onnx(model, options, name=label)
+    with Heartbeat("rotate") if args.calib else contextlib.nullcontext():
+        result = rotate_onnx(model, options, name=label)
     save_result(result, out, inputs, label, args.report)
     print("\n".join(summary(label, result, out)))
     return 0

@@ -9,9 +9,11 @@ surrogates, run on calibration batches (collecting each norm's input, or the out
    (every greedy decision), *check* (the back-off, below) and *test* (the final figures and the
    gate) — or test comes from a separate holdout. No split decides what another measures.
 2. **Candidates.** Per norm and allowed kind a surrogate is fitted (`core/surrogates.py`); its
-   emission says what it costs (`core/cost.py`). The cost rule (`pays`): no candidate whose
-   emission costs more than the norm it replaces is used, whatever the kind asked for (the norm is
-   kept and the report says why); with `kind="auto"` (`only_cheaper`) it must cost less.
+   emission says what it costs (`core/cost.py`). The cost rule (`pays`, `COST_RULES`): with
+   `kind="auto"` a candidate must cost less than the norm it replaces ("cheaper"; else the norm is
+   kept and the report says why); a kind the caller names is the caller's choice ("any": emitted
+   wherever it keeps the budget, whatever it costs; the report has both costs). "no dearer" (cost ≤
+   the norm's) is there for callers that ask for it (`cost_rule`).
 3. **Sequential calibration** (DaMN, seed 000 App. C): a replaced norm is fitted on statistics
    collected with every earlier (topologically upstream) replacement in place; a state is a set of
    (norm, kind), always rebuilt and recalibrated in topological order, so the model judged is the
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -53,11 +54,18 @@ from ..errors import InputError, VerificationError
 from .budget import Budget, Metrics, compare
 from .cost import COST_RESOLUTION, Emission, cost_class
 from .graph import NormInfo
+from .progress import progress
 from .stats import NormStats, StatsCollector
 from .surrogates import KINDS, NormSpec, Surrogate, fit_surrogate, why_not
 
 ORDERS = ("input", "damage", "output")
 POLICIES = ("count", "cheapest")
+# The cost rule (module docstring, step 2): whether a surrogate costing `cost` may replace a norm costing `own`.
+COST_RULES: dict[str, Callable[[float, float], bool]] = {
+    "cheaper": lambda cost, own: cost < own,
+    "no dearer": lambda cost, own: cost <= own,
+    "any": lambda cost, own: True,
+}
 SPLITS = ("fit", "select", "check", "test")
 
 
@@ -79,7 +87,7 @@ class ReplaceOptions:
     centre_inputs: bool | None = None  # default: on when rms surrogates are allowed (docs/surrogates.md)
     refit: bool = True  # rms: least-squares γ/β against the norm's outputs
     target: str = "original"  # least squares against the original model's norm outputs, or "local"
-    only_cheaper: bool | None = None  # default: True for auto
+    cost_rule: str | None = None  # COST_RULES; default: "cheaper" for auto, "any" for a named kind
     tries: int = 2  # policy "count": candidates tried per norm, by individual damage
     norms: tuple[str, ...] | None = None  # restrict the candidates to these norms
     all_norms: bool = False  # the norms the exact pass folds are candidates too (a norm-free model)  [--all-norms]
@@ -97,8 +105,8 @@ class ReplaceOptions:
     seed: int = 0
     progress: bool = False
 
-    def checked(self) -> tuple[Budget, tuple[str, ...], bool]:
-        """The parsed budget, the allowed kinds and whether only cheaper candidates count; refuses bad values."""
+    def checked(self) -> tuple[Budget, tuple[str, ...], str]:
+        """The parsed budget, the allowed kinds and the cost rule (`COST_RULES`); refuses bad values."""
         budget = self.budget if isinstance(self.budget, Budget) else Budget.parse(self.budget)
         kinds: tuple[str, ...]
         if self.kind == "auto":
@@ -135,8 +143,10 @@ class ReplaceOptions:
             raise InputError(f"provider {self.provider!r}: choose cpu or cuda (or none: ops priced alone)")
         if self.target not in ("original", "local"):
             raise InputError(f"target {self.target!r}: choose original or local")
-        only_cheaper = self.kind == "auto" if self.only_cheaper is None else self.only_cheaper
-        return budget, kinds, only_cheaper
+        cost_rule = self.cost_rule or ("cheaper" if self.kind == "auto" else "any")
+        if cost_rule not in COST_RULES:
+            raise InputError(f"cost rule {cost_rule!r}: choose one of {', '.join(COST_RULES)}")
+        return budget, kinds, cost_rule
 
 
 class Workbench(Protocol):
@@ -165,24 +175,6 @@ class Workbench(Protocol):
     def outputs(
         self, surrogates: list[tuple[str, Surrogate]], batches: Iterable[Batch]
     ) -> list[dict[str, np.ndarray]]: ...
-
-
-def progress(items: list, description: str, enabled: bool):
-    """`items`, with a progress bar on stderr (tqdm when installed) when `enabled`."""
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is usually there
-        return _plain_progress(items, description)
-    return tqdm(items, desc=description, unit="batch", leave=False, file=sys.stderr)
-
-
-def _plain_progress(items, description):
-    for index, item in enumerate(items):
-        print(f"\r{description}: batch {index + 1}/{len(items)}", end="", file=sys.stderr, flush=True)
-        yield item
-    print(file=sys.stderr)
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -409,13 +401,12 @@ class OrderResult:
         }
 
 
-def pays(cost: float, own: float, only_cheaper: bool) -> bool:
-    """The cost rule: a surrogate whose emission costs more than the norm it replaces is never
-    emitted (the norm is kept); with `only_cheaper` it must cost less."""
-    return cost < own if only_cheaper else cost <= own
+def pays(cost: float, own: float, cost_rule: str) -> bool:
+    """Whether a surrogate whose emission costs `cost` may replace a norm that costs `own` (`COST_RULES`)."""
+    return COST_RULES[cost_rule](cost, own)
 
 
-def candidate_pool(search: Search, kinds: tuple[str, ...], only_cheaper: bool) -> dict[str, list[Candidate]]:
+def candidate_pool(search: Search, kinds: tuple[str, ...], cost_rule: str) -> dict[str, list[Candidate]]:
     """Every allowed (norm, kind) alone on the model: its damage on select, cost and fit error."""
     pool: dict[str, list[Candidate]] = {}
     for norm in search.bench.norms:
@@ -426,11 +417,11 @@ def candidate_pool(search: Search, kinds: tuple[str, ...], only_cheaper: bool) -
                 continue
             candidate = Candidate(norm.name, kind)
             candidate.cost = search.structural_cost(norm.name, kind)
-            if not pays(candidate.cost, own, only_cheaper):
-                found.append(candidate)  # not fitted: it would cost more (or, only_cheaper, not less)
+            if not pays(candidate.cost, own, cost_rule):
+                found.append(candidate)  # not fitted: the cost rule refuses it
                 continue
             candidate.cost = search.emission(norm.name, kind).cost
-            if not pays(candidate.cost, own, only_cheaper):
+            if not pays(candidate.cost, own, cost_rule):
                 found.append(candidate)  # fitted, but its emission with these parameters does not pay
                 continue
             candidate.fit_error = search.surrogate(norm.name, kind, ()).fit_error
@@ -508,12 +499,12 @@ class Selection:
     seconds: dict[str, float]
 
 
-def select(search: Search, kinds: tuple[str, ...], only_cheaper: bool) -> Selection:
+def select(search: Search, kinds: tuple[str, ...], cost_rule: str) -> Selection:
     """Steps 2, 4 and 5 of the module docstring."""
     options = search.options
     seconds = {}
     start = time.perf_counter()
-    pool = candidate_pool(search, kinds, only_cheaper)
+    pool = candidate_pool(search, kinds, cost_rule)
     seconds["individual"] = time.perf_counter() - start
     start = time.perf_counter()
     has_check = bool(search.splits.batches.get("check"))

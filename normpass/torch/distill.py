@@ -59,6 +59,7 @@ from torch.utils import _pytree as pytree
 from .. import __version__
 from ..calibration import Batch, sample_count
 from ..core.budget import Budget, Metrics
+from ..core.progress import stage
 from ..core.replace import BudgetMissed, Candidate, ReplaceOptions, ReplaceReport, Search, candidate_pool
 from ..errors import InputError, VerificationError
 from ..onnx.runtime.verify import compare_outputs
@@ -164,7 +165,7 @@ class DistillReport(ReplaceReport):
 
 def damage_order(search: Search, kind: str) -> list[Candidate]:
     """Every candidate norm's calibrated surrogate alone, judged on decide, most damaging first."""
-    pool = candidate_pool(search, (kind,), only_cheaper=False)
+    pool = candidate_pool(search, (kind,), cost_rule="no dearer")
     found = [c for candidates in pool.values() for c in candidates if c.alone is not None]
     return sorted(found, key=lambda c: (-c.usage, search.index[c.norm]))
 
@@ -392,10 +393,10 @@ class Trainer:
         return holds
 
     def _show(self, kept: int, step: int, alpha: float, loss: float, figure: str) -> None:
-        if not self.options.progress:
-            return
         line = f"distill: {kept} kept, step {step}/{self.options.steps} α={alpha:.2f} loss={loss:.4f} {figure}"
-        print(f"\r{line:<100}", end="", file=sys.stderr, flush=True)
+        stage(line)
+        if self.options.progress:
+            print(f"\r{line:<100}", end="", file=sys.stderr, flush=True)
 
 
 def keep_norm(student: nn.Module, blends: dict[str, SmoothRemoval], name: str, path: str) -> None:

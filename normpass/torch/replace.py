@@ -45,6 +45,7 @@ from ..core.algebra import centre
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.cost import CPU_COST, Emission
 from ..core.graph import NormInfo, NormType
+from ..core.progress import progress
 from ..core.replace import (
     Frame,
     ReplaceOptions,
@@ -52,7 +53,6 @@ from ..core.replace import (
     Search,
     conclude,
     eligible,
-    progress,
     select,
     split_roles,
 )
@@ -417,7 +417,7 @@ class Prepared:
     frame: Frame
     bench: TorchBench
     kinds: tuple
-    only_cheaper: bool
+    cost_rule: str  # COST_RULES
     started: float
 
 
@@ -465,7 +465,7 @@ def base(module: nn.Module, example: dict[str, torch.Tensor], options: ReplaceOp
 def prepare(module: nn.Module, calibration, options: ReplaceOptions | None = None, name: str | None = None) -> Prepared:
     """Data, the `base`, the original's outputs, and the core's `Search`."""
     options = options or ReplaceOptions()
-    budget, kinds, only_cheaper = options.checked()
+    budget, kinds, cost_rule = options.checked()
     if options.provider is not None:
         raise InputError(
             "provider prices ONNX Runtime's fusions in an ONNX graph, which a module does not have: "
@@ -496,7 +496,7 @@ def prepare(module: nn.Module, calibration, options: ReplaceOptions | None = Non
         ]
     bench = TorchBench(b.module, b.tg, b.candidates, mask_input, options.migrate_affine)
     frame = Frame(name, "pytorch", b.original, b.exact, b.declined, b.centred, kinds)
-    return Prepared(Search(bench, splits, budget, options), frame, bench, kinds, only_cheaper, started)
+    return Prepared(Search(bench, splits, budget, options), frame, bench, kinds, cost_rule, started)
 
 
 def apply_surrogates(
@@ -537,7 +537,7 @@ def replace(
     the test split and `options.write_best` is off.
     """
     p = prepare(module, calibration, options, name)
-    selection = select(p.search, p.kinds, p.only_cheaper)
+    selection = select(p.search, p.kinds, p.cost_rule)
     bench, test = p.bench, p.search.splits.batches["test"]
 
     def build(surrogates):

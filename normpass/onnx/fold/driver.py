@@ -44,9 +44,10 @@ import onnx_ir as ir
 
 from ... import __version__
 from ...core.analysis import plan as make_plan
+from ...core.graph import ZeroMeanGraph
 from ...core.plan import FoldPlan
 from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
-from ...io import checked_model, interface, load_ir, save_onnx_atomic, to_proto
+from ...io import checked_model, in_memory_proto, interface, load_ir, save_onnx_atomic
 from ..graph.export import export_model
 from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from ..graphsurgeon import from_graphsurgeon, to_graphsurgeon
@@ -171,19 +172,6 @@ def fold_report(plan: FoldPlan, comparison, affine_notes: dict[str, str], second
     }
 
 
-def in_memory_proto(model: ir.Model) -> onnx.ModelProto:
-    """`model` as a ModelProto with every weight inside it (external data read in)."""
-    proto = to_proto(model)
-    base_dirs = {
-        v.const_value.base_dir
-        for v in model.graph.initializers.values()
-        if isinstance(v.const_value, ir.ExternalTensor)
-    }
-    for base_dir in base_dirs:
-        onnx.external_data_helper.load_external_data_for_model(proto, str(base_dir))
-    return proto
-
-
 def _to_rms_opset(ctx: OnnxGraph) -> OnnxGraph:
     """The graph at opset 23 (for RMSNormalization), at an IR version ONNX Runtime accepts.
 
@@ -216,6 +204,35 @@ def inspect_onnx(model: ModelSource, insert_centering: bool = True, name: str = 
     """Which norms of `model` (a ModelProto, an .onnx path or an onnx-graphsurgeon Graph) fold exactly, and why
     the others do not."""
     return make_plan(build_zero_mean_graph(open_graph(from_graphsurgeon(model), name)), insert_centering)
+
+
+def fold_decisions(
+    model: onnx.ModelProto | str | os.PathLike, options: FoldOptions | None = None, name: str = "model"
+) -> tuple[ZeroMeanGraph, FoldPlan]:
+    """The zero-mean graph of `model` and what `fold_onnx(model, options)` folds and keeps, and why, without
+    rewriting: `inspect_onnx`'s proof less the proven norms the fold keeps (a β that would stay an Add).
+    What `normpass inspect` and `normpass viz` show, so that they say what `normpass fold` does."""
+    options = options or FoldOptions()
+    rms_op, _ = options.emission()
+    ctx = open_graph(model, name)
+    zmg = build_zero_mean_graph(ctx)
+    return zmg, _decide(ctx, zmg, Rewriter(ctx, zmg, rms_op), options)
+
+
+def _decide(ctx: OnnxGraph, zmg: ZeroMeanGraph, rewriter: Rewriter, options: FoldOptions) -> FoldPlan:
+    """The proven norms, less those whose β could move nowhere (see the module docstring) unless `options`
+    fold them anyway."""
+    fold_plan = make_plan(zmg, options.insert_centering)
+    if not options.migrate_affine or options.fold_with_beta_add:
+        return fold_plan
+    stranded = rewriter.stranded_beta(fold_plan)
+    if options.target == "ort" and options.provider == "cpu":
+        stranded = {
+            name: why
+            for name, why in stranded.items()
+            if not ort_fuses_into_skip_layer_norm(zmg.norm_by_name(name).ref.x, ctx.shapes, zmg.graph_outputs)
+        }
+    return make_plan(zmg, options.insert_centering, keep=stranded) if stranded else fold_plan
 
 
 def fold_onnx(model: ModelSource, options: FoldOptions | None = None, name: str = "model") -> FoldResult:
@@ -295,23 +312,16 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str, opti
     if converted:
         ctx = _to_rms_opset(ctx)
     zmg = build_zero_mean_graph(ctx)
-    fold_plan = make_plan(zmg, options.insert_centering)
     rewriter = Rewriter(ctx, zmg, rms_op)
-    if options.migrate_affine and not options.fold_with_beta_add:
-        stranded = rewriter.stranded_beta(fold_plan)
-        if options.target == "ort" and options.provider == "cpu":
-            stranded = {
-                name: why
-                for name, why in stranded.items()
-                if not ort_fuses_into_skip_layer_norm(zmg.norm_by_name(name).ref.x, ctx.shapes, zmg.graph_outputs)
-            }
-        if stranded:
-            fold_plan = make_plan(zmg, options.insert_centering, keep=stranded)
+    fold_plan = _decide(ctx, zmg, rewriter, options)
     if fuse_skip is None:
         fuse_skip = not (options.provider == "cpu" and _is_half(ctx, zmg, fold_plan))
     seconds["analysis"] = time.perf_counter() - start
     start = time.perf_counter()
-    note = ordering_note(ctx.model.graph) if options.target == "ort" and fold_plan.folded else None
+    note = None
+    if options.target == "ort" and fold_plan.folded:
+        refs = [zmg.norm_by_name(d.name).ref for d in fold_plan.folded]
+        note = ordering_note(ctx.model.graph, [ref.x for ref in refs] + [ref.y for ref in refs])
     affine_notes = rewriter.apply(fold_plan, options.migrate_affine) if fold_plan.folded else {}
     rewritten = ctx.model
     if fold_plan.folded or converted:  # a model left as it was carries no note (a second run keeps the first's)

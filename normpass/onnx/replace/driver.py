@@ -37,6 +37,7 @@ from ...calibration import MIN_SAMPLES, Batch, InputSpec, find_mask_input, load_
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
+from ...core.progress import progress
 from ...core.replace import (
     Frame,
     ReplaceOptions,
@@ -45,7 +46,6 @@ from ...core.replace import (
     Selection,
     conclude,
     eligible,
-    progress,
     select,
     split_roles,
 )
@@ -276,7 +276,7 @@ class Prepared:
     folded: onnx.ModelProto  # the exact fold, before input centring
     docs: dict
     kinds: tuple
-    only_cheaper: bool
+    cost_rule: str  # COST_RULES
     started: float
 
 
@@ -288,7 +288,7 @@ def prepare(
     options = options or ReplaceOptions()
     refuse_scalar_inputs(model, name, "the surrogate pass")
     refuse_fixed_batch(model, name)
-    budget, kinds, only_cheaper = options.checked()
+    budget, kinds, cost_rule = options.checked()
     check_input_shapes(model, options.input_shapes)
     started = time.perf_counter()
 
@@ -368,7 +368,7 @@ def prepare(
     )
     frame = Frame(name, "onnx", [(n.name, n.op) for n in original], exact, declined, centred, kinds, _count_ops(model))
     return Prepared(
-        Search(bench, splits, budget, options), frame, bench, folded.model, emitter.docs, kinds, only_cheaper, started
+        Search(bench, splits, budget, options), frame, bench, folded.model, emitter.docs, kinds, cost_rule, started
     )
 
 
@@ -391,7 +391,7 @@ def replace_onnx(
     the test split and `options.write_best` is off.
     """
     p = prepare(model, calibration, options, name)
-    selection: Selection = select(p.search, p.kinds, p.only_cheaper)
+    selection: Selection = select(p.search, p.kinds, p.cost_rule)
     bench, test = p.bench, p.search.splits.batches["test"]
 
     def build(surrogates):

@@ -70,7 +70,7 @@ from ...core.graph import NormInfo, NormType
 from ...core.plan import Centring
 from ...core.stream import STREAM_KINDS, on_scaled_input, scale_limit, stream_scale
 from ...core.surrogates import NormSpec, Surrogate
-from ..fold.driver import in_memory_proto
+from ...io import in_memory_proto
 from ..fold.fuse import fuse_skip_rms, skip_fused_adds
 from ..fold.rewrite import Rewriter, new_value, rms_nodes
 from ..fold.targets import (

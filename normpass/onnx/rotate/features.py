@@ -17,7 +17,8 @@ import numpy as np
 import onnx
 
 from ...calibration import Batch
-from ..fold.driver import in_memory_proto
+from ...core.progress import progress
+from ...io import in_memory_proto
 from ..graph.frontend import OnnxGraph
 from ..replace.driver import Runner, check_runs, load_fitting
 
@@ -55,7 +56,7 @@ def captured(
         proto.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype, None))
     runner = Runner(proto)
     check_runs(runner, batches, data)
-    for batch in batches:
+    for batch in progress(batches, "calibration statistics", enabled=False):
         yield batch, runner.run(batch, wanted)
 
 

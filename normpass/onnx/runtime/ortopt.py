@@ -12,7 +12,8 @@ from `LayerNormalization` / `SkipLayerNormalization` nodes, so the order matters
   every model; `FoldOptions.ort_optimizer` runs it in one call.
 * fold → optimize: the optimizer fuses Adds into the RMS ops as it does into LayerNorms, and the fold
   converts the Conv1D Gemms itself (`matmul.py`); but an `Attention` fusion, which starts from a
-  LayerNorm, cannot fire after the fold. `ordering_note` says so where that order is being set up.
+  LayerNorm, cannot fire after the fold. `ordering_note` says so where that order is being set up and
+  the graph has an attention ORT's fusions would match (on today's exports they match none).
 
 `fusion_losses(reference, candidate)` compares two optimizer outputs by structure: every fused op
 (an RMS op counts as the LayerNorm it replaced), every `Gemm → MatMul` conversion, and no more nodes.
@@ -28,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import onnx
+import onnx_ir as ir
 
 from ...errors import InputError
 
@@ -188,14 +190,81 @@ def fusion_losses(reference: onnx.ModelProto, candidate: onnx.ModelProto, extra_
     return losses
 
 
-def ordering_note(nodes: Iterable) -> str | None:
-    """A note for a fold for ONNX Runtime of a graph with these `nodes` (ONNX or onnx-ir nodes) when it has
-    attention (a Softmax) and no op of ORT's fusions (no com.microsoft node: the transformers optimizer has not
-    run on it): the optimizer, if run after the fold, cannot fuse that attention."""
-    ops = {(n.op_type, n.domain) for n in nodes}
-    if any(domain == MS_DOMAIN for _, domain in ops) or ("Softmax", "") not in ops:
+# How the attention scores reach the Softmax in the attentions ORT's LayerNorm-anchored fusions recognise
+# (`fusion_attention.py`'s qk paths for bert/vit, `fusion_gpt_attention.py`'s for gpt2): op types from the
+# Softmax upwards, each with the input it is read from (None: any). Scores scaled on q and k apart, as
+# today's exporters write scaled-dot-product attention, match none of them (ORT fuses no attention there).
+SCORE_PATHS: tuple[tuple[tuple[str, ...], tuple[int | None, ...]], ...] = (
+    (("Add", "Div", "MatMul"), (0, None, 0)),
+    (("Add", "Mul", "MatMul"), (0, None, 0)),
+    (("Where", "MatMul", "Div"), (0, 2, 0)),
+    (("Add", "Where", "MatMul"), (0, 0, 2)),
+    (("Div", "MatMul"), (0, 0)),
+    (("Add", "MatMul", "Mul", "Sqrt"), (0, None, 0, 1)),
+    (("Sub", "Mul", "Div", "MatMul"), (0, 0, 0, 0)),
+    (("Where", "Div", "MatMul"), (0, 1, 0)),
+    (("Add", "Where", "Div", "MatMul"), (0, None, 1, 0)),
+)
+# Steps from the Softmax to the attention's ends: back to its Q/K projections' input (scores, scaling, heads
+# split, bias, MatMul), forward through `softmax · V`, the heads merged and the output projection to the residual.
+INPUT_STEPS = 7
+OUTPUT_STEPS = 8
+TO_THE_RESIDUAL = {"Transpose", "Reshape", "MatMul", "Gemm", "Add"}
+
+
+def ordering_note(graph: ir.Graph, folded: Iterable[ir.Value]) -> str | None:
+    """A note for a fold for ONNX Runtime when ORT's transformers optimizer, run after it, would miss an
+    attention fusion it makes on the original: the graph has no op of ORT's fusions yet (no com.microsoft
+    node: the optimizer has not run), and an attention whose scores reach the Softmax as ORT's fusions match
+    them (`SCORE_PATHS`) reads the output of a norm the fold rewrites or writes (through `softmax · V` and its
+    output projection) the input of one: `folded`, those norms' inputs and outputs. The fusion starts from
+    those LayerNorms."""
+    nodes = list(graph.all_nodes())
+    if any(node.domain == MS_DOMAIN for node in nodes):
+        return None
+    values = set(folded)
+    if not any(node.op_type == "Softmax" and _fusible_attention(node, values) for node in nodes):
         return None
     return (
-        "ONNX Runtime's transformers optimizer starts its Attention fusions from LayerNormalization nodes: "
-        "run it before the fold (normpass fold --ort-optimizer TYPE does both), not after"
+        "ONNX Runtime's transformers optimizer would fuse this model's attention, but it starts its Attention "
+        "fusions from LayerNormalization nodes: run it before the fold (normpass fold --ort-optimizer TYPE "
+        "does both), not after"
     )
+
+
+def _fusible_attention(softmax: ir.Node, norm_values: set[ir.Value]) -> bool:
+    """Whether `softmax` is in an attention ORT's fusions match whose input or output is one of `norm_values`."""
+    if not any(_parent_path(softmax, ops, inputs) for ops, inputs in SCORE_PATHS):
+        return False
+    uses = list(softmax.outputs[0].uses())
+    if len(uses) != 1 or uses[0][0].op_type != "MatMul" or uses[0][1] != 0:
+        return False
+    frontier = [softmax]
+    for _ in range(INPUT_STEPS):
+        values = [value for node in frontier for value in node.inputs if value is not None]
+        if norm_values.intersection(values):
+            return True
+        frontier = [producer for value in values if (producer := value.producer()) is not None]
+    frontier = [uses[0][0]]
+    for _ in range(OUTPUT_STEPS):
+        if any(value in norm_values for node in frontier for value in node.outputs):
+            return True
+        frontier = [
+            reader for node in frontier for reader, _ in node.outputs[0].uses() if reader.op_type in TO_THE_RESIDUAL
+        ]
+    return False
+
+
+def _parent_path(node: ir.Node, ops: tuple[str, ...], inputs: tuple[int | None, ...]) -> bool:
+    """Whether `node`'s input 0 is produced by `ops[0]`, whose input `inputs[1]` by `ops[1]`, and so on (an input
+    None: any of them), as `onnx_model.match_parent_path` reads it."""
+    if not ops:
+        return True
+    index, rest = inputs[0], inputs[1:]
+    candidates = range(len(node.inputs)) if index is None else [index]
+    for i in candidates:
+        value = node.inputs[i] if i < len(node.inputs) else None
+        parent = value.producer() if value is not None else None
+        if parent is not None and parent.op_type == ops[0] and _parent_path(parent, ops[1:], rest):
+            return True
+    return False

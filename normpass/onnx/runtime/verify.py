@@ -20,8 +20,9 @@ A model to verify is a `ModelProto`, the path of a file, or an `ir.Model`; only 
 session and one copy of the weights exist at a time: the original's session runs every input set
 and is released (its outputs kept) before the rewritten model's session opens. A file is run
 from its path (its external data read by ONNX Runtime), an `ir.Model` from bytes when small, else
-from a temporary directory holding it with external data; signatures and inputs are read from
-`io.skeleton`s, which hold no weights.
+from a temporary directory holding it with external data (also where the model came without: ONNX Runtime
+maps external data rather than copying it); signatures and inputs are read from `io.skeleton`s, which hold
+no weights.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ import onnx_ir as ir
 
 from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError
 from ...io import (
+    in_memory_proto,
+    ir_weight_bytes,
     keeps_external_data,
+    maps_weights,
     may_exceed_proto_limit,
     release_weights,
     save_external,
@@ -57,6 +61,10 @@ REL_TOLERANCE = {
     np.dtype(np.float16): 1e-2,
 }
 BFLOAT16_TOLERANCE = 5e-2
+# An `ir.Model` with fewer bytes of weights than this runs from serialized bytes; a larger one from a temporary
+# file whose weights are external data, which ONNX Runtime maps instead of copying: a model serialized whole
+# would be held three times while its session opens (the proto, its bytes, the session's own copy).
+IN_MEMORY_WEIGHT_BYTES = 2**26
 BFLOAT16 = onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16)
 DEFAULT_BATCH, DEFAULT_DIM = 2, 16
 MAX_INPUT_ELEMENTS = 2**27  # verification inputs, all together
@@ -421,7 +429,7 @@ def _in_memory(model: Model, shape: onnx.ModelProto) -> onnx.ModelProto | None:
     names = [node.name for node in shape.graph.node if node.name]
     if not uses_bf16(shape) and len(names) == len(set(names)):
         return None
-    return to_proto(model) if isinstance(model, ir.Model) else onnx.load(str(model))
+    return in_memory_proto(model) if isinstance(model, ir.Model) else onnx.load(str(model))
 
 
 class Runner:
@@ -438,12 +446,13 @@ class Runner:
             return self
         source = self.model
         if isinstance(source, ir.Model):
-            if not keeps_external_data(source):
+            small = not keeps_external_data(source) and ir_weight_bytes(source) < IN_MEMORY_WEIGHT_BYTES
+            if small and not maps_weights(source):
                 source = to_proto(source).SerializeToString()
             else:
                 self._tmp = tempfile.TemporaryDirectory()
                 source = Path(self._tmp.name) / "model.onnx"
-                save_ir(source, self.model)
+                save_ir(source, self.model, external=True)
         sess = ort_session(source if isinstance(source, bytes) else str(source), _options(), ("CPUExecutionProvider",))
         names = [o.name for o in sess.get_outputs()]
         self.run = lambda feeds: dict(zip(names, sess.run(names, feeds), strict=False))

@@ -1,0 +1,125 @@
+"""What keeps one copy of the weights in memory where a model's weights are inside its .onnx file
+(tools/bench_pass.py measures it, docs/BENCHMARKS.md records it):
+
+* verification runs a rewritten model with more than `IN_MEMORY_WEIGHT_BYTES` of weights from a temporary
+  file whose weights are external data, which ONNX Runtime maps, not from serialized bytes (a proto, its
+  bytes and the session's copy side by side);
+* `io.load_ir` maps the weights of a model stored inline from its file (`modelfiles.mapped_model`), as it
+  maps external data: nothing is parsed or copied, and the model is written inline again;
+* `io.save_ir` writes such a model one weight at a time (protobuf merges concatenated messages), never
+  the whole model serialized at once (`ir.save`): the file reads back as the same model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from conftest import build, randn, rng
+from onnx import numpy_helper
+from test_patterns import pre_ln_block
+
+from normpass.io import keeps_external_data, load_ir, save_onnx_atomic
+from normpass.onnx.fold.driver import fold_onnx
+from normpass.onnx.runtime import verify
+
+
+def test_a_large_rewritten_model_is_verified_from_a_file_with_external_data(tmp_path, monkeypatch):
+    path = tmp_path / "inline.onnx"
+    onnx.save(pre_ln_block(rng(1)), str(path))  # weights inside the file
+    opened = []
+    real_session = verify.ort_session
+
+    def recording(source, options, providers):
+        opened.append((source, isinstance(source, str) and Path(source).with_name("model.onnx.data").exists()))
+        return real_session(source, options, providers)
+
+    monkeypatch.setattr(verify, "ort_session", recording)
+    monkeypatch.setattr(verify, "IN_MEMORY_WEIGHT_BYTES", 1)
+    result = fold_onnx(str(path))
+    assert result.comparison is not None and result.folded == 1
+    (original, _), (rewritten, external) = opened
+    assert original == str(path), "the original runs from its own file"
+    assert isinstance(rewritten, str) and external, "the rewritten one from a file with external data"
+    opened.clear()
+    monkeypatch.setattr(verify, "IN_MEMORY_WEIGHT_BYTES", 1 << 30)
+    fold_onnx(str(path))
+    assert isinstance(opened[1][0], bytes), "a small one from bytes"
+
+
+def wide_model() -> onnx.ModelProto:
+    """Two weights of more than `io.LIGHT_INITIALIZER_LIMIT` elements, a norm's small γ and β, a bias."""
+    gen = rng(2)
+    return build(
+        """<ir_version: 10, opset_import: ["" : 18]>
+agraph (float[B, 64] x) => (float[B, 64] y) {
+  h = MatMul(x, W1)
+  n = LayerNormalization<axis=-1>(h, g, b)
+  z = MatMul(n, W2)
+  y = Add(z, c)
+}""",
+        W1=randn(gen, 64, 64),
+        W2=randn(gen, 64, 64),
+        g=1 + randn(gen, 64, scale=0.1),
+        b=randn(gen, 64, scale=0.1),
+        c=randn(gen, 64, scale=0.1),
+    )
+
+
+def test_inline_weights_are_mapped_from_the_model_file_and_written_inline_again(tmp_path):
+    path = tmp_path / "inline.onnx"
+    source = wide_model()
+    onnx.save(source, str(path))
+    before = path.read_bytes()
+    model = load_ir(path)
+    expected = {t.name: numpy_helper.to_array(t) for t in source.graph.initializer}
+    mapped = set()
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            assert Path(tensor.path) == path, name
+            mapped.add(name)
+        assert np.array_equal(tensor.numpy(), expected[name])
+    assert mapped == {"W1", "W2"}, "the weights of at least io.EXTERNAL_MIN_BYTES (γ and β are parsed)"
+    assert not keeps_external_data(model), "an inline model is written inline"
+    result = fold_onnx(str(path))
+    assert result.folded == 1 and result.comparison is not None
+    out = tmp_path / "out.onnx"
+    result.save(out)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out")] == ["out.onnx"]
+    in_memory = fold_onnx(source)
+    written = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    reference = {t.name: numpy_helper.to_array(t) for t in in_memory.model.graph.initializer}
+    assert written.keys() == reference.keys() and all(np.array_equal(written[k], reference[k]) for k in written)
+    assert path.read_bytes() == before
+
+
+def test_an_inline_model_is_written_one_weight_at_a_time(tmp_path, monkeypatch):
+    path = tmp_path / "inline.onnx"
+    source = wide_model()
+    onnx.save(source, str(path))
+    model = load_ir(path)
+    serialized = []
+    real_serialize = ir.serde.serialize_tensor
+
+    def recording(tensor, *args, **kwargs):
+        serialized.append(tensor.name)
+        return real_serialize(tensor, *args, **kwargs)
+
+    def whole(*args, **kwargs):
+        raise AssertionError("the whole model was serialized at once")
+
+    monkeypatch.setattr(ir.serde, "serialize_tensor", recording)
+    monkeypatch.setattr(ir, "save", whole)
+    out = tmp_path / "out.onnx"
+    save_onnx_atomic(model, out)
+    assert not list(tmp_path.glob("out.onnx*.data")), "the weights stay inside the file"
+    assert set(serialized) == {"W1", "W2"}, "each large weight serialized alone, the small ones with the graph"
+    written = onnx.load(str(out))
+    expected = {t.name: numpy_helper.to_array(t) for t in source.graph.initializer}
+    got = {t.name: numpy_helper.to_array(t) for t in written.graph.initializer}
+    assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
+    assert [n.op_type for n in written.graph.node] == [n.op_type for n in source.graph.node]
+    onnx.checker.check_model(written, full_check=True)
