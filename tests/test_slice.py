@@ -15,6 +15,7 @@ from test_patterns import beta, gamma, header
 from test_rotation import tied_rms_model
 
 from normpass import SliceOptions, UnsupportedModelError, inspect_slice, slice_onnx
+from normpass.cli import progress as cli_progress
 from normpass.cli.main import main
 from normpass.core import pca
 from normpass.core.pca import Covariance, eigenbasis, rms_rescale, sliced_width
@@ -305,6 +306,15 @@ def test_cli_slice_writes_the_model_and_the_report(files, capsys):
     assert data["output"] == str(out) and data["slice"]["streams"][0]["kept"] == RANK
     assert data["slice"]["held_out"]["cos_min"] > 0.9999
     check_structure(onnx.load(str(out)))
+
+
+def test_cli_slice_prints_progress_when_stderr_is_not_a_terminal(files, capsys, monkeypatch):
+    tmp, path, calib = files
+    monkeypatch.setattr(cli_progress, "INTERVAL", 0.002)
+    assert main(["slice", str(path), "-o", str(tmp / "out.onnx"), "--calib", str(calib), "--ratio", "0.5"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("normpass slice: ")]
+    stages = {line.split(": ", 2)[2] for line in lines}
+    assert any(s.startswith("slicing at ratio 0.5") for s in stages), stages
 
 
 def test_cli_slice_budget_missed_writes_nothing_and_write_best_writes_the_largest_ratio_that_meets_it(files, capsys):

@@ -26,6 +26,7 @@ from .common import (
     model_source,
     save_result,
 )
+from .progress import Heartbeat
 
 
 def add_parser(sub) -> None:
@@ -161,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--{option.replace('_', '-')} {rest}") from None
     model, label = model_source(args)
     try:
-        result = slice_onnx(model, args.calib, options, name=label)
+        with Heartbeat("slice"):
+            result = slice_onnx(model, args.calib, options, name=label)
     except BudgetMissed as e:
         if args.report:
             write_text_atomic(json.dumps({"model": label, **e.report.to_json()}, indent=2) + "\n", args.report)

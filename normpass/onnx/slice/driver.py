@@ -41,6 +41,7 @@ from ...calibration import Batch, find_mask_input, split_batches
 from ...core.budget import Budget, Metrics, compare
 from ...core.layers import Shortcut, layer_pieces
 from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis, sliced_width
+from ...core.progress import stage
 from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
@@ -375,6 +376,7 @@ def slice_onnx(
     refuse_scalar_inputs(original, name, "slicing")
     check_input_shapes(original, options.input_shapes)
     start = time.perf_counter()
+    stage("fold")
     folded = fold_onnx(original, options.rotate_options().fold_options(), name)
     slicer, plan = _plan(folded, name)
     seconds = {"fold": time.perf_counter() - start}
@@ -399,6 +401,7 @@ def slice_onnx(
         kept = {s.name: sliced_width(s.width or 0, ratio, options.round_to) for s in plan.sliceable}
         if tried and kept == tried[-1].kept:
             continue
+        stage(f"slicing at ratio {ratio:g} and judging it on the held-out data")
         cut = _cut(folded, name, options, bases, kept)
         candidate = Runner(in_memory_proto(cut))
         try:
