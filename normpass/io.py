@@ -421,7 +421,11 @@ def _save_inline(path: Path, model: ir.Model) -> None:
             tensor = model.graph.initializers[name].const_value
             assert tensor is not None, name  # skeleton stubs initializers with values only
             piece = onnx.ModelProto()
-            piece.graph.initializer.append(ir.serde.serialize_tensor(tensor))
+            if isinstance(tensor, ir.ExternalTensor):  # mapped from a file (the input's): its bytes go inline
+                piece.graph.initializer.append(ir.serde.serialize_tensor(ir.Tensor(tensor.numpy(), name=name)))
+                drop_pages(tensor)
+            else:
+                piece.graph.initializer.append(ir.serde.serialize_tensor(tensor))
             file.write(piece.SerializeToString())
 
 

@@ -123,3 +123,19 @@ def test_an_inline_model_is_written_one_weight_at_a_time(tmp_path, monkeypatch):
     assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
     assert [n.op_type for n in written.graph.node] == [n.op_type for n in source.graph.node]
     onnx.checker.check_model(written, full_check=True)
+
+
+def test_weights_mapped_from_the_input_file_are_written_inside_the_output(tmp_path):
+    """An unchanged weight is still a view of the input file: the output holds its bytes, not a reference to
+    the input (which another folder, or a later deletion, would leave dangling)."""
+    path = tmp_path / "inline.onnx"
+    source = wide_model()
+    onnx.save(source, str(path))
+    out = tmp_path / "elsewhere" / "out.onnx"
+    out.parent.mkdir()
+    save_onnx_atomic(load_ir(path), out)
+    path.unlink()
+    written = onnx.load(str(out), load_external_data=False)
+    assert not [t.name for t in written.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    expected = {t.name: numpy_helper.to_array(t) for t in source.graph.initializer}
+    assert all(np.array_equal(numpy_helper.to_array(t), expected[t.name]) for t in written.graph.initializer)
