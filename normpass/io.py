@@ -362,6 +362,18 @@ def maps_weights(model: ir.Model) -> bool:
     return any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
 
 
+def unmapped(model: ir.Model) -> ir.Model:
+    """`model` with the weights `load_ir` mapped from inside its own file (`INLINE_WEIGHTS`) read into memory, for
+    a writer other than `save_ir` (onnx-ir's `ir.save`, Olive's): those would keep a mapped weight as a reference
+    to the input file. Weights that came as external data are left as they are."""
+    if model.meta.get(INLINE_WEIGHTS):
+        for value in model.graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                value.const_value = ir.Tensor(value.const_value.numpy(), name=value.name)
+        model.meta[INLINE_WEIGHTS] = False
+    return model
+
+
 def keeps_external_data(model: ir.Model) -> bool:
     """Whether `model`'s weights go to a data file when written: it came with external data (not its weights
     inline, mapped from its file: `INLINE_WEIGHTS`), or may exceed 2 GB."""

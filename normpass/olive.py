@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import missing_extra
+from .io import unmapped
 from .onnx.fold.driver import PROVIDERS, TARGETS, FoldOptions, fold_onnx
 
 try:
@@ -111,7 +112,7 @@ class NormpassFold(Pass):
         )
         result = fold_onnx(model.model_path, options, name=str(model.model_path))
         output_path = resolve_onnx_path(output_model_path, Path(model.model_path).name)
-        return ir_model_to_olive_model(result.ir_model, output_path, config)
+        return ir_model_to_olive_model(unmapped(result.ir_model), output_path, config)
 
 
 def package_config() -> dict:

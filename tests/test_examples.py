@@ -36,7 +36,12 @@ def test_ort_transformers_optimizer_and_fold_in_either_order_lose_nothing(regist
         # the four folded norms become RMS ops (three fused with their residual Add); the kept final one stays
         assert ops["SkipSimplifiedLayerNormalization"] + ops["SimplifiedLayerNormalization"] == 4, order
         assert ops["SkipLayerNormalization"] + ops.get("LayerNormalization", 0) == 1, order
-        assert (ops["FastGelu"], ops["MatMul"], ops["Gemm"]) == (2, baseline["MatMul"], baseline["Gemm"]), order
+        # no linear layer lost and no Gemm → MatMul conversion undone; folding first may convert the MLP's
+        # down projections too (their flattening is proven once symbolic shape inference reads the reshapes)
+        linear = ops["MatMul"] + ops.get("Gemm", 0)
+        assert (ops["FastGelu"], linear) == (2, baseline["MatMul"] + baseline["Gemm"]), order
+        assert ops.get("Gemm", 0) <= baseline["Gemm"], order
+        assert sum(ops.values()) <= sum(baseline.values()), order
         assert result[order]["max_rel_error"] < TOLERANCE, order
 
 

@@ -21,7 +21,7 @@ from conftest import build, randn, rng
 from onnx import numpy_helper
 from test_patterns import pre_ln_block
 
-from normpass.io import keeps_external_data, load_ir, save_onnx_atomic
+from normpass.io import keeps_external_data, load_ir, save_onnx_atomic, unmapped
 from normpass.onnx.fold.driver import fold_onnx
 from normpass.onnx.runtime import verify
 
@@ -134,6 +134,22 @@ def test_weights_mapped_from_the_input_file_are_written_inside_the_output(tmp_pa
     out = tmp_path / "elsewhere" / "out.onnx"
     out.parent.mkdir()
     save_onnx_atomic(load_ir(path), out)
+    path.unlink()
+    written = onnx.load(str(out), load_external_data=False)
+    assert not [t.name for t in written.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    expected = {t.name: numpy_helper.to_array(t) for t in source.graph.initializer}
+    assert all(np.array_equal(numpy_helper.to_array(t), expected[t.name]) for t in written.graph.initializer)
+
+
+def test_unmapped_weights_survive_onnx_irs_own_writer(tmp_path):
+    """`io.unmapped` reads the weights `load_ir` mapped from the model file into memory, so that `ir.save` (what
+    Olive writes a pass's model with) writes their bytes, not references to the input file."""
+    path = tmp_path / "inline.onnx"
+    source = wide_model()
+    onnx.save(source, str(path))
+    out = tmp_path / "elsewhere" / "out.onnx"
+    out.parent.mkdir()
+    ir.save(unmapped(load_ir(path)), out)
     path.unlink()
     written = onnx.load(str(out), load_external_data=False)
     assert not [t.name for t in written.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]

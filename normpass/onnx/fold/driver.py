@@ -112,7 +112,8 @@ class FoldOptions:
 @dataclass
 class FoldResult:
     """A fold's outcome. `ir_model` is the folded model (its unchanged weights still the tensors they
-    were loaded as: memory-mapped external data for a model loaded from a file); `save(path)` writes
+    were loaded as: memory-mapped external data for a model loaded from a file, also where the file holds
+    its weights inside it: write it with `save`, or with `ir.save` after `io.unmapped`); `save(path)` writes
     it atomically, streaming the weights, and `model` is it as a `ModelProto` with every weight in
     memory, made on first use (for in-memory callers and small models)."""
 
