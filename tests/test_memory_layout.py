@@ -125,33 +125,27 @@ def test_an_inline_model_is_written_one_weight_at_a_time(tmp_path, monkeypatch):
     onnx.checker.check_model(written, full_check=True)
 
 
-def test_weights_mapped_from_the_input_file_are_written_inside_the_output(tmp_path):
-    """An unchanged weight is still a view of the input file: the output holds its bytes, not a reference to
-    the input (which another folder, or a later deletion, would leave dangling)."""
+def written_elsewhere(tmp_path: Path, write) -> None:
+    """`write(model, out)` on `wide_model` loaded with `load_ir`, `out` in another folder, the input then deleted:
+    the output holds every weight's bytes (no reference to the input, which would now dangle), unchanged."""
     path = tmp_path / "inline.onnx"
     source = wide_model()
     onnx.save(source, str(path))
     out = tmp_path / "elsewhere" / "out.onnx"
     out.parent.mkdir()
-    save_onnx_atomic(load_ir(path), out)
+    write(load_ir(path), out)
     path.unlink()
     written = onnx.load(str(out), load_external_data=False)
     assert not [t.name for t in written.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     expected = {t.name: numpy_helper.to_array(t) for t in source.graph.initializer}
     assert all(np.array_equal(numpy_helper.to_array(t), expected[t.name]) for t in written.graph.initializer)
+
+
+def test_weights_mapped_from_the_input_file_are_written_inside_the_output(tmp_path):
+    written_elsewhere(tmp_path, save_onnx_atomic)
 
 
 def test_unmapped_weights_survive_onnx_irs_own_writer(tmp_path):
-    """`io.unmapped` reads the weights `load_ir` mapped from the model file into memory, so that `ir.save` (what
-    Olive writes a pass's model with) writes their bytes, not references to the input file."""
-    path = tmp_path / "inline.onnx"
-    source = wide_model()
-    onnx.save(source, str(path))
-    out = tmp_path / "elsewhere" / "out.onnx"
-    out.parent.mkdir()
-    ir.save(unmapped(load_ir(path)), out)
-    path.unlink()
-    written = onnx.load(str(out), load_external_data=False)
-    assert not [t.name for t in written.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    expected = {t.name: numpy_helper.to_array(t) for t in source.graph.initializer}
-    assert all(np.array_equal(numpy_helper.to_array(t), expected[t.name]) for t in written.graph.initializer)
+    """`io.unmapped` reads the mapped weights into memory, so that `ir.save` (what Olive writes a pass's model
+    with) writes their bytes."""
+    written_elsewhere(tmp_path, lambda model, out: ir.save(unmapped(model), out))
