@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import onnx
 import pytest
 import torch
@@ -28,7 +30,7 @@ from normpass.onnx.fold.driver import inspect_onnx
 from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
 from normpass.onnx.runtime.verify import run
 from normpass.torch.api import export_onnx, fold, inspect, load_factory
-from normpass.torch.rewrite import RMSNormWithBias
+from normpass.torch.rewrite import Permuted, RMSNormWithBias
 
 SMALL = builtin_models.names(include_large=False)
 REL_TOL = 1e-5
@@ -244,12 +246,58 @@ class TinyViT(nn.Module):
         return self.head(self.rms(self.ln3(h)[:, 0]))
 
 
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """timm's LayerNorm2d: a LayerNorm over the channels of an NCHW tensor, between two permutes."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class OwnLayerNorm(nn.Module):
+    """A LayerNorm that is no nn.LayerNorm: F.layer_norm over its own weight and bias."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.rand(width) + 0.5), nn.Parameter(torch.randn(width))
+        self.width = width
+
+    def forward(self, x):
+        return F.layer_norm(x, (self.width,), self.weight, self.bias, 1e-6)
+
+
+class ScaledLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class ConvNet(nn.Module):
+    """A conv stem, a channels-first LayerNorm, then a token LayerNorm that is no nn.LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.ln2d, self.conv = nn.Conv2d(3, 8, 2, stride=2), ChannelsFirstLayerNorm(8), nn.Conv2d(8, 8, 1)
+        self.ln, self.head = OwnLayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        tokens = self.conv(self.ln2d(self.stem(x))).flatten(2).transpose(1, 2)
+        return self.head(self.ln(tokens))
+
+
+class ScaledNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), ScaledLayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(self.fc(x))
+
+
 def _seeded(cls):
     torch.manual_seed(0)
     module = cls().eval()
     with torch.no_grad():
         for sub in module.modules():
-            if isinstance(sub, nn.LayerNorm):
+            if isinstance(sub, (nn.LayerNorm, OwnLayerNorm)):
                 sub.weight.uniform_(0.5, 1.5)
                 sub.bias.normal_()
     return module
@@ -283,7 +331,8 @@ def test_bfloat16_module_is_judged_at_bfloat16_tolerance():
     "cls, name, reason",
     [
         (SharedLayer, "ln", "fc.weight cannot be centred: it is also read by fc/linear_2, where centring is unsafe"),
-        (FunctionalNorm, "layer_norm", "the PyTorch rewrite replaces nn.LayerNorm modules only"),
+        (FunctionalNorm, "layer_norm", "not a LayerNorm module (the model itself)"),
+        (ScaledNormNet, "ln/layer_norm", "not a LayerNorm module (its forward also calls aten.mul)"),
         (NormTwice, "ln", "module ln is also called as ln@1, which does not fold"),
     ],
 )
@@ -295,6 +344,27 @@ def test_declines_what_a_module_rewrite_cannot_express(cls, name, reason):
     assert decision.reason.startswith("provably foldable, but the PyTorch rewrite cannot apply it")
     with torch.no_grad():
         assert torch.equal(result(*X), module(*X))
+
+
+@pytest.mark.parametrize("capture", ["torch.export", "torch.fx.symbolic_trace"])
+def test_layer_norm_modules_of_other_classes_fold(capture, monkeypatch):
+    """A LayerNorm subclass between permutes (LayerNorm2d) and a module calling F.layer_norm on its own
+    weight and bias are swapped for RMSNorms (the first between the same permutes), by either capture."""
+    module, images = _seeded(ConvNet), (torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3)),)
+    if capture != "torch.export":
+        monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        result, report = fold(module, images)
+    assert report.capture == capture
+    assert [(d.name, d.foldable) for d in report.plan.decisions] == [("ln2d", True), ("ln", True)]
+    assert report.max_rel_error <= REL_TOL
+    assert isinstance(result.ln2d, Permuted) and isinstance(result.ln2d.norm, nn.RMSNorm)
+    assert (result.ln2d.before, result.ln2d.after) == ((0, 2, 3, 1), (0, 3, 1, 2))
+    assert isinstance(result.ln, nn.RMSNorm)
+    other = torch.randn(1, 3, 12, 4)  # another shape: the swap is a module, not a traced graph
+    with torch.no_grad():
+        assert _rel_error(module(other), result(other)) <= REL_TOL
 
 
 def test_falls_back_to_symbolic_trace_and_says_why():

@@ -12,9 +12,11 @@ both front ends alike:
   the stream; `x − mean(x)` is already centred); scalar `mul` / `div` and `neg`;
 * value-preserving ops (`alias`, `clone`, float casts, dropout at inference) and layout ops:
   views, permutes, `cat`, slices, splits, `select`, `roll`, `expand`, zero padding of one axis;
-* norms: `aten.layer_norm` (nn.LayerNorm, F.layer_norm), `aten.group_norm`, `aten.rms_norm`, and
-  any module whose class name ends in `RMSNorm` (HF `LlamaRMSNorm` and kin, which decompose into
-  pow/mean/rsqrt/mul) as one already-normalizing node;
+* norms: `aten.layer_norm` (nn.LayerNorm, F.layer_norm; a LayerNorm *module*, which the rewrite
+  swaps, is any module whose forward is that call over its own weight and bias, with at most a
+  permute on each side: timm's LayerNorm2d, HF's ConvNextLayerNorm), `aten.group_norm`,
+  `aten.rms_norm`, and any module whose class name ends in `RMSNorm` (HF `LlamaRMSNorm` and kin,
+  which decompose into pow/mean/rsqrt/mul) as one already-normalizing node;
 * `softmax` is shift-invariant; everything else is opaque.
 
 Names: a norm is named by its module path (`model.transformer.h.0.ln_1`, `…@1` for a second call
@@ -78,13 +80,22 @@ class NodeRef:
     identity: bool = False  # output is the input, up to layout (views, aliases, dropout at inference)
 
 
+Permutation = tuple[int, ...]
+Layout = tuple[Permutation | None, Permutation | None]  # the permutes before and after a LayerNorm module's norm
+
+
 @dataclass(frozen=True)
 class NormSite:
-    """`NormInfo.ref`: where a norm lives in the module tree, and whether a module swap can replace it."""
+    """`NormInfo.ref`: where a norm lives in the module tree, and whether a module swap can replace it.
+
+    `layout` is the permutes the module's forward makes around its `layer_norm` (a channels-first
+    LayerNorm2d: (0, 2, 3, 1) before, (0, 3, 1, 2) after), which the swapped-in RMSNorm keeps.
+    """
 
     call: Call
     module: str
-    replace_blocked: str | None = None  # None when the call is an nn.LayerNorm module's own forward
+    replace_blocked: str | None = None  # None when the call is a LayerNorm module's own forward
+    layout: Layout = (None, None)
 
 
 @dataclass
@@ -475,14 +486,8 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
     x = a["input"]
     gamma, beta = a.get("weight"), a.get("bias")
     module = tg.model.get_submodule(call.module)
-    reads = tg.capture.reads
-    own = (
-        type(module) is nn.LayerNorm
-        and call.module != ""
-        and norm_type is NormType.LAYER
-        and (gamma is None or reads.get((call.node, gamma)) == Attr(call.module, "weight"))
-        and (beta is None or reads.get((call.node, beta)) == Attr(call.module, "bias"))
-    )
+    layout = _layer_norm_module(tg, ctx, call) if norm_type is NormType.LAYER else "it is not a LayerNorm"
+    own = not isinstance(layout, str)
     name = _norm_name(call, own or _owns(module, norm_type), taken)
     rank = ctx.rank(x)
     width = len(a.get("normalized_shape") or [None])
@@ -518,8 +523,8 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
         None
         if own
         else (
-            f"{call.target} is called inside {type(module).__name__} {call.module or '(root)'}.forward, not by an "
-            "nn.LayerNorm module: the PyTorch rewrite replaces nn.LayerNorm modules only "
+            f"{call.target} is called inside {type(module).__name__} {call.module or '(root)'}.forward, which is "
+            f"not a LayerNorm module ({layout}): the PyTorch rewrite swaps LayerNorm modules only "
             "(the ONNX front end can fold it)"
         )
     )
@@ -535,9 +540,53 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
         bias=beta,
         output_centred=output_centred,
         unsupported=unsupported,
-        ref=NormSite(call, call.module, blocked),
+        ref=NormSite(call, call.module, blocked, layout if not isinstance(layout, str) else (None, None)),
     )
     return info, [x] + [t for t in (gamma, beta) if t is not None]
+
+
+LAYOUT_ONLY = ("permute", "contiguous", "clone", "alias", "detach")  # ops a LayerNorm module may make around it
+
+
+def _layer_norm_module(
+    tg: TorchGraph, ctx: _Context, call: Call
+) -> tuple[Permutation | None, Permutation | None] | str:
+    """The permutes around `call` if the module making it is a LayerNorm, else why it is not.
+
+    A LayerNorm module (nn.LayerNorm and its subclasses: timm's LayerNorm and LayerNorm2d, HF's
+    ConvNextLayerNorm; or any module) has no submodules, reads γ and β as its own `weight` and
+    `bias`, and its forward is the `layer_norm` alone or a chain of one permute before it, one after,
+    and copies (a channels-first LayerNorm), whose inner values nothing else reads. Swapping it for
+    an RMSNorm with the same permutes computes the same function of the module's input.
+    """
+    if not call.module:
+        return "the model itself"
+    module = tg.model.get_submodule(call.module)
+    if next(module.children(), None) is not None:
+        return "it has submodules"
+    reads = tg.capture.reads
+    for tensor, name in ((call.args.get("weight"), "weight"), (call.args.get("bias"), "bias")):
+        if tensor is not None and reads.get((call.node, tensor)) != Attr(call.module, name):
+            return f"its {'γ' if name == 'weight' else 'β'} is not its own `{name}`"
+    region = [c for c in tg.capture.calls if c.call == call.call]
+    permutes: list[Permutation | None] = [None, None]
+    after = False
+    for position, member in enumerate(region):
+        source = call.args["input"] if member is call else member.refs()[0] if member.refs() else None
+        if position and source != region[position - 1].outputs[0]:
+            return "its forward is not one chain of calls"
+        if position < len(region) - 1 and ctx.readers.get(member.outputs[0], set()) != {region[position + 1].node}:
+            return "a value inside its forward is read outside it"
+        if member is call:
+            after = True
+        elif member.op not in LAYOUT_ONLY:
+            return f"its forward also calls {member.target}"
+        elif member.op == "permute":
+            rank = ctx.rank(member.args["self"])
+            if permutes[after] is not None or rank is None:
+                return "its forward permutes more than once on one side of the norm"
+            permutes[after] = tuple(int(d) % rank for d in member.args["dims"])
+    return permutes[0], permutes[1]
 
 
 def _owns(module: nn.Module, norm_type: NormType) -> bool:

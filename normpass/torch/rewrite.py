@@ -1,9 +1,11 @@
 """Apply a `FoldPlan` to a PyTorch module: centre parameters, swap LayerNorm modules for RMSNorms.
 
 The rewrite works on modules, not on the captured graph: the returned module keeps its class and
-its forward code, only some parameters get new values and folded `nn.LayerNorm` submodules are
-replaced by `torch.nn.RMSNorm`. So it runs eagerly at any input shape, compiles and exports like
-the original.
+its forward code, only some parameters get new values and folded LayerNorm submodules
+(`nn.LayerNorm`, its subclasses, and any module whose forward is `F.layer_norm` over its own weight
+and bias, between permutes or not: `fx._layer_norm_module`) are replaced by `torch.nn.RMSNorm`
+(inside `Permuted` where the LayerNorm permuted around its norm). So it runs eagerly at any input
+shape, compiles and exports like the original.
 
 * Centring (algebra.centre) of each attribute a planned layer reads, along the axis that indexes
   its output features: nn.Linear W [out, in] axis 0, HF Conv1D W [in, out] axis 1, embedding
@@ -50,6 +52,19 @@ class RMSNormWithBias(nn.RMSNorm):
         return super().forward(x) + self.bias
 
 
+class Permuted(nn.Module):
+    """`norm` between two permutes: the RMSNorm that replaces a channels-first LayerNorm (timm LayerNorm2d)."""
+
+    def __init__(self, norm: nn.Module, before: tuple[int, ...] | None, after: tuple[int, ...] | None):
+        super().__init__()
+        self.norm, self.before, self.after = norm, before, after
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if self.before is None else x.permute(self.before)
+        x = self.norm(x)
+        return x if self.after is None else x.permute(self.after)
+
+
 # --- what a module rewrite can express ---------------------------------------------------------
 
 
@@ -84,7 +99,7 @@ def _harmless(tg: TorchGraph, checker: ShiftChecker, node: str, tensor: str, axi
 def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
     """The plan less the folds a module rewrite cannot express, each declined with its reason.
 
-    A fold stays only if (1) its norm is an `nn.LayerNorm` module whose every call folds, and (2)
+    A fold stays only if (1) its norm is a LayerNorm module whose every call folds, and (2)
     every constant it centres is a module attribute whose every reader is centred alike, or reads
     it in a layer whose centring is safe anyway.
     """
@@ -276,13 +291,14 @@ def carry_along_stream(tg: TorchGraph, editor: _Editor, stream: Stream, scale: n
 
 
 def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, full, beta_only) -> str:
-    """Replace the folded nn.LayerNorm by an RMSNorm; returns a note on where γ/β went."""
+    """Replace the folded LayerNorm module by an RMSNorm (between its permutes); returns a note on where γ/β went."""
     norm = tg.zmg.norm_by_name(norm_name)
-    path = norm.ref.module
+    site: NormSite = norm.ref
+    path = site.module
     layer_norm = editor.module.get_submodule(path)
-    assert isinstance(layer_norm, nn.LayerNorm), f"{path} was captured as an nn.LayerNorm"
-    gamma, beta = layer_norm.weight, layer_norm.bias
-    shape, eps = layer_norm.normalized_shape, layer_norm.eps
+    gamma = None if norm.scale is None else getattr(layer_norm, "weight")  # noqa: B009 (the module's own, by fx._layer_norm_module)
+    beta = None if norm.bias is None else getattr(layer_norm, "bias")  # noqa: B009
+    shape, eps = tuple(site.call.args["normalized_shape"]), norm.epsilon
     like = {} if gamma is None else {"dtype": gamma.dtype, "device": gamma.device}
     wide_gamma = None if gamma is None else _wide(gamma)
     if full is not None:
@@ -303,6 +319,8 @@ def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, full, beta_only)
                 replacement.weight.copy_(gamma)
         note = "γ kept in the RMSNorm" if gamma is not None else "no affine"
         note += f", β migrated into {', '.join(moved)}" if moved else ""
+    if site.layout != (None, None):
+        replacement = Permuted(replacement, *site.layout)
     parent, _, child = path.rpartition(".")
     setattr(editor.module.get_submodule(parent), child, replacement.train(layer_norm.training))
     return note
