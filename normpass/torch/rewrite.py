@@ -11,6 +11,13 @@ shape, compiles and exports like the original.
   its output features: nn.Linear W [out, in] axis 0, HF Conv1D W [in, out] axis 1, embedding
   tables axis 1, conv W axis 0, their biases, and parameters added into the stream (position
   tables, CLS tokens) along the stream's axis.
+* LayerScale (`core.rules.layer_scale`; CaiT, DINOv2): a per-channel factor s multiplying a linear
+  layer's output is absorbed first, (x·W + b)⊙s = x·(W⊙s) + b⊙s, the factor set to ones, so the
+  layer is centred as any other; only where nothing else reads s, W or b.
+* Inserted centring (the plan's `Insertion`s; BLOOM's and mBART's embedding LayerNorms, PVT-v2's
+  patch norms): where a stream starts at a LayerNorm module's affine output, that module (or the
+  RMSNorm it became, keeping γ and β) is wrapped in `Centred`, y − mean(y). A centring anywhere
+  else (inside a forward) is declined.
 * Copy-on-write: an edit assigns a new `nn.Parameter` to the one attribute the graph read it
   through, so a parameter tied elsewhere (GPT-2's LM head is the token table) keeps its value
   there; HF tying metadata is updated so `tie_weights()` will not tie them again.
@@ -27,6 +34,7 @@ graph-level plan does not assume; `restrict` declines the folds a module rewrite
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,8 +42,9 @@ from torch import nn
 
 from ..core.algebra import centre, migrate_affine, scale_along
 from ..core.analysis import ShiftChecker
-from ..core.plan import Blocker, Centring, FoldPlan, NormDecision
-from ..core.rules import Linear
+from ..core.graph import NormInfo
+from ..core.plan import Blocker, Centring, FoldPlan, Insertion, NormDecision
+from ..core.rules import Linear, layer_scale
 from .capture import Attr
 from .fx import NodeRef, NormSite, TorchGraph, to_numpy
 from .targets import BiasTarget, Stream, claim_residual, migration_targets
@@ -50,6 +59,19 @@ class RMSNormWithBias(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + self.bias
+
+
+class Centred(nn.Module):
+    """`module` with its output centred along `axis` (y − mean(y)): a centring the plan inserts where a
+    stream starts at a norm module's affine output (BLOOM's embedding LayerNorm, PVT-v2's patch norms)."""
+
+    def __init__(self, module: nn.Module, axis: int):
+        super().__init__()
+        self.module, self.axis = module, axis
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        y = self.module(*args, **kwargs)
+        return y - y.mean(self.axis, keepdim=True)
 
 
 class Permuted(nn.Module):
@@ -68,9 +90,48 @@ class Permuted(nn.Module):
 # --- what a module rewrite can express ---------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LayerScale:
+    """A per-channel factor s after a linear layer, absorbed into it: W ← W⊙s along its outputs, b ← b⊙s, s ← 1."""
+
+    mul: str
+    factor: str
+    linear: str
+
+
+def _layer_scale(tg: TorchGraph, centring: Centring) -> LayerScale | None:
+    """The LayerScale `centring` centres by absorbing it into its layer (`core.rules.layer_scale`), if any."""
+    if centring.input_index is not None or centring.axis is None:
+        return None
+    node = tg.zmg.nodes[centring.node]
+    found = layer_scale(tg.zmg, node, centring.axis)
+    if found is None:
+        return None
+    index, linear, _ = found
+    return LayerScale(node.name, node.inputs[index], linear.name)
+
+
+def _layer_scale_blocked(tg: TorchGraph, scale: LayerScale, uses: dict) -> str | None:
+    """Why absorbing `scale` would change another reader of its factor or of its layer's parameters."""
+    linear = tg.zmg.nodes[scale.linear].ref.linear
+    if linear.bias is not None and linear.bias_axis is None:
+        return f"the LayerScale {scale.mul} cannot be absorbed: its layer's bias is one number for every channel"
+    for node, tensor in [(scale.mul, scale.factor), (scale.linear, linear.weight), (scale.linear, linear.bias)]:
+        attr = None if tensor is None else tg.attr(node, tensor)
+        if tensor is not None and attr is None:
+            return f"{tensor}, read by {node}, is not a module parameter or buffer"
+        others = [] if attr is None else [n for n, _ in uses.get(attr, []) if n != node]
+        if others:
+            return f"the LayerScale {scale.mul} cannot be absorbed: {attr} is also read by {others[0]}"
+    return None
+
+
 def _edits_of(tg: TorchGraph, centring: Centring) -> list[tuple[str, str, int | None]] | str:
     """(node, constant, axis) reads that `centring` edits, or why it cannot be done on a module."""
     reads: list[tuple[str, str, int | None]]
+    scale = _layer_scale(tg, centring)
+    if scale is not None:  # the layer takes the factor, and is centred
+        centring = dataclasses.replace(centring, node=scale.linear)
     if centring.input_index is not None:
         assert centring.tensor is not None  # a constant's centring names it
         reads = [(centring.node, centring.tensor, centring.axis)]
@@ -130,6 +191,8 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
             kept = [d for d in calls_of.get(site.module, []) if not d.foldable]
             if site.replace_blocked:
                 decline(decision, decision.name, site.replace_blocked)
+            elif why := next(filter(None, (_not_at_module_output(tg, i) for i in decision.insertions)), None):
+                decline(decision, decision.name, why)
             elif affine_readers[site.module]:
                 reader = affine_readers[site.module][0]
                 decline(decision, reader, f"{reader} also reads the γ or β of {site.module}, which the swap removes")
@@ -140,6 +203,11 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
                     f"module {site.module} is also called as {kept[0].name}, which "
                     "does not fold, and a module swap replaces every call",
                 )
+        for decision in (d for d in decisions if d.foldable):
+            for scale in filter(None, (_layer_scale(tg, c) for c in decision.centrings)):
+                if why := _layer_scale_blocked(tg, scale, uses):
+                    decline(decision, scale.mul, why)
+                    break
         edits, needs = _planned_edits(tg, decisions, decline)
         for attr, reads in edits.items():
             reason = _conflict(tg, checker, attr, reads, uses.get(attr, []))
@@ -148,6 +216,27 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
                     decline(decision, str(attr), reason)
         if sum(d.foldable for d in decisions) == before:
             return FoldPlan(decisions)
+
+
+def _centred_module(tg: TorchGraph, insertion: Insertion) -> NormInfo | None:
+    """The norm whose module's output is `insertion`'s tensor, where a `Centred` wrapper can centre it."""
+    norm = next((n for n in tg.zmg.norms if n.output == insertion.tensor), None)
+    if norm is None or not norm.ref.module or norm.ref.layout[1] is not None:
+        return None
+    if sum(n.ref.module == norm.ref.module for n in tg.zmg.norms) != 1:
+        return None  # a wrapper would centre every call of the module
+    if norm.ref.replace_blocked is not None:
+        return None  # not a LayerNorm module: a call inside a larger forward
+    return norm
+
+
+def _not_at_module_output(tg: TorchGraph, insertion: Insertion) -> str | None:
+    if _centred_module(tg, insertion) is None:
+        return (
+            f"the centring it needs on {insertion.tensor} is not at the output of a LayerNorm module called once, "
+            "where a module rewrite could put it (the ONNX front end inserts it)"
+        )
+    return None
 
 
 def _planned_edits(tg: TorchGraph, decisions: list[NormDecision], decline):
@@ -290,6 +379,20 @@ def carry_along_stream(tg: TorchGraph, editor: _Editor, stream: Stream, scale: n
     return [node.name for node, _, _ in edits]
 
 
+def _absorb(tg: TorchGraph, editor: _Editor, scale: LayerScale) -> None:
+    """(x·W + b)⊙s = x·(W⊙s) + b⊙s: the layer's output rows and bias times s, the factor set to ones."""
+    factor_attr = tg.attr(scale.mul, scale.factor)
+    linear = tg.zmg.nodes[scale.linear].ref.linear
+    assert factor_attr is not None  # checked by _layer_scale_blocked
+    factor = _wide(editor.parameter(factor_attr))
+    s = factor.reshape(-1)
+    for tensor, axis in ((linear.weight, linear.out_axis), (linear.bias, linear.bias_axis)):
+        attr = None if tensor is None else tg.attr(scale.linear, tensor)
+        if attr is not None:
+            editor.set(attr, scale_along(_wide(editor.parameter(attr)), axis, s))
+    editor.set(factor_attr, np.ones_like(factor))
+
+
 def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, full, beta_only) -> str:
     """Replace the folded LayerNorm module by an RMSNorm (between its permutes); returns a note on where γ/β went."""
     norm = tg.zmg.norm_by_name(norm_name)
@@ -337,16 +440,27 @@ def apply(
     """
     uses = tg.uses()
     editor = _Editor(module)
-    # Decide migrations on the original graph, before any parameter is rewritten.
+    centred = {}  # norm → the axis its module's output is centred along
+    for insertion in {i for decision in plan.folded for i in decision.insertions}:
+        norm = _centred_module(tg, insertion)
+        assert norm is not None, f"restrict() checked the centring of {insertion.tensor}"
+        centred[norm.name] = insertion.axis - len(tg.zmg.shape(insertion.tensor) or ())
+    # Decide migrations on the original graph, before any parameter is rewritten. A norm whose
+    # output is centred keeps its γ and β: the centring is planned on γ⊙x̂+β.
     targets = {}
     for decision in plan.folded:
         norm = tg.zmg.norm_by_name(decision.name)
+        if norm.name in centred:
+            targets[norm.name] = (None, None)
+            continue
         full = migration_targets(tg, norm.name, uses, norm.bias is not None) if migrate else None
         beta_only = None
         if full is None and migrate and beta_across_residuals and norm.bias is not None:
             width = (tg.zmg.shape(norm.output) or (None,))[-1]
             beta_only = migration_targets(tg, norm.name, uses, True, claim_residual(tg, width, uses))
         targets[norm.name] = (full, beta_only)
+    for scale in {s for c in plan.centrings if (s := _layer_scale(tg, c)) is not None}:
+        _absorb(tg, editor, scale)
     axes: dict[Attr, int | None] = {}
     for centring in plan.centrings:
         edits = _edits_of(tg, centring)
@@ -358,5 +472,10 @@ def apply(
     for attr, axis in axes.items():
         editor.set(attr, centre(_wide(editor.parameter(attr)), axis))
     notes = {d.name: _swap_norm(tg, editor, d.name, *targets[d.name]) for d in plan.folded}
+    for name, axis in centred.items():
+        path = tg.zmg.norm_by_name(name).ref.module
+        parent, _, child = path.rpartition(".")
+        setattr(editor.module.get_submodule(parent), child, Centred(editor.module.get_submodule(path), axis))
+        notes[name] = notes.get(name, "not folded") + f"; output centred along axis {axis}"
     editor.forget_hf_ties()
     return notes, editor.untied
