@@ -20,6 +20,7 @@ from conftest import build, randn, rng
 from normpass.cli.main import main
 from normpass.core.analysis import plan, prove
 from normpass.core.graph import NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode, source
+from normpass.core.plan import Insertion
 from normpass.core.rules import Linear, NormRule, Opaque, Sum
 
 SHAPE = (1, 4, 8)
@@ -99,13 +100,27 @@ def test_centring_that_reaches_an_opaque_node_is_refused():
     zmg = stream(2)
     zmg.add_node(ZNode("gelu", "Gelu", NodeKind.OTHER, Opaque("a nonlinearity"), ["x0"], ["g"]))
     zmg.shapes["g"] = SHAPE
-    decisions = {d.name: d for d in plan(zmg).decisions}
+    decisions = {d.name: d for d in plan(zmg, insert_centering=False).decisions}
     assert not any(d.foldable for d in decisions.values()), "every norm needs the embedding centred"
     refused = decisions["ln0"]
     assert refused.reason == (
         "centring embed is unsafe: Gelu gelu would change its output (it is not shift-invariant): a nonlinearity"
     )
     assert refused.blocker.path == ("embed", "gelu")
+
+
+def test_a_centring_inserted_below_an_unsafe_centring():
+    """The embedding cannot be centred (a Gelu reads it), but x1 = x0 + proj0(…) is read only by norms and
+    the stream: centring x1 itself folds the two norms past it, with the projections the rest needs."""
+    zmg = stream(2)
+    zmg.add_node(ZNode("gelu", "Gelu", NodeKind.OTHER, Opaque("a nonlinearity"), ["x0"], ["g"]))
+    zmg.shapes["g"] = SHAPE
+    fold_plan = plan(zmg)
+    decisions = {d.name: d for d in fold_plan.decisions}
+    assert [d.name for d in fold_plan.folded] == ["ln1", "ln_f"]
+    assert decisions["ln1"].insertions == decisions["ln_f"].insertions == [Insertion("x1", AXIS)]
+    assert decisions["ln1"].centred_layers == [] and decisions["ln_f"].centred_layers == ["proj1"]
+    assert "centring embed is unsafe" in decisions["ln0"].reason
 
 
 def test_centring_that_reaches_a_graph_output_is_refused():
@@ -129,6 +144,9 @@ class Counting:
     def forward(self, shift):
         self.calls["forward"] += 1
         return self.rule.forward(shift)
+
+    def rows(self, shift, output):
+        return self.rule.rows(shift, output)
 
 
 def counted_plan(layers: int) -> tuple[dict, ZeroMeanGraph]:
@@ -241,3 +259,16 @@ def test_inspect_refuses_a_graph_path_it_cannot_write(tmp_path, capsys):
     assert main(["inspect", str(model), "--graph", str(tmp_path / "graph.txt")]) == 2
     assert not (tmp_path / "graph.txt").exists()
     assert ".graphml or .json" in capsys.readouterr().err
+
+
+def test_the_graph_module_never_imports_the_rules():
+    """`graph.py` defines the `Rule` interface and `rules.py` implements it: the import goes one way only
+    (the two modules once imported each other)."""
+    import ast
+    import pathlib
+
+    import normpass.core.graph as graph_module
+
+    tree = ast.parse(pathlib.Path(graph_module.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {"rules", "analysis"} & imported, imported

@@ -13,16 +13,19 @@ it; anything else blocks the proof.
 
 **Safety (forward, seed 003 App. D.2).** Centring a layer changes its output y into
 y − m(x)·1ₖ, a per-sample shift constant along k. The model is unchanged iff every path from y
-carries that shift (through sums, scalings constant along k and axis-preserving layout ops) into
+carries that shift (through sums, scalings constant along k, axis-preserving layout ops and means
+over other axes) into
 an op that removes it: a LayerNorm over k (folded or not: LN(x + c·1) = LN(x)), a centring
 x − mean_k(x), or a Softmax over k; a reader of shapes only (Shape, Size) never sees it. A shift
 reaching a graph output, a linear layer, a nonlinearity or an RMSNorm makes the centring unsafe,
 and the norms that need it are refused.
 
-**Inserted centring.** Where a proof is blocked at a tensor t whose shifts are all removed
-downstream (the safety condition), inserting t' = t − mean_k(t) makes t zero-mean at the cost of
-one ReduceMean and one Sub. It is planned only where it enables at least `MIN_FOLDS_PER_INSERTION`
-folds, since one insertion costs about what one fold saves.
+**Inserted centring.** Where a proof is blocked, or needs a centring that is unsafe, inserting
+t' = t − mean_k(t) at a tensor t of its walk whose shifts are all removed downstream (the safety
+condition) makes t zero-mean exactly, at the cost of one ReduceMean and one Sub; the walk above t
+is then not needed (`Cutter`: the blocked tensor itself where that is exact, else a tensor below it,
+e.g. the sum of a layer and a grouped conv that reads it). It is planned only where it enables at
+least `MIN_FOLDS_PER_INSERTION` folds, since one insertion costs about what one fold saves.
 
 **Cost.** Each rule's transfer (`Rule.backward`, `Rule.forward` in `rules.py`) is evaluated at most
 once per (tensor, axis) state and plan: proofs and shift checks are memoised per state and shared
@@ -34,13 +37,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .graph import NormInfo, ZeroMeanGraph, ZNode
+from .graph import NormInfo, Rows, Shift, ZeroMeanGraph, ZNode
 from .plan import Blocker, Centring, FoldPlan, Insertion, NormDecision
-from .rules import Shift, layer_scale, regroup_axis  # noqa: F401  (re-exported for the front ends)
+from .rules import layer_scale, regroup_axis  # noqa: F401  (re-exported for the front ends)
 
 MIN_FOLDS_PER_INSERTION = 2
 
 State = tuple[str, int]  # (tensor, axis)
+ShiftState = tuple[str, int, Rows | None]  # (tensor, axis, the rows that carry the shift; None: all)
 
 
 # --- proof (backward) --------------------------------------------------------------------------
@@ -80,6 +84,7 @@ class Prover:
     def __init__(self, zmg: ZeroMeanGraph):
         self.zmg = zmg
         self.memo: dict[State, _Found] = {}
+        self.steps: dict[State, _Step] = {}  # each state's own rule evaluation, for `Cutter`
 
     def prove(self, norm: NormInfo) -> Proof:
         """The centrings that make the norm's input zero-mean, or the blockers that prevent it."""
@@ -93,7 +98,7 @@ class Prover:
         return Proof(list(found.centrings), blockers)
 
     def _found(self, start: State) -> _Found:
-        steps: dict[State, _Step] = {}
+        steps = self.steps
         stack = [start]
         while stack:
             state = stack[-1]
@@ -157,13 +162,14 @@ def prove(zmg: ZeroMeanGraph, norm: NormInfo) -> Proof:
 class ShiftChecker:
     """Decides whether a per-sample shift constant along an axis is removed downstream.
 
-    `removed(tensor, axis)` is memoised over (tensor, axis), so checking every centring of a deep
-    residual stream is linear in graph size; so is `unsafe`, over centrings.
+    `removed(tensor, axis)` is memoised over (tensor, axis, rows) states (`rows`: the one slice of the
+    tensor that carries the shift, where a concatenation tells, see `rules.py`), so checking every
+    centring of a deep residual stream is linear in graph size; so is `unsafe`, over centrings.
     """
 
     def __init__(self, zmg: ZeroMeanGraph):
         self.zmg = zmg
-        self.memo: dict[State, Blocker | None] = {}
+        self.memo: dict[ShiftState, Blocker | None] = {}
         self.verdicts: dict[Centring, Blocker | None] = {}
 
     def unsafe(self, centring: Centring) -> Blocker | None:
@@ -184,24 +190,32 @@ class ShiftChecker:
             self.verdicts[centring] = blocker
         return self.verdicts[centring]
 
-    def _through(self, node: ZNode, index: int, axis: int | None, out_axis: int | None = None):
-        """Successor states of a shift entering `node` at input `index` (see `rules.Shift`), or a Blocker."""
-        result = node.rule.forward(Shift(self.zmg, node, index, axis, out_axis))
+    def _through(self, node: ZNode, index: int, axis: int | None, out_axis: int | None = None, rows=None):
+        """Successor states of a shift entering `node` at input `index` (see `graph.Shift`), or a Blocker.
+
+        A successor whose rows are empty (a slice that keeps none of the shifted rows) carries no shift.
+        """
+        shift = Shift(self.zmg, node, index, axis, out_axis, rows)
+        result = node.rule.forward(shift)
         if isinstance(result, str):
             return Blocker(node.name, f"{node.op} {node.name} {result}")
-        return result
+        states = [(out, out_axis, node.rule.rows(shift, out)) for out, out_axis in result]
+        return [s for s in states if s[2] is None or s[2][1] < s[2][2]]
 
     def entering(self, node: ZNode, index: int, axis: int | None, out_axis: int) -> Blocker | None:
         """Is a shift entering `node` at input `index` (along `axis` of that input) removed downstream?"""
         successors = self._through(node, index, axis, out_axis)
         if isinstance(successors, Blocker):
             return successors
-        return next((b for s in successors if (b := self.removed(*s)) is not None), None)
+        return next((b for s in successors if (b := self._removed(s)) is not None), None)
 
     def removed(self, tensor: str, axis: int) -> Blocker | None:
         """None if a shift along `axis` of `tensor` is removed on every path, else where it is not."""
-        stack = [((tensor, axis), False)]
-        successors_of: dict[State, list[State]] = {}
+        return self._removed((tensor, axis, None))
+
+    def _removed(self, start: ShiftState) -> Blocker | None:
+        stack = [(start, False)]
+        successors_of: dict[ShiftState, list[ShiftState]] = {}
         while stack:
             state, expanded = stack.pop()
             if state in self.memo:
@@ -217,14 +231,14 @@ class ShiftChecker:
             successors_of[state] = successors
             stack.append((state, True))
             stack.extend((s, False) for s in successors if s not in self.memo)
-        return self.memo[(tensor, axis)]
+        return self.memo[start]
 
-    def _expand(self, tensor: str, axis: int):
+    def _expand(self, tensor: str, axis: int, rows: Rows | None):
         if tensor in self.zmg.graph_outputs:
             return Blocker(tensor, f"the shift reaches graph output {tensor}")
         states = []
         for node, index in self.zmg.consumers_of(tensor):
-            result = self._through(node, index, axis)
+            result = self._through(node, index, axis, rows=rows)
             if isinstance(result, Blocker):
                 return result
             states.extend(result)
@@ -243,7 +257,7 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
     keep = keep or {}
     prover, checker = Prover(zmg), ShiftChecker(zmg)
     decisions: list[NormDecision] = []
-    pending: dict[str, tuple[NormInfo, Proof]] = {}
+    pending: dict[str, NormInfo] = {}
     for norm in zmg.norms:
         decision = NormDecision(norm.name, norm.op, False, None)
         decisions.append(decision)
@@ -252,22 +266,22 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
             continue
         proof = prover.prove(norm)
         decision.centrings = proof.centrings
+        if norm.name in keep:
+            decision.kept, decision.reason, decision.centrings = True, keep[norm.name], []
+            continue
         unsafe = _first_unsafe(checker, proof.centrings)
         if unsafe is not None:
             decision.blocker = unsafe
             decision.reason = f"centring {unsafe.path[0]} is unsafe: {unsafe.reason}"
-            continue
-        if norm.name in keep:
-            decision.kept, decision.reason, decision.centrings = True, keep[norm.name], []
-            continue
-        if proof.blockers:
+        elif proof.blockers:
             decision.blocker = proof.blockers[0]
             decision.reason = f"input not provably zero-mean: {proof.blockers[0].reason}"
-            pending[norm.name] = (norm, proof)
+        else:
+            decision.foldable = True
             continue
-        decision.foldable = True
+        pending[norm.name] = norm
     if insert_centering:
-        _plan_insertions(checker, decisions, pending)
+        _plan_insertions(zmg, Cutter(prover, checker), decisions, pending)
     return FoldPlan(decisions)
 
 
@@ -287,34 +301,92 @@ def safe_centrings(zmg: ZeroMeanGraph, norm: NormInfo, checker: ShiftChecker | N
     return [c for c in prove(zmg, norm).centrings if checker.unsafe(c) is None]
 
 
-def _plan_insertions(checker: ShiftChecker, decisions: list[NormDecision], pending) -> None:
-    """Insert x − mean(x) at blocked tensors whose shift is removed downstream, where it pays."""
+Cut = tuple[frozenset[State], tuple[Centring, ...]]  # states to centre by insertion, centrings the rest needs
+
+
+class Cutter:
+    """Where inserted centrings make a norm's input zero-mean: a cut through the walk of its proof.
+
+    A state (t, k) of the walk is *clean* when its proof found no blocker and every centring it needs
+    is safe. A dirty state is cut either there, by inserting t' = t − mean_k(t), which is exact iff a
+    shift of t along k is removed downstream (`ShiftChecker.removed`), or above it: when its own rule
+    step neither failed nor needs an unsafe centring, by cutting each dirty state it needs. The cut
+    furthest upstream is taken (it is the blocked tensor itself where inserting there is exact, and
+    is shared by the most norms). Below a cut, the norm needs the clean parts' centrings and the
+    steps' own; the centrings above a cut are not needed (and may be unsafe).
+
+    This finds, e.g., wav2vec2's: the projection's output feeds the stream and a grouped positional
+    conv, which cannot take the projection's centring; the Add of both is centred instead.
+    """
+
+    def __init__(self, prover: Prover, checker: ShiftChecker):
+        self.prover, self.checker = prover, checker
+        self.memo: dict[State, Cut | None] = {}
+
+    def cut(self, start: State) -> Cut | None:
+        """The cut of a state the prover walked, or None where no insertion makes it zero-mean."""
+        stack, opened = [start], set()
+        while stack:
+            state = stack[-1]
+            if state in self.memo:
+                stack.pop()
+                continue
+            found, step = self.prover.memo[state], self.prover.steps[state]
+            if not found.blockers and self._safe(found.centrings):
+                self.memo[state] = (frozenset(), tuple(found.centrings))
+                stack.pop()
+                continue
+            above = step.blocker is None and self._safe(step.centrings)
+            if above and state not in opened:
+                opened.add(state)
+                waiting = [n for n in step.needs if n not in self.memo and n not in opened]
+                if waiting:
+                    stack.extend(waiting)
+                    continue
+            stack.pop()
+            parts = [self.memo.get(need) for need in step.needs] if above else [None]
+            if all(part is not None for part in parts):
+                cuts = frozenset().union(*(part[0] for part in parts if part is not None))
+                centrings = dict.fromkeys(step.centrings)
+                for part in parts:
+                    centrings.update(dict.fromkeys(part[1] if part is not None else ()))
+                self.memo[state] = (cuts, tuple(centrings))
+            elif self.checker.removed(*state) is None:
+                self.memo[state] = (frozenset([state]), ())
+            else:
+                self.memo[state] = None
+        return self.memo[start]
+
+    def _safe(self, centrings) -> bool:
+        return all(self.checker.unsafe(c) is None for c in centrings)
+
+
+def _plan_insertions(zmg: ZeroMeanGraph, cutter: Cutter, decisions: list[NormDecision], pending) -> None:
+    """Insert x − mean(x) where it makes pending norms provable (`Cutter`), where it pays."""
+    cuts: dict[str, Cut] = {}
     candidates: dict[Insertion, set[str]] = {}
-    for name, (_norm, proof) in pending.items():
-        insertions = set()
-        for blocker in proof.blockers:
-            if blocker.tensor is None or blocker.axis is None or checker.removed(blocker.tensor, blocker.axis):
-                break
-            insertions.add(Insertion(blocker.tensor, blocker.axis))
-        else:
-            for insertion in insertions:
-                candidates.setdefault(insertion, set()).add(name)
+    for name, norm in pending.items():
+        if norm.axis is None or zmg.is_constant(norm.input):
+            continue
+        cut = cutter.cut((norm.input, norm.axis))
+        if cut is None:
+            continue
+        cuts[name] = cut
+        for state in cut[0]:
+            candidates.setdefault(Insertion(*state), set()).add(name)
     chosen = set(candidates)
     while True:
-        enabled = {
-            name
-            for name, (_, proof) in pending.items()
-            if all(Insertion(b.tensor, b.axis) in chosen for b in proof.blockers)
-        }
+        enabled = {name for name, (states, _) in cuts.items() if all(Insertion(*s) in chosen for s in states)}
         weak = {i for i in chosen if len(candidates[i] & enabled) < MIN_FOLDS_PER_INSERTION}
         if not weak:
             break
         chosen -= weak
     by_name = {d.name: d for d in decisions}
     for name in enabled:
-        _, proof = pending[name]
+        states, centrings = cuts[name]
         decision = by_name[name]
-        decision.insertions = sorted({Insertion(b.tensor, b.axis) for b in proof.blockers}, key=lambda i: i.tensor)
+        decision.insertions = sorted((Insertion(*s) for s in states), key=lambda i: (i.tensor, i.axis))
+        decision.centrings = list(centrings)
         decision.foldable = True
         decision.reason = None
         decision.blocker = None

@@ -1,5 +1,9 @@
 """The zero-mean graph: the front-end-neutral model of a network that the analysis reasons about.
 
+It also defines the interface every node's rule implements (`Rule`, with the `Shift` record the
+safety check passes it); the rules themselves are in `rules.py`, which imports this module and is
+never imported by it.
+
 It is a `networkx.MultiDiGraph` (`ZeroMeanGraph.graph`, built from the nodes on first use, so
 that the analysis, which needs none of it, does not pay for it). Each operation is a node, keyed by its
 name, with attributes `kind` (`NodeKind`, the coarse class shown to users), `rule` (its algebra:
@@ -18,12 +22,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from .rules import Rule, describe
+from .plan import Centring
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -81,6 +85,76 @@ class NormInfo:
     @property
     def removes_mean(self) -> bool:
         return self.norm_type is NormType.LAYER and self.axis is not None
+
+
+# --- rules: the interface (`rules.py` implements it) ------------------------------------------
+
+Required = list[tuple[int, str, int | None]]  # (input index, input tensor, its axis or None)
+Backward = Required | Centring | str  # inputs that must be zero-mean, a centring, or why not
+Forward = list[tuple[str, int]] | str  # (output, axis) states that carry the shift on, or why not
+Rows = tuple[int, int, int]  # (axis, start, stop): the only slice along another axis that carries a shift
+
+
+@dataclass(frozen=True, eq=False)
+class Shift:
+    """A per-sample shift entering input `index` of `node`.
+
+    `axis` is the shifted axis of that input; None when the input is broadcast along the
+    normalized axis, which is then `out_axis` of the output. `rows`, where known, is the one slice
+    along another axis of the input that carries the shift (the rest of the input carries none).
+    """
+
+    zmg: ZeroMeanGraph
+    node: ZNode
+    index: int
+    axis: int | None
+    out_axis: int | None = None
+    rows: Rows | None = None
+
+    @property
+    def out(self) -> str:
+        return self.node.outputs[0]
+
+    @property
+    def in_shape(self):
+        return self.zmg.shape(self.node.inputs[self.index])
+
+    @property
+    def out_shape(self):
+        return self.zmg.shape(self.out)
+
+    @property
+    def lift(self) -> int:
+        """How many axes broadcasting prepends to the input."""
+        return len(self.out_shape) - len(self.in_shape)
+
+
+class Rule(Protocol):
+    """The algebra of one node: see the module docstring. Every rule is a frozen dataclass."""
+
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+
+    def backward(self, zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int) -> Backward:
+        """What makes output `tensor` of `node` zero-mean along `axis`."""
+        ...
+
+    def forward(self, shift: Shift) -> Forward:
+        """Where a shift entering `node` goes; a reason completes "{op} {name} …"."""
+        ...
+
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        """The slice of `output` that carries a shift `forward` passed on to it (None: all of it)."""
+        ...
+
+
+def describe(rule: Rule) -> str:
+    """A rule's name and parameters as one string, e.g. `Linear(axis=2)`, `NormRule(norm=ln_f)`."""
+    params = ", ".join(f"{f.name}={_short(getattr(rule, f.name))}" for f in fields(rule))
+    return f"{type(rule).__name__}({params})"
+
+
+def _short(value) -> str:
+    return value.name if hasattr(value, "name") else repr(value)
 
 
 @dataclass

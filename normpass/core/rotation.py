@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .algebra import is_uniform
-from .graph import NormInfo, NormType, ZeroMeanGraph, ZNode
+from .graph import NormInfo, NormType, Shift, ZeroMeanGraph, ZNode
 from .plan import Blocker, Centring
-from .rules import Centered, Concat, NormRule, Select, ShapeOnly, Shift, ShiftInvariant
+from .rules import Centered, Concat, NormRule, Select, ShapeOnly, ShiftInvariant
 
 State = tuple[str, int]  # (tensor, axis)
 Reads = Callable[[ZNode, int, int], bool]  # (node, input index, axis): a linear layer contracting over it?

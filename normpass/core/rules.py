@@ -1,6 +1,7 @@
 """Rules: how zero mean along one axis, and a shift constant along it, flow through one operation.
 
-Every node of the zero-mean graph carries a rule, and each rule owns both directions of its algebra:
+Every node of the zero-mean graph carries a rule (the `Rule` interface of `graph.py`, which this module
+implements and `graph.py` never imports), and each rule owns both directions of its algebra:
 
 * `backward` (the proof, seed 003 §4.2): for the node's output to be zero-mean along axis k, which
   inputs must be zero-mean, and along which of their axes; or a `Centring` of the node itself; or
@@ -27,6 +28,11 @@ The rules (the inputs of an op that the front end classifies; `x` is the stream 
 * `Mix(kept)`         y = a linear map over the other axes, the same for every slice along an axis
                       in `kept` (Resize, average pooling, Pad with zeros, Tile with repeat 1 on
                       the axis): zero-mean slices stay zero-mean, a shift constant along it stays so.
+* `Reduce(axes, keepdims)`  y = mean (or sum) of x over `axes`, not the normalized axis k (a mean-pooled
+                      head: tokens or spatial positions averaged). Each row of y along k is an
+                      average Σⱼ wⱼ·xⱼ of rows of x along k: mean_k(y) = Σⱼ wⱼ·mean_k(xⱼ) = 0 when every
+                      row is zero-mean, and a shift cⱼ·1 (constant along k, any value per row) becomes
+                      (Σⱼ wⱼ·cⱼ)·1, still constant along k. Reducing over k itself mixes along it.
 * `Choose()`          Where(c, a, b) with c constant along the axis: whole rows come from a or b.
 * `Centered(axis)`    the output is already zero-mean along `axis` (x − mean(x)); removes a shift.
 * `NormRule(norm)`    a normalization node. Its output γ⊙x̂+β is zero-mean only when the front end
@@ -38,6 +44,19 @@ The rules (the inputs of an op that the front end classifies; `x` is the stream 
 * `Opaque(reason)`    anything else: zero mean does not flow through it, and a shift reaching it
                       changes the model.
 
+**Rows that carry a shift.** A shift entering part i of a `Concat` along another axis a lives in
+that part's rows of a alone; a `Slice` along a that keeps none of those rows passes no shift on
+(`Rule.rows`). So a row taken from a concatenation whose other rows were normalized again reads
+no shift (XCiT's class attention: `cat([norm2(x[:, :1]), x[:, 1:]])[:, :1]` feeds the MLP). Every
+other rule forgets where the shift is (all rows), which is always sound.
+
+**Values nobody reads.** A shift entering the data input (input 0) of a modelled op (any rule but
+`Opaque`) whose outputs only shape readers read, and no graph output is, changes nothing: those ops'
+output shapes follow their inputs' shapes and constant parameters, never input 0's values (ops
+whose shapes do depend on values, NonZero and kin, are `Opaque`). So a `Gather` along the shifted
+axis whose output is read only by `Shape` (BART's TorchScript encoder takes `inputs_embeds[..., -1]`
+for its shape) lets the shift through, as does one whose output nothing reads.
+
 Axes map through broadcasting right-aligned (`broadcast_axis`) and through reshapes by their
 suffix products (`regroup_axis`).
 """
@@ -45,74 +64,11 @@ suffix products (`regroup_axis`).
 from __future__ import annotations
 
 import math
-from dataclasses import Field, dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import ClassVar
 
+from .graph import Backward, Forward, NormInfo, Required, Rows, Shift, ZeroMeanGraph, ZNode
 from .plan import Centring
-
-if TYPE_CHECKING:
-    from .graph import NormInfo, ZeroMeanGraph, ZNode
-
-Required = list[tuple[int, str, int | None]]  # (input index, input tensor, its axis or None)
-Backward = Required | Centring | str  # inputs that must be zero-mean, a centring, or why not
-Forward = list[tuple[str, int]] | str  # (output, axis) states that carry the shift on, or why not
-
-
-@dataclass(frozen=True, eq=False)
-class Shift:
-    """A per-sample shift entering input `index` of `node`.
-
-    `axis` is the shifted axis of that input; None when the input is broadcast along the
-    normalized axis, which is then `out_axis` of the output.
-    """
-
-    zmg: ZeroMeanGraph
-    node: ZNode
-    index: int
-    axis: int | None
-    out_axis: int | None = None
-
-    @property
-    def out(self) -> str:
-        return self.node.outputs[0]
-
-    @property
-    def in_shape(self):
-        return self.zmg.shape(self.node.inputs[self.index])
-
-    @property
-    def out_shape(self):
-        return self.zmg.shape(self.out)
-
-    @property
-    def lift(self) -> int:
-        """How many axes broadcasting prepends to the input."""
-        return len(self.out_shape) - len(self.in_shape)
-
-
-class Rule(Protocol):
-    """The algebra of one node: see the module docstring. Every rule is a frozen dataclass."""
-
-    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
-
-    def backward(self, zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int) -> Backward:
-        """What makes output `tensor` of `node` zero-mean along `axis`."""
-        ...
-
-    def forward(self, shift: Shift) -> Forward:
-        """Where a shift entering `node` goes; a reason completes "{op} {name} …"."""
-        ...
-
-
-def describe(rule: Rule) -> str:
-    """A rule's name and parameters as one string, e.g. `Linear(axis=2)`, `NormRule(norm=ln_f)`."""
-    params = ", ".join(f"{f.name}={_short(getattr(rule, f.name))}" for f in fields(rule))
-    return f"{type(rule).__name__}({params})"
-
-
-def _short(value) -> str:
-    return value.name if hasattr(value, "name") else repr(value)
-
 
 # --- axis algebra ------------------------------------------------------------------------------
 
@@ -216,6 +172,15 @@ def _along_rows(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> bool:
     return cond_axis is None and why is None
 
 
+def _values_unread(zmg: ZeroMeanGraph, node: ZNode) -> bool:
+    """Whether no value of `node`'s outputs is read: none is a graph output, and only shape readers read them."""
+    return all(
+        output not in zmg.graph_outputs and all(isinstance(c.rule, ShapeOnly) for c, _ in zmg.consumers_of(output))
+        for output in node.outputs
+        if output
+    )
+
+
 # --- the rules ---------------------------------------------------------------------------------
 
 
@@ -235,7 +200,11 @@ class _Flow:
     def pull(self, zmg, node, tensor, axis) -> Backward:
         raise NotImplementedError
 
+    shapes_follow_shapes: ClassVar[bool] = True  # output shapes never depend on input 0's values
+
     def forward(self, shift: Shift) -> Forward:
+        if shift.index == 0 and self.shapes_follow_shapes and _values_unread(shift.zmg, shift.node):
+            return []
         if shift.out_shape is None or shift.in_shape is None:
             return "has an unknown shape"
         if shift.axis is not None:
@@ -246,6 +215,9 @@ class _Flow:
 
     def push_broadcast(self, shift: Shift, out_axis: int) -> Forward:
         return "receives a shift it may not pass on"
+
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        return None  # all of it: forgetting where a shift is never makes the check unsound
 
     def push(self, shift: Shift, axis: int) -> Forward:
         return "would change its output (it is not shift-invariant)"
@@ -377,6 +349,17 @@ class Concat(_Flow):
             return "concatenates along the shifted axis"
         return [(shift.out, axis)]
 
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        """The rows of the shifted part (where the parts' sizes along the axis are static)."""
+        sizes = [(shift.zmg.shape(t) or ())[self.axis : self.axis + 1] for t in shift.node.inputs]
+        if not all(len(size) == 1 and isinstance(size[0], int) for size in sizes):
+            return shift.rows
+        offset = sum(size[0] for size in sizes[: shift.index])
+        if shift.rows is None:
+            return (self.axis, offset, offset + sizes[shift.index][0])
+        axis, start, stop = shift.rows
+        return (axis, offset + start, offset + stop) if axis == self.axis else shift.rows
+
 
 @dataclass(frozen=True)
 class Mix(_Flow):
@@ -393,6 +376,37 @@ class Mix(_Flow):
         if shift.index != 0 or axis not in self.kept:
             return "mixes or pads along the shifted axis"
         return [(shift.out, axis)]
+
+
+@dataclass(frozen=True)
+class Reduce(_Flow):
+    """Mean or sum of input 0 over `axes` (of the input; None: not known statically), see the module docstring.
+
+    With `keepdims` every axis keeps its place; without, the reduced axes are dropped.
+    """
+
+    axes: tuple[int, ...] | None
+    keepdims: bool
+
+    def pull(self, zmg, node, tensor, axis) -> Backward:
+        in_axis = self._in_axis(zmg.rank(node.inputs[0]), axis)
+        if in_axis is None:
+            return f"{node.op} {node.name} reduces over the normalized axis (or its axes are not known)"
+        return [(0, node.inputs[0], in_axis)]
+
+    def push(self, shift: Shift, axis: int) -> Forward:
+        if shift.index != 0 or self.axes is None or axis in self.axes:
+            return "reduces over the shifted axis (or its axes are not known)"
+        return [(shift.out, axis if self.keepdims else axis - sum(a < axis for a in self.axes))]
+
+    def _in_axis(self, rank: int | None, out_axis: int) -> int | None:
+        """The input axis that output axis `out_axis` is, if it is not reduced."""
+        if self.axes is None or rank is None:
+            return None
+        kept = list(range(rank)) if self.keepdims else [a for a in range(rank) if a not in self.axes]
+        if out_axis >= len(kept) or kept[out_axis] in self.axes:
+            return None
+        return kept[out_axis]
 
 
 @dataclass(frozen=True)
@@ -429,9 +443,13 @@ class Regroup(_Flow):
 
 @dataclass(frozen=True)
 class Select(_Flow):
-    """Slice or split along `axes` of input 0 (None: the axes are not known statically)."""
+    """Slice or split along `axes` of input 0 (None: the axes are not known statically).
+
+    `bounds`: (axis, start, stop) of each axis a unit-step slice keeps, where all are static.
+    """
 
     axes: tuple[int, ...] | None
+    bounds: tuple[Rows, ...] | None = None
 
     def pull(self, zmg, node, tensor, axis) -> Backward:
         if self.axes is None:
@@ -442,6 +460,18 @@ class Select(_Flow):
 
     def push(self, shift: Shift, axis: int) -> Forward:
         return [(output, axis) for output in shift.node.outputs if output]
+
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        """The shifted rows that the slice keeps, renumbered (none: an empty slice, stop ≤ start)."""
+        if shift.rows is None or self.axes is None:
+            return None
+        axis, start, stop = shift.rows
+        if axis not in self.axes:
+            return shift.rows
+        kept = next((b for b in self.bounds or () if b[0] == axis), None)
+        if kept is None:
+            return None
+        return (axis, max(start, kept[1]) - kept[1], min(stop, kept[2]) - kept[1])
 
 
 @dataclass(frozen=True)
@@ -502,6 +532,8 @@ class ShapeOnly(_Flow):
 @dataclass(frozen=True)
 class Opaque(_Flow):
     reason: str
+
+    shapes_follow_shapes: ClassVar[bool] = False  # an unknown op: its output shape may depend on values
 
     def pull(self, zmg, node, tensor, axis) -> Backward:
         return f"{node.op} {node.name}: {self.reason}"

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from torch import nn
 
 from ..core.algebra import has_zero_mean, is_uniform
-from ..core.graph import ALREADY_RMS, NodeKind, NormInfo, NormType, ZeroMeanGraph, ZNode
+from ..core.graph import ALREADY_RMS, NodeKind, NormInfo, NormType, Rule, ZeroMeanGraph, ZNode
 from ..core.rules import (
     Broadcast,
     Centered,
@@ -48,8 +48,8 @@ from ..core.rules import (
     NormRule,
     Opaque,
     Permute,
+    Reduce,
     Regroup,
-    Rule,
     Scale,
     Select,
     ShapeOnly,
@@ -415,7 +415,21 @@ def _slice(ctx, call):  # slice / split / narrow / roll along `dim`: other axes'
         if not dims:
             return _opaque("rolls the flattened tensor")
         return _select_axes(ctx, call, dims)
-    return _select_axes(ctx, call, [call.args.get("dim", 0)])
+    selected = _select_axes(ctx, call, [call.args.get("dim", 0)])
+    if call.op != "slice" or not isinstance(selected.rule, Select) or not selected.rule.axes:
+        return selected
+    return replace(selected, rule=Select(selected.rule.axes, _slice_bounds(ctx, call, selected.rule.axes[0])))
+
+
+def _slice_bounds(ctx, call, axis: int) -> tuple[tuple[int, int, int], ...] | None:
+    """(axis, start, stop) of `x[..., start:end]` along a static `axis`, with step 1 (`rules.Select`)."""
+    a = call.args
+    size = (ctx.capture.shapes.get(a["self"]) or ())[axis : axis + 1]
+    start, end = a.get("start") or 0, a.get("end")
+    if a.get("step", 1) != 1 or len(size) != 1 or not all(isinstance(v, int) for v in (size[0], start, end or 0)):
+        return None
+    begin, stop, _ = slice(start, end).indices(size[0])
+    return ((axis, begin, stop),)
 
 
 def _select(ctx, call):  # x.select(dim, i): a gather with a scalar index
@@ -463,6 +477,17 @@ def _pad(ctx, call):
     if len(axes) > 1:
         return _opaque("pads several axes")
     return Classified(NodeKind.LAYOUT, Take(axes[0], 1), [a["self"]])
+
+
+def _reduce(ctx, call):  # x.mean(dim) / x.sum(dim): the same average (sum) of rows for every row
+    rank, dims = ctx.rank(call.args["self"]), call.args.get("dim")
+    if rank is None:
+        return _opaque(f"a {call.op} of unknown rank")
+    dims = list(range(rank)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else dims
+    axes = tuple(_axis(d, rank) for d in dims)
+    if None in axes:
+        return Classified(NodeKind.LAYOUT, Reduce(None, False), [call.args["self"]])
+    return Classified(NodeKind.LAYOUT, Reduce(axes, bool(call.args.get("keepdim"))), [call.args["self"]])
 
 
 def _softmax(ctx, call):  # not linear, but f(x + c·1) = f(x) along its axis
@@ -533,6 +558,8 @@ OP_TABLE = {
     "new_full": _shape_only,
     "pad": _pad,
     "constant_pad_nd": _pad,
+    "mean": _reduce,  # mean-pooled heads: a mean over tokens or space
+    "sum": _reduce,
     "softmax": _softmax,
     "_softmax": _softmax,
     "log_softmax": _softmax,

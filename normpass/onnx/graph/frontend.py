@@ -47,6 +47,7 @@ from ...core.rules import (
     NormRule,
     Opaque,
     Permute,
+    Reduce,
     Regroup,
     Scale,
     Select,
@@ -135,6 +136,8 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
     _read_types(_infer(light), shapes, dtypes)
     if any(out and out not in shapes for node in light.graph.node for out in node.output):
         _read_types(_infer_at_latest_opset(light), shapes, dtypes, only_missing=True)
+    if not _has_contrib_ops(light) and _unresolved_reshapes(light, shapes):
+        _take_better_shapes(_symbolic_inference(light), shapes, _input_dims(light))
     for init in model.graph.initializer:
         shapes[init.name] = tuple(init.dims)
         dtypes[init.name] = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
@@ -157,6 +160,63 @@ def _read_types(inferred: onnx.ModelProto | None, shapes: dict, dtypes: dict, on
                 d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
                 for d in tensor_type.shape.dim
             )
+
+
+REGROUPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _input_dims(model: onnx.ModelProto) -> set[str]:
+    """The symbolic dimensions the graph inputs declare (`batch`, `seq`): one value in every shape that names them."""
+    return {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param}
+
+
+def _unresolved_reshapes(model: onnx.ModelProto, shapes: dict) -> bool:
+    """Whether a reshape-like node has an input or output dimension ONNX's inference could not express in the
+    graph inputs' dimensions (unknown, or a symbol it made up), which can leave its axes unproven."""
+    named = _input_dims(model)
+    for node in model.graph.node:
+        if node.op_type in REGROUPS:
+            for tensor in (node.input[0], *node.output):
+                shape = shapes.get(tensor)
+                if shape is None or any(not isinstance(d, int) and d not in named for d in shape):
+                    return True
+    return False
+
+
+def _symbolic_inference(light: onnx.ModelProto) -> onnx.ModelProto | None:
+    """ONNX Runtime's symbolic shape inference, or None where it fails (best effort)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=True)
+    except Exception:
+        return None
+
+
+def _take_better_shapes(inferred: onnx.ModelProto | None, shapes: dict, named: set[str]) -> None:
+    """Replace each shape in `shapes` by `inferred`'s where that knows more static dimensions and agrees with every
+    static one already known.
+
+    ONNX's inference cannot evaluate shape arithmetic such as `Div` (a TorchScript export computes a reshape's
+    target from the image size at run time); ONNX Runtime's symbolic inference can. A symbol it makes up is
+    renamed (`…@symbolic`) so that it never equals one of ONNX's: only the graph inputs' dimensions mean the
+    same in both.
+    """
+    if inferred is None:
+        return
+    found: dict[str, tuple | None] = {}
+    _read_types(inferred, found, {})
+    for tensor, shape in found.items():
+        if shape is None:
+            continue
+        shape = tuple(d if isinstance(d, int) or d is None or d in named else f"{d}@symbolic" for d in shape)
+        known = shapes.get(tensor)
+        if known is None or (
+            len(known) == len(shape)
+            and all(not isinstance(k, int) or k == d for k, d in zip(known, shape, strict=True))
+            and sum(isinstance(d, int) for d in shape) > sum(isinstance(k, int) for k in known)
+        ):
+            shapes[tensor] = shape
 
 
 def _infer_at_latest_opset(light: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -433,7 +493,26 @@ def _slice(ctx, node):
         axes = list(range(count)) if isinstance(count, int) else None
     if axes is None or (rank is None and any(a < 0 for a in axes)):
         return NodeKind.LAYOUT, Select(None)
-    return NodeKind.LAYOUT, Select(tuple(_axis(a, rank) for a in axes))
+    resolved = tuple(_axis(a, rank) for a in axes)
+    return NodeKind.LAYOUT, Select(resolved, _slice_bounds(ctx, node, resolved))
+
+
+def _slice_bounds(ctx, node, axes) -> tuple[tuple[int, int, int], ...] | None:
+    """(axis, start, stop) of each sliced axis, clamped to its static size, if the slice has unit steps and
+    constant bounds (`rules.Select`)."""
+    starts, ends, steps = constant_values(node.inputs[1]), constant_values(node.inputs[2]), _input_values(node, 4)
+    shape = ctx.shapes.get(name_of(node.inputs[0]))
+    if starts is None or ends is None or shape is None or np.size(starts) != len(axes) or np.size(ends) != len(axes):
+        return None
+    if input_at(node, 4) is not None and (steps is None or np.any(np.ravel(steps) != 1)):
+        return None
+    bounds = []
+    for axis, start, end in zip(axes, np.ravel(starts).tolist(), np.ravel(ends).tolist(), strict=True):
+        size = shape[axis] if axis is not None else None
+        if not isinstance(size, int):
+            return None
+        bounds.append((axis, *(min(max(b + size if b < 0 else b, 0), size) for b in (start, end))))
+    return tuple(bounds)
 
 
 def _split(ctx, node):
@@ -576,6 +655,26 @@ def _shape_slice(ctx, data: ir.Value, part: ir.Value) -> list[int] | None:
     return shape_axes(node, rank)[bounds]
 
 
+def _reduce(ctx, node):
+    """ReduceMean / ReduceSum over the axes of its attribute (opset < 18) or constant input 1 (all axes
+    when none are given, unless `noop_with_empty_axes`)."""
+    rank = _rank(ctx, node.inputs[0])
+    keepdims = bool(attr(node, "keepdims", 1))
+    axes = attr(node, "axes")
+    if axes is None and input_at(node, 1) is not None:
+        axes = constant_values(node.inputs[1])
+        if axes is None:
+            return NodeKind.LAYOUT, Reduce(None, keepdims)
+    if axes is None or np.size(axes) == 0:
+        if attr(node, "noop_with_empty_axes", 0):
+            return NodeKind.SCALAR, Scale(0, None)
+        axes = [] if rank is None else list(range(rank))
+    resolved = tuple(_axis(int(a), rank) for a in np.ravel(axes))
+    if rank is None or None in resolved:
+        return NodeKind.LAYOUT, Reduce(None, keepdims)
+    return NodeKind.LAYOUT, Reduce(tuple(a for a in resolved if a is not None), keepdims)
+
+
 def _average_pool(ctx, node):
     """Averages over the spatial axes of N×C×spatial: the same weights for every (batch, channel)."""
     return NodeKind.LAYOUT, Mix((0, 1))
@@ -671,6 +770,8 @@ OP_TABLE = {
     "Einsum": _einsum,  # x·W as an equation: general linear on the axis W produces
     "Resize": _resize,  # interpolation over other axes: the same linear map for every row
     "Upsample": _resize,
+    "ReduceMean": _reduce,  # a mean over other axes (a mean-pooled head): the same average for every row
+    "ReduceSum": _reduce,
     "AveragePool": _average_pool,  # averages over spatial axes, per channel
     "GlobalAveragePool": _average_pool,
     "Pad": _pad,  # zero rows (or copies) on other axes
