@@ -338,6 +338,17 @@ class EmbeddingNorm(nn.Module):
         return self.ln3(h)
 
 
+class BatchNormStem(EmbeddingNorm):
+    """XCiT's stream: it starts at the BatchNorm ending a convolutional stem."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 2, stride=2), nn.BatchNorm2d(8)
+
+    def embed(self, images):
+        return self.bn(self.conv(images)).flatten(2).transpose(1, 2)
+
+
 class FunctionalEmbeddingNorm(EmbeddingNorm):
     def embed(self, ids):
         return F.layer_norm(self.emb(ids), (8,), self.ln0.weight, self.ln0.bias)
@@ -469,11 +480,22 @@ def test_centring_inserted_at_a_layer_norm_modules_output():
         assert result.ln0(torch.randn(2, 3, 8)).mean(-1).abs().max() < 1e-6
 
 
+def test_centring_inserted_at_a_batch_norm_modules_output():
+    module = _seeded(BatchNormStem)
+    with torch.no_grad():
+        module.bn.running_mean.normal_()
+        module.bn.bias.normal_()
+    images = (torch.randn(2, 3, 4, 6, generator=torch.Generator().manual_seed(4)),)
+    result, report = fold(module, images)
+    assert [d.name for d in report.plan.folded] == ["ln1", "ln2", "ln3"] and report.max_rel_error <= REL_TOL
+    assert isinstance(result.bn, Centred) and result.bn.axis == -3  # the channels of NCHW
+
+
 def test_centring_inside_a_forward_is_declined():
     _, report = fold(_seeded(FunctionalEmbeddingNorm), IDS)
     verdicts = {d.name: d for d in report.plan.decisions}
     assert not verdicts["ln1"].foldable
-    assert "is not at the output of a LayerNorm module called once" in verdicts["ln1"].reason
+    assert "is not at the output of a one-op module called once" in verdicts["ln1"].reason
 
 
 def test_layer_scale_is_absorbed_into_its_layer():

@@ -564,8 +564,10 @@ class NormRule(_Flow):
 
 
 # Linear layers a LayerScale can be absorbed into, and its multiply, as the ONNX and PyTorch front ends name them.
-ABSORBING_OPS = ("MatMul", "Gemm", "Conv", "aten.linear", "aten.addmm", "aten.matmul", "aten.mm", "aten.conv2d")
-ABSORBING_OPS += ("aten.convolution", "aten.conv1d")
+ABSORBING_OPS = (
+    *("MatMul", "Gemm", "Conv"),
+    *("aten.linear", "aten.addmm", "aten.matmul", "aten.mm", "aten.convolution", "aten.conv1d", "aten.conv2d"),
+)
 SCALING_OPS = ("Mul", "aten.mul")
 
 

@@ -15,9 +15,9 @@ shape, compiles and exports like the original.
   layer's output is absorbed first, (x·W + b)⊙s = x·(W⊙s) + b⊙s, the factor set to ones, so the
   layer is centred as any other; only where nothing else reads s, W or b.
 * Inserted centring (the plan's `Insertion`s; BLOOM's and mBART's embedding LayerNorms, PVT-v2's
-  patch norms): where a stream starts at a LayerNorm module's affine output, that module (or the
-  RMSNorm it became, keeping γ and β) is wrapped in `Centred`, y − mean(y). A centring anywhere
-  else (inside a forward) is declined.
+  patch norms, XCiT's BatchNorm stem): where the tensor to centre is the output of a one-op module
+  called once, that module (or the RMSNorm it became, keeping γ and β) is wrapped in `Centred`,
+  y − mean(y). A centring anywhere else (inside a larger forward) is declined.
 * Copy-on-write: an edit assigns a new `nn.Parameter` to the one attribute the graph read it
   through, so a parameter tied elsewhere (GPT-2's LM head is the token table) keeps its value
   there; HF tying metadata is updated so `tie_weights()` will not tie them again.
@@ -42,7 +42,6 @@ from torch import nn
 
 from ..core.algebra import centre, migrate_affine, scale_along
 from ..core.analysis import ShiftChecker
-from ..core.graph import NormInfo
 from ..core.plan import Blocker, Centring, FoldPlan, Insertion, NormDecision
 from ..core.rules import Linear, layer_scale
 from .capture import Attr
@@ -218,22 +217,26 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
             return FoldPlan(decisions)
 
 
-def _centred_module(tg: TorchGraph, insertion: Insertion) -> NormInfo | None:
-    """The norm whose module's output is `insertion`'s tensor, where a `Centred` wrapper can centre it."""
-    norm = next((n for n in tg.zmg.norms if n.output == insertion.tensor), None)
-    if norm is None or not norm.ref.module or norm.ref.layout[1] is not None:
+def _centred_module(tg: TorchGraph, insertion: Insertion) -> str | None:
+    """The module whose output is `insertion`'s tensor, where a `Centred` wrapper can centre it.
+
+    It must be a module without submodules whose one call in the graph is one op making that tensor
+    (a LayerNorm, a BatchNorm, a GELU module), so that wrapping it centres exactly that tensor.
+    """
+    producer = next((c for c in tg.capture.calls if insertion.tensor in c.outputs), None)
+    if producer is None or not producer.module:
         return None
-    if sum(n.ref.module == norm.ref.module for n in tg.zmg.norms) != 1:
-        return None  # a wrapper would centre every call of the module
-    if norm.ref.replace_blocked is not None:
-        return None  # not a LayerNorm module: a call inside a larger forward
-    return norm
+    if next(tg.model.get_submodule(producer.module).children(), None) is not None:
+        return None
+    if [c.node for c in tg.capture.calls if c.module == producer.module] != [producer.node]:
+        return None  # its forward makes other calls too, or it is called more than once
+    return producer.module
 
 
 def _not_at_module_output(tg: TorchGraph, insertion: Insertion) -> str | None:
     if _centred_module(tg, insertion) is None:
         return (
-            f"the centring it needs on {insertion.tensor} is not at the output of a LayerNorm module called once, "
+            f"the centring it needs on {insertion.tensor} is not at the output of a one-op module called once, "
             "where a module rewrite could put it (the ONNX front end inserts it)"
         )
     return None
@@ -403,23 +406,27 @@ def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, full, beta_only)
     beta = None if norm.bias is None else getattr(layer_norm, "bias")  # noqa: B009
     shape, eps = tuple(site.call.args["normalized_shape"]), norm.epsilon
     like = {} if gamma is None else {"dtype": gamma.dtype, "device": gamma.device}
+    replacement: nn.Module
     wide_gamma = None if gamma is None else _wide(gamma)
     if full is not None:
         moved = move_affine(tg, editor, full, wide_gamma, None if beta is None else _wide(beta))
         replacement = nn.RMSNorm(shape, eps=eps, elementwise_affine=False, **like)
         note = "γ/β migrated into " + ", ".join(moved)
     elif beta is not None and beta_only is None:
-        replacement = RMSNormWithBias(shape, eps=eps, **like)
+        with_bias = RMSNormWithBias(shape, eps=eps, **like)
         with torch.no_grad():
-            replacement.weight.copy_(gamma)
-            replacement.bias.copy_(beta)
+            if gamma is not None:
+                with_bias.weight.copy_(gamma)
+            with_bias.bias.copy_(beta)
+        replacement = with_bias
         note = "γ and β kept in the RMSNorm"
     else:
         moved = [] if beta is None else move_affine(tg, editor, beta_only, None, _wide(beta))
-        replacement = nn.RMSNorm(shape, eps=eps, elementwise_affine=gamma is not None, **like)
+        rms = nn.RMSNorm(shape, eps=eps, elementwise_affine=gamma is not None, **like)
         if gamma is not None:
             with torch.no_grad():
-                replacement.weight.copy_(gamma)
+                rms.weight.copy_(gamma)
+        replacement = rms
         note = "γ kept in the RMSNorm" if gamma is not None else "no affine"
         note += f", β migrated into {', '.join(moved)}" if moved else ""
     if site.layout != (None, None):
@@ -440,17 +447,17 @@ def apply(
     """
     uses = tg.uses()
     editor = _Editor(module)
-    centred = {}  # norm → the axis its module's output is centred along
+    centred = {}  # module → the axis its output is centred along
     for insertion in {i for decision in plan.folded for i in decision.insertions}:
-        norm = _centred_module(tg, insertion)
-        assert norm is not None, f"restrict() checked the centring of {insertion.tensor}"
-        centred[norm.name] = insertion.axis - len(tg.zmg.shape(insertion.tensor) or ())
+        path = _centred_module(tg, insertion)
+        assert path is not None, f"restrict() checked the centring of {insertion.tensor}"
+        centred[path] = insertion.axis - len(tg.zmg.shape(insertion.tensor) or ())
     # Decide migrations on the original graph, before any parameter is rewritten. A norm whose
     # output is centred keeps its γ and β: the centring is planned on γ⊙x̂+β.
-    targets = {}
+    targets: dict[str, tuple[list | None, list | None]] = {}
     for decision in plan.folded:
         norm = tg.zmg.norm_by_name(decision.name)
-        if norm.name in centred:
+        if norm.ref.module in centred:
             targets[norm.name] = (None, None)
             continue
         full = migration_targets(tg, norm.name, uses, norm.bias is not None) if migrate else None
@@ -472,10 +479,9 @@ def apply(
     for attr, axis in axes.items():
         editor.set(attr, centre(_wide(editor.parameter(attr)), axis))
     notes = {d.name: _swap_norm(tg, editor, d.name, *targets[d.name]) for d in plan.folded}
-    for name, axis in centred.items():
-        path = tg.zmg.norm_by_name(name).ref.module
+    for path, axis in centred.items():
         parent, _, child = path.rpartition(".")
         setattr(editor.module.get_submodule(parent), child, Centred(editor.module.get_submodule(path), axis))
-        notes[name] = notes.get(name, "not folded") + f"; output centred along axis {axis}"
+        notes[path] = notes.get(path, "not folded") + f"; output centred along axis {axis}"
     editor.forget_hf_ties()
     return notes, editor.untied
