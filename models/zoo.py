@@ -379,10 +379,7 @@ ZOO = [
         "vision: ViT",
         "timm",
         _timm("xcit_nano_12_p8_224", cls_attn_layers=1, **TIMM_VIT),
-        {
-            "torch": _INSIDE_FORWARD.format("on the local patch interaction's LayerScale (after a depthwise conv)")
-            + "; the class-attention MLP's LayerScale is not absorbed from the module (open)"
-        },
+        {"torch": _INSIDE_FORWARD.format("on the local patch interaction's LayerScale (after a depthwise conv)")},
     ),
     # hierarchical vision
     ZooModel(

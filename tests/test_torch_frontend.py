@@ -30,7 +30,9 @@ from normpass.onnx.fold.driver import inspect_onnx
 from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
 from normpass.onnx.runtime.verify import run
 from normpass.torch.api import export_onnx, fold, inspect, load_factory
-from normpass.torch.rewrite import Centred, Permuted, RMSNormWithBias
+from normpass.torch.capture import capture
+from normpass.torch.fx import build_zero_mean_graph as torch_graph
+from normpass.torch.rewrite import Centred, Permuted, RMSNormWithBias, _edits_of
 
 SMALL = builtin_models.names(include_large=False)
 REL_TOL = 1e-5
@@ -506,6 +508,19 @@ def test_layer_scale_is_absorbed_into_its_layer():
     assert torch.equal(result.scale, torch.ones(8))
     expected = module.fc.weight * module.scale[:, None]  # W⊙s along the outputs, then centred
     assert torch.allclose(result.fc.weight, expected - expected.mean(0), atol=1e-6)
+
+
+def test_a_layer_scale_is_centred_only_with_its_factor_absorbed():
+    """`replace` centres the layers before a norm it keeps, without absorbing: it must skip a LayerScale's."""
+    module = _seeded(LayerScaled)
+    tg = torch_graph(module, capture(module, IDS))
+    centrings = [c for d in make_plan(tg.zmg).decisions for c in d.centrings if c.node == "mul"]
+    assert centrings, "ln2's proof centres the LayerScale"
+    assert "would have to be absorbed into fc" in _edits_of(tg, centrings[0])
+    assert [(tensor, axis) for _, tensor, axis in _edits_of(tg, centrings[0], absorbing=True)] == [
+        ("fc.weight", 0),
+        ("fc.bias", 0),
+    ]
 
 
 def test_layer_scale_read_elsewhere_is_not_absorbed():

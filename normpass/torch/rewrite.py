@@ -125,10 +125,16 @@ def _layer_scale_blocked(tg: TorchGraph, scale: LayerScale, uses: dict) -> str |
     return None
 
 
-def _edits_of(tg: TorchGraph, centring: Centring) -> list[tuple[str, str, int | None]] | str:
-    """(node, constant, axis) reads that `centring` edits, or why it cannot be done on a module."""
+def _edits_of(tg: TorchGraph, centring: Centring, absorbing: bool = False) -> list[tuple[str, str, int | None]] | str:
+    """(node, constant, axis) reads that `centring` edits, or why it cannot be done on a module.
+
+    A LayerScale's centring is its layer's, once the caller has absorbed the factor (`absorbing`):
+    centring the layer alone would leave a shift times the factor, which no norm removes.
+    """
     reads: list[tuple[str, str, int | None]]
     scale = _layer_scale(tg, centring)
+    if scale is not None and not absorbing:
+        return f"the LayerScale {scale.mul} would have to be absorbed into {scale.linear} first"
     if scale is not None:  # the layer takes the factor, and is centred
         centring = dataclasses.replace(centring, node=scale.linear)
     if centring.input_index is not None:
@@ -249,7 +255,7 @@ def _planned_edits(tg: TorchGraph, decisions: list[NormDecision], decline):
     for decision in decisions:
         if not decision.foldable:
             continue
-        planned = [_edits_of(tg, c) for c in decision.centrings]
+        planned = [_edits_of(tg, c, absorbing=True) for c in decision.centrings]
         failed = next((p for p in planned if isinstance(p, str)), None)
         if failed:
             decline(decision, decision.name, failed)
@@ -470,7 +476,7 @@ def apply(
         _absorb(tg, editor, scale)
     axes: dict[Attr, int | None] = {}
     for centring in plan.centrings:
-        edits = _edits_of(tg, centring)
+        edits = _edits_of(tg, centring, absorbing=True)
         assert not isinstance(edits, str), f"restrict() checked the centring of {centring.node}: {edits}"
         for node, tensor, axis in edits:
             attr = tg.attr(node, tensor)
