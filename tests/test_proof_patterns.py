@@ -10,6 +10,8 @@ checked for the fold count and against the original in ONNX Runtime, with a coun
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -50,8 +52,8 @@ m (float[2,5,8] x) => (float[2,{out}] y) {{
 
 def _mean_pooled(gen, pool: str, opset: int = 17, out: str = "3", tail: str = "Identity(y0)", **extra):
     text = MEAN_POOLED.format(opset=opset, out=out, pool=pool, tail=tail)
-    weights = dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), W1=randn(gen, 8, 8), W2=randn(gen, 8, 3))
-    norms = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2) for p in ("g", "be")}
+    weights: dict[str, Any] = dict(W0=randn(gen, 8, 8), b0=randn(gen, 8), W1=randn(gen, 8, 8), W2=randn(gen, 8, 3))
+    norms: dict[str, Any] = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2) for p in ("g", "be")}
     return build(text, **weights, **norms, **extra)
 
 
@@ -201,7 +203,7 @@ m (float[2,6,4] x) => (float[2,6,3] y{extra_output}) {{
 
 
 def _positional_conv(gen, extra_output: str = ""):
-    norms = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2) for p in ("g", "be")}
+    norms: dict[str, Any] = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2) for p in ("g", "be")}
     return build(
         POSITIONAL_CONV.format(extra_output=extra_output),
         Wp=randn(gen, 4, 8),
@@ -318,7 +320,7 @@ m (float[2,4,6] x) => (float[2,4,3] y) {{
 
 
 def _class_attention(gen, read_end: str):
-    norms = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2, 3) for p in ("g", "be")}
+    norms: dict[str, Any] = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2, 3) for p in ("g", "be")}
     return build(
         CLASS_ATTENTION.format(read_end=read_end),
         W0=randn(gen, 6, 8),
