@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import onnx
 import pytest
 import torch
@@ -28,7 +30,9 @@ from normpass.onnx.fold.driver import inspect_onnx
 from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
 from normpass.onnx.runtime.verify import run
 from normpass.torch.api import export_onnx, fold, inspect, load_factory
-from normpass.torch.rewrite import RMSNormWithBias
+from normpass.torch.capture import capture
+from normpass.torch.fx import build_zero_mean_graph as torch_graph
+from normpass.torch.rewrite import Centred, Permuted, RMSNormWithBias, _edits_of
 
 SMALL = builtin_models.names(include_large=False)
 REL_TOL = 1e-5
@@ -244,12 +248,139 @@ class TinyViT(nn.Module):
         return self.head(self.rms(self.ln3(h)[:, 0]))
 
 
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """timm's LayerNorm2d: a LayerNorm over the channels of an NCHW tensor, between two permutes."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class OwnLayerNorm(nn.Module):
+    """A LayerNorm that is no nn.LayerNorm: F.layer_norm over its own weight and bias."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.rand(width) + 0.5), nn.Parameter(torch.randn(width))
+        self.width = width
+
+    def forward(self, x):
+        return F.layer_norm(x, (self.width,), self.weight, self.bias, 1e-6)
+
+
+class ScaledLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class ConvNet(nn.Module):
+    """A conv stem, a channels-first LayerNorm, then a token LayerNorm that is no nn.LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.ln2d, self.conv = nn.Conv2d(3, 8, 2, stride=2), ChannelsFirstLayerNorm(8), nn.Conv2d(8, 8, 1)
+        self.ln, self.head = OwnLayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        tokens = self.conv(self.ln2d(self.stem(x))).flatten(2).transpose(1, 2)
+        return self.head(self.ln(tokens))
+
+
+class ScaledNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), ScaledLayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(self.fc(x))
+
+
+class Spellings(nn.Module):
+    """Third-party spellings of linear maps: a position table indexed by a tensor (Whisper), a token-type
+    table read at `zeros_like(ids)` (DeBERTa-v2), a table repeated per sample (XCiT), `x @ W.T + b` (Falcon),
+    an in-place residual `add_`, and a dead read of one feature (mBART)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.kind, self.pos = nn.Embedding(16, 8), nn.Embedding(2, 8), nn.Parameter(torch.randn(5, 8))
+        self.weight, self.bias = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8))
+        self.ln1, self.ln2 = nn.LayerNorm(8), nn.LayerNorm(8)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1])
+        h = self.emb(ids) + self.pos[positions] + self.kind(torch.zeros_like(ids))
+        h = h + self.pos[None].repeat(ids.shape[0], 1, 1)  # a copy per sample (XCiT)
+        h[:, :, -1]  # computed, never read (mBART reads its embeddings so)
+        h.add_(self.ln1(h) @ self.weight.T + self.bias)
+        return self.ln2(h)
+
+
+class AddThroughView(Spellings):
+    def forward(self, ids):
+        h = self.emb(ids)
+        h[:, :1].add_(self.ln1(h)[:, :1] @ self.weight.T)  # changes h, which ln2 reads
+        return self.ln2(h)
+
+
+class EmbeddingNorm(nn.Module):
+    """BLOOM's stream: it starts at an embedding LayerNorm's affine output, then two pre-LN blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln0 = nn.Embedding(16, 8), nn.LayerNorm(8)
+        self.ln1, self.fc1, self.ln2, self.fc2 = nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.ln3 = nn.LayerNorm(8)
+
+    def embed(self, ids):
+        return self.ln0(self.emb(ids))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.fc1(self.ln1(h))
+        h = h + self.fc2(self.ln2(h))
+        return self.ln3(h)
+
+
+class BatchNormStem(EmbeddingNorm):
+    """XCiT's stream: it starts at the BatchNorm ending a convolutional stem."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 2, stride=2), nn.BatchNorm2d(8)
+
+    def embed(self, images):
+        return self.bn(self.conv(images)).flatten(2).transpose(1, 2)
+
+
+class FunctionalEmbeddingNorm(EmbeddingNorm):
+    def embed(self, ids):
+        return F.layer_norm(self.emb(ids), (8,), self.ln0.weight, self.ln0.bias)
+
+
+class LayerScaled(nn.Module):
+    """CaiT's and DINOv2's residual branch: a linear layer, a dropout, then a per-channel LayerScale γ."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln1, self.fc, self.drop = nn.Embedding(16, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.Dropout(0.1)
+        self.scale, self.ln2 = nn.Parameter(torch.rand(8) + 0.5), nn.LayerNorm(8)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.drop(self.fc(self.ln1(h))) * self.scale
+        return self.ln2(h)
+
+
+class ScaleReadTwice(LayerScaled):
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
 def _seeded(cls):
     torch.manual_seed(0)
     module = cls().eval()
     with torch.no_grad():
         for sub in module.modules():
-            if isinstance(sub, nn.LayerNorm):
+            if isinstance(sub, (nn.LayerNorm, OwnLayerNorm)):
                 sub.weight.uniform_(0.5, 1.5)
                 sub.bias.normal_()
     return module
@@ -283,7 +414,8 @@ def test_bfloat16_module_is_judged_at_bfloat16_tolerance():
     "cls, name, reason",
     [
         (SharedLayer, "ln", "fc.weight cannot be centred: it is also read by fc/linear_2, where centring is unsafe"),
-        (FunctionalNorm, "layer_norm", "the PyTorch rewrite replaces nn.LayerNorm modules only"),
+        (FunctionalNorm, "layer_norm", "not a LayerNorm module (the model itself)"),
+        (ScaledNormNet, "ln/layer_norm", "not a LayerNorm module (its forward also calls aten.mul)"),
         (NormTwice, "ln", "module ln is also called as ln@1, which does not fold"),
     ],
 )
@@ -295,6 +427,108 @@ def test_declines_what_a_module_rewrite_cannot_express(cls, name, reason):
     assert decision.reason.startswith("provably foldable, but the PyTorch rewrite cannot apply it")
     with torch.no_grad():
         assert torch.equal(result(*X), module(*X))
+
+
+@pytest.mark.parametrize("capture", ["torch.export", "torch.fx.symbolic_trace"])
+def test_layer_norm_modules_of_other_classes_fold(capture, monkeypatch):
+    """A LayerNorm subclass between permutes (LayerNorm2d) and a module calling F.layer_norm on its own
+    weight and bias are swapped for RMSNorms (the first between the same permutes), by either capture."""
+    module, images = _seeded(ConvNet), (torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3)),)
+    if capture != "torch.export":
+        monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        result, report = fold(module, images)
+    assert report.capture == capture
+    assert [(d.name, d.foldable) for d in report.plan.decisions] == [("ln2d", True), ("ln", True)]
+    assert report.max_rel_error <= REL_TOL
+    assert isinstance(result.ln2d, Permuted) and isinstance(result.ln2d.norm, nn.RMSNorm)
+    assert (result.ln2d.before, result.ln2d.after) == ((0, 2, 3, 1), (0, 3, 1, 2))
+    assert isinstance(result.ln, nn.RMSNorm)
+    other = torch.randn(1, 3, 12, 4)  # another shape: the swap is a module, not a traced graph
+    with torch.no_grad():
+        assert _rel_error(module(other), result(other)) <= REL_TOL
+
+
+def test_third_party_spellings_of_linear_maps_fold():
+    module = _seeded(Spellings)
+    result, report = fold(module, IDS)
+    assert [(d.name, d.foldable) for d in report.plan.decisions] == [("ln1", True), ("ln2", True)]
+    assert report.max_rel_error <= REL_TOL
+    assert not torch.equal(result.pos, module.pos) and not torch.equal(result.weight, module.weight)  # centred
+    longer = torch.randint(0, 16, (3, 5))
+    with torch.no_grad():
+        assert _rel_error(module(longer), result(longer)) <= REL_TOL
+
+
+def test_in_place_add_through_a_view_blocks_the_readers_of_its_base():
+    module = _seeded(AddThroughView)
+    result, report = fold(module, IDS)
+    decision = next(d for d in report.plan.decisions if d.name == "ln2")
+    assert not decision.foldable and "aten.add_ add_ changes it in place through a view" in decision.reason
+    with torch.no_grad():
+        assert _rel_error(module(*IDS), result(*IDS)) <= REL_TOL
+
+
+def test_centring_inserted_at_a_layer_norm_modules_output():
+    module = _seeded(EmbeddingNorm)
+    result, report = fold(module, IDS)
+    assert report.folded == 4 and report.max_rel_error <= REL_TOL
+    insertions = {i.tensor for d in report.plan.folded for i in d.insertions}
+    assert insertions == {"layer_norm"}  # ln0's output, where each later norm needs it
+    assert isinstance(result.ln0, Centred) and isinstance(result.ln0.module, RMSNormWithBias)
+    assert report.affine_notes["ln0"].endswith("output centred along axis -1")
+    with torch.no_grad():
+        assert result.ln0(torch.randn(2, 3, 8)).mean(-1).abs().max() < 1e-6
+
+
+def test_centring_inserted_at_a_batch_norm_modules_output():
+    module = _seeded(BatchNormStem)
+    with torch.no_grad():
+        module.bn.running_mean.normal_()
+        module.bn.bias.normal_()
+    images = (torch.randn(2, 3, 4, 6, generator=torch.Generator().manual_seed(4)),)
+    result, report = fold(module, images)
+    assert [d.name for d in report.plan.folded] == ["ln1", "ln2", "ln3"] and report.max_rel_error <= REL_TOL
+    assert isinstance(result.bn, Centred) and result.bn.axis == -3  # the channels of NCHW
+
+
+def test_centring_inside_a_forward_is_declined():
+    _, report = fold(_seeded(FunctionalEmbeddingNorm), IDS)
+    verdicts = {d.name: d for d in report.plan.decisions}
+    assert not verdicts["ln1"].foldable
+    assert "is not at the output of a one-op module called once" in verdicts["ln1"].reason
+
+
+def test_layer_scale_is_absorbed_into_its_layer():
+    module = _seeded(LayerScaled)
+    result, report = fold(module, IDS, migrate_affine=False)  # fc's weight takes the LayerScale only
+    assert [(d.name, d.foldable) for d in report.plan.decisions] == [("ln1", True), ("ln2", True)]
+    assert report.max_rel_error <= REL_TOL
+    assert torch.equal(result.scale, torch.ones(8))
+    expected = module.fc.weight * module.scale[:, None]  # W⊙s along the outputs, then centred
+    assert torch.allclose(result.fc.weight, expected - expected.mean(0), atol=1e-6)
+
+
+def test_a_layer_scale_is_centred_only_with_its_factor_absorbed():
+    """`replace` centres the layers before a norm it keeps, without absorbing: it must skip a LayerScale's."""
+    module = _seeded(LayerScaled)
+    tg = torch_graph(module, capture(module, IDS))
+    centrings = [c for d in make_plan(tg.zmg).decisions for c in d.centrings if c.node == "mul"]
+    assert centrings, "ln2's proof centres the LayerScale"
+    assert "would have to be absorbed into fc" in _edits_of(tg, centrings[0])
+    assert [(tensor, axis) for _, tensor, axis in _edits_of(tg, centrings[0], absorbing=True)] == [
+        ("fc.weight", 0),
+        ("fc.bias", 0),
+    ]
+
+
+def test_layer_scale_read_elsewhere_is_not_absorbed():
+    module = _seeded(ScaleReadTwice)
+    result, report = fold(module, IDS)
+    decision = next(d for d in report.plan.decisions if d.name == "ln2")
+    assert not decision.foldable and "cannot be absorbed: scale is also read by" in decision.reason
+    assert torch.equal(result.scale, module.scale)
 
 
 def test_falls_back_to_symbolic_trace_and_says_why():

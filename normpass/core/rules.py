@@ -563,7 +563,12 @@ class NormRule(_Flow):
 # --- LayerScale ----------------------------------------------------------------------------------
 
 
-ABSORBING_OPS = ("MatMul", "Gemm", "Conv")  # linear layers a LayerScale can be absorbed into
+# Linear layers a LayerScale can be absorbed into, and its multiply, as the ONNX and PyTorch front ends name them.
+ABSORBING_OPS = (
+    *("MatMul", "Gemm", "Conv"),
+    *("aten.linear", "aten.addmm", "aten.matmul", "aten.mm", "aten.convolution", "aten.conv1d", "aten.conv2d"),
+)
+SCALING_OPS = ("Mul", "aten.mul")
 
 
 def layer_scale(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, ZNode, ZNode | None] | None:
@@ -573,7 +578,7 @@ def layer_scale(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, ZNode,
     per-channel constant s: (x·W + b)⊙s = x·(W⊙s) + b⊙s, so s is absorbed into the layer, which
     is then centred. The layer's output and the bias sum must be read by nothing else.
     """
-    if not isinstance(node.rule, Scale) or node.op != "Mul" or len(node.inputs) != 2:
+    if not isinstance(node.rule, Scale) or node.op not in SCALING_OPS or len(node.inputs) != 2:
         return None
     factors = [i for i, t in enumerate(node.inputs) if zmg.is_constant(t)]
     out_shape = zmg.shape(node.outputs[0])

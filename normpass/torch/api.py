@@ -108,7 +108,7 @@ def _analyse(model, args, kwargs, dynamic_shapes, name) -> tuple[TorchGraph, Fol
             stacklevel=3,
         )
     tg = build_zero_mean_graph(model, captured, name)
-    return tg, restrict(tg, make_plan(tg.zmg, insert_centering=False))
+    return tg, restrict(tg, make_plan(tg.zmg))
 
 
 def inspect(

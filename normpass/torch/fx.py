@@ -11,10 +11,17 @@ both front ends alike:
 * residual `add` / `sub` of two tensors (position tables and CLS tokens are constants added into
   the stream; `x − mean(x)` is already centred); scalar `mul` / `div` and `neg`;
 * value-preserving ops (`alias`, `clone`, float casts, dropout at inference) and layout ops:
-  views, permutes, `cat`, slices, splits, `select`, `roll`, `expand`, zero padding of one axis;
-* norms: `aten.layer_norm` (nn.LayerNorm, F.layer_norm), `aten.group_norm`, `aten.rms_norm`, and
-  any module whose class name ends in `RMSNorm` (HF `LlamaRMSNorm` and kin, which decompose into
-  pow/mean/rsqrt/mul) as one already-normalizing node;
+  views, permutes, `cat`, slices, splits, `select`, `index` (one index tensor: on a parameter
+  table it is an embedding), `roll`, `expand` (and `repeat` along axes of size 1), zero padding
+  of one axis; `zeros_like` and kin read only a shape; an in-place `add_`/`sub_`/`mul_`/`div_`
+  is its out-of-place op where nothing reads its target after it (Falcon's residual `add_`);
+  dropout at inference, copies and aliases make no node (their readers read their input), so a
+  LayerScale after a dropout is seen next to its layer; calls whose values nothing reads are left out;
+* norms: `aten.layer_norm` (nn.LayerNorm, F.layer_norm; a LayerNorm *module*, which the rewrite
+  swaps, is any module whose forward is that call over its own weight and bias, with at most a
+  permute on each side: timm's LayerNorm2d, HF's ConvNextLayerNorm), `aten.group_norm`,
+  `aten.rms_norm`, and any module whose class name ends in `RMSNorm` (HF `LlamaRMSNorm` and kin,
+  which decompose into pow/mean/rsqrt/mul) as one already-normalizing node;
 * `softmax` is shift-invariant; everything else is opaque.
 
 Names: a norm is named by its module path (`model.transformer.h.0.ln_1`, `…@1` for a second call
@@ -23,6 +30,7 @@ of the same module); other nodes by `module path/fx node`; constants by their pa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field, replace
 
@@ -44,6 +52,7 @@ from ..core.rules import (
     Regroup,
     Scale,
     Select,
+    ShapeOnly,
     ShiftInvariant,
     Sum,
     Take,
@@ -78,13 +87,22 @@ class NodeRef:
     identity: bool = False  # output is the input, up to layout (views, aliases, dropout at inference)
 
 
+Permutation = tuple[int, ...]
+Layout = tuple[Permutation | None, Permutation | None]  # the permutes before and after a LayerNorm module's norm
+
+
 @dataclass(frozen=True)
 class NormSite:
-    """`NormInfo.ref`: where a norm lives in the module tree, and whether a module swap can replace it."""
+    """`NormInfo.ref`: where a norm lives in the module tree, and whether a module swap can replace it.
+
+    `layout` is the permutes the module's forward makes around its `layer_norm` (a channels-first
+    LayerNorm2d: (0, 2, 3, 1) before, (0, 3, 1, 2) after), which the swapped-in RMSNorm keeps.
+    """
 
     call: Call
     module: str
-    replace_blocked: str | None = None  # None when the call is an nn.LayerNorm module's own forward
+    replace_blocked: str | None = None  # None when the call is a LayerNorm module's own forward
+    layout: Layout = (None, None)
 
 
 @dataclass
@@ -143,6 +161,59 @@ class _Context:
             for ref in call.refs():
                 self.readers.setdefault(ref, set()).add(call.node)
         self.used = set(self.readers) | set(capture.outputs)
+        self.order = {call.node: position for position, call in enumerate(capture.calls)}
+
+    def transposed_constant(self, tensor, reader: Call) -> Ref | None:
+        """The matrix W if `tensor` is Wᵀ of a parameter W read by `reader` alone; the read moves to `reader`.
+
+        So the layer reads its parameter itself, as nn.Linear does, and centring it is `reader`'s edit.
+        """
+        producer = self.producer.get(tensor)
+        if producer is None or producer.op not in ("t", "numpy_T", "transpose", "permute") or self.rank(tensor) != 2:
+            return None
+        source = producer.args["self"]
+        dims = producer.args.get("dims")
+        if not self.is_constant(source) or (dims is not None and [d % 2 for d in dims] != [1, 0]):
+            return None
+        if self.readers.get(tensor) != {reader.node} or tensor in self.capture.outputs:
+            return None
+        reads = self.capture.reads
+        if (producer.node, source) in reads:
+            reads[(reader.node, source)] = reads.pop((producer.node, source))
+        return source
+
+    def mutation_seen(self, call: Call) -> str | None:
+        """Why in-place `call` (x.add_(y): Falcon's residual) is not the same as its out-of-place op, or None.
+
+        It is the same when nothing reads `x` after it (every later reader reads the call's output:
+        torch.export renames them) and `x` is no view of another tensor, which it would change too.
+        """
+        target = call.args["self"]
+        later = [r for r in self.readers.get(target, set()) if self.order.get(r, -1) > self.order[call.node]]
+        if later or target in self.capture.outputs or self.is_constant(target):
+            return f"{call.target} changes {target}, which is read again after it"
+        if self.view_base(target) != target:
+            return f"{call.target} changes {target}, a view of {self.view_base(target)}"
+        return None
+
+    def view_base(self, tensor: str) -> str:
+        """The tensor that `tensor` is a view of (through views, slices, permutes), or itself."""
+        producer = self.producer.get(tensor)
+        while producer is not None and producer.op in VIEW_OPS and isinstance(producer.args.get("self"), Ref):
+            tensor = producer.args["self"]
+            producer = self.producer.get(tensor)
+        return tensor
+
+    def changed_through_views(self) -> dict[str, str]:
+        """Tensors that an in-place op changes through a view of them, with the op: their readers read
+        values the graph does not show."""
+        changed = {}
+        for call in self.capture.calls:
+            if call.op.endswith("_") and isinstance(call.args.get("self"), Ref):
+                base = self.view_base(call.args["self"])
+                if base != call.args["self"]:
+                    changed[base] = f"{call.target} {call.node} changes it in place through a view"
+        return changed
 
     def rank(self, tensor) -> int | None:
         shape = self.capture.shapes.get(tensor)
@@ -205,6 +276,9 @@ def _mm(ctx, call):  # x·W, W [in, out]
     other = a.get("mat2", a.get("other"))
     if ctx.is_constant(a["self"]):
         return _opaque("multiplies a constant on the left")
+    transposed = ctx.transposed_constant(other, call)
+    if transposed is not None:  # x·Wᵀ with W [out, in] (Falcon's `x @ self.weight.T`)
+        return _general_linear(ctx, call, a["self"], transposed, None, 0, 1, _last_axis(ctx, call), None)
     return _general_linear(ctx, call, a["self"], other, None, 1, 0, _last_axis(ctx, call), None)
 
 
@@ -299,12 +373,21 @@ def _permute(ctx, call):
         if call.op == "transpose":
             i, j = _axis(call.args["dim0"], rank), _axis(call.args["dim1"], rank)
             perm[i], perm[j] = perm[j], perm[i]
-        elif rank == 2:  # t
-            perm = [1, 0]
+        elif call.op == "numpy_T" or rank == 2:  # x.T reverses every axis; t swaps a matrix's
+            perm.reverse()
     return Classified(NodeKind.LAYOUT, Permute(tuple(perm)), [call.args["self"]])
 
 
 def _expand(ctx, call):  # broadcast over other axes
+    return Classified(NodeKind.LAYOUT, Broadcast(), [call.args["self"]])
+
+
+def _repeat(ctx, call):  # x.repeat(r…) along axes of size 1 is x.expand (XCiT's position encoding per image)
+    shape, repeats = ctx.capture.shapes.get(call.args["self"]), list(call.args["repeats"])
+    if shape is None or len(repeats) != len(shape):
+        return _opaque("repeats into more axes than it has")
+    if any(r != 1 and d != 1 for r, d in zip(repeats, shape, strict=True)):
+        return _opaque("repeats (tiles) an axis longer than 1")
     return Classified(NodeKind.LAYOUT, Broadcast(), [call.args["self"]])
 
 
@@ -361,6 +444,22 @@ def _index_select(ctx, call):
     if axis is None:
         return _opaque("an index_select of unknown rank")
     return Classified(NodeKind.LAYOUT, Take(axis, 1), [call.args["self"], call.args["index"]])
+
+
+def _index(ctx, call):  # x[i] with one index tensor: rows of a parameter table (an embedding), else a gather
+    indices = call.args["indices"]
+    given = [(axis, index) for axis, index in enumerate(indices) if index is not None]
+    if len(given) != 1 or not isinstance(given[0][1], Ref):
+        return _opaque("indexes with several tensors or a mask")
+    (axis, index), table = given[0], call.args["self"]
+    if ctx.is_constant(table) and axis == 0 and ctx.rank(table) == 2:
+        params = LinearParams(table, 1, None)
+        return Classified(NodeKind.LINEAR, Linear(_last_axis(ctx, call)), [index, table], params)
+    return Classified(NodeKind.LAYOUT, Take(axis, ctx.rank(index)), [table, index])
+
+
+def _shape_only(ctx, call):  # zeros_like(x), x.new_ones(…): values that do not depend on x's
+    return Classified(NodeKind.CONSTANT, ShapeOnly(), [call.refs()[0]])
 
 
 def _pad(ctx, call):
@@ -434,7 +533,9 @@ OP_TABLE = {
     "permute": _permute,
     "transpose": _permute,
     "t": _permute,
+    "numpy_T": _permute,
     "expand": _expand,
+    "repeat": _repeat,
     "cat": _cat,
     "concat": _cat,
     "slice": _slice,
@@ -446,6 +547,15 @@ OP_TABLE = {
     "roll": _slice,
     "select": _select,
     "index_select": _index_select,
+    "index": _index,  # table[positions] (Whisper's positional embedding), x[idx]
+    "zeros_like": _shape_only,
+    "ones_like": _shape_only,
+    "empty_like": _shape_only,
+    "full_like": _shape_only,
+    "new_zeros": _shape_only,
+    "new_ones": _shape_only,
+    "new_empty": _shape_only,
+    "new_full": _shape_only,
     "pad": _pad,
     "constant_pad_nd": _pad,
     "mean": _reduce,  # mean-pooled heads: a mean over tokens or space
@@ -465,10 +575,19 @@ NORM_OPS = {
 }
 
 
+IN_PLACE = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
+PASS_THROUGH = {"dropout", "feature_dropout", "alpha_dropout", "alias", "clone", "contiguous", "detach"}
+VIEW_OPS = {"view", "_unsafe_view", "reshape", "slice", "select", "narrow", "split", "split_with_sizes", "chunk"}
+VIEW_OPS |= {"unsqueeze", "squeeze", "flatten", "unflatten", "permute", "transpose", "t", "numpy_T", "expand"}
+VIEW_OPS |= {"alias", "as_strided", "diagonal", "unbind", "view_as", "detach"}
+
+
 def classify(ctx: _Context, call: Call) -> Classified:
-    handler = OP_TABLE.get(call.op)
+    handler = OP_TABLE.get(IN_PLACE.get(call.op, call.op))
     if handler is None:
         return _opaque(f"{call.target} is not linear in its input")
+    if call.op in IN_PLACE and (why := ctx.mutation_seen(call)):
+        return _opaque(why)
     try:
         return handler(ctx, call)
     except (KeyError, IndexError, TypeError):  # arguments of an unexpected form
@@ -502,14 +621,8 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
     x = a["input"]
     gamma, beta = a.get("weight"), a.get("bias")
     module = tg.model.get_submodule(call.module)
-    reads = tg.capture.reads
-    own = (
-        type(module) is nn.LayerNorm
-        and call.module != ""
-        and norm_type is NormType.LAYER
-        and (gamma is None or reads.get((call.node, gamma)) == Attr(call.module, "weight"))
-        and (beta is None or reads.get((call.node, beta)) == Attr(call.module, "bias"))
-    )
+    layout = _layer_norm_module(tg, ctx, call) if norm_type is NormType.LAYER else "it is not a LayerNorm"
+    own = not isinstance(layout, str)
     name = _norm_name(call, own or _owns(module, norm_type), taken)
     rank = ctx.rank(x)
     width = len(a.get("normalized_shape") or [None])
@@ -545,8 +658,8 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
         None
         if own
         else (
-            f"{call.target} is called inside {type(module).__name__} {call.module or '(root)'}.forward, not by an "
-            "nn.LayerNorm module: the PyTorch rewrite replaces nn.LayerNorm modules only "
+            f"{call.target} is called inside {type(module).__name__} {call.module or '(root)'}.forward, which is "
+            f"not a LayerNorm module ({layout}): the PyTorch rewrite swaps LayerNorm modules only "
             "(the ONNX front end can fold it)"
         )
     )
@@ -562,9 +675,53 @@ def _norm(tg: TorchGraph, ctx: _Context, call: Call, taken: set[str]) -> tuple[N
         bias=beta,
         output_centred=output_centred,
         unsupported=unsupported,
-        ref=NormSite(call, call.module, blocked),
+        ref=NormSite(call, call.module, blocked, layout if not isinstance(layout, str) else (None, None)),
     )
     return info, [x] + [t for t in (gamma, beta) if t is not None]
+
+
+LAYOUT_ONLY = ("permute", "contiguous", "clone", "alias", "detach")  # ops a LayerNorm module may make around it
+
+
+def _layer_norm_module(
+    tg: TorchGraph, ctx: _Context, call: Call
+) -> tuple[Permutation | None, Permutation | None] | str:
+    """The permutes around `call` if the module making it is a LayerNorm, else why it is not.
+
+    A LayerNorm module (nn.LayerNorm and its subclasses: timm's LayerNorm and LayerNorm2d, HF's
+    ConvNextLayerNorm; or any module) has no submodules, reads γ and β as its own `weight` and
+    `bias`, and its forward is the `layer_norm` alone or a chain of one permute before it, one after,
+    and copies (a channels-first LayerNorm), whose inner values nothing else reads. Swapping it for
+    an RMSNorm with the same permutes computes the same function of the module's input.
+    """
+    if not call.module:
+        return "the model itself"
+    module = tg.model.get_submodule(call.module)
+    if next(module.children(), None) is not None:
+        return "it has submodules"
+    reads = tg.capture.reads
+    for tensor, name in ((call.args.get("weight"), "weight"), (call.args.get("bias"), "bias")):
+        if tensor is not None and reads.get((call.node, tensor)) != Attr(call.module, name):
+            return f"its {'γ' if name == 'weight' else 'β'} is not its own `{name}`"
+    region = [c for c in tg.capture.calls if c.call == call.call]
+    permutes: list[Permutation | None] = [None, None]
+    after = False
+    for position, member in enumerate(region):
+        source = call.args["input"] if member is call else member.refs()[0] if member.refs() else None
+        if position and source != region[position - 1].outputs[0]:
+            return "its forward is not one chain of calls"
+        if position < len(region) - 1 and ctx.readers.get(member.outputs[0], set()) != {region[position + 1].node}:
+            return "a value inside its forward is read outside it"
+        if member is call:
+            after = True
+        elif member.op not in LAYOUT_ONLY:
+            return f"its forward also calls {member.target}"
+        elif member.op == "permute":
+            rank = ctx.rank(member.args["self"])
+            if permutes[after] is not None or rank is None:
+                return "its forward permutes more than once on one side of the norm"
+            permutes[after] = tuple(int(d) % rank for d in member.args["dims"])
+    return permutes[0], permutes[1]
 
 
 def _owns(module: nn.Module, norm_type: NormType) -> bool:
@@ -634,12 +791,19 @@ def build_zero_mean_graph(model: nn.Module, capture: Capture, name: str = "model
         zmg.constants[tensor_name] = functools.partial(to_numpy, tensor)
     tg = TorchGraph(model, capture, zmg)
     ctx = _Context(capture)
+    changed = ctx.changed_through_views()
     taken: set[str] = set()
     region_of: dict[str, list[Call]] = {}
     for calls in _rms_regions(tg).values():
         for call in calls:
             region_of[call.node] = calls
     done: set[str] = set()
+    same: dict[str, str] = {}  # output of a pass-through call → the tensor it passes through
+
+    def add_norm(info: NormInfo, inputs: list[str], members: list[str]) -> None:
+        info = dataclasses.replace(info, input=same.get(info.input, info.input))
+        _add_norm(tg, info, [same.get(t, t) for t in inputs], members)
+
     for call in capture.calls:
         if call.node in done:
             continue
@@ -647,21 +811,29 @@ def build_zero_mean_graph(model: nn.Module, capture: Capture, name: str = "model
             found = _region_norm(tg, ctx, region_of[call.node], taken)
             if found is not None:
                 info, inputs, members = found
-                _add_norm(tg, info, inputs, members)
+                add_norm(info, inputs, members)
                 done.update(members)
                 continue
             for member in region_of[call.node]:
                 region_of.pop(member.node, None)
         if call.op in NORM_OPS:
             info, inputs = _norm(tg, ctx, call, taken)
-            _add_norm(tg, info, inputs, [call.node])
+            add_norm(info, inputs, [call.node])
             continue
+        if not call.op.endswith("_") and not any(o in ctx.used for o in call.outputs):
+            continue  # dead: a value computed and never read (mBART's `inputs_embeds[:, :, -1]`)
         result = classify(ctx, call)
+        if call.outputs and call.outputs[0] in changed:  # its value is not what the graph shows
+            result = _opaque(changed[call.outputs[0]])
+        inputs = [same.get(t, t) for t in (result.inputs if result.inputs is not None else call.refs())]
+        if call.op in PASS_THROUGH and result.identity and len(inputs) == 1:
+            same[call.outputs[0]] = inputs[0]  # no node: its readers read its input (a LayerScale after a dropout)
+            continue
         node_name = _node_name(call)
-        inputs = result.inputs if result.inputs is not None else list(call.refs())
         ref = NodeRef(call, result.linear, result.identity)
         zmg.add_node(ZNode(node_name, call.target, result.kind, result.rule, inputs, list(call.outputs), ref))
         tg.node_of_call[call.node] = node_name
+    zmg.graph_outputs = {same.get(t, t) for t in capture.outputs}
     return tg
 
 

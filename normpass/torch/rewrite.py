@@ -1,14 +1,23 @@
 """Apply a `FoldPlan` to a PyTorch module: centre parameters, swap LayerNorm modules for RMSNorms.
 
 The rewrite works on modules, not on the captured graph: the returned module keeps its class and
-its forward code, only some parameters get new values and folded `nn.LayerNorm` submodules are
-replaced by `torch.nn.RMSNorm`. So it runs eagerly at any input shape, compiles and exports like
-the original.
+its forward code, only some parameters get new values and folded LayerNorm submodules
+(`nn.LayerNorm`, its subclasses, and any module whose forward is `F.layer_norm` over its own weight
+and bias, between permutes or not: `fx._layer_norm_module`) are replaced by `torch.nn.RMSNorm`
+(inside `Permuted` where the LayerNorm permuted around its norm). So it runs eagerly at any input
+shape, compiles and exports like the original.
 
 * Centring (algebra.centre) of each attribute a planned layer reads, along the axis that indexes
   its output features: nn.Linear W [out, in] axis 0, HF Conv1D W [in, out] axis 1, embedding
   tables axis 1, conv W axis 0, their biases, and parameters added into the stream (position
   tables, CLS tokens) along the stream's axis.
+* LayerScale (`core.rules.layer_scale`; CaiT, DINOv2): a per-channel factor s multiplying a linear
+  layer's output is absorbed first, (x·W + b)⊙s = x·(W⊙s) + b⊙s, the factor set to ones, so the
+  layer is centred as any other; only where nothing else reads s, W or b.
+* Inserted centring (the plan's `Insertion`s; BLOOM's and mBART's embedding LayerNorms, PVT-v2's
+  patch norms, XCiT's BatchNorm stem): where the tensor to centre is the output of a one-op module
+  called once, that module (or the RMSNorm it became, keeping γ and β) is wrapped in `Centred`,
+  y − mean(y). A centring anywhere else (inside a larger forward) is declined.
 * Copy-on-write: an edit assigns a new `nn.Parameter` to the one attribute the graph read it
   through, so a parameter tied elsewhere (GPT-2's LM head is the token table) keeps its value
   there; HF tying metadata is updated so `tie_weights()` will not tie them again.
@@ -25,6 +34,7 @@ graph-level plan does not assume; `restrict` declines the folds a module rewrite
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,8 +42,8 @@ from torch import nn
 
 from ..core.algebra import centre, migrate_affine, scale_along
 from ..core.analysis import ShiftChecker
-from ..core.plan import Blocker, Centring, FoldPlan, NormDecision
-from ..core.rules import Linear
+from ..core.plan import Blocker, Centring, FoldPlan, Insertion, NormDecision
+from ..core.rules import Linear, layer_scale
 from .capture import Attr
 from .fx import NodeRef, NormSite, TorchGraph, to_numpy
 from .targets import BiasTarget, Stream, claim_residual, migration_targets
@@ -50,12 +60,83 @@ class RMSNormWithBias(nn.RMSNorm):
         return super().forward(x) + self.bias
 
 
+class Centred(nn.Module):
+    """`module` with its output centred along `axis` (y − mean(y)): a centring the plan inserts where a
+    stream starts at a norm module's affine output (BLOOM's embedding LayerNorm, PVT-v2's patch norms)."""
+
+    def __init__(self, module: nn.Module, axis: int):
+        super().__init__()
+        self.module, self.axis = module, axis
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        y = self.module(*args, **kwargs)
+        return y - y.mean(self.axis, keepdim=True)
+
+
+class Permuted(nn.Module):
+    """`norm` between two permutes: the RMSNorm that replaces a channels-first LayerNorm (timm LayerNorm2d)."""
+
+    def __init__(self, norm: nn.Module, before: tuple[int, ...] | None, after: tuple[int, ...] | None):
+        super().__init__()
+        self.norm, self.before, self.after = norm, before, after
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if self.before is None else x.permute(self.before)
+        x = self.norm(x)
+        return x if self.after is None else x.permute(self.after)
+
+
 # --- what a module rewrite can express ---------------------------------------------------------
 
 
-def _edits_of(tg: TorchGraph, centring: Centring) -> list[tuple[str, str, int | None]] | str:
-    """(node, constant, axis) reads that `centring` edits, or why it cannot be done on a module."""
+@dataclass(frozen=True)
+class LayerScale:
+    """A per-channel factor s after a linear layer, absorbed into it: W ← W⊙s along its outputs, b ← b⊙s, s ← 1."""
+
+    mul: str
+    factor: str
+    linear: str
+
+
+def _layer_scale(tg: TorchGraph, centring: Centring) -> LayerScale | None:
+    """The LayerScale `centring` centres by absorbing it into its layer (`core.rules.layer_scale`), if any."""
+    if centring.input_index is not None or centring.axis is None:
+        return None
+    node = tg.zmg.nodes[centring.node]
+    found = layer_scale(tg.zmg, node, centring.axis)
+    if found is None:
+        return None
+    index, linear, _ = found
+    return LayerScale(node.name, node.inputs[index], linear.name)
+
+
+def _layer_scale_blocked(tg: TorchGraph, scale: LayerScale, uses: dict) -> str | None:
+    """Why absorbing `scale` would change another reader of its factor or of its layer's parameters."""
+    linear = tg.zmg.nodes[scale.linear].ref.linear
+    if linear.bias is not None and linear.bias_axis is None:
+        return f"the LayerScale {scale.mul} cannot be absorbed: its layer's bias is one number for every channel"
+    for node, tensor in [(scale.mul, scale.factor), (scale.linear, linear.weight), (scale.linear, linear.bias)]:
+        attr = None if tensor is None else tg.attr(node, tensor)
+        if tensor is not None and attr is None:
+            return f"{tensor}, read by {node}, is not a module parameter or buffer"
+        others = [] if attr is None else [n for n, _ in uses.get(attr, []) if n != node]
+        if others:
+            return f"the LayerScale {scale.mul} cannot be absorbed: {attr} is also read by {others[0]}"
+    return None
+
+
+def _edits_of(tg: TorchGraph, centring: Centring, absorbing: bool = False) -> list[tuple[str, str, int | None]] | str:
+    """(node, constant, axis) reads that `centring` edits, or why it cannot be done on a module.
+
+    A LayerScale's centring is its layer's, once the caller has absorbed the factor (`absorbing`):
+    centring the layer alone would leave a shift times the factor, which no norm removes.
+    """
     reads: list[tuple[str, str, int | None]]
+    scale = _layer_scale(tg, centring)
+    if scale is not None and not absorbing:
+        return f"the LayerScale {scale.mul} would have to be absorbed into {scale.linear} first"
+    if scale is not None:  # the layer takes the factor, and is centred
+        centring = dataclasses.replace(centring, node=scale.linear)
     if centring.input_index is not None:
         assert centring.tensor is not None  # a constant's centring names it
         reads = [(centring.node, centring.tensor, centring.axis)]
@@ -84,7 +165,7 @@ def _harmless(tg: TorchGraph, checker: ShiftChecker, node: str, tensor: str, axi
 def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
     """The plan less the folds a module rewrite cannot express, each declined with its reason.
 
-    A fold stays only if (1) its norm is an `nn.LayerNorm` module whose every call folds, and (2)
+    A fold stays only if (1) its norm is a LayerNorm module whose every call folds, and (2)
     every constant it centres is a module attribute whose every reader is centred alike, or reads
     it in a layer whose centring is safe anyway.
     """
@@ -115,6 +196,8 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
             kept = [d for d in calls_of.get(site.module, []) if not d.foldable]
             if site.replace_blocked:
                 decline(decision, decision.name, site.replace_blocked)
+            elif why := next(filter(None, (_not_at_module_output(tg, i) for i in decision.insertions)), None):
+                decline(decision, decision.name, why)
             elif affine_readers[site.module]:
                 reader = affine_readers[site.module][0]
                 decline(decision, reader, f"{reader} also reads the γ or β of {site.module}, which the swap removes")
@@ -125,6 +208,11 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
                     f"module {site.module} is also called as {kept[0].name}, which "
                     "does not fold, and a module swap replaces every call",
                 )
+        for decision in (d for d in decisions if d.foldable):
+            for scale in filter(None, (_layer_scale(tg, c) for c in decision.centrings)):
+                if why := _layer_scale_blocked(tg, scale, uses):
+                    decline(decision, scale.mul, why)
+                    break
         edits, needs = _planned_edits(tg, decisions, decline)
         for attr, reads in edits.items():
             reason = _conflict(tg, checker, attr, reads, uses.get(attr, []))
@@ -135,6 +223,31 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
             return FoldPlan(decisions)
 
 
+def _centred_module(tg: TorchGraph, insertion: Insertion) -> str | None:
+    """The module whose output is `insertion`'s tensor, where a `Centred` wrapper can centre it.
+
+    It must be a module without submodules whose one call in the graph is one op making that tensor
+    (a LayerNorm, a BatchNorm, a GELU module), so that wrapping it centres exactly that tensor.
+    """
+    producer = next((c for c in tg.capture.calls if insertion.tensor in c.outputs), None)
+    if producer is None or not producer.module:
+        return None
+    if next(tg.model.get_submodule(producer.module).children(), None) is not None:
+        return None
+    if [c.node for c in tg.capture.calls if c.module == producer.module] != [producer.node]:
+        return None  # its forward makes other calls too, or it is called more than once
+    return producer.module
+
+
+def _not_at_module_output(tg: TorchGraph, insertion: Insertion) -> str | None:
+    if _centred_module(tg, insertion) is None:
+        return (
+            f"the centring it needs on {insertion.tensor} is not at the output of a one-op module called once, "
+            "where a module rewrite could put it (the ONNX front end inserts it)"
+        )
+    return None
+
+
 def _planned_edits(tg: TorchGraph, decisions: list[NormDecision], decline):
     """Per attribute: the (node, constant) reads the folded decisions centre, with their axes; and who needs it."""
     edits: dict[Attr, dict[tuple[str, str], int | None]] = {}
@@ -142,7 +255,7 @@ def _planned_edits(tg: TorchGraph, decisions: list[NormDecision], decline):
     for decision in decisions:
         if not decision.foldable:
             continue
-        planned = [_edits_of(tg, c) for c in decision.centrings]
+        planned = [_edits_of(tg, c, absorbing=True) for c in decision.centrings]
         failed = next((p for p in planned if isinstance(p, str)), None)
         if failed:
             decline(decision, decision.name, failed)
@@ -275,34 +388,55 @@ def carry_along_stream(tg: TorchGraph, editor: _Editor, stream: Stream, scale: n
     return [node.name for node, _, _ in edits]
 
 
+def _absorb(tg: TorchGraph, editor: _Editor, scale: LayerScale) -> None:
+    """(x·W + b)⊙s = x·(W⊙s) + b⊙s: the layer's output rows and bias times s, the factor set to ones."""
+    factor_attr = tg.attr(scale.mul, scale.factor)
+    linear = tg.zmg.nodes[scale.linear].ref.linear
+    assert factor_attr is not None  # checked by _layer_scale_blocked
+    factor = _wide(editor.parameter(factor_attr))
+    s = factor.reshape(-1)
+    for tensor, axis in ((linear.weight, linear.out_axis), (linear.bias, linear.bias_axis)):
+        attr = None if tensor is None else tg.attr(scale.linear, tensor)
+        if attr is not None:
+            editor.set(attr, scale_along(_wide(editor.parameter(attr)), axis, s))
+    editor.set(factor_attr, np.ones_like(factor))
+
+
 def _swap_norm(tg: TorchGraph, editor: _Editor, norm_name: str, full, beta_only) -> str:
-    """Replace the folded nn.LayerNorm by an RMSNorm; returns a note on where γ/β went."""
+    """Replace the folded LayerNorm module by an RMSNorm (between its permutes); returns a note on where γ/β went."""
     norm = tg.zmg.norm_by_name(norm_name)
-    path = norm.ref.module
+    site: NormSite = norm.ref
+    path = site.module
     layer_norm = editor.module.get_submodule(path)
-    assert isinstance(layer_norm, nn.LayerNorm), f"{path} was captured as an nn.LayerNorm"
-    gamma, beta = layer_norm.weight, layer_norm.bias
-    shape, eps = layer_norm.normalized_shape, layer_norm.eps
+    gamma = None if norm.scale is None else getattr(layer_norm, "weight")  # noqa: B009 (the module's own, by fx._layer_norm_module)
+    beta = None if norm.bias is None else getattr(layer_norm, "bias")  # noqa: B009
+    shape, eps = tuple(site.call.args["normalized_shape"]), norm.epsilon
     like = {} if gamma is None else {"dtype": gamma.dtype, "device": gamma.device}
+    replacement: nn.Module
     wide_gamma = None if gamma is None else _wide(gamma)
     if full is not None:
         moved = move_affine(tg, editor, full, wide_gamma, None if beta is None else _wide(beta))
         replacement = nn.RMSNorm(shape, eps=eps, elementwise_affine=False, **like)
         note = "γ/β migrated into " + ", ".join(moved)
     elif beta is not None and beta_only is None:
-        replacement = RMSNormWithBias(shape, eps=eps, **like)
+        with_bias = RMSNormWithBias(shape, eps=eps, **like)
         with torch.no_grad():
-            replacement.weight.copy_(gamma)
-            replacement.bias.copy_(beta)
+            if gamma is not None:
+                with_bias.weight.copy_(gamma)
+            with_bias.bias.copy_(beta)
+        replacement = with_bias
         note = "γ and β kept in the RMSNorm"
     else:
         moved = [] if beta is None else move_affine(tg, editor, beta_only, None, _wide(beta))
-        replacement = nn.RMSNorm(shape, eps=eps, elementwise_affine=gamma is not None, **like)
+        rms = nn.RMSNorm(shape, eps=eps, elementwise_affine=gamma is not None, **like)
         if gamma is not None:
             with torch.no_grad():
-                replacement.weight.copy_(gamma)
+                rms.weight.copy_(gamma)
+        replacement = rms
         note = "γ kept in the RMSNorm" if gamma is not None else "no affine"
         note += f", β migrated into {', '.join(moved)}" if moved else ""
+    if site.layout != (None, None):
+        replacement = Permuted(replacement, *site.layout)
     parent, _, child = path.rpartition(".")
     setattr(editor.module.get_submodule(parent), child, replacement.train(layer_norm.training))
     return note
@@ -319,19 +453,30 @@ def apply(
     """
     uses = tg.uses()
     editor = _Editor(module)
-    # Decide migrations on the original graph, before any parameter is rewritten.
-    targets = {}
+    centred = {}  # module → the axis its output is centred along
+    for insertion in {i for decision in plan.folded for i in decision.insertions}:
+        path = _centred_module(tg, insertion)
+        assert path is not None, f"restrict() checked the centring of {insertion.tensor}"
+        centred[path] = insertion.axis - len(tg.zmg.shape(insertion.tensor) or ())
+    # Decide migrations on the original graph, before any parameter is rewritten. A norm whose
+    # output is centred keeps its γ and β: the centring is planned on γ⊙x̂+β.
+    targets: dict[str, tuple[list | None, list | None]] = {}
     for decision in plan.folded:
         norm = tg.zmg.norm_by_name(decision.name)
+        if norm.ref.module in centred:
+            targets[norm.name] = (None, None)
+            continue
         full = migration_targets(tg, norm.name, uses, norm.bias is not None) if migrate else None
         beta_only = None
         if full is None and migrate and beta_across_residuals and norm.bias is not None:
             width = (tg.zmg.shape(norm.output) or (None,))[-1]
             beta_only = migration_targets(tg, norm.name, uses, True, claim_residual(tg, width, uses))
         targets[norm.name] = (full, beta_only)
+    for scale in {s for c in plan.centrings if (s := _layer_scale(tg, c)) is not None}:
+        _absorb(tg, editor, scale)
     axes: dict[Attr, int | None] = {}
     for centring in plan.centrings:
-        edits = _edits_of(tg, centring)
+        edits = _edits_of(tg, centring, absorbing=True)
         assert not isinstance(edits, str), f"restrict() checked the centring of {centring.node}: {edits}"
         for node, tensor, axis in edits:
             attr = tg.attr(node, tensor)
@@ -340,5 +485,9 @@ def apply(
     for attr, axis in axes.items():
         editor.set(attr, centre(_wide(editor.parameter(attr)), axis))
     notes = {d.name: _swap_norm(tg, editor, d.name, *targets[d.name]) for d in plan.folded}
+    for path, axis in centred.items():
+        parent, _, child = path.rpartition(".")
+        setattr(editor.module.get_submodule(parent), child, Centred(editor.module.get_submodule(path), axis))
+        notes[path] = notes.get(path, "not folded") + f"; output centred along axis {axis}"
     editor.forget_hf_ties()
     return notes, editor.untied

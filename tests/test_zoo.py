@@ -1,0 +1,72 @@
+"""The zoo (models/zoo.py): third-party architectures through both exporters and the PyTorch front end.
+
+For every architecture and front end: every LayerNorm the module runs is listed, every norm proven
+is rewritten (the ONNX fold with `fold_with_beta_add`, so none is kept), and the folded model
+matches the original outside normpass's verifier (ONNX Runtime without normpass code; the module's
+own outputs). Parity: the module proves the same number of norms as its exports, except where the
+entry says why not (`ZooModel.differs`, printed in the table). docs/zoo.md is what this run gives.
+
+Each architecture runs once per session (about 6 minutes for all of them on 2 shared CPU cores);
+timm's skip, naming the install command, where timm is missing.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from normpass.models import zoo
+
+TABLE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "zoo.md"
+
+
+@pytest.fixture(scope="session")
+def zoo_runs(tmp_path_factory):
+    """`zoo_runs(model)` → its run through each front end, once per session."""
+    cache: dict[str, dict[str, zoo.ZooRun]] = {}
+    workdir = tmp_path_factory.mktemp("zoo")
+
+    def runs(model: zoo.ZooModel) -> dict[str, zoo.ZooRun]:
+        if model.name not in cache:
+            cache[model.name] = {front_end: zoo.run(model, front_end, workdir) for front_end in zoo.FRONT_ENDS}
+        return cache[model.name]
+
+    return runs
+
+
+def _available(model: zoo.ZooModel) -> None:
+    if not model.available:
+        pytest.skip(f"{model.name}: timm is not installed ({zoo.TIMM_INSTALL})")
+
+
+@pytest.mark.parametrize("model", zoo.ZOO, ids=lambda m: m.name)
+def test_listed_proven_folded_and_matching(model, zoo_runs):
+    _available(model)
+    for front_end, run in zoo_runs(model).items():
+        if front_end in model.differs and (run.failure or run.norms != run.executed):
+            continue  # a known exporter failure or listing difference, with its reason in the table
+        assert zoo.problem(run) is None, f"{model.name} ({front_end}): {zoo.problem(run)}"
+        assert run.folded == run.proven, f"{model.name} ({front_end}): proven {run.proven}, folded {run.folded}"
+
+
+@pytest.mark.parametrize("model", zoo.ZOO, ids=lambda m: m.name)
+def test_module_proves_what_its_exports_prove(model, zoo_runs):
+    _available(model)
+    proven = {front_end: run.proven for front_end, run in zoo_runs(model).items() if front_end not in model.differs}
+    assert len(set(proven.values())) <= 1, f"{model.name}: proven by front end {proven}"
+
+
+def test_zoo_covers_the_families():
+    assert len(zoo.ZOO) >= 30
+    families = {model.family for model in zoo.ZOO}
+    assert {"decoder", "encoder", "encoder-decoder", "speech"} <= families
+    assert {"vision: ViT", "vision: hierarchical", "vision: conv stem"} <= families
+    assert {model.source for model in zoo.ZOO} == {"transformers", "timm"}
+
+
+def test_table_is_what_the_run_gives(zoo_runs):
+    if not zoo.timm_available():
+        pytest.skip(f"the table covers timm's models: install timm ({zoo.TIMM_INSTALL})")
+    runs = [run for model in zoo.ZOO for run in zoo_runs(model).values()]
+    assert TABLE.read_text() == zoo.table(runs), "docs/zoo.md is stale: python tools/zoo.py --write docs/zoo.md"
