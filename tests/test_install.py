@@ -37,6 +37,16 @@ def without_torch(code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", WITHOUT_TORCH + code, *args], capture_output=True, text=True)
 
 
+def test_slice_without_torch_calibrates_in_one_process(tmp_path):
+    """`combine` looks for a torch.distributed process group without importing torch: slicing needs no torch."""
+    model = pre_ln_stack(tmp_path / "stack.onnx")
+    out = tmp_path / "sliced.onnx"
+    argv = ["slice", str(model), "-o", str(out), "--calib", "synthetic", "--samples", "8", "--ratio", "0.5"]
+    run = without_torch(CLI, *argv, "--round-to", "4", "--input-shape", "input_ids:1x8")
+    assert run.returncode == 0, run.stderr
+    assert "1 of 1 residual streams sliced at ratio 0.5 (16 → 8; " in run.stdout and out.exists()
+
+
 def test_the_torch_api_without_torch_is_one_line_naming_the_extra():
     for code in ("import normpass; normpass.fold", "from normpass import inspect", "import normpass.torch.api"):
         run = without_torch(code)

@@ -14,12 +14,13 @@ from conftest import assert_equivalent, build, check_structure, initializers, pr
 from test_patterns import beta, gamma, header
 from test_rotation import tied_rms_model
 
-from normpass import SliceOptions, inspect_slice, slice_onnx
+from normpass import SliceOptions, UnsupportedModelError, inspect_slice, slice_onnx
 from normpass.cli.main import main
 from normpass.core import pca
 from normpass.core.pca import Covariance, eigenbasis, rms_rescale, sliced_width
 from normpass.models import get
 from normpass.models.reference import entry_feeds
+from normpass.onnx.slice.cut import Slicer
 
 D, RANK, S, V = 32, 16, 6, 20
 
@@ -119,11 +120,20 @@ def ids(seed: int, batch: int = 8) -> dict[str, np.ndarray]:
     return {"ids": rng(seed).integers(0, V, (batch, S)).astype(np.int64)}
 
 
-@pytest.mark.parametrize("basis", ["stream", "layer"])
-def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis):
+@pytest.mark.parametrize(
+    "basis, rms_op, target",
+    [
+        ("stream", "simplified", "ort"),
+        ("layer", "simplified", "ort"),
+        ("stream", "decomposed", "onnx"),  # ε in a constant of the chain's Add
+        ("layer", "onnx", "onnx"),  # RMSNormalization
+    ],
+)
+def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis, rms_op, target):
     model = low_rank_model(rng(3), head_bias=True)
     before = model.SerializeToString()
-    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis))
+    options = SliceOptions(ratio=0.5, basis=basis, rms_op=rms_op, target=target)
+    result = slice_onnx(model, ids(0, 16), options)
     assert model.SerializeToString() == before, "slice_onnx modified its input model"
     (stream,) = result.slicing.sliceable
     assert result.chosen is not None and result.chosen.kept == {stream.name: RANK}
@@ -141,18 +151,19 @@ def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis):
     assert result.bases[stream.name].energy_kept(RANK) == pytest.approx(1.0)
     # without the RMS rescale (γ·√(d/k), ε·d/k) the same cut is not exact
     monkeypatch.setattr("normpass.onnx.slice.cut.rms_rescale", lambda width, kept: (1.0, 1.0))
-    unscaled = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis)).model
+    unscaled = slice_onnx(model, ids(0, 16), options).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, unscaled, rel_tol=1e-3)
     monkeypatch.setattr("normpass.onnx.slice.cut.rms_rescale", lambda width, kept: (rms_rescale(width, kept)[0], 1.0))
-    eps_unscaled = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis)).model
+    eps_unscaled = slice_onnx(model, ids(0, 16), options).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, eps_unscaled, rel_tol=1e-5)
 
 
-def test_a_beta_kept_after_the_final_norm_reaches_a_biasless_head_as_its_bias(monkeypatch):
+@pytest.mark.parametrize("basis", ["stream", "layer"])
+def test_a_beta_kept_after_the_final_norm_reaches_a_biasless_head_as_its_bias(monkeypatch, basis):
     model = low_rank_model(rng(4), head_bias=False)
-    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5))
+    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis))
     (stream,) = result.slicing.sliceable
     assert any(".beta" in w for w in stream.to_json()["writers"])  # the fold kept the final β as an Add
     check_structure(result.model)
@@ -161,7 +172,7 @@ def test_a_beta_kept_after_the_final_norm_reaches_a_biasless_head_as_its_bias(mo
     assert head.op_type == "MatMul" and head.output[0] in producer(result.model, "m3").input
     assert_equivalent(model, result.model, rel_tol=1e-5)
     monkeypatch.setattr("normpass.onnx.slice.cut.Slicer._carried_constants", lambda self, stream, basis: {})
-    dropped = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5)).model
+    dropped = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis)).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, dropped, rel_tol=1e-3)
 
@@ -219,7 +230,7 @@ def test_ratio_zero_is_the_original_rotated_into_its_principal_bases_and_verifie
 
 def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
     model, feeds = gpt2
-    damage, widths = [], []
+    damage, widths, parameters = [], [], []
     for ratio in (0.25, 0.5, 0.75):
         result = slice_onnx(model, feeds, SliceOptions(ratio=ratio), name="gpt2")
         (stream,) = result.slicing.sliceable
@@ -227,6 +238,8 @@ def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
         widths.append(kept)
         assert result.held_out is not None
         damage.append(1 - result.held_out.cos_mean)
+        parameters.append(result.chosen.parameters)
+        assert result.report()["slice"]["parameters"] == {"original": result.parameters, "sliced": parameters[-1]}
         check_structure(result.model)
         outputs = run_ort(result.model, {"input_ids": feeds["input_ids"][:3]})
         assert all(np.isfinite(v).all() for v in outputs.values())
@@ -237,6 +250,17 @@ def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
         assert entry["kept"] == kept and 0 < entry["energy_kept"] < 1
     assert widths == [48, 32, 16]
     assert damage[0] < damage[1] < damage[2], damage
+    assert result.parameters > parameters[0] > parameters[1] > parameters[2]
+
+
+def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch):
+    """The exporter's `view`s of the stream build their target shape as Concat(Shape…, [64]): without
+    naming k there the sliced model does not run, which is refused in one line, nothing written."""
+    model, feeds = gpt2
+    monkeypatch.setattr(Slicer, "_retarget", lambda self, *args: None)
+    with pytest.raises(UnsupportedModelError, match=r"sliced at ratio 0\.5 does not run") as refused:
+        slice_onnx(model, feeds, SliceOptions(ratio=0.5), name="gpt2")
+    assert "\n" not in str(refused.value)
 
 
 def test_a_post_ln_model_keeps_its_streams_with_the_reasons(registry_export, capsys):
@@ -276,7 +300,7 @@ def test_cli_slice_writes_the_model_and_the_report(files, capsys):
         == 0
     )
     printed = capsys.readouterr().out
-    assert "1 of 1 residual streams sliced at ratio 0.5 (32 → 16)" in printed and "held out (8 samples)" in printed
+    assert "1 of 1 residual streams sliced at ratio 0.5 (32 → 16; " in printed and "held out (8 samples)" in printed
     data = json.loads(report.read_text())
     assert data["output"] == str(out) and data["slice"]["streams"][0]["kept"] == RANK
     assert data["slice"]["held_out"]["cos_min"] > 0.9999

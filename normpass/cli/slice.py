@@ -58,7 +58,10 @@ def add_parser(sub) -> None:
         help="stream: one principal basis per residual stream (default; no op added); layer: one per norm, with a "
         "k×k shortcut MatMul on the residual path between them (SliceGPT's)",
     )
-    add_data_arguments(parser, required=True)
+    add_data_arguments(
+        parser, required=True, more_data=", or 'synthetic' (seeded random inputs, for demos and tests only)"
+    )
+    parser.add_argument("--samples", type=int, default=64, help="samples of synthetic data (default 64)")
     add_budget_arguments(parser, "default: none, the held-out figures are reported")
     parser.add_argument(
         "--write-best",
@@ -103,9 +106,13 @@ def summary(label: str, result: SliceResult, out) -> list[str]:
     )
     budget = "" if result.budget is None else f"; budget {result.budget}"
     check = "" if result.comparison is None else f" ({result.comparison.describe()})"
+    sliced = "" if result.chosen is None else f"; {result.chosen.parameters} of {result.parameters} parameters"
+    bases = sum(len(p) for p in result.pieces.values())
+    layers = f", {bases} bases and {result.shortcuts} shortcuts" if result.basis == "layer" else ""
     lines = [
         f"{label}: {len(result.slicing.sliceable)} of {len(result.slicing.streams)} residual streams sliced at "
-        f"ratio {result.ratio:g}{' (' + widths + ')' if widths else ''}{check}{figures}{budget}; wrote {out}"
+        f"ratio {result.ratio:g}{' (' + widths + layers + sliced + ')' if widths else ''}{check}{figures}{budget}; "
+        f"wrote {out}"
     ]
     if report["wrote_fallback"]:
         lines.append(
@@ -125,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
         | calibration_files("--holdout", args.holdout)
         | calibration_files("--tokenizer", args.tokenizer),
     )
-    if args.batch_size < 1 or args.max_length < 1:
-        raise InputError("--batch-size and --max-length must be at least 1")
+    if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
+        raise InputError("--batch-size, --samples and --max-length must be at least 1")
     options = SliceOptions(
         ratio=args.ratio,
         round_to=args.round_to,
@@ -139,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         max_length=args.max_length,
         mask_input=args.mask_input,
+        samples=args.samples,
         target=args.target,
         provider=args.provider,
         insert_centering=not args.no_insert_centering,

@@ -74,9 +74,9 @@ def layer_pieces(zmg: ZeroMeanGraph, stream: Stream) -> tuple[list[Stream], list
         return any(pieces.find(t) == root for t in read)
 
     crossing = []
-    for node, operand, output in edges:
+    for residual, operand, output in edges:
         if has_norm(operand):
-            crossing.append((node, operand, output))
+            crossing.append((residual, operand, output))
         else:
             pieces.join(operand, output)
     changed = True
@@ -87,8 +87,8 @@ def layer_pieces(zmg: ZeroMeanGraph, stream: Stream) -> tuple[list[Stream], list
                 pieces.join(operand, output)
                 changed = True
     return _split(zmg, stream, pieces), [
-        Shortcut(node, operand, _name(zmg, stream, pieces, operand), _name(zmg, stream, pieces, output))
-        for node, operand, output in crossing
+        Shortcut(residual, operand, _name(zmg, stream, pieces, operand), _name(zmg, stream, pieces, output))
+        for residual, operand, output in crossing
         if pieces.find(operand) != pieces.find(output)
     ]
 

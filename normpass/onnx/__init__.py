@@ -8,6 +8,8 @@
 * `rotate/`: the rotation of a folded stream, with key centring, smoothing, online rotation and the
   calibration statistics they share (`features`).
 * `replace/`: the surrogate pass: capture, selection through `core.replace`, emission.
+* `slice/`: SliceGPT's slicing of a proven stream: the driver (`slice_onnx`, `inspect_slice`: bases,
+  judging) and the cut (`cut`: the rotation's rewriter with a d×k matrix, the RMS rescale, shapes).
 * `runtime/`: ONNX Runtime beside the passes: verification, benchmarking, fp16 copies, ORT's
   transformers optimizer.
 * `graphsurgeon`: onnx-graphsurgeon graphs in and out.

@@ -25,12 +25,13 @@ import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import onnx
 
 from ... import __version__
-from ...calibration import Batch, InputSpec, find_mask_input, load_batches
+from ...calibration import MIN_SAMPLES, Batch, InputSpec, find_mask_input, load_batches
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
@@ -105,11 +106,24 @@ def synthetic_batches(
     return batches
 
 
-def load(source, model: onnx.ModelProto, options: ReplaceOptions, seed: int) -> list[Batch]:
-    """Calibration batches from `source` (`calibration.load_batches`, or `"synthetic"`), shape-checked."""
+class DataOptions(Protocol):
+    """How calibration inputs are read: `ReplaceOptions`, `SliceOptions`."""
+
+    batch_size: int
+    tokenizer: str | None
+    max_length: int
+    samples: int  # of synthetic data
+    input_shapes: dict  # of synthetic data
+
+
+def load(source, model: onnx.ModelProto, options: DataOptions, seed: int, minimum: int = MIN_SAMPLES) -> list[Batch]:
+    """Calibration batches from `source` (`calibration.load_batches`, at least `minimum` samples, or
+    `"synthetic"`), shape-checked."""
     if isinstance(source, str) and source == "synthetic":
         return synthetic_batches(model, options.samples, options.batch_size, seed, options.input_shapes)
-    batches = load_batches(source, input_spec(model), options.batch_size, options.tokenizer, options.max_length)
+    batches = load_batches(
+        source, input_spec(model), options.batch_size, options.tokenizer, options.max_length, minimum
+    )
     for index, batch in enumerate(batches):
         check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
     return batches

@@ -47,7 +47,7 @@ def slice_refusal(zmg: ZeroMeanGraph, stream: Stream) -> str | None:
         norm = zmg.norm_by_name(name)
         if norm.scale is None or not zmg.is_constant(norm.scale):
             return f"{norm.op} {norm.name} has no constant γ to carry the rescale √(d/k) of a sliced RMS op"
-        if _epsilon_site(norm) is None:
+        if norm.epsilon and _epsilon_site(norm) is None:
             return (
                 f"{norm.op} {norm.name}: its ε is not an attribute or a constant of one Add, so it cannot be rescaled"
             )
@@ -66,7 +66,7 @@ def _epsilon_site(norm: NormInfo) -> tuple[ir.Node, int | None] | None:
             values = constant_values(value)
             if values is not None and values.size == 1 and np.isclose(float(values.ravel()[0]), norm.epsilon):
                 return node, index
-    return None if norm.epsilon else (match.nodes[0], None)  # ε = 0: nothing to rescale
+    return None
 
 
 class Slicer(Rotator):
@@ -108,7 +108,8 @@ class Slicer(Rotator):
                     tag = f"sliced:{label}:{'unit' if moved else 'uniform'}"
                     self._replace_input(node, index, tag, sliced_gamma, "sliced: γ·√(d/k) over k columns")
         site = _epsilon_site(norm)
-        assert site is not None  # `slice_refusal` refused the stream otherwise
+        if site is None:  # ε = 0 (`slice_refusal` refuses the stream otherwise): nothing to rescale
+            return
         eps_node, eps_index = site
         factor = gamma_factor if match.eps_outside_root else eps_factor
         if eps_index is None:

@@ -37,20 +37,20 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ... import __version__
-from ...calibration import Batch, find_mask_input, load_batches, split_batches
+from ...calibration import Batch, find_mask_input, split_batches
 from ...core.budget import Budget, Metrics, compare
 from ...core.layers import Shortcut, layer_pieces
 from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis, sliced_width
 from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
-from ...errors import InputError
+from ...errors import InputError, UnsupportedModelError
 from ...io import checked_model
 from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx, in_memory_proto
 from ..graph.constants import constant_values
 from ..graph.export import export_model
 from ..graphsurgeon import from_graphsurgeon
-from ..replace.driver import Runner, input_spec, refuse_scalar_inputs
+from ..replace.driver import Runner, input_spec, load, refuse_scalar_inputs
 from ..rotate.driver import RotateOptions, plan_streams
 from ..rotate.features import CalibData, captured
 from ..runtime.verify import check_input_shapes, structure
@@ -62,6 +62,8 @@ LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last rat
 
 @dataclass
 class SliceOptions:
+    """Options of the slice pass (the CLI flag is the name with dashes); the fold's are as for `rotate`."""
+
     ratio: float = 0.25  # R: k = (1 − R)·d columns kept per stream
     round_to: int = DEFAULT_ROUND_TO  # k a multiple of this (`core/pca.sliced_width`)
     basis: str = "stream"  # one principal basis per proven stream; "layer": one per norm, with shortcuts
@@ -73,13 +75,14 @@ class SliceOptions:
     tokenizer: str | None = None
     max_length: int = 128
     mask_input: str | None = None  # default: the rank-2 input named *mask* (`calibration.find_mask_input`)
+    samples: int = 64  # of "synthetic" calibration data (seeded random inputs: demos and tests only)
     target: str = "ort"  # the fold's options, as for `rotate`
     provider: str = "cuda"
     rms_op: str | None = None
     insert_centering: bool = True
     fuse_skip: bool | None = None
     verify: bool = True  # at R = 0: verified against the original (at R > 0 the budget judges)
-    input_shapes: dict = field(default_factory=dict)  # of the verification inputs
+    input_shapes: dict = field(default_factory=dict)  # of the verification inputs (and of synthetic data)
     seed: int = 0  # of the split and of the verification inputs
 
     def checked(self) -> Budget | None:
@@ -164,6 +167,7 @@ class Trial:
     kept: dict[str, int]
     held_out: Metrics
     budget_met: bool | None  # None: no budget
+    parameters: int  # elements of the sliced model's constants
 
     def to_json(self) -> dict:
         return {
@@ -171,6 +175,7 @@ class Trial:
             "kept": self.kept,
             "held_out": self.held_out.to_json(),
             "budget_met": self.budget_met,
+            "parameters": self.parameters,
         }
 
 
@@ -185,6 +190,7 @@ class SliceResult(FoldResult):
     pieces: dict[str, list[str]] = field(default_factory=dict)  # stream → its pieces, each with a basis
     tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens per piece's basis
     shortcuts: int = 0  # k×k matrices inserted between pieces
+    parameters: int = 0  # elements of the original's constants
     chosen: Trial | None = None
     tried: list[Trial] = field(default_factory=list)
     requested_ratio: float = 0.0
@@ -221,6 +227,10 @@ class SliceResult(FoldResult):
             "wrote_fallback": self.chosen is not None and self.ratio != self.requested_ratio,
             "verification": VERIFIED_EXACT if exact or not kept else VERIFIED_BY_BUDGET,
             "held_out": None if self.held_out is None else self.held_out.to_json(),
+            "parameters": {
+                "original": self.parameters,
+                "sliced": None if self.chosen is None else self.chosen.parameters,
+            },
             "tried": [t.to_json() for t in self.tried],
             **plan,
         }
@@ -243,17 +253,12 @@ VERIFIED_BY_BUDGET = (
 
 def _data(model: onnx.ModelProto, calibration, options: SliceOptions) -> tuple[list[Batch], list[Batch]]:
     """(fitting, held-out) batches: a seeded split of `calibration`, or all of it and `options.holdout`."""
-    spec = input_spec(model)
-
-    def load(source, minimum: int) -> list[Batch]:
-        batches = load_batches(source, spec, options.batch_size, options.tokenizer, options.max_length, minimum)
-        for index, batch in enumerate(batches):
-            check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"calibration batch {index}, input")
-        return batches
-
     if options.holdout is not None:
-        return load(calibration, 1), load(options.holdout, 1)
-    fit, held = split_batches(load(calibration, 2), tuple(options.split), options.seed, options.batch_size)
+        return load(calibration, model, options, options.seed, 1), load(
+            options.holdout, model, options, options.seed + 1, 1
+        )
+    whole = load(calibration, model, options, options.seed, 2)
+    fit, held = split_batches(whole, tuple(options.split), options.seed, options.batch_size)
     return fit, held
 
 
@@ -345,6 +350,11 @@ def _cut(
     return export_model(slicer.ctx.model, slicer.docs, metadata)
 
 
+def _parameters(model: ir.Model) -> int:
+    """The number of elements of `model`'s constants (initializers)."""
+    return sum(v.const_value.size for v in model.graph.initializers.values() if v.const_value is not None)
+
+
 def inspect_slice(model: ModelSource, options: SliceOptions | None = None, name: str = "model") -> SlicePlan:
     """Which residual streams `slice_onnx` would slice and why the others stay whole (no data read)."""
     options = options or SliceOptions()
@@ -391,8 +401,16 @@ def slice_onnx(
             continue
         cut = _cut(folded, name, options, bases, kept)
         candidate = Runner(in_memory_proto(cut))
-        metrics = compare(references, [candidate.run(b, reference.outputs) for b in held], masks)
-        tried.append(Trial(ratio, kept, metrics, None if budget is None else budget.holds(metrics)))
+        try:
+            outputs = [candidate.run(b, reference.outputs) for b in held]
+        except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
+            raise UnsupportedModelError(
+                f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
+                "written; slicing missed something this model computes from the hidden size: report it"
+            ) from e
+        metrics = compare(references, outputs, masks)
+        met = None if budget is None else budget.holds(metrics)
+        tried.append(Trial(ratio, kept, metrics, met, _parameters(cut)))
         if tried[-1].budget_met is not False:
             chosen = tried[-1]
             break
@@ -411,6 +429,7 @@ def slice_onnx(
         pieces={stream: [p.name for p in found] for stream, found in pieces.items()},
         tokens={s: c.tokens for s, c in covariances.items()},
         shortcuts=len(shortcuts),
+        parameters=sum(int(np.prod(t.dims)) for t in original.graph.initializer),
         chosen=chosen,
         tried=tried,
         requested_ratio=options.ratio,
