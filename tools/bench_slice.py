@@ -32,6 +32,7 @@ import logging
 import pathlib
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import onnx
@@ -76,7 +77,7 @@ def prepare(
     }
     for basis, kept in widths.items():
         prefix = "slice" if basis == "stream" else f"slice-{basis}"
-        builders |= {f"{prefix}-k{w}": (lambda w=w, b=basis: sliced(original, calibration, w, b)) for w in kept}
+        builders |= {f"{prefix}-k{w}": partial(sliced, original, calibration, w, basis) for w in kept}
     fp32, base = {"ort-opt": cache / "ort-opt.onnx"}, {}
     if not fp32["ort-opt"].exists():
         bench_e2e.save(optimize(original, DINOV2_OPTIMIZER)[0], fp32["ort-opt"])

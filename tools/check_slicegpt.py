@@ -37,6 +37,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import numpy as np
 import onnx
@@ -85,9 +86,9 @@ def import_slicegpt(repo: pathlib.Path):
     package = types.ModuleType("slicegpt")
     package.__path__ = [str(repo / "src" / "slicegpt")]
     sys.modules["slicegpt"] = package
-    from slicegpt import layernorm_fusion, rotate  # after the package is registered
-    from slicegpt.adapters.opt_adapter import OPTModelAdapter
-    from slicegpt.slicing_scheduler import ConstSlicingScheduler
+    from slicegpt import layernorm_fusion, rotate  # type: ignore[import-not-found]  # after the package is registered
+    from slicegpt.adapters.opt_adapter import OPTModelAdapter  # type: ignore[import-not-found]
+    from slicegpt.slicing_scheduler import ConstSlicingScheduler  # type: ignore[import-not-found]
 
     return layernorm_fusion, rotate, OPTModelAdapter, ConstSlicingScheduler
 
@@ -100,7 +101,7 @@ def slicegpt_half(repo: pathlib.Path, workdir: pathlib.Path) -> None:
     layernorm_fusion, rotate, OPTModelAdapter, ConstSlicingScheduler = import_slicegpt(repo)
     exchange = torch.load(workdir / "exchange.pt")
     config = transformers.OPTConfig(**exchange["config"])
-    config.torch_dtype = torch.float32
+    config.torch_dtype = torch.float32  # type: ignore[misc]  # settable in transformers 4.41
     hidden = config.hidden_size
     loader = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in exchange["calibration"]]
 
@@ -138,10 +139,9 @@ def slicegpt_half(repo: pathlib.Path, workdir: pathlib.Path) -> None:
         tokens = [t / t.norm(dim=1, keepdim=True) if unit else t for t in norm_inputs(adapter)]
         return rotate.pca_calc([t[None] for t in tokens])[1]
 
-    results = {"original": None, "fused": logits(fused())}
     hf = transformers.OPTForCausalLM(config)
     hf.load_state_dict(exchange["state"])
-    results["original"] = logits(OPTModelAdapter(hf.eval()))
+    results: dict[str, Any] = {"original": logits(OPTModelAdapter(hf.eval())), "fused": logits(fused())}
     pca_calc = rotate.pca_calc
 
     def unit_pca_calc(batches, ignore_masks=None):
@@ -162,7 +162,8 @@ def slicegpt_half(repo: pathlib.Path, workdir: pathlib.Path) -> None:
             adapter = fused()
             cut_one_basis(rotate, adapter, one_basis(adapter, unit), width)
             results[f"stream-{'unit' if unit else 'raw'}-k{width}"] = logits(adapter)
-    np.savez(workdir / "slicegpt.npz", transformers=np.array(transformers.__version__), **results)
+    results["transformers"] = np.array(transformers.__version__)
+    np.savez(workdir / "slicegpt.npz", **results)
 
 
 def cut_one_basis(rotate, adapter, basis: torch.Tensor, width: int) -> None:
@@ -305,8 +306,8 @@ def check(
             "rotated_k_eq_d_vs_original": agreement(original, theirs[f"layer-k{hidden}"]),
         },
         "versions": versions(),
-        "points": [],
     }
+    points = []
     for ratio, width in [(0.0, hidden), *widths.items()]:
         point: dict = {"ratio": ratio, "k": width, "vs_original": {}, "normpass_vs_slicegpt": {}}
         for variant in SLICEGPT_VARIANTS:
@@ -319,8 +320,8 @@ def check(
             point["vs_original"][f"normpass-{basis}"] = agreement(original, ours)
             for variant in SLICEGPT_VARIANTS:
                 point["normpass_vs_slicegpt"][f"{basis} vs {variant}"] = agreement(theirs[f"{variant}-k{width}"], ours)
-        report["points"].append(point)
-    return report
+        points.append(point)
+    return report | {"points": points}
 
 
 def git_commit(repo: pathlib.Path) -> str | None:
