@@ -121,7 +121,13 @@ def timed(paths: dict[str, pathlib.Path], found: dict[str, dict], args: argparse
     candidates = [bench.Candidate(label, str(path), check=label == "rot-opt") for label, path in paths.items()]
     print(f"timing {len(candidates)} variants, {args.repeats} interleaved rounds", flush=True)
     report = bench.run_benchmark(
-        candidates, [(1, 0)], repeats=args.repeats, warmup=args.warmup, threads=args.threads, progress=False
+        candidates,
+        [(1, 0)],
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        progress=False,
+        clock=args.clock,
     )
     results = report["points"][0]["results"]
     rows = []
@@ -171,6 +177,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0: ORT's default)")
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="cpu: this process's CPU time (a shared machine)"
+    )
     parser.add_argument("--cache", type=pathlib.Path, required=True)
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
