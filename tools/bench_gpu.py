@@ -21,6 +21,9 @@ does it):
 * `opt-affine`: what `normpass replace --with affine --all-norms` writes (`norm_free`: seeded terms,
   speed only; outputs not checked), then the optimizer: every norm gone, γ carried along the residual
   stream, the residual writers' bias Adds taken into the surrogates' β;
+* `slice-R` (`SLICE_RATIOS`): `normpass slice --ratio R` (one basis per stream, k a multiple of 16) fitted on
+  seeded random inputs (`SLICE_CALIBRATION` batches: speed only, the outputs differ; not checked; accuracy
+  on real weights: `tools/eval_slice.py`), then the optimizer;
 * fp16 only, weight-only 4- and 8-bit (ORT's `MatMulNBitsQuantizer`, block 32, symmetric, the LM head
   kept; `WEIGHT_BITS`): `opt-int4`, `opt-int8w`: `ort-opt` quantized; `rot-opt`: `normpass rotate
   --provider cuda`, then the optimizer; `rot-opt-int4`, `rot-opt-int8w`: that quantized. Seeded weights:
@@ -61,6 +64,7 @@ from normpass.onnx.replace.surrogates import export_model
 from normpass.onnx.rotate.driver import RotateOptions, rotate_onnx
 from normpass.onnx.runtime import bench
 from normpass.onnx.runtime.ortopt import OrtOptimizer, optimize
+from normpass.onnx.slice import SliceOptions, slice_onnx
 
 # name → (registry entry factory, points as (batch, seq), fp32 points)
 MODELS = {
@@ -72,14 +76,17 @@ MODELS = {
     "bert-base-shape": (registry.bert_base_shape, [(1, 128), (8, 512)], [(8, 512)]),
     "vit-b16-shape": (registry.vit_b16_shape, [(1, 1), (64, 1), (256, 1)], [(64, 1)]),
 }
-VARIANTS = ("ort-opt", "opt-fold", "fold-opt", "opt-identity", "opt-affine", "raw", "raw-folded")
+SLICE_RATIOS = (0.25,)  # `slice-R` variants: the issue's GPU targets are at R = 0.25
+SLICED = tuple(f"slice-{ratio:g}" for ratio in SLICE_RATIOS)
+SLICE_CALIBRATION, SLICE_SEQ = 4, 64  # seeded batches of 2×64 tokens (or 2 images) fit the bases, one more judges
+VARIANTS = ("ort-opt", "opt-fold", "fold-opt", "opt-identity", "opt-affine", *SLICED, "raw", "raw-folded")
 WEIGHT_BITS = {"-int4": 4, "-int8w": 8}  # a weight-only variant's label suffix → its `MatMulNBits` bits
 QUANTIZED = ("opt-int4", "rot-opt", "rot-opt-int4", "opt-int8w", "rot-opt-int8w")  # fp16 only
 BASELINES = {
-    "ort-opt": ("opt-fold", "fold-opt", "opt-identity", "opt-affine", *QUANTIZED),
+    "ort-opt": ("opt-fold", "fold-opt", "opt-identity", "opt-affine", *SLICED, *QUANTIZED),
     "raw": ("raw-folded",),
 }
-UNCHECKED = ("opt-identity", "opt-affine")  # norm-free: their outputs differ from the original's
+UNCHECKED = ("opt-identity", "opt-affine", *SLICED)  # norm-free or sliced: their outputs differ from the original's
 FP16_BOUND = 0.05  # relative error of an fp16 variant against the fp16 `ort-opt`
 NBITS_BOUND = 10.0  # a weight-only (`WEIGHT_BITS`) variant's relative error is recorded, not bounded
 
@@ -112,6 +119,20 @@ def norm_free(raw: onnx.ModelProto, name: str) -> onnx.ModelProto:
         surrogates.append((norm.name, Surrogate("affine", gamma, beta)))
     ctx, emitter, _ = prepared.bench.build(surrogates)
     return export_model(ctx, prepared.folded, emitter.docs, {})
+
+
+def sliced(raw: onnx.ModelProto, name: str, ratio: float) -> onnx.ModelProto:
+    """`normpass slice --ratio R --provider cuda` of `raw`, its bases fitted on seeded random inputs
+    (`SLICE_CALIBRATION`): the sliced model's shapes, for speed (not its accuracy)."""
+    feeds = [bench.make_feeds(raw, 2, SLICE_SEQ, seed) for seed in range(SLICE_CALIBRATION + 1)]
+    options = SliceOptions(ratio=ratio, provider="cuda", holdout=feeds[-1:], verify=False)
+    result = slice_onnx(raw, feeds[:-1], options, name=name)
+    print(
+        f"{name}: {len(result.slicing.sliceable)} of {result.slicing.to_json()['total']} streams sliced "
+        f"at R = {ratio:g} ({result.chosen.kept if result.chosen else {}})",
+        flush=True,
+    )
+    return result.model
 
 
 def nbits_weights(source: pathlib.Path, out: pathlib.Path, bits: int) -> pathlib.Path:
@@ -160,6 +181,9 @@ def prepare(name: str, cache: pathlib.Path, quantized: bool) -> dict[str, dict[s
         "fold-opt": optimize(folded.model, settings)[0],
         "opt-identity": optimize(bench_e2e.without_norms(raw), settings)[0],
         "opt-affine": optimize(norm_free(raw, name), settings)[0],
+    } | {
+        label: optimize(sliced(raw, name, ratio), settings)[0]
+        for label, ratio in zip(SLICED, SLICE_RATIOS, strict=True)
     }
     rotated = rotated_optimized(raw, settings, name) if quantized else None  # before `raw`'s weights move out
     paths: dict[str, dict[str, str]] = {"fp32": {}, "fp16": {}}
