@@ -12,6 +12,8 @@ cell links to that record, so no figure is typed by hand. A cell is one measurem
 * **INT8 error** (`Int8`): a `tools/bench_rotation.py` report, the rotated model's INT8 error over the
   original's INT8 error on every calibration/judging split of one recipe, with the speed over fp32
   from the matching latency report.
+* **slicing** (`Sliced`): a `tools/bench_slice.py` record, each sliced variant's time over ORT's optimized
+  original's, with its held-out cosine (slicing is approximate: the two figures go together).
 * **distillation** (`Distill`): a `tools/eval_distill.py` report: norms trained away, held-out
   worst-case cosine, and whether the budget held. What a verb buys in accuracy rather than time is a
   line under the table (`LINES`), not a row.
@@ -163,7 +165,37 @@ class Distill:
         )
 
 
-Cell = Timing | Int8 | Distill
+@dataclass(frozen=True)
+class Sliced:
+    """A `tools/bench_slice.py` record: each sliced variant's time over the optimized original's (`slice-k<k>-opt`:
+    one basis per stream; `slice-layer-k<k>-opt`: one per layer), with the held-out cosine of its output."""
+
+    record: str
+    variants: tuple[str, ...]
+    label: str  # the model, in words
+
+    def render(self, page: str) -> str:
+        report = load(self.record)
+        rows = {row["variant"]: row for row in report["rows"]}
+        parts = []
+        for variant in self.variants:
+            row, held = rows[variant], rows[variant]["held_out"]
+            basis = "one basis per layer" if variant.startswith("slice-layer-") else "one basis per stream"
+            k = variant.rsplit("-k", 1)[1].split("-")[0]
+            parts.append(
+                f"{row['ratio']:.2f}× at k = {k} ({basis}; held-out cosine mean {held['cosine_mean']:.3f}, "
+                f"worst {held['cosine_min']:.3f})"
+            )
+        ratios = [rows[variant]["ratio"] for variant in self.variants]
+        clock = "CPU time" if report["settings"].get("clock") == "cpu" else "wall time"
+        threads = {1: "one thread"}.get(report["settings"]["threads"], "ORT's default threads")
+        return (
+            f"{self.label}: {verdict(ratios)}, " + "; ".join(parts) + f" of {BASELINES[report['baseline']]}'s "
+            f"{clock} ({report['machine']['cpu']}, {threads}; {link(self.record, page)})"
+        )
+
+
+Cell = Timing | Int8 | Distill | Sliced
 
 
 @dataclass(frozen=True)
@@ -230,6 +262,18 @@ ROWS = (
             ],
         },
     ),
+    Row(
+        "`slice` (SliceGPT: each proven stream cut to its principal directions; approximate, no recovery)",
+        {
+            "ORT CPU": [
+                Sliced(
+                    "cpu-2026-11-27/slice-speed-dinov2-cpu-clock-2.json",
+                    ("slice-layer-k288-opt", "slice-k320-opt"),
+                    "DINOv2-S (d = 384), fp32",
+                )
+            ],
+        },
+    ),
 )
 
 LINES = (Line("`distill`", Distill(f"{GPU3}/distill.json")),)
@@ -244,6 +288,8 @@ def records_read(rows: Sequence[Row] = ROWS, notes: Sequence[Line] = LINES) -> s
             read.update(cell.records)
         elif isinstance(cell, Int8):
             read.update((cell.record, cell.latency))
+        elif isinstance(cell, Sliced):
+            read.add(cell.record)
         else:
             read.add(cell.record)
     return read
