@@ -7,7 +7,8 @@ Public API:
   `rotate_onnx(model, RotateOptions(...))` → `RotateResult` (a `FoldResult` with `.rotation`, the
   residual streams rotated and why the others were not); `slice_onnx(model, calibration,
   SliceOptions(ratio=R))` → `SliceResult` (SliceGPT: each proven stream cut to its principal subspace,
-  judged on held-out data; `.model`, `.slicing`, `.held_out`, `.report()`) and `inspect_slice(model)`.
+  judged on held-out data; `.model`, `.slicing`, `.held_out`, `.report()`), `inspect_slice(model)`, and
+  `SlicePass(calibration, SliceOptions(...))`, the same as an onnx-ir pass.
 * PyTorch (the `torch` extra): `inspect(module, example_inputs)` → `FoldPlan`;
   `fold(module, example_inputs)` → `(folded module, TorchFoldReport)`. These import torch on first
   use only, so the ONNX path never loads it; without torch they raise `MissingExtraError` naming
@@ -30,7 +31,7 @@ from .errors import InputError, MissingExtraError, NormpassError, UnsupportedMod
 from .onnx.fold.driver import FoldOptions, FoldPass, FoldResult, fold_onnx, inspect_onnx
 from .onnx.replace.driver import ReplaceResult, replace_onnx
 from .onnx.rotate.driver import RotateOptions, RotateResult, rotate_onnx
-from .onnx.slice.driver import SliceOptions, SlicePlan, SliceResult, inspect_slice, slice_onnx
+from .onnx.slice.driver import SliceOptions, SlicePass, SlicePlan, SliceResult, inspect_slice, slice_onnx
 
 TORCH_API = {
     "fold": "api",
@@ -80,6 +81,7 @@ __all__ = [
     "ScaleBias",
     "ShiftedRMSNorm",
     "SliceOptions",
+    "SlicePass",
     "SlicePlan",
     "SliceResult",
     "SmoothRemoval",

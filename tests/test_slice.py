@@ -9,12 +9,13 @@ import fuzzcheck
 import graphgen
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from conftest import assert_equivalent, build, check_structure, initializers, producer, randn, rng, run_ort
 from test_patterns import beta, gamma, header
 from test_rotation import tied_rms_model
 
-from normpass import SliceOptions, UnsupportedModelError, inspect_slice, slice_onnx
+from normpass import SliceOptions, SlicePass, UnsupportedModelError, inspect_slice, slice_onnx
 from normpass.cli import progress as cli_progress
 from normpass.cli.main import main
 from normpass.core import pca
@@ -159,6 +160,23 @@ def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis, rms_
     eps_unscaled = slice_onnx(model, ids(0, 16), options).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, eps_unscaled, rel_tol=1e-5)
+
+
+def test_slice_pass_in_a_pass_manager_gives_what_slice_onnx_gives_and_leaves_its_input():
+    model = low_rank_model(rng(3), head_bias=True)
+    options = SliceOptions(ratio=0.5)
+    expected = slice_onnx(model, ids(0, 16), options).model
+    source = ir.serde.deserialize_model(model)
+    before = ir.to_proto(source).SerializeToString()
+    slicing = SlicePass(ids(0, 16), options)
+    result = ir.passes.PassManager([slicing])(source)
+    assert result.modified and slicing.result is not None and slicing.result.chosen is not None
+    assert ir.to_proto(source).SerializeToString() == before, "a functional pass leaves its input as it was"
+    got = ir.to_proto(result.model)
+    assert_equivalent(expected, got, rel_tol=1e-6)
+    assert sorted(list(i.dims) for i in got.graph.initializer) == sorted(
+        list(i.dims) for i in expected.graph.initializer
+    )
 
 
 @pytest.mark.parametrize("basis", ["stream", "layer"])

@@ -455,3 +455,26 @@ def slice_onnx(
             original, cut, structure(original), options, name, done, verb, seconds, result.modified
         )
     return result
+
+
+class SlicePass(ir.passes.FunctionalPass):
+    """`slice_onnx` as an onnx-ir pass, for `ir.passes.PassManager` pipelines beside `FoldPass`:
+    `SlicePass(calibration, SliceOptions(...))(model)` → `PassResult(sliced model, modified)`.
+
+    Functional: the input `ir.Model` is never changed (the pass slices an in-memory copy). `modified` is
+    True when a stream was cut or a norm folded. A missed budget raises `BudgetMissed` (a
+    `VerificationError`; inside a `PassManager`, its `PassError` with that cause) and returns nothing.
+    `result`: the `SliceResult` of the latest call (bases, the ratio chosen, held-out figures, `report()`).
+    """
+
+    def __init__(self, calibration, options: SliceOptions | None = None, name: str = "model"):
+        super().__init__()
+        self.calibration = calibration
+        self.options = options or SliceOptions()
+        self.options.checked()
+        self.name = name
+        self.result: SliceResult | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.result = slice_onnx(in_memory_proto(model), self.calibration, self.options, self.name)
+        return ir.passes.PassResult(self.result.ir_model, modified=self.result.modified)
