@@ -66,25 +66,28 @@ CENTRING_TOLERANCE = 1e-4  # relative, float32: input centring may only change r
 # --- data ----------------------------------------------------------------------------------------
 
 
+def run_time_inputs(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """The graph inputs that are not initializers, by name."""
+    initializers = {i.name for i in model.graph.initializer}
+    return {value.name: value for value in model.graph.input if value.name not in initializers}
+
+
 def input_spec(model: onnx.ModelProto) -> InputSpec:
     """Graph inputs that are not initializers (dtype, rank), and the tables integer inputs index."""
-    initializers = {i.name for i in model.graph.initializer}
-    inputs: dict[str, tuple[np.dtype | None, int | None]] = {}
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
-        tensor_type = value.type.tensor_type
-        inputs[value.name] = (
-            np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)),
-            len(tensor_type.shape.dim),
+    inputs: dict[str, tuple[np.dtype | None, int | None]] = {
+        name: (
+            np.dtype(onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)),
+            len(value.type.tensor_type.shape.dim),
         )
+        for name, value in run_time_inputs(model).items()
+    }
     limit = position_limit(ir.from_proto(model))
     return InputSpec(inputs, index_bounds(model), positions=None if limit is None else limit.rows)
 
 
 def refuse_scalar_inputs(model: onnx.ModelProto, name: str, verb: str) -> None:
     """Calibration data is split into samples along axis 0 of every input: refuse a model with a scalar input."""
-    scalars = [n for n, (_, rank) in input_spec(model).inputs.items() if rank == 0]
+    scalars = [n for n, value in run_time_inputs(model).items() if not value.type.tensor_type.shape.dim]
     if scalars:
         raise InputError(
             f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
@@ -94,8 +97,7 @@ def refuse_scalar_inputs(model: onnx.ModelProto, name: str, verb: str) -> None:
 
 def refuse_fixed_batch(model: onnx.ModelProto, name: str) -> None:
     """The surrogate pass splits calibration samples into parts of other sizes: axis 0 must not be fixed above 1."""
-    spec = input_spec(model)
-    dims = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input if i.name in spec.inputs}
+    dims = {key: value.type.tensor_type.shape.dim for key, value in run_time_inputs(model).items()}
     batched = [(key, size) for key, d in dims.items() if d and (size := fixed_dim(d[0])) is not None and size > 1]
     if batched:
         raise InputError(
