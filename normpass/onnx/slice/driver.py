@@ -46,8 +46,8 @@ from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
 from ...errors import InputError, UnsupportedModelError
-from ...io import checked_model
-from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx, in_memory_proto
+from ...io import checked_model, in_memory_proto
+from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
 from ..graphsurgeon import from_graphsurgeon
