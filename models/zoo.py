@@ -1,7 +1,8 @@
 """The zoo: third-party architectures from ``transformers`` and ``timm`` configs, tiny and seeded.
 
 Every :class:`ZooModel` builds one architecture as its authors' code writes it (hidden width 32, 2
-layers where the config allows, LayerNorm γ/β and every bias re-randomised: ``registry._randomise``)
+layers where the config allows, LayerNorm γ/β and every bias re-randomised: ``registry._randomise``;
+LayerScales drawn per channel around 1: ``_randomise_layer_scales``)
 with example inputs. ``run(model, front_end)`` takes it through one front end and checks the result
 outside normpass's own verifier:
 
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .counterexample import ROUNDING, ForcedFold, forced_folds
 from .forms import torchscript_export
 from .reference import rewrite_error
 from .registry import _quiet, _randomise
@@ -84,6 +86,7 @@ class ZooRun:
     folded: int = 0
     error: float | None = None  # largest output difference relative to the output's largest magnitude
     left: dict[str, int] = field(default_factory=dict)  # reason → how many norms
+    forced: dict[str, list[ForcedFold]] = field(default_factory=dict)  # reason → its norms' forced folds (ONNX)
     failure: str | None = None  # what failed (an export, a capture), instead of the counts
     seconds: float = 0.0
 
@@ -108,11 +111,23 @@ class _Output(nn.Module):
 
 
 def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(SEED)
         model = make()
         _randomise(model)
+        _randomise_layer_scales(model)
     return model.eval()
+
+
+def _randomise_layer_scales(model: nn.Module) -> None:
+    """Draw every LayerScale per channel around 1: a 1-D parameter, neither a weight nor a bias, that its
+    module initialises to one constant (ConvNeXt's 1e-6, CaiT's 1e-5, BEiT's 0.1, XCiT's 1). At 1e-6 the
+    blocks it scales hardly reach the outputs, and neither would a wrong rewrite of them."""
+    for name, parameter in model.named_parameters():
+        last = name.rsplit(".", 1)[-1]
+        scale = parameter.dim() == 1 and last != "weight" and not last.endswith("bias")
+        if scale and bool((parameter == parameter[0]).all()):
+            parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
 
 
 def _tokens(*shape: int) -> torch.Tensor:
@@ -602,11 +617,15 @@ def _run_onnx(result: ZooRun, module: nn.Module, inputs: tuple, front_end: str, 
     else:
         torchscript_export(module, inputs, path, names, ["output"], {})
     exported = onnx.load(str(path))
-    _count(result, inspect_onnx(exported))
+    plan = inspect_onnx(exported)
+    _count(result, plan)
     folded = fold_onnx(exported, FoldOptions(verify=False, fold_with_beta_add=True))
     result.folded = len(folded.plan.folded)
     feeds = {name: tensor.numpy() for name, tensor in zip(names, inputs, strict=True)}
     result.error, _ = rewrite_error(exported, folded.model, feeds)
+    reasons = {d.name: short_reason(d) for d in plan.decisions}
+    for fold in forced_folds(exported, plan, feeds):
+        result.forced.setdefault(reasons[fold.norm], []).append(fold)
 
 
 # --- the table -----------------------------------------------------------------------------------
@@ -629,6 +648,18 @@ def table(runs: list[ZooRun]) -> str:
         "",
         "A cell reads *proven / LayerNorms listed*; *runs* is how many LayerNorms the module executes",
         "(`F.layer_norm` calls). Proven from the module means proven *and* expressible as a module swap.",
+        "",
+        "Each reason a norm was left carries its measured counter-example, on the ONNX exports",
+        "(`models/counterexample.py`): the *forced fold* does what the refused fold would, on top of the",
+        "folds that are proven: it centres the layers the proof reached, swaps the norm for the RMS op, and",
+        "ONNX Runtime runs it beside the export. *input |mean|/rms* is the largest |mean| over rms of a row",
+        "of the norm's input after those centrings, *output change* the largest change of the model's outputs",
+        "relative to their largest magnitude, over the norms with that reason. A figure far above fp32",
+        f"rounding shows that no fold of that form is exact there (below {ROUNDING:g}: rounding, the refusal",
+        "over-cautious). Where an inserted x − mean(x) makes the fold exact, it is said: one insertion costs",
+        "what the mean the LayerNorm computes itself costs, so the fold is planned only where one insertion",
+        "enables 2 folds. The PyTorch front end's reasons name the same norms as the exports' where the counts",
+        "agree.",
         "",
     ]
     totals = {front_end: [0, 0] for front_end in FRONT_ENDS}
@@ -661,12 +692,36 @@ def table(runs: list[ZooRun]) -> str:
                 continue
             if left.failure:
                 notes.append(f"  * {front_end}: failed: {left.failure}")
-            notes += [f"  * {front_end}: {count}× {reason}" for reason, count in sorted(left.left.items())]
+            notes += [
+                f"  * {front_end}: {count}× {reason}{evidence(left.forced.get(reason, []))}"
+                for reason, count in sorted(left.left.items())
+            ]
             if front_end in model.differs:
                 notes.append(f"  * {front_end} differs from the others: {model.differs[front_end]}")
         if notes:
             lines += [f"* **{model.name}**", *notes]
     return "\n".join(lines) + "\n"
+
+
+def evidence(folds: list[ForcedFold]) -> str:
+    """The counter-example of one reason: its norms' forced folds (`counterexample.py`), as ranges."""
+    if not folds:
+        return ""
+    text = (
+        f" — forced fold: input |mean|/rms {_range([f.input_mean for f in folds])}, "
+        f"output change {_range([f.output_change for f in folds])}"
+    )
+    exact = sum(f.insertion_change is not None and f.insertion_change < ROUNDING for f in folds)
+    if exact:
+        which = "" if exact == len(folds) else f" ({exact} of {len(folds)})"
+        text += f"; exact with an inserted x − mean(x){which}, which costs what the norm's own mean does"
+    return text
+
+
+def _range(values: list[float]) -> str:
+    """`low–high` in 2 significant digits (rounding-level figures as `<1e-05`, which do not repeat exactly)."""
+    low, high = (f"<{ROUNDING:g}" if v < ROUNDING else f"{v:.2g}" for v in (min(values), max(values)))
+    return low if low == high else f"{low}–{high}"
 
 
 def problem(run_: ZooRun) -> str | None:

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import pathlib
 
+import numpy as np
 import pytest
+from conftest import build, randn, rng
+from test_patterns import D, S, header, post_ln
 
+from normpass import inspect_onnx
 from normpass.models import zoo
+from normpass.models.counterexample import ROUNDING, ForcedFold, forced_folds
 
 TABLE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "zoo.md"
 
@@ -70,3 +75,53 @@ def test_table_is_what_the_run_gives(zoo_runs):
         pytest.skip(f"the table covers timm's models: install timm ({zoo.TIMM_INSTALL})")
     runs = [run for model in zoo.ZOO for run in zoo_runs(model).values()]
     assert TABLE.read_text() == zoo.table(runs), "docs/zoo.md is stale: python tools/zoo.py --write docs/zoo.md"
+
+
+def _feeds(gen: np.random.Generator, width: int = 6) -> dict[str, np.ndarray]:
+    return {"x": randn(gen, 2, S, width)}
+
+
+def test_a_post_ln_norm_forced_changes_its_input_and_the_outputs_and_an_insertion_is_exact():
+    """y reads n1's γ⊙x̂+β: centring the layer the proof reaches (W1) leaves a mean; x − mean(x) at r is exact."""
+    model = post_ln(rng(13))
+    (fold,) = forced_folds(model, inspect_onnx(model), _feeds(rng(1)))
+    assert fold.norm == "y"
+    assert fold.input_mean > 0.01 and fold.output_change > 0.01
+    assert fold.insertion_change is not None and fold.insertion_change < ROUNDING
+
+
+def test_an_unsafe_centring_forced_leaves_the_input_zero_mean_and_changes_another_output():
+    """Centring W makes y's input zero-mean exactly, but its shift reaches Relu: the outputs change, and no
+    insertion is exact (the shift of h reaches the Relu too)."""
+    model = build(
+        f"""{header()}
+agraph (float[B, {S}, 6] x) => (float[B, {S}, {D}] y, float[B, {S}, {D}] z) {{
+  h = MatMul(x, W)
+  y = LayerNormalization<axis=-1>(h, g, b)
+  z = Relu(h)
+}}""",
+        W=randn(rng(2), 6, D),
+        g=randn(rng(3), D),
+        b=randn(rng(4), D),
+    )
+    plan = inspect_onnx(model)
+    assert not plan.folded
+    (fold,) = forced_folds(model, plan, _feeds(rng(5)))
+    assert fold.input_mean < ROUNDING and fold.output_change > 0.01
+    assert fold.insertion_change is None
+
+
+def test_nothing_is_forced_where_every_norm_folds():
+    model = post_ln(rng(13))
+    plan = inspect_onnx(model)
+    plan.decisions = plan.folded
+    assert forced_folds(model, plan, _feeds(rng(1))) == []
+
+
+def test_the_table_gives_each_reason_its_counter_example():
+    folds = [ForcedFold("a", 0.123, 0.0214, 1e-7), ForcedFold("b", 0.04, 3e-6, None)]
+    text = zoo.evidence(folds)
+    assert "input |mean|/rms 0.04–0.12" in text
+    assert f"output change <{ROUNDING:g}–0.021" in text
+    assert "inserted x − mean(x) (1 of 2)" in text
+    assert zoo.evidence([]) == ""
