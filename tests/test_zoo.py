@@ -125,3 +125,10 @@ def test_the_table_gives_each_reason_its_counter_example():
     assert f"output change <{ROUNDING:g}–0.021" in text
     assert "inserted x − mean(x) (1 of 2)" in text
     assert zoo.evidence([]) == ""
+
+
+def test_layer_scales_are_drawn_per_channel():
+    """ConvNeXt initialises its LayerScales to 1e-6, where its blocks hardly reach the outputs; the zoo draws them."""
+    module, _ = zoo.get("convnext").build()
+    scales = [p for name, p in module.named_parameters() if name.endswith("layer_scale_parameter")]
+    assert scales and all(float(p.min()) > 0.1 and float(p.std()) > 0.05 for p in scales)
