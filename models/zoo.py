@@ -15,8 +15,10 @@ outside normpass's own verifier:
 
 A :class:`ZooRun` counts the LayerNorms the module executes (``F.layer_norm`` calls, seen by a
 ``TorchFunctionMode``: no normpass code), those the front end lists, proves and folds, and why each
-LayerNorm left was left. ``tools/zoo.py`` runs every model through every front end and writes
-``docs/zoo.md``; ``tests/test_zoo.py`` runs them in CI.
+LayerNorm left was left, with its measured counter-example on the ONNX exports (the refused fold
+forced: ``counterexample.py``; the PyTorch front end's norms take the figures of the same module's
+norm in the dynamo export, ``norm_keys``). ``tools/zoo.py`` runs every model through every front end
+and writes ``docs/zoo.md``; ``tests/test_zoo.py`` runs them in CI.
 
 ``timm`` needs ``torchvision``'s Python modules only, and PyPI's ``torchvision`` builds beside the
 CPU ``torch`` do not import; ``TIMM_INSTALL`` is the install that works (``.ci/run`` makes it).
@@ -25,6 +27,7 @@ Where ``timm`` is missing its models are skipped with that command.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import pathlib
 import re
@@ -87,8 +90,8 @@ class ZooRun:
     proven: int = 0
     folded: int = 0
     error: float | None = None  # largest output difference relative to the output's largest magnitude
-    left: dict[str, int] = field(default_factory=dict)  # reason → how many norms
-    forced: dict[str, list[ForcedFold]] = field(default_factory=dict)  # reason → its norms' forced folds (ONNX)
+    left: dict[str, list[str]] = field(default_factory=dict)  # reason → the norms left for it (`norm_keys`)
+    forced: dict[str, ForcedFold] = field(default_factory=dict)  # norm → its forced fold (ONNX exports)
     failure: str | None = None  # what failed (an export, a capture), instead of the counts
     seconds: float = 0.0
 
@@ -573,10 +576,24 @@ def _is_name(word: str) -> bool:
     return not word.startswith("aten.") and bool(re.search(r"[/_]|\w\.\w", word))
 
 
-def _count(run: ZooRun, plan) -> None:
+def _count(run: ZooRun, plan, keys: dict[str, str]) -> None:
     decisions = [d for d in plan.decisions if _is_layer_norm(d.reason)]
     run.norms, run.proven = len(decisions), sum(d.foldable for d in decisions)
-    run.left = dict(Counter(short_reason(d) for d in decisions if not d.foldable))
+    for decision in decisions:
+        if not decision.foldable:
+            run.left.setdefault(short_reason(decision), []).append(keys.get(decision.name, decision.name))
+
+
+def norm_keys(model: onnx.ModelProto) -> dict[str, str]:
+    """Node name → the module that ran it, where the export says so (the dynamo exporter's name scopes) and
+    no other node of that module is a norm's name: the name the PyTorch front end gives the same norm."""
+    modules = {}
+    for node in model.graph.node:
+        scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+        path = ast.literal_eval(scopes) if scopes else []
+        if len(path) >= 2 and path[-2]:
+            modules[node.name] = path[-2]
+    return modules
 
 
 def run(model: ZooModel, front_end: str, workdir: str | pathlib.Path | None = None) -> ZooRun:
@@ -605,7 +622,7 @@ def _run_torch(result: ZooRun, module: nn.Module, inputs: tuple) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a fallback capture warns; the report says it
         folded, report = normpass.fold(module, inputs, verify=False)
-    _count(result, report.plan)
+    _count(result, report.plan, {})
     result.folded = report.folded
     with torch.no_grad():
         expected, got = module(*inputs).double(), folded(*inputs).double()
@@ -623,14 +640,16 @@ def _run_onnx(result: ZooRun, module: nn.Module, inputs: tuple, front_end: str, 
         torchscript_export(module, inputs, path, names, ["output"], {})
     exported = onnx.load(str(path))
     plan = inspect_onnx(exported)
-    _count(result, plan)
+    refused = [d.name for d in plan.decisions if not d.foldable]
+    modules = norm_keys(exported)
+    shared = {path for path, n in Counter(modules.get(name) for name in refused).items() if n > 1}
+    keys = {name: modules[name] for name in refused if name in modules and modules[name] not in shared}
+    _count(result, plan, keys)
     folded = fold_onnx(exported, FoldOptions(verify=False, fold_with_beta_add=True))
     result.folded = len(folded.plan.folded)
     feeds = {name: tensor.numpy() for name, tensor in zip(names, inputs, strict=True)}
     result.error, _ = rewrite_error(exported, folded.model, feeds)
-    reasons = {d.name: short_reason(d) for d in plan.decisions}
-    for fold in forced_folds(exported, plan, feeds):
-        result.forced.setdefault(reasons[fold.norm], []).append(fold)
+    result.forced = {keys.get(fold.norm, fold.norm): fold for fold in forced_folds(exported, plan, feeds)}
 
 
 # --- the table -----------------------------------------------------------------------------------
@@ -663,8 +682,8 @@ def table(runs: list[ZooRun]) -> str:
         f"rounding shows that no fold of that form is exact there (below {ROUNDING:g}: rounding, the refusal",
         "over-cautious). Where an inserted x − mean(x) makes the fold exact, it is said: one insertion costs",
         "what the mean the LayerNorm computes itself costs, so the fold is planned only where one insertion",
-        "enables 2 folds. The PyTorch front end's reasons name the same norms as the exports' where the counts",
-        "agree.",
+        "enables 2 folds. The PyTorch front end's lines give the figures of the same norms (by module) in the",
+        "dynamo export, where that export refuses them too.",
         "",
     ]
     totals = {front_end: [0, 0] for front_end in FRONT_ENDS}
@@ -697,10 +716,10 @@ def table(runs: list[ZooRun]) -> str:
                 continue
             if left.failure:
                 notes.append(f"  * {front_end}: failed: {left.failure}")
-            notes += [
-                f"  * {front_end}: {count}× {reason}{evidence(left.forced.get(reason, []))}"
-                for reason, count in sorted(left.left.items())
-            ]
+            forced = (found["dynamo"].forced if "dynamo" in found else {}) if front_end == "torch" else left.forced
+            for reason, norms in sorted(left.left.items()):
+                measured = evidence([forced[n] for n in norms if n in forced], len(norms))
+                notes.append(f"  * {front_end}: {len(norms)}× {reason}{measured}")
             if front_end in model.differs:
                 notes.append(f"  * {front_end} differs from the others: {model.differs[front_end]}")
         if model.unfound:
@@ -710,12 +729,13 @@ def table(runs: list[ZooRun]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def evidence(folds: list[ForcedFold]) -> str:
-    """The counter-example of one reason: its norms' forced folds (`counterexample.py`), as ranges."""
+def evidence(folds: list[ForcedFold], norms: int) -> str:
+    """The counter-example of one reason left to `norms` norms: their forced folds (`counterexample.py`) as ranges."""
     if not folds:
         return ""
+    measured = "" if len(folds) == norms else f" ({len(folds)} of {norms})"
     text = (
-        f" — forced fold: input |mean|/rms {_range([f.input_mean for f in folds])}, "
+        f" — forced fold{measured}: input |mean|/rms {_range([f.input_mean for f in folds])}, "
         f"output change {_range([f.output_change for f in folds])}"
     )
     exact = sum(f.insertion_change is not None and f.insertion_change < ROUNDING for f in folds)

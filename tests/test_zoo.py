@@ -120,11 +120,11 @@ def test_nothing_is_forced_where_every_norm_folds():
 
 def test_the_table_gives_each_reason_its_counter_example():
     folds = [ForcedFold("a", 0.123, 0.0214, 1e-7), ForcedFold("b", 0.04, 3e-6, None)]
-    text = zoo.evidence(folds)
-    assert "input |mean|/rms 0.04–0.12" in text
+    text = zoo.evidence(folds, 2)
+    assert "input |mean|/rms 0.04–0.12" in text and "(2 of 3)" in zoo.evidence(folds, 3)
     assert f"output change <{ROUNDING:g}–0.021" in text
     assert "inserted x − mean(x) (1 of 2)" in text
-    assert zoo.evidence([]) == ""
+    assert zoo.evidence([], 1) == ""
 
 
 def test_layer_scales_are_drawn_per_channel():
@@ -132,3 +132,12 @@ def test_layer_scales_are_drawn_per_channel():
     module, _ = zoo.get("convnext").build()
     scales = [p for name, p in module.named_parameters() if name.endswith("layer_scale_parameter")]
     assert scales and all(float(p.min()) > 0.1 and float(p.std()) > 0.05 for p in scales)
+
+
+def test_an_exported_norm_is_named_after_the_module_that_ran_it():
+    """The dynamo exporter's name scopes give the module path, the name the PyTorch front end gives the norm."""
+    model = post_ln(rng(13))
+    node = next(n for n in model.graph.node if n.name == "y")
+    entry = node.metadata_props.add()
+    entry.key, entry.value = "pkg.torch.onnx.name_scopes", "['', 'model', 'model.encoder.norm', 'layer_norm_1']"
+    assert zoo.norm_keys(model) == {"y": "model.encoder.norm"}
