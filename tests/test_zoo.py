@@ -4,9 +4,10 @@ For every architecture and front end: every LayerNorm the module runs is listed,
 is rewritten (the ONNX fold with `fold_with_beta_add`, so none is kept), and the folded model
 matches the original outside normpass's verifier (ONNX Runtime without normpass code; the module's
 own outputs). Parity: the module proves the same number of norms as its exports, except where the
-entry says why not (`ZooModel.differs`, printed in the table). docs/zoo.md is what this run gives.
+entry says why not (`ZooModel.differs`, printed in the table). docs/zoo.md is what this run gives,
+with the forced fold of every norm left (models/counterexample.py), tested here on small graphs.
 
-Each architecture runs once per session (about 6 minutes for all of them on 2 shared CPU cores);
+Each architecture runs once per session (about 8 minutes for all of them on 2 shared CPU cores);
 timm's skip, naming the install command, where timm is missing.
 """
 
