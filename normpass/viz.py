@@ -27,6 +27,7 @@ import json
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from statistics import fmean
+from typing import cast
 
 import networkx as nx
 
@@ -240,8 +241,7 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
     ends: dict[str, set[str]] = {}
     for decision in plan.decisions:
         roles[decision.name].append("folded" if decision.foldable else "refused")
-        centred = set(map(drawn.__getitem__, map(id, decision.centrings)))
-        centred.discard(None)
+        centred = cast(set[str], set(map(drawn.__getitem__, map(id, decision.centrings))) - {None})
         inserted = {
             r for i in decision.insertions if (r := graph.resolve(zmg.producer.get(i.tensor, i.tensor))) is not None
         }

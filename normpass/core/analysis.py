@@ -315,7 +315,7 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
         if norm.name in keep:
             decision.kept, decision.reason, decision.centrings = True, keep[norm.name], []
             continue
-        unsafe = first_unsafe((norm.input, norm.axis)) if proof.centrings else None
+        unsafe = first_unsafe((norm.input, norm.axis)) if proof.centrings and norm.axis is not None else None
         if unsafe is not None:
             decision.blocker = unsafe
             decision.reason = f"centring {unsafe.path[0]} is unsafe: {unsafe.reason}"
