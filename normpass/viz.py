@@ -27,11 +27,12 @@ import json
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from statistics import fmean
+from typing import cast
 
 import networkx as nx
 
 from .core.graph import NodeKind, ZeroMeanGraph
-from .core.plan import FoldPlan, NormDecision
+from .core.plan import Centring, FoldPlan, NormDecision
 from .core.rules import Concat, NormRule
 from .errors import InputError
 
@@ -117,7 +118,7 @@ class _Graph:
                 outputs=node.outputs,
                 rule=_describe(node.rule),
             )
-        constants = {c.tensor for d in plan.decisions for c in d.centrings if c.tensor and c.tensor not in zmg.producer}
+        constants = {c.tensor for c in _centrings(plan) if c.tensor and c.tensor not in zmg.producer}
         for tensor in sorted(zmg.graph_inputs):
             self._pseudo(tensor, "input", outputs=[tensor])
         for tensor in sorted(constants):
@@ -221,6 +222,8 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
             raise InputError(f"norm {norm!r}: no such norm in {zmg.model_name}; its norms are: {names}")
     focus = {d.name for d in decisions}
     by_name = {d.name: d for d in plan.decisions}
+    norms_json = [d.to_json() for d in plan.decisions]  # each once: a folded norm's lists its centred layers
+    decisions_json = {d.name: j for d, j in zip(plan.decisions, norms_json, strict=True)}
     roles: dict[str, list[str]] = {n: [] for n in g}
     notes: dict[str, dict[str, list[str]]] = {n: {} for n in g}
     relevant: set[str] = set()
@@ -232,16 +235,21 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
                 roles[ident].append(role)
             notes[ident].setdefault(note, []).append(norm_name)
 
+    # Each centring is resolved once (a residual stream's norms list O(norms²) centrings in all, the same
+    # objects: keyed by identity, looked up at C speed).
+    drawn = {id(c): graph.resolve(c.label) for c in _centrings(plan)}
     ends: dict[str, set[str]] = {}
     for decision in plan.decisions:
         roles[decision.name].append("folded" if decision.foldable else "refused")
-        centred = {r for c in decision.centrings if (r := graph.resolve(c.label)) is not None}
+        centred = cast(set[str], set(map(drawn.__getitem__, map(id, decision.centrings))) - {None})
         inserted = {
             r for i in decision.insertions if (r := graph.resolve(zmg.producer.get(i.tensor, i.tensor))) is not None
         }
         if decision.foldable:
-            for ident in centred:
-                mark(ident, "centred", "centred for", decision.name)
+            for ident in centred:  # `mark`, inlined: this runs once per centring of every norm
+                if "centred" not in roles[ident]:
+                    roles[ident].append("centred")
+                notes[ident].setdefault("centred for", []).append(decision.name)
             for ident in inserted:
                 mark(ident, "inserted", "x − mean(x) inserted after it for", decision.name)
         path_edges = []
@@ -281,7 +289,7 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
             "notes": notes[ident],
         }
         if ident in by_name:
-            info["decision"] = by_name[ident].to_json()
+            info["decision"] = decisions_json[ident]
         nodes[ident] = VNode(ident, data["op"], data["kind"], ident, roles[ident], info)
     edges = []
     for source, target, data in g.edges(data=True):
@@ -301,10 +309,18 @@ def build_view(zmg: ZeroMeanGraph, plan: FoldPlan, full: bool = False, norm: str
         subtitle=f"zero-mean graph around {around}; showing {shown}",
         nodes=nodes,
         edges=edges,
-        norms=[d.to_json() for d in plan.decisions],
+        norms=norms_json,
     )
     _layout(view)
     return view
+
+
+def _centrings(plan: FoldPlan) -> list[Centring]:
+    """Every centring object of every decision, once (the decisions' lists share the prover's objects, whose
+    lists sum to O(norms²) entries: told apart by identity, at C speed, not by their Python-level hash)."""
+    every = itertools.chain.from_iterable(d.centrings for d in plan.decisions)
+    again = itertools.chain.from_iterable(d.centrings for d in plan.decisions)
+    return list(dict(zip(map(id, every), again, strict=True)).values())
 
 
 def _describe(rule) -> str:

@@ -31,6 +31,24 @@ CONTRIB_TEST_DOMAIN = "normpass.test.contrib"
 REL_TOL = 1e-5
 
 
+def calls_made(function, *args, **kwargs) -> int:
+    """How many Python and C functions `function(*args, **kwargs)` calls: a measure of work that does not
+    depend on the machine's load."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        function(*args, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return count
+
+
 def load_module(path: pathlib.Path, name: str | None = None):
     """The script at `path` (a tool, an example) imported as the module `name` (its file's stem by default),
     registered in `sys.modules` so that its dataclasses can look their module up."""

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from conftest import build, load_module
+from conftest import build, calls_made, load_module
 from test_contract import D, cli, ln_model, refused
 
 from normpass import FoldOptions, fold_onnx
@@ -104,24 +104,6 @@ def test_ort_optimizer_progress_bars_stay_off_stderr(capsys, tmp_path, model_fil
 # --- 14. viz: near-linear in the graph's size ----------------------------------------------------
 
 
-def _calls(function, *args, **kwargs) -> int:
-    """How many Python and C functions `function(*args, **kwargs)` calls: a measure of work that does not
-    depend on the machine's load."""
-    count = 0
-
-    def profile(frame, event, arg):
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        function(*args, **kwargs)
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 def test_viz_work_grows_with_the_graph_and_plan_not_with_their_product():
     """On a pre-LN chain every norm's proof region reaches back along the residual stream: a walk per norm
     (and per centred layer) made the view cubic in the depth. Its work per unit of input (nodes, edges and
@@ -136,7 +118,7 @@ def test_viz_work_grows_with_the_graph_and_plan_not_with_their_product():
             + sum(len(d.centrings) for d in fold_plan.decisions)
         )
         for full in (False, True):
-            per_unit.append(_calls(build_view, zmg, fold_plan, full=full) / size)
+            per_unit.append(calls_made(build_view, zmg, fold_plan, full=full) / size)
     small_default, small_full, large_default, large_full = per_unit
     assert large_default < 1.5 * small_default and large_full < 1.5 * small_full, per_unit
 

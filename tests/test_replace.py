@@ -17,18 +17,22 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import shutil
 
 import numpy as np
 import onnx
 import pytest
 from conftest import IR_VERSION, build, check_structure, randn, run_ort
 
+from normpass import io
 from normpass.calibration import load_batches, split_batches
+from normpass.cli import common
 from normpass.cli.main import main
 from normpass.core.cost import CPU_COST
 from normpass.core.replace import BudgetMissed, ReplaceOptions
 from normpass.errors import InputError
 from normpass.onnx.replace.driver import input_spec, replace_onnx
+from normpass.onnx.runtime.verify import make_inputs
 
 FAST = dict(orders=("input",), samples=48, batch_size=8)
 
@@ -347,6 +351,33 @@ def test_cli_writes_model_and_report_and_leaves_the_input_alone(bert, tmp_path, 
     assert data["output"] == str(out) and data["kind"] == "rms" and len(data["norms"]) == 5
     printed = capsys.readouterr().out
     assert "1 of 5 norms folded exactly" in printed and "replaced by surrogates" in printed
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["weights-inside", "external-data"])
+def test_cli_maps_the_model_file_and_writes_a_model_that_needs_no_input_file(bert, tmp_path, monkeypatch, external):
+    """`normpass replace MODEL` never reads MODEL whole (`io.load_onnx`): its weights are mapped from the file,
+    as the fold maps them, whether they are inside it or external data. The model written holds every weight
+    itself: it loads and runs the same with the input's files gone."""
+    _, model = bert
+    source = tmp_path / "in" / "bert.onnx"
+    source.parent.mkdir()
+    onnx.save(model, str(source), save_as_external_data=external, location="bert.onnx.data", size_threshold=1024)
+
+    def read_whole(*args, **kwargs):
+        raise AssertionError("the model file was read whole")
+
+    monkeypatch.setattr(io, "load_onnx", read_whole)
+    monkeypatch.setattr(common, "load_onnx", read_whole, raising=False)
+    out = tmp_path / "bert.rep.onnx"
+    args = ["--with", "rms", "--calib", "synthetic", "--samples", "48", "--orders", "input", "--no-progress"]
+    assert main(["replace", str(source), *args, "-o", str(out)]) == 0
+    feeds = make_inputs(model, seed=1)
+    expected = run_ort(onnx.load(str(out)), feeds)
+    shutil.rmtree(source.parent)
+    written = onnx.load(str(out))
+    assert not [t.name for t in written.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    check_structure(written)
+    assert all(np.array_equal(expected[k], v) for k, v in run_ort(written, feeds).items())
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from conftest import assert_equivalent, build, check_structure, initializers, pr
 from test_patterns import beta, gamma, header
 from test_rotation import tied_rms_model
 
-from normpass import SliceOptions, SlicePass, UnsupportedModelError, inspect_slice, slice_onnx
+from normpass import SliceOptions, SlicePass, UnsupportedModelError, inspect_slice, io, slice_onnx
 from normpass.cli import progress as cli_progress
 from normpass.cli.main import main
 from normpass.core import pca
@@ -324,6 +324,21 @@ def test_cli_slice_writes_the_model_and_the_report(files, capsys):
     assert data["output"] == str(out) and data["slice"]["streams"][0]["kept"] == RANK
     assert data["slice"]["held_out"]["cos_min"] > 0.9999
     check_structure(onnx.load(str(out)))
+
+
+@pytest.mark.parametrize("ratio", ["0", "0.5"])
+def test_cli_slice_never_reads_its_model_file_whole(files, monkeypatch, ratio):
+    """`normpass slice MODEL` maps MODEL's weights (the fold's loader), checks its structure and runs the
+    original from its file; it never reads the model whole (`io.load_onnx`), at ratio 0 (verified against the
+    original) or above."""
+    tmp, path, calib = files
+
+    def read_whole(*args, **kwargs):
+        raise AssertionError("the model file was read whole")
+
+    monkeypatch.setattr(io, "load_onnx", read_whole)
+    assert main(["slice", str(path), "-o", str(tmp / "out.onnx"), "--calib", str(calib), "--ratio", ratio]) == 0
+    check_structure(onnx.load(str(tmp / "out.onnx")))
 
 
 def test_cli_slice_prints_progress_when_stderr_is_not_a_terminal(files, capsys, monkeypatch):

@@ -24,6 +24,13 @@ Targets (each printed as a row: figure, target, pass/fail):
 4. `synthetic-7b`: the 7B-parameter fp16 stack (13 GB; hidden 4096, 33 layers) folds with
    `--no-verify` (exit 0) on this machine; wall, peak RSS and folds are reported.
 
+`--replace` also measures **replace** on each target: `normpass replace MODEL -o OUT --calib synthetic
+--samples 16 --batch-size 4 --report R.json` (the surrogate pass: its exact fold, verified, the original's
+reference outputs, a trial per candidate norm, the final model judged), reported as peak RSS over weight
+bytes; no goal is set for it. `--baseline DIR` runs every normpass command a second time, interleaved,
+with `PYTHONPATH=DIR` (another normpass source tree, e.g. `git archive REV | tar -x -C DIR`): before and
+after side by side, on the same machine in the same hour.
+
 Models are exported or built once into `--cache` and reused; outputs go to `--work` and are
 deleted after each run. `--limit-as-gib N` runs every measured process under `RLIMIT_AS` = N GiB,
 so that a run that would exhaust the machine's memory fails by itself (its exit code and last
@@ -140,9 +147,9 @@ def describe(path: pathlib.Path) -> dict:
     return {"path": str(path), "nodes": len(model.graph.node), "params": params, "weight_bytes": weight_bytes}
 
 
-def measured(command: list[str], limit_as_gib: float | None) -> dict:
-    """Run `command` in a fresh process: wall and CPU (user + system) seconds, peak RSS (MiB), exit code, last
-    stderr line."""
+def measured(command: list[str], limit_as_gib: float | None, source: str | None = None) -> dict:
+    """Run `command` in a fresh process (with `PYTHONPATH=source` where given): wall and CPU (user + system)
+    seconds, peak RSS (MiB), exit code, last stderr line."""
 
     def limit():
         if limit_as_gib:
@@ -151,7 +158,8 @@ def measured(command: list[str], limit_as_gib: float | None) -> dict:
 
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limit)
+        env = None if source is None else {**os.environ, "PYTHONPATH": source}
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limit, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -180,13 +188,27 @@ def normpass_script() -> str:
     return found
 
 
-def run_fold(model: pathlib.Path, work: pathlib.Path, verify: bool, limit_as_gib: float | None) -> dict:
+def run_fold(
+    model: pathlib.Path, work: pathlib.Path, verify: bool, limit_as_gib: float | None, source: str | None = None
+) -> dict:
     out, report = work / "fold.onnx", work / "fold.report.json"
     command = [normpass_script(), "fold", str(model), "-o", str(out), "--report", str(report)]
-    result = measured(command + ([] if verify else ["--no-verify"]), limit_as_gib)
+    result = measured(command + ([] if verify else ["--no-verify"]), limit_as_gib, source)
     if result["rc"] == 0:
         summary = json.loads(report.read_text())
         result.update(folded=summary["folded"], norms=summary["total"], max_rel_error=summary.get("max_rel_error"))
+    clean(work)
+    return result
+
+
+def run_replace(model: pathlib.Path, work: pathlib.Path, limit_as_gib: float | None, source: str | None) -> dict:
+    out, report = work / "replace.onnx", work / "replace.report.json"
+    command = [normpass_script(), "replace", str(model), "-o", str(out), "--report", str(report)]
+    command += ["--calib", "synthetic", "--samples", "16", "--batch-size", "4", "--no-progress"]
+    result = measured(command, limit_as_gib, source)
+    if result["rc"] == 0:
+        summary = json.loads(report.read_text())
+        result.update(exact=summary["exact"], replaced=summary["replaced"], norms=summary["total"])
     clean(work)
     return result
 
@@ -211,13 +233,32 @@ def median(runs: list[dict], key: str) -> float:
 
 
 def measure_target(
-    name: str, model: pathlib.Path, work: pathlib.Path, repeats: int, limit_as_gib: float | None
+    name: str,
+    model: pathlib.Path,
+    work: pathlib.Path,
+    repeats: int,
+    limit_as_gib: float | None,
+    replace: bool = False,
+    baseline: str | None = None,
 ) -> dict:
-    """Fold (and, for the GPT-2 targets, floor) runs of one target, interleaved."""
+    """Fold (and, for the GPT-2 targets, floor; with `replace`, replace; with `baseline`, each normpass command
+    with that source too) runs of one target, interleaved."""
     verify = name in VERIFIED
     with_floor = name.startswith("gpt2-")
-    folds, floors = [], []
+    folds, floors, baseline_folds, replaces, baseline_replaces = [], [], [], [], []
     for _ in range(repeats if with_floor else 1):
+        if replace:
+            replaces.append(run_replace(model, work, limit_as_gib, None))
+            if baseline:
+                baseline_replaces.append(run_replace(model, work, limit_as_gib, baseline))
+            print(
+                f"{name}: replace {replaces[-1]['wall_s']:.1f} s {replaces[-1]['rss_mib']:.0f} MiB rc "
+                f"{replaces[-1]['rc']}"
+                + (f"; baseline {baseline_replaces[-1]['rss_mib']:.0f} MiB" if baseline_replaces else ""),
+                flush=True,
+            )
+        if baseline:
+            baseline_folds.append(run_fold(model, work, verify, limit_as_gib, baseline))
         if with_floor:
             floors.append(run_floor(model, work, limit_as_gib))
         folds.append(run_fold(model, work, verify, limit_as_gib))
@@ -226,7 +267,9 @@ def measure_target(
             + (f"; floor {floors[-1]['wall_s']:.2f} s {floors[-1]['rss_mib']:.0f} MiB" if floors else ""),
             flush=True,
         )
-    return {**describe(model), "verify": verify, "fold_runs": folds, "floor_runs": floors}
+    runs = {"fold_runs": folds, "floor_runs": floors, "baseline_fold_runs": baseline_folds}
+    runs |= {"replace_runs": replaces, "baseline_replace_runs": baseline_replaces}
+    return {**describe(model), "verify": verify, **runs}
 
 
 def summarise(r: dict) -> dict:
@@ -243,6 +286,11 @@ def summarise(r: dict) -> dict:
         "folded": f"{ok[-1]['folded']}/{ok[-1]['norms']}" if ok else f"failed: {last['stderr']}",
         "max_rel_error": ok[-1]["max_rel_error"] if ok and r["verify"] else None,
     }
+    for key in ("baseline_fold", "replace", "baseline_replace"):
+        if r.get(f"{key}_runs"):
+            figures[f"{key}_s"] = median(r[f"{key}_runs"], "wall_s")
+            figures[f"{key}_rss_mib"] = max(run["rss_mib"] for run in r[f"{key}_runs"])
+            figures[f"{key}_rc"] = r[f"{key}_runs"][-1]["rc"]
     if r["floor_runs"]:
         figures.update(
             floor_s=median(r["floor_runs"], "wall_s"),
@@ -358,6 +406,19 @@ def print_tables(figures: dict, rows: list[dict]) -> None:
             f"| {name} | {f['weight_mib']:.0f} | {f['fold_s']:.2f} | {f['fold_cpu_s']:.2f} | {f['fold_rss_mib']:.0f} "
             f"| {floor} | {f['folded']} |"
         )
+    compared = [(name, f) for name, f in figures.items() if "replace_s" in f or "baseline_fold_s" in f]
+    if compared:
+        print("\n| model | weights MiB | command | peak RSS MiB (× weights) | baseline: the same | wall s |")
+        print("|---|---:|---|---:|---:|---:|")
+    for name, f in compared:
+        for verb in ("fold", "replace"):
+            if f"{verb}_s" not in f:
+                continue
+            after = f"{f[f'{verb}_rss_mib']:.0f} ({f[f'{verb}_rss_mib'] / f['weight_mib']:.2f}×)"
+            before = "–"
+            if f"baseline_{verb}_rss_mib" in f:
+                before = f"{f[f'baseline_{verb}_rss_mib']:.0f} ({f[f'baseline_{verb}_rss_mib'] / f['weight_mib']:.2f}×)"
+            print(f"| {name} | {f['weight_mib']:.0f} | {verb} | {after} | {before} | {f[f'{verb}_s']:.1f} |")
     print("\n| target | figure | goal | result |")
     print("|---|---|---|---|")
     for r in rows:
@@ -380,6 +441,8 @@ def main() -> None:
     )
     parser.add_argument("--limit-as-gib", type=float, help="run each measured process under RLIMIT_AS of this many GiB")
     parser.add_argument("--json", help="also write the results as JSON to this file")
+    parser.add_argument("--replace", action="store_true", help="also measure `normpass replace` on each target")
+    parser.add_argument("--baseline", metavar="DIR", help="also run each normpass command with PYTHONPATH=DIR")
     args = parser.parse_args()
 
     env = environment()
@@ -388,7 +451,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="normpass-bench-", dir=args.work) as work:
         models = {name: prepare(name, cache) for name in args.targets}
         results = {
-            name: measure_target(name, models[name], pathlib.Path(work), args.repeats, args.limit_as_gib)
+            name: measure_target(
+                name, models[name], pathlib.Path(work), args.repeats, args.limit_as_gib, args.replace, args.baseline
+            )
             for name in args.targets
         }
     figures = {name: summarise(r) for name, r in results.items()}

@@ -13,15 +13,23 @@ Each model is built once, then timed `--repeats` times in this process from the 
 rendered text (zero-mean graph, plan, view, layout, writer), as `normpass viz` runs it after
 loading; the plan is also timed alone. Prints one row per size: size, nodes, norms, format, median
 seconds of the plan and of the whole drawing (wall time, and the process's CPU time, which a machine
-shared with other jobs inflates less), wall seconds per 1,000 nodes. Usage::
+shared with other jobs inflates less), wall seconds per 1,000 nodes, and the size of the drawing.
+
+`--baseline DIR` measures each size twice, in two fresh processes one after the other: this normpass, then
+the one whose source is DIR (`PYTHONPATH=DIR`, e.g. `git archive REV | tar -x -C DIR`), each row labelled:
+before and after side by side, in one run. Usage::
 
     python tools/bench_viz.py --model stack --sizes 10 40 160 385 --format html --repeats 3
+    python tools/bench_viz.py --model stack --sizes 40 385 770 --baseline /tmp/normpass-base
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -115,10 +123,23 @@ def main() -> None:
     parser.add_argument("--format", choices=("html", "svg", "dot"), default="html")
     parser.add_argument("--full", action="store_true", help="draw every node (default: the collapsed view)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", metavar="DIR", help="also measure the normpass whose source is DIR, per size")
+    parser.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.no_header:
+        print(f"{'code':>8} " * bool(args.baseline), end="")
+        print(f"{'size':>5} {'nodes':>6} {'norms':>5} {'format':>6} {'plan s':>7} {'viz s':>7}", end=" ")
+        print(f"{'viz CPU s':>9} {'s/1k nodes':>10} {'MB':>7}", flush=True)
+    if args.baseline:
+        for size in args.sizes:
+            for label, source in (("after", None), ("before", args.baseline)):
+                command = [sys.executable, __file__, "--model", args.model, "--sizes", str(size), "--format"]
+                command += [args.format, "--repeats", str(args.repeats), "--no-header"] + ["--full"] * args.full
+                env = os.environ if source is None else {**os.environ, "PYTHONPATH": source}
+                row = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+                print(f"{label:>8} {row.strip()}", flush=True)
+        return
     draw(MODELS[args.model](1), args.format, args.full)  # imports, once
-    print(f"{'size':>5} {'nodes':>6} {'norms':>5} {'format':>6} {'plan s':>7} {'viz s':>7}", end=" ")
-    print(f"{'viz CPU s':>9} {'s/1k nodes':>10}")
     for size in args.sizes:
         model = MODELS[args.model](size)
         plans, draws, cpus = [], [], []
@@ -127,13 +148,13 @@ def main() -> None:
             norms = analyse(model)[1].total
             plans.append(time.perf_counter() - start)
             start, cpu = time.perf_counter(), time.process_time()
-            draw(model, args.format, args.full)
+            drawing = draw(model, args.format, args.full)
             draws.append(time.perf_counter() - start)
             cpus.append(time.process_time() - cpu)
         nodes, median = len(model.graph.node), statistics.median(draws)
         print(
             f"{size:>5} {nodes:>6} {norms:>5} {args.format:>6} {statistics.median(plans):>7.2f} {median:>7.2f} "
-            f"{statistics.median(cpus):>9.2f} {1000 * median / nodes:>10.3f}",
+            f"{statistics.median(cpus):>9.2f} {1000 * median / nodes:>10.3f} {len(drawing.encode()) / 1e6:>7.1f}",
             flush=True,
         )
 

@@ -12,7 +12,7 @@ import onnx
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan
 from ..errors import InputError
-from ..io import check_paths, load_onnx, model_files, save_onnx_atomic, write_text_atomic
+from ..io import check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, FoldOptions, fold_decisions
 
 
@@ -140,12 +140,6 @@ def save_result(result, out: Path, inputs: dict[str, Path], label: str, report: 
     if report:
         data = {"model": label, "output": str(out), **result.report()}
         write_text_atomic(json.dumps(data, indent=2) + "\n", report)
-
-
-def load_model(args: argparse.Namespace) -> tuple[onnx.ModelProto, str]:
-    """The model named on the command line and a label for messages."""
-    model, label = model_source(args)
-    return (load_onnx(model) if isinstance(model, str) else model), label
 
 
 def model_source(args: argparse.Namespace) -> tuple[str | onnx.ModelProto, str]:

@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
-from .common import add_budget_arguments, add_data_arguments, add_model_arguments, load_model
+from .common import add_budget_arguments, add_data_arguments, add_model_arguments, model_source
 from .progress import Heartbeat
 
 
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         options.budget = options.checked()[0]
     except InputError as e:
         raise InputError(f"--{e}") from None  # the library's message names the option
-    model, label = load_model(args)
+    model, label = model_source(args)  # a path is read lazily, its weights mapped (replace_onnx)
     try:
         with Heartbeat("replace"):
             result = replace_onnx(model, args.calib, options, name=label)

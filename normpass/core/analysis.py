@@ -30,11 +30,15 @@ least `MIN_FOLDS_PER_INSERTION` folds, since one insertion costs about what one 
 **Cost.** Each rule's transfer (`Rule.backward`, `Rule.forward` in `rules.py`) is evaluated at most
 once per (tensor, axis) state and plan: proofs and shift checks are memoised per state and shared
 by every norm whose walk reaches it (a pre-LN residual stream is walked once, not once per norm).
-What remains per norm is merging its inputs' memoised results, in the size of its own answer.
+What remains per norm is copying its state's memoised centrings, in the size of its own answer (at C
+speed: a residual stream's answers sum to O(norms²) entries). Whether a norm's centrings are all safe, and
+which is the first unsafe one, is memoised per state too (`FirstUnsafe`), so the plan never walks a norm's
+list of centrings in Python; nor does `Cutter`.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 from .graph import NormInfo, Rows, Shift, ZeroMeanGraph, ZNode
@@ -68,10 +72,15 @@ class _Step:
 
 @dataclass
 class _Found:
-    """Everything a state's proof needs, in walk order; blocker paths start at the state's node."""
+    """Everything a state's proof needs, in walk order; blocker paths start at the state's node.
+
+    `parts`: the states whose proofs were merged into it, in merge order: its centrings are its own
+    step's, then each part's, first occurrences kept.
+    """
 
     centrings: dict[Centring, None]
     blockers: dict[State, Blocker]
+    parts: tuple[State, ...] = ()
 
 
 class Prover:
@@ -140,14 +149,17 @@ class Prover:
 
     def _merge(self, state: State, step: _Step) -> _Found:
         found = _Found(dict.fromkeys(step.centrings), {} if step.blocker is None else {state: step.blocker})
+        parts = []
         for need in reversed(step.needs):
             part = self.memo.get(need)  # absent only on a cycle back to a state being proven
             if part is None:
                 continue
+            parts.append(need)
             found.centrings.update(part.centrings)
             for key, blocker in part.blockers.items():
                 if key not in found.blockers:
                     found.blockers[key] = replace(blocker, path=(step.node, *blocker.path))
+        found.parts = tuple(parts)
         return found
 
 
@@ -245,6 +257,39 @@ class ShiftChecker:
         return states
 
 
+class FirstUnsafe:
+    """The first unsafe centring of a proven state's centrings, in walk order (`ShiftChecker.unsafe`'s blocker),
+    or None where all are safe; memoised per state.
+
+    A state's centrings are its own step's, then each merged part's (`_Found.parts`), first occurrences kept;
+    so the first unsafe one is the first unsafe among its own, else the first part's that has one. Each
+    state and centring is checked once, however many norms' walks share it: linear in the walk's size, where
+    checking each norm's list would be O(norms²) on a residual stream.
+    """
+
+    def __init__(self, prover: Prover, checker: ShiftChecker):
+        self.prover, self.checker = prover, checker
+        self.memo: dict[State, Blocker | None] = {}
+
+    def __call__(self, start: State) -> Blocker | None:
+        stack = [start]
+        while stack:
+            state = stack[-1]
+            if state in self.memo:
+                stack.pop()
+                continue
+            parts = self.prover.memo[state].parts
+            waiting = [part for part in parts if part not in self.memo]
+            if waiting:  # parts were proven before the state: no cycle
+                stack.extend(waiting)
+                continue
+            stack.pop()
+            own = (self.checker.unsafe(c) for c in self.prover.steps[state].centrings)
+            found = (self.memo[part] for part in parts)
+            self.memo[state] = next((b for b in itertools.chain(own, found) if b is not None), None)
+        return self.memo[start]
+
+
 # --- plan --------------------------------------------------------------------------------------
 
 
@@ -256,6 +301,7 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
     """
     keep = keep or {}
     prover, checker = Prover(zmg), ShiftChecker(zmg)
+    first_unsafe = FirstUnsafe(prover, checker)
     decisions: list[NormDecision] = []
     pending: dict[str, NormInfo] = {}
     for norm in zmg.norms:
@@ -269,7 +315,7 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
         if norm.name in keep:
             decision.kept, decision.reason, decision.centrings = True, keep[norm.name], []
             continue
-        unsafe = _first_unsafe(checker, proof.centrings)
+        unsafe = first_unsafe((norm.input, norm.axis)) if proof.centrings and norm.axis is not None else None
         if unsafe is not None:
             decision.blocker = unsafe
             decision.reason = f"centring {unsafe.path[0]} is unsafe: {unsafe.reason}"
@@ -281,12 +327,8 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
             continue
         pending[norm.name] = norm
     if insert_centering:
-        _plan_insertions(zmg, Cutter(prover, checker), decisions, pending)
+        _plan_insertions(zmg, Cutter(first_unsafe), decisions, pending)
     return FoldPlan(decisions)
-
-
-def _first_unsafe(checker: ShiftChecker, centrings: list[Centring]) -> Blocker | None:
-    return next((blocker for centring in centrings if (blocker := checker.unsafe(centring)) is not None), None)
 
 
 def safe_centrings(zmg: ZeroMeanGraph, norm: NormInfo, checker: ShiftChecker | None = None) -> list[Centring]:
@@ -301,7 +343,8 @@ def safe_centrings(zmg: ZeroMeanGraph, norm: NormInfo, checker: ShiftChecker | N
     return [c for c in prove(zmg, norm).centrings if checker.unsafe(c) is None]
 
 
-Cut = tuple[frozenset[State], tuple[Centring, ...]]  # states to centre by insertion, centrings the rest needs
+# states to centre by insertion, centrings the rest needs (a dict, so that merging cuts rehashes no centring)
+Cut = tuple[frozenset[State], dict[Centring, None]]
 
 
 class Cutter:
@@ -319,8 +362,8 @@ class Cutter:
     conv, which cannot take the projection's centring; the Add of both is centred instead.
     """
 
-    def __init__(self, prover: Prover, checker: ShiftChecker):
-        self.prover, self.checker = prover, checker
+    def __init__(self, first_unsafe: FirstUnsafe):
+        self.prover, self.checker, self.first_unsafe = first_unsafe.prover, first_unsafe.checker, first_unsafe
         self.memo: dict[State, Cut | None] = {}
 
     def cut(self, start: State) -> Cut | None:
@@ -332,8 +375,8 @@ class Cutter:
                 stack.pop()
                 continue
             found, step = self.prover.memo[state], self.prover.steps[state]
-            if not found.blockers and self._safe(found.centrings):
-                self.memo[state] = (frozenset(), tuple(found.centrings))
+            if not found.blockers and self.first_unsafe(state) is None:
+                self.memo[state] = (frozenset(), found.centrings)  # shared, never changed
                 stack.pop()
                 continue
             above = step.blocker is None and self._safe(step.centrings)
@@ -349,10 +392,10 @@ class Cutter:
                 cuts = frozenset().union(*(part[0] for part in parts if part is not None))
                 centrings = dict.fromkeys(step.centrings)
                 for part in parts:
-                    centrings.update(dict.fromkeys(part[1] if part is not None else ()))
-                self.memo[state] = (cuts, tuple(centrings))
+                    centrings.update(part[1] if part is not None else {})
+                self.memo[state] = (cuts, centrings)
             elif self.checker.removed(*state) is None:
-                self.memo[state] = (frozenset([state]), ())
+                self.memo[state] = (frozenset([state]), {})
             else:
                 self.memo[state] = None
         return self.memo[start]

@@ -16,16 +16,25 @@
 
 The core selects; `conclude` builds the final model with every weight inside, judges it on the
 test split and writes the report.
+
+**Memory.** A model given by its path is never read whole: the fold maps its weights from the file
+(`io.load_ir`), the checks read its structure (`io.skeleton`), and the original runs from its file for
+the reference outputs, its session released once they are computed. What holds weights after that is
+the centred base (a ModelProto), the arrays of its large weights that every session is fed
+(`OnnxBench.weights`, converted once: `light_model`), and at the end the final model; no session (a trial,
+the centring check, the final judgement) copies them.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -52,11 +61,12 @@ from ...core.replace import (
 from ...core.stats import StatsCollector, token_rows
 from ...core.surrogates import NormSpec, Surrogate
 from ...errors import InputError, UnsupportedModelError, VerificationError
-from ...io import checked_model
-from ..fold.driver import FoldOptions, fold_onnx
+from ...io import checked_model, load_ir, skeleton
+from ..fold.driver import FoldOptions, FoldResult, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.frontend import build_zero_mean_graph, load_graph
 from ..graph.positions import position_limit
+from ..runtime import verify
 from ..runtime.verify import check_input_shapes, fixed_dim, index_bounds, make_inputs, session
 from .surrogates import Emitter, export_model, light_model, norm_cost, norm_spec, open_graph, width_of
 
@@ -154,7 +164,7 @@ def load_fitting(
     return batches
 
 
-def check_runs(runner: Runner, batches: list[Batch], source) -> None:
+def check_runs(runner: Runner | verify.Runner, batches: list[Batch], source) -> None:
     """The original model on the calibration batch holding the sample longest along axis 1: a sequence it cannot
     take (a bound the graph does not show as a table, such as OPT's positions counted from a mask) is refused as
     bad data, before the pass, instead of failing in its middle."""
@@ -188,6 +198,26 @@ class Runner:
     def run(self, batch: Batch, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         names = outputs or self.outputs
         return dict(zip(names, self.session.run(names, {**batch, **self.weights}), strict=True))
+
+
+def opened(model: onnx.ModelProto | str | os.PathLike, name: str) -> tuple[onnx.ModelProto | Path, onnx.ModelProto]:
+    """(the original to fold and run, its structure for the checks): a path and its skeleton (`io.skeleton` of
+    `io.load_ir`: no large weight read), or the checked ModelProto twice."""
+    if isinstance(model, (str, os.PathLike)):
+        return Path(model), skeleton(load_ir(model))
+    model = checked_model(model, name)
+    return model, model
+
+
+@contextlib.contextmanager
+def reference_runner(model: onnx.ModelProto | Path, structure: onnx.ModelProto) -> Iterator[Runner | verify.Runner]:
+    """A runner of the original model, from its file where it has one (ONNX Runtime reads its weights there:
+    nothing else holds them), released when the block ends."""
+    if isinstance(model, onnx.ModelProto):
+        yield Runner(model)
+        return
+    with verify.Runner(model, structure) as runner:
+        yield runner
 
 
 class OnnxBench:
@@ -255,6 +285,12 @@ class OnnxBench:
         runner = Runner(model, feeds)
         return [runner.run(b, self.output_names) for b in batches]
 
+    def runner(self, model: onnx.ModelProto) -> Runner:
+        """A `Runner` of `model` (the base, or a final model built from it) fed its large weights as inputs, the
+        base's untouched ones from `weights` (`light_model`): `Runner(model)` would hold the serialized model
+        and a copy of every weight in the session."""
+        return Runner(*light_model(open_graph(model, self.shapes, self.name, self.dtypes), model, None, self.weights))
+
 
 def front_end_reason(norm: NormInfo) -> str | None:
     """What rules a norm out of the ONNX emission, beyond the core's `why_not`."""
@@ -275,18 +311,25 @@ class Prepared:
     search: Search
     frame: Frame
     bench: OnnxBench
-    folded: onnx.ModelProto  # the exact fold, before input centring
+    fold: FoldResult  # the exact fold, before input centring
     docs: dict
     kinds: tuple
     cost_rule: str  # COST_RULES
     started: float
 
+    @property
+    def folded(self) -> onnx.ModelProto:
+        """The exact fold as a ModelProto with every weight inside (made on first use)."""
+        return self.fold.model
+
 
 def prepare(
     model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model"
 ) -> Prepared:
-    """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`."""
-    model = checked_model(model, name)
+    """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`.
+
+    A path is read lazily (see the module docstring); a ModelProto is not modified."""
+    source, model = opened(model, name)
     options = options or ReplaceOptions()
     refuse_scalar_inputs(model, name, "the surrogate pass")
     refuse_fixed_batch(model, name)
@@ -300,7 +343,7 @@ def prepare(
     mask_input = find_mask_input(input_spec(model), options.mask_input)
 
     folded = fold_onnx(
-        model,
+        source,
         FoldOptions(
             rms_op=options.rms_op,
             insert_centering=options.insert_centering,
@@ -312,9 +355,9 @@ def prepare(
         name=name,
     )
     exact = {d.name for d in folded.plan.folded}
-    original = build_zero_mean_graph(load_graph(model, name)).norms
+    original = build_zero_mean_graph(load_graph(load_ir(source) if isinstance(source, Path) else model, name)).norms
     unfolded = {n.output for n in original if options.all_norms or n.name not in exact}
-    ctx = load_graph(folded.model, name)
+    ctx = load_graph(folded.ir_model.clone(), name)  # weights shared, none copied; the fold's model stays as it is
     emitter = Emitter(ctx, options.rms_op, options.provider)
     norms = [n for n in emitter.norms.values() if n.output in unfolded]
     if options.all_norms:  # a folded norm is named as the fold wrote it: the report uses those names
@@ -331,30 +374,18 @@ def prepare(
             if done:
                 centred[norm.name] = done
     emitter.remove_layer_scales()  # a LayerScale absorbed by a centring leaves no Mul by ones
-    base = export_model(ctx, folded.model, emitter.docs, {})
+    base = export_model(ctx, model, emitter.docs, {})
 
-    reference = Runner(model)
-    check_runs(reference, batches, calibration)
-    if holdout is not None:
-        check_runs(reference, holdout, options.holdout)
-    for role in ("select", "check", "test"):
-        data = splits.batches[role]
-        splits.references[role] = [
-            reference.run(b) for b in progress(data, f"original model ({role})", options.progress)
-        ]
-    if centred:
-        first = splits.batches["select"][0]
-        centring = compare(
-            splits.references["select"][:1],
-            [Runner(base).run(first, reference.outputs)],
-            [first.get(mask_input) if mask_input else None],
-        )
-        if centring.rel_max > CENTRING_TOLERANCE:
-            raise VerificationError(
-                f"{name}: input centring changed the outputs (relative error {centring.rel_max:.3g}); "
-                "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model"
-            )
-
+    with reference_runner(source, model) as reference:
+        check_runs(reference, batches, calibration)
+        if holdout is not None:
+            check_runs(reference, holdout, options.holdout)
+        for role in ("select", "check", "test"):
+            data = splits.batches[role]
+            splits.references[role] = [
+                reference.run(b) for b in progress(data, f"original model ({role})", options.progress)
+            ]
+    output_names = [o.name for o in model.graph.output]
     fused_adds = {n.name: emitter.ort_fused_adds(n) for n in candidates}
     bench = OnnxBench(
         base,
@@ -363,14 +394,26 @@ def prepare(
         name,
         candidates,
         mask_input,
-        reference.outputs,
+        output_names,
         options.rms_op,
         options.provider,
         fused_adds,
     )
+    if centred:
+        first = splits.batches["select"][0]
+        centring = compare(
+            splits.references["select"][:1],
+            [bench.runner(base).run(first, output_names)],
+            [first.get(mask_input) if mask_input else None],
+        )
+        if centring.rel_max > CENTRING_TOLERANCE:
+            raise VerificationError(
+                f"{name}: input centring changed the outputs (relative error {centring.rel_max:.3g}); "
+                "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model"
+            )
     frame = Frame(name, "onnx", [(n.name, n.op) for n in original], exact, declined, centred, kinds, _count_ops(model))
     return Prepared(
-        Search(bench, splits, budget, options), frame, bench, folded.model, emitter.docs, kinds, cost_rule, started
+        Search(bench, splits, budget, options), frame, bench, folded, emitter.docs, kinds, cost_rule, started
     )
 
 
@@ -406,9 +449,9 @@ def replace_onnx(
             "normpass.budget": str(p.search.budget),
         }
         final = export_model(
-            ctx, p.folded, {**p.docs, **emitter.docs}, properties, fuse_skip=bench.rms_op == "simplified"
+            ctx, bench.base, {**p.docs, **emitter.docs}, properties, fuse_skip=bench.rms_op == "simplified"
         )
-        runner = Runner(final)
+        runner = bench.runner(final)
         return final, [runner.run(b, bench.output_names) for b in test], emissions, _count_ops(final)
 
     final, report = conclude(p.search, selection, p.frame, build, p.started)

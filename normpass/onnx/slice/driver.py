@@ -46,15 +46,15 @@ from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
 from ...errors import InputError, UnsupportedModelError
-from ...io import checked_model, in_memory_proto
+from ...io import in_memory_proto
 from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
 from ..graphsurgeon import from_graphsurgeon
-from ..replace.driver import Runner, input_spec, load, refuse_scalar_inputs
+from ..replace.driver import Runner, input_spec, load, opened, reference_runner, refuse_scalar_inputs
 from ..rotate.driver import RotateOptions, plan_streams
 from ..rotate.features import CalibData, captured
-from ..runtime.verify import check_input_shapes, structure
+from ..runtime.verify import check_input_shapes
 from .cut import Slicer, slice_refusal
 
 BASES = ("stream", "layer")  # one basis per stream; one per layer with shortcuts between them (SliceGPT's)
@@ -372,12 +372,12 @@ def slice_onnx(
     docstring). Raises `BudgetMissed` (its `.report`: what was tried) when the budget is missed."""
     options = options or SliceOptions()
     budget = options.checked()
-    original = checked_model(from_graphsurgeon(model), name)
+    source, original = opened(from_graphsurgeon(model), name)  # a path is read lazily: `original` is its structure
     refuse_scalar_inputs(original, name, "slicing")
     check_input_shapes(original, options.input_shapes)
     start = time.perf_counter()
     stage("fold")
-    folded = fold_onnx(original, options.rotate_options().fold_options(), name)
+    folded = fold_onnx(source, options.rotate_options().fold_options(), name)
     slicer, plan = _plan(folded, name)
     seconds = {"fold": time.perf_counter() - start}
 
@@ -393,8 +393,9 @@ def slice_onnx(
 
     start = time.perf_counter()
     masks = [b.get(mask_input) if mask_input else None for b in held]
-    reference = Runner(original)
-    references = [reference.run(b) for b in held]
+    with reference_runner(source, original) as reference:
+        references = [reference.run(b) for b in held]
+    output_names = [o.name for o in original.graph.output]
     tried: list[Trial] = []
     cut, chosen = None, None
     for ratio in options.ladder():
@@ -405,7 +406,7 @@ def slice_onnx(
         cut = _cut(folded, name, options, bases, kept)
         candidate = Runner(in_memory_proto(cut))
         try:
-            outputs = [candidate.run(b, reference.outputs) for b in held]
+            outputs = [candidate.run(b, output_names) for b in held]
         except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
             raise UnsupportedModelError(
                 f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
@@ -451,9 +452,7 @@ def slice_onnx(
     if all(chosen.kept[s.name] == s.width for s in plan.sliceable):  # k = d: exact, verified as every rewrite
         done = f"{len(plan.sliceable)} of {len(plan.streams)} residual streams rotated into their principal bases"
         verb = ("slice", "sliced")
-        result.comparison = checked(
-            original, cut, structure(original), options, name, done, verb, seconds, result.modified
-        )
+        result.comparison = checked(source, cut, original, options, name, done, verb, seconds, result.modified)
     return result
 
 
