@@ -98,6 +98,7 @@ class Capture:
     constants: dict[str, torch.Tensor]  # tensor name → parameter, buffer or constant tensor
     reads: dict[tuple[str, str], Attr | None] = field(default_factory=dict)  # (fx node, constant) → attribute
     export_error: str | None = None  # why torch.export was not used
+    program: Any = None  # the torch.export.ExportedProgram, where that captured it
 
 
 # --- entry point ---------------------------------------------------------------------------------
@@ -245,7 +246,7 @@ def _from_export(model: nn.Module, program) -> Capture:
     graph = program.graph_module.graph
     signature = program.graph_signature
     aliases = _aliases(model)
-    result = Capture(EXPORT, [], [], [], {}, {})
+    result = Capture(EXPORT, [], [], [], {}, {}, program=program)
     names: dict[str, str] = {}  # fx node name → tensor name
     fqn_of: dict[str, str] = {}
     for spec in signature.input_specs:
