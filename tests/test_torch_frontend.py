@@ -470,9 +470,17 @@ def test_layer_norm_modules_of_other_classes_fold(capture, monkeypatch):
         assert _rel_error(module(other), result(other)) <= REL_TOL
 
 
-def test_third_party_spellings_of_linear_maps_fold():
+@pytest.mark.parametrize("capture", ["torch.export", "torch.fx.symbolic_trace"])
+def test_third_party_spellings_of_linear_maps_fold(capture, monkeypatch):
+    """By either capture: symbolic_trace lowers `table[positions]`, `zeros_like`, `repeat` and the
+    residual `h.add_(…)` (its later readers read the sum) as torch.export does."""
     module = _seeded(Spellings)
-    result, report = fold(module, IDS)
+    if capture != "torch.export":
+        monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        result, report = fold(module, IDS)
+    assert report.capture == capture
     assert [(d.name, d.foldable) for d in report.plan.decisions] == [("ln1", True), ("ln2", True)]
     assert report.max_rel_error <= REL_TOL
     assert not torch.equal(result.pos, module.pos) and not torch.equal(result.weight, module.weight)  # centred
@@ -602,10 +610,27 @@ class Mutating(nn.Module):
         return z + y
 
 
+class MutatingView(Mutating):
+    def forward(self, x):
+        y = self.fc(x)
+        head = y[:, :1]
+        y.mul_(2.0)
+        return self.ln(y) + head  # head is a view of y: it sees the change
+
+
+def test_symbolic_trace_renames_the_readers_of_an_in_place_result(monkeypatch):
+    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
+    module = _seeded(Mutating)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        _, report = fold(module, X)
+    assert report.capture == "torch.fx.symbolic_trace" and report.max_rel_error <= REL_TOL
+
+
 def test_symbolic_trace_refuses_mutation_it_cannot_see(monkeypatch):
     monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
     with pytest.raises(UnsupportedModelError, match="in-place mul_ at node mul_ changes fc"):
-        fold(_seeded(Mutating), X)
+        fold(_seeded(MutatingView), X)
 
 
 def test_untraceable_model_names_the_construct():
