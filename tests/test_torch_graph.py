@@ -47,6 +47,20 @@ class SharedLayerScale(nn.Module):
         return self.ln2(h) + self.gamma
 
 
+class TransposedWeight(nn.Module):
+    """Falcon's `x @ W.T`: the graph reads W through `aten.numpy_T`; W is centred along its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln1, self.ln2 = nn.Linear(4, 8), nn.LayerNorm(8), nn.LayerNorm(8)
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.ln1(h) @ self.weight.T
+        return self.ln2(h)
+
+
 def _seeded(cls) -> nn.Module:
     torch.manual_seed(0)
     module = cls().eval()
@@ -115,3 +129,22 @@ def test_a_model_torch_export_cannot_capture_is_refused(monkeypatch):
     monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
     with pytest.raises(UnsupportedModelError, match=r"fold_graph rewrites torch\.export's graph"):
         fold_graph(_seeded(GeluStem), X)
+
+
+def test_the_folded_graph_exports_again():
+    module = _seeded(GeluStem)
+    graph, _ = fold_graph(module, X)
+    program = torch.export.export(graph, X)
+    ops = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert "aten.rms_norm.default" in ops and "aten.layer_norm.default" not in ops
+    with torch.no_grad():
+        expected = module(*X)
+        assert float((program.module()(*X) - expected).abs().max() / expected.abs().max()) <= REL_TOL
+
+
+def test_a_weight_read_through_its_transpose_is_centred():
+    module = _seeded(TransposedWeight)
+    graph, report = fold_graph(module, X)
+    assert [d.name for d in report.plan.folded] == ["ln1", "ln2"] and report.max_rel_error <= REL_TOL
+    transpose = next(n for n in graph.graph.nodes if n.target == torch.ops.aten.numpy_T.default)
+    assert getattr(graph, transpose.args[0].target).sum(0).abs().max() < 1e-5  # W [out, in], centred along out

@@ -34,7 +34,8 @@ from ..core.plan import Blocker, FoldPlan
 from .fx import NormSite, TorchGraph, to_numpy
 from .rewrite import _edits_of, _layer_scale
 
-VIEWS = {torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default}
+VIEWS = {torch.ops.aten.t.default, torch.ops.aten.numpy_T.default, torch.ops.aten.transpose.int}
+VIEWS |= {torch.ops.aten.permute.default}  # the transposes `fx._Context.transposed_constant` reads through
 
 
 def _fqn(constant: str) -> str:
