@@ -61,6 +61,20 @@ class TransposedWeight(nn.Module):
         return self.ln2(h)
 
 
+class InlineLayerNorm(nn.Module):
+    """`F.layer_norm` in the model's own forward, on parameters of its own: not a LayerNorm module, so
+    `fold` cannot swap it; in the graph it is one `aten.layer_norm` node like any other."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Linear(4, 8), nn.Linear(8, 8)
+        self.gamma, self.beta = nn.Parameter(torch.rand(8) + 0.5), nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.fc(F.layer_norm(h, (8,), self.gamma, self.beta)) * 2
+
+
 def _seeded(cls) -> nn.Module:
     torch.manual_seed(0)
     module = cls().eval()
@@ -148,3 +162,14 @@ def test_a_weight_read_through_its_transpose_is_centred():
     assert [d.name for d in report.plan.folded] == ["ln1", "ln2"] and report.max_rel_error <= REL_TOL
     transpose = next(n for n in graph.graph.nodes if n.target == torch.ops.aten.numpy_T.default)
     assert getattr(graph, transpose.args[0].target).sum(0).abs().max() < 1e-5  # W [out, in], centred along out
+
+
+def test_a_layer_norm_call_inside_a_forward_folds_in_the_graph():
+    module = _seeded(InlineLayerNorm)
+    _, module_report = fold(module, X)
+    assert module_report.folded == 0 and "the PyTorch rewrite swaps LayerNorm modules only" in (
+        module_report.plan.decisions[0].reason
+    )
+    graph, report = fold_graph(module, X)
+    assert report.folded == 1 and report.max_rel_error <= REL_TOL
+    assert "aten.rms_norm.default" in _ops(graph) and "aten.layer_norm.default" not in _ops(graph)

@@ -4,10 +4,13 @@
     plan = normpass.inspect(model, example_inputs)         # the verdicts `fold` acts on
 
 The analysis and planner are the ones the ONNX front end uses; only capture (`torch/capture.py`), the op
-table (`torch/fx.py`) and the rewrite (`torch/rewrite.py`) are PyTorch-specific. Two differences follow from
-rewriting modules rather than graphs: no `x − mean(x)` is ever inserted (a module's forward code
-is not edited), and `rewrite.restrict` declines, with a reason, folds that a module edit
-cannot express (an `F.layer_norm` call, a layer called where centring is unsafe).
+table (`torch/fx.py`) and the rewrite (`torch/rewrite.py`) are PyTorch-specific. Rewriting modules rather
+than graphs, a module's forward code is not edited: an `x − mean(x)` is inserted only as a `Centred`
+wrapper of a module, and `rewrite.restrict` declines, with a reason, folds that a module edit cannot
+express (an `F.layer_norm` call, a centring inside a forward, a layer called where centring is unsafe).
+`fold_graph` applies the whole plan to the captured graph instead (`torch/graph_rewrite.py`):
+
+    graph, report = normpass.fold_graph(model, example_inputs)  # a torch.fx.GraphModule
 
 The user's module is never modified: the rewrite works on a deep copy. The copy is verified
 against the original on the example inputs (fp32 tolerance 1e-4 relative; `VerificationError`
