@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, by_module, by_graph in (r for r in rows if len(r) == 3):
             if by_module.split(" (")[0] != by_graph.split(" (")[0]:
                 print(f"| {name} | {by_module.split(' (')[0]} | {by_graph.split(' (')[0]} |")
-    for line in bad:
-        print(f"torch_graph_zoo: {line}", file=sys.stderr)
+    for problem in bad:
+        print(f"torch_graph_zoo: {problem}", file=sys.stderr)
     return 1 if bad else 0
 
 
