@@ -31,6 +31,7 @@ from normpass.core.surrogates import Surrogate
 from normpass.models import zoo
 from normpass.onnx.replace.driver import prepare as prepare_onnx
 from normpass.torch.replace import apply_surrogates
+from normpass.torch.rewrite import Permuted
 from normpass.torch.surrogates import (
     Affine,
     Derf,
@@ -42,6 +43,7 @@ from normpass.torch.surrogates import (
     smooth_removal,
     surrogate_module,
     surrogate_modules,
+    surrogate_norm,
 )
 
 OPTIONS = ReplaceOptions(kind="auto", budget="cos=0.99", orders=("input",))
@@ -294,3 +296,15 @@ def test_replace_swaps_timm_layer_norm_modules_between_their_permutes():
         assert torch.allclose(blend(x), module.stages[1].downsample[0](x))
         blend.alpha.fill_(0.0)
         assert torch.allclose(blend(x), swapped(x))
+
+
+def test_smooth_removal_blends_at_the_path_of_the_norm_it_replaces(gen):
+    """A surrogate between permutes replaced a channels-first norm module (blended at that module's path);
+    a surrogate for a folded RMSNorm inside `Permuted` replaced that RMSNorm (blended at its own path)."""
+    channels_first = nn.Sequential(Permuted(surrogate_module(_fitted("affine", gen), D), (0, 2, 1), (0, 2, 1)))
+    folded = nn.Sequential(Permuted(nn.RMSNorm(D), (0, 2, 1), (0, 2, 1)))
+    for norms, path, held in [(nn.Sequential(nn.LayerNorm(D)), "0", Permuted), (folded, "0.norm", SurrogateNorm)]:
+        student = copy.deepcopy(channels_first)
+        blend = smooth_removal(student, norms)[0]
+        assert student.get_submodule(path) is blend and isinstance(blend.surrogate, held)
+        assert surrogate_norm(blend.surrogate) is next(m for _, m in surrogate_modules(student))

@@ -283,6 +283,21 @@ def surrogate_modules(model: nn.Module) -> Iterator[tuple[str, SurrogateNorm]]:
             yield path, module
 
 
+def surrogate_norm(module: nn.Module) -> SurrogateNorm:
+    """The surrogate a blend holds: `module` itself, or the one between a channels-first norm's permutes."""
+    held = module.norm if isinstance(module, Permuted) else module
+    assert isinstance(held, SurrogateNorm), f"{type(held).__name__} is a surrogate module"
+    return held
+
+
+def _has_module(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def smooth_removal(student: nn.Module, norms: nn.Module, alpha: float = 1.0) -> list[SmoothRemoval]:
     """Wrap every surrogate of `student` (in place) in a `SmoothRemoval` with the norm at the same path of
     `norms` (a copy of it): the module `replace` started from, or the original model. Returns the blends,
@@ -300,8 +315,8 @@ def smooth_removal(student: nn.Module, norms: nn.Module, alpha: float = 1.0) -> 
             )
         parent, _, child = path.rpartition(".")
         held: nn.Module = surrogate
-        if isinstance(student.get_submodule(parent), Permuted):  # a channels-first norm's: blend both permuted
-            held, path = student.get_submodule(parent), parent
+        if not _has_module(norms, path) and isinstance(student.get_submodule(parent), Permuted):
+            held, path = student.get_submodule(parent), parent  # a channels-first norm's: both blended permuted
             parent, _, child = path.rpartition(".")
         blend = SmoothRemoval(copy.deepcopy(norms.get_submodule(path)), held, alpha)
         setattr(student.get_submodule(parent), child, blend)
