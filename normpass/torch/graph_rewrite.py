@@ -179,8 +179,9 @@ def _insert_centring(graph: fx.Graph, node: fx.Node, axis: int) -> None:
 
 def _to_rms_norm(graph: fx.Graph, node: fx.Node) -> None:
     """aten.layer_norm(x, shape, γ, β, ε) → aten.rms_norm(x, shape, γ, ε) (+ β)."""
-    x, shape, weight, bias, eps = (list(node.args) + [None, None, 1e-5])[:5]
-    eps = node.kwargs.get("eps", eps)
+    bound = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), node.args, strict=False)) | node.kwargs
+    x, shape, weight, bias = bound["input"], bound["normalized_shape"], bound.get("weight"), bound.get("bias")
+    eps = bound.get("eps", 1e-5)  # aten.layer_norm's default
     with graph.inserting_after(node):
         rms = graph.call_function(torch.ops.aten.rms_norm.default, (x, shape, weight, eps))
     result = rms
