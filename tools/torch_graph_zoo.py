@@ -3,9 +3,11 @@ and `normpass.fold_graph` (torch.export's graph); one line per model, a Markdown
 
     python tools/torch_graph_zoo.py                         # every model
     python tools/torch_graph_zoo.py --models whisper timm-xcit
+    python tools/torch_graph_zoo.py --dynamic-batch         # fold_graph captured with a dynamic batch axis
 
 Each folded result is checked against the module's own outputs here (not by normpass's verifier):
-the largest relative error is printed. Exits 1 if one is above 1e-4 or a run fails.
+the largest relative error is printed (with --dynamic-batch, the larger of the errors at the example
+batch and at one more). Exits 1 if one is above 1e-4 or a run fails.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", metavar="NAME", help="models to run (default: all)")
     parser.add_argument("--markdown", action="store_true", help="print the rows that differ as a Markdown table")
+    parser.add_argument(
+        "--dynamic-batch",
+        action="store_true",
+        help="capture fold_graph with axis 0 of every input dynamic (Dim.AUTO), and check it at another batch size",
+    )
     args = parser.parse_args(argv)
     models = [m for m in zoo.ZOO if m.available and (not args.models or m.name in args.models)]
     rows, bad = [], []
@@ -44,12 +51,18 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    folded, report = rewrite(module, inputs, verify=False)
+                    if rewrite is normpass.fold_graph and args.dynamic_batch:
+                        dynamic = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
+                        folded, report = rewrite(module, inputs, verify=False, dynamic_shapes=dynamic)
+                    else:
+                        folded, report = rewrite(module, inputs, verify=False)
             except Exception as e:  # a capture refusal: the line says which
                 line.append(f"failed: {type(e).__name__}")
                 bad.append(f"{model.name} ({rewrite.__name__}): {e}")
                 continue
             error = _error(module, folded, inputs)
+            if args.dynamic_batch:  # one more sample: the first again
+                error = max(error, _error(module, folded, tuple(torch.cat([x, x[:1]]) for x in inputs)))
             if error > TOLERANCE:
                 bad.append(f"{model.name} ({rewrite.__name__}): error {error:.1e}")
             seconds = time.perf_counter() - start
