@@ -202,7 +202,7 @@ def _timm_mvitv2():
     return model, (_floats(BATCH, 3, IMAGE, IMAGE),)
 
 
-_INSIDE_FORWARD = "the exports insert a centring {}, where a module rewrite cannot put one"
+_INSIDE_FORWARD = "the exports insert a centring {}, where a module rewrite cannot put one (normpass.fold_graph does)"
 TEXT: dict[str, Any] = {
     "vocab_size": VOCAB,
     "hidden_size": WIDTH,
@@ -492,7 +492,6 @@ ZOO = [
             feat_extract_norm="layer",
             **BERT_LIKE,
         ),
-        {"torch": _INSIDE_FORWARD.format("after the positional convolution's Add, in the encoder's forward")},
     ),
     ZooModel(
         "hubert",

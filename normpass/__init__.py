@@ -10,7 +10,9 @@ Public API:
   judged on held-out data; `.model`, `.slicing`, `.held_out`, `.report()`), `inspect_slice(model)`, and
   `SlicePass(calibration, SliceOptions(...))`, the same as an onnx-ir pass.
 * PyTorch (the `torch` extra): `inspect(module, example_inputs)` → `FoldPlan`;
-  `fold(module, example_inputs)` → `(folded module, TorchFoldReport)`. These import torch on first
+  `fold(module, example_inputs)` → `(folded module, TorchFoldReport)`;
+  `fold_graph(module, example_inputs)` → `(folded torch.fx.GraphModule, TorchFoldReport)`, which also
+  makes the centrings inside a module's forward that `fold` declines. These import torch on first
   use only, so the ONNX path never loads it; without torch they raise `MissingExtraError` naming
   `normpass[torch]`.
 * Surrogates for the norms that do not fold exactly, under an accuracy budget:
@@ -35,6 +37,7 @@ from .onnx.slice.driver import SliceOptions, SlicePass, SlicePlan, SliceResult, 
 
 TORCH_API = {
     "fold": "api",
+    "fold_graph": "api",
     "inspect": "api",
     "TorchFoldReport": "api",
     "replace": "replace",
@@ -91,6 +94,7 @@ __all__ = [
     "apply_surrogates",
     "distill",
     "fold",
+    "fold_graph",
     "fold_onnx",
     "inspect",
     "inspect_onnx",

@@ -356,6 +356,26 @@ class FunctionalEmbeddingNorm(EmbeddingNorm):
         return F.layer_norm(self.emb(ids), (8,), self.ln0.weight, self.ln0.bias)
 
 
+class PositionalConvStream(nn.Module):
+    """wav2vec2's encoder input: a projection, plus a grouped positional conv of it, then a dropout module.
+
+    The projection cannot be centred (the conv reads it too), so the plan centres the Add, which a
+    module rewrite reaches through the dropout that is its one reader.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.act, self.drop = nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.1)
+        self.pos_conv = nn.Conv1d(8, 8, 3, padding=1, groups=4)
+        self.ln1, self.fc1, self.ln2 = nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = self.drop(h + self.act(self.pos_conv(h.transpose(1, 2))).transpose(1, 2))
+        h = h + self.fc1(self.ln1(h))
+        return self.ln2(h)
+
+
 class LayerScaled(nn.Module):
     """CaiT's and DINOv2's residual branch: a linear layer, a dropout, then a per-channel LayerScale γ."""
 
@@ -450,9 +470,17 @@ def test_layer_norm_modules_of_other_classes_fold(capture, monkeypatch):
         assert _rel_error(module(other), result(other)) <= REL_TOL
 
 
-def test_third_party_spellings_of_linear_maps_fold():
+@pytest.mark.parametrize("capture", ["torch.export", "torch.fx.symbolic_trace"])
+def test_third_party_spellings_of_linear_maps_fold(capture, monkeypatch):
+    """By either capture: symbolic_trace lowers `table[positions]`, `zeros_like`, `repeat` and the
+    residual `h.add_(…)` (its later readers read the sum) as torch.export does."""
     module = _seeded(Spellings)
-    result, report = fold(module, IDS)
+    if capture != "torch.export":
+        monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        result, report = fold(module, IDS)
+    assert report.capture == capture
     assert [(d.name, d.foldable) for d in report.plan.decisions] == [("ln1", True), ("ln2", True)]
     assert report.max_rel_error <= REL_TOL
     assert not torch.equal(result.pos, module.pos) and not torch.equal(result.weight, module.weight)  # centred
@@ -491,6 +519,18 @@ def test_centring_inserted_at_a_batch_norm_modules_output():
     result, report = fold(module, images)
     assert [d.name for d in report.plan.folded] == ["ln1", "ln2", "ln3"] and report.max_rel_error <= REL_TOL
     assert isinstance(result.bn, Centred) and result.bn.axis == -3  # the channels of NCHW
+
+
+def test_centring_inserted_through_the_pass_through_module_that_reads_it():
+    module = _seeded(PositionalConvStream)
+    x = (torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(2)),)
+    result, report = fold(module, x)
+    assert [d.name for d in report.plan.folded] == ["ln1", "ln2"] and report.max_rel_error <= REL_TOL
+    assert {i.tensor for d in report.plan.folded for i in d.insertions} == {"add"}  # proj + pos, before the dropout
+    assert isinstance(result.drop, Centred) and isinstance(result.drop.module, nn.Dropout)
+    longer = torch.randn(3, 9, 4)
+    with torch.no_grad():
+        assert _rel_error(module(longer), result(longer)) <= REL_TOL
 
 
 def test_centring_inside_a_forward_is_declined():
@@ -570,10 +610,27 @@ class Mutating(nn.Module):
         return z + y
 
 
+class MutatingView(Mutating):
+    def forward(self, x):
+        y = self.fc(x)
+        head = y[:, :1]
+        y.mul_(2.0)
+        return self.ln(y) + head  # head is a view of y: it sees the change
+
+
+def test_symbolic_trace_renames_the_readers_of_an_in_place_result(monkeypatch):
+    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
+    module = _seeded(Mutating)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        _, report = fold(module, X)
+    assert report.capture == "torch.fx.symbolic_trace" and report.max_rel_error <= REL_TOL
+
+
 def test_symbolic_trace_refuses_mutation_it_cannot_see(monkeypatch):
     monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
     with pytest.raises(UnsupportedModelError, match="in-place mul_ at node mul_ changes fc"):
-        fold(_seeded(Mutating), X)
+        fold(_seeded(MutatingView), X)
 
 
 def test_untraceable_model_names_the_construct():

@@ -28,8 +28,10 @@ from torch import nn
 import normpass
 from normpass import InputError, ReplaceOptions, models
 from normpass.core.surrogates import Surrogate
+from normpass.models import zoo
 from normpass.onnx.replace.driver import prepare as prepare_onnx
 from normpass.torch.replace import apply_surrogates
+from normpass.torch.rewrite import Permuted
 from normpass.torch.surrogates import (
     Affine,
     Derf,
@@ -41,6 +43,7 @@ from normpass.torch.surrogates import (
     smooth_removal,
     surrogate_module,
     surrogate_modules,
+    surrogate_norm,
 )
 
 OPTIONS = ReplaceOptions(kind="auto", budget="cos=0.99", orders=("input",))
@@ -262,3 +265,46 @@ def test_bad_torch_calibration_is_refused_with_a_reason(bert):
         normpass.replace(module, [(torch.zeros(8, 4, dtype=torch.long),)], dataclasses.replace(OPTIONS, provider="cpu"))
     counts = collections.Counter(type(m).__name__ for m in module.modules())
     assert counts["LayerNorm"] == 5  # still the user's module
+
+
+def test_replace_swaps_timm_layer_norm_modules_between_their_permutes():
+    """timm's LayerNorm2d (a permute, F.layer_norm over its own weight and bias, a permute back) is a
+    candidate as `fold` reads it: its surrogate sits between the same permutes, fitted on the
+    channels-last rows its norm sees."""
+    pytest.importorskip("timm", reason=f"timm is not installed ({zoo.TIMM_INSTALL})")
+    module, inputs = zoo.get("timm-convnext").build()
+    before = copy.deepcopy(module.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    calibration = [(torch.randn(2, 3, 32, 32, generator=gen),) for _ in range(4)]
+    options = ReplaceOptions(
+        kind="rms", budget="cos=0.99", orders=("input",), norms=("stages.1.downsample.0",), migrate_affine=False
+    )
+    replaced, report = normpass.replace(module, calibration, options)
+    assert type(module.stages[1].downsample[0]).__name__ == "LayerNorm2d"
+    assert report.decisions()["stages.1.downsample.0"] == "replaced" and report.passed
+    swapped = replaced.stages[1].downsample[0]
+    assert type(swapped).__name__ == "Permuted" and (swapped.before, swapped.after) == ((0, 2, 3, 1), (0, 3, 1, 2))
+    assert [path for path, _ in surrogate_modules(replaced)] == ["stages.1.downsample.0.norm"]
+    with torch.no_grad():
+        cos = nn.functional.cosine_similarity(module(*inputs).flatten(), replaced(*inputs).flatten(), 0)
+    assert cos >= 0.99
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    blend = smooth_removal(replaced, module)[0]  # the LayerNorm2d and the permuted surrogate, at one path
+    assert replaced.stages[1].downsample[0] is blend and blend.surrogate is swapped
+    x = torch.randn(2, 16, 4, 4, generator=gen)
+    with torch.no_grad():
+        assert torch.allclose(blend(x), module.stages[1].downsample[0](x))
+        blend.alpha.fill_(0.0)
+        assert torch.allclose(blend(x), swapped(x))
+
+
+def test_smooth_removal_blends_at_the_path_of_the_norm_it_replaces(gen):
+    """A surrogate between permutes replaced a channels-first norm module (blended at that module's path);
+    a surrogate for a folded RMSNorm inside `Permuted` replaced that RMSNorm (blended at its own path)."""
+    channels_first = nn.Sequential(Permuted(surrogate_module(_fitted("affine", gen), D), (0, 2, 1), (0, 2, 1)))
+    folded = nn.Sequential(Permuted(nn.RMSNorm(D), (0, 2, 1), (0, 2, 1)))
+    for norms, path, held in [(nn.Sequential(nn.LayerNorm(D)), "0", Permuted), (folded, "0.norm", SurrogateNorm)]:
+        student = copy.deepcopy(channels_first)
+        blend = smooth_removal(student, norms)[0]
+        assert student.get_submodule(path) is blend and isinstance(blend.surrogate, held)
+        assert surrogate_norm(blend.surrogate) is next(m for _, m in surrogate_modules(student))

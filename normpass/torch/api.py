@@ -4,10 +4,13 @@
     plan = normpass.inspect(model, example_inputs)         # the verdicts `fold` acts on
 
 The analysis and planner are the ones the ONNX front end uses; only capture (`torch/capture.py`), the op
-table (`torch/fx.py`) and the rewrite (`torch/rewrite.py`) are PyTorch-specific. Two differences follow from
-rewriting modules rather than graphs: no `x − mean(x)` is ever inserted (a module's forward code
-is not edited), and `rewrite.restrict` declines, with a reason, folds that a module edit
-cannot express (an `F.layer_norm` call, a layer called where centring is unsafe).
+table (`torch/fx.py`) and the rewrite (`torch/rewrite.py`) are PyTorch-specific. Rewriting modules rather
+than graphs, a module's forward code is not edited: an `x − mean(x)` is inserted only as a `Centred`
+wrapper of a module, and `rewrite.restrict` declines, with a reason, folds that a module edit cannot
+express (an `F.layer_norm` call, a centring inside a forward, a layer called where centring is unsafe).
+`fold_graph` applies the whole plan to the captured graph instead (`torch/graph_rewrite.py`):
+
+    graph, report = normpass.fold_graph(model, example_inputs)  # a torch.fx.GraphModule
 
 The user's module is never modified: the rewrite works on a deep copy. The copy is verified
 against the original on the example inputs (fp32 tolerance 1e-4 relative; `VerificationError`
@@ -170,6 +173,56 @@ def fold(
         if not comparison.passed:
             raise VerificationError(f"{name}: folded module does not match the original: {comparison.failures()}")
     return folded, report
+
+
+def fold_graph(
+    model: nn.Module,
+    example_inputs,
+    *,
+    example_kwargs: dict | None = None,
+    dynamic_shapes=None,
+    verify: bool = True,
+    name: str | None = None,
+) -> tuple[torch.fx.GraphModule, TorchFoldReport]:
+    """`model`'s `torch.export` graph with every provable LayerNorm folded, and a report.
+
+    Folds what the ONNX front end folds, including the centrings a module swap cannot reach (inside a
+    module's forward: `torch/graph_rewrite.py`), at a cost: the result is a `torch.fx.GraphModule`
+    called like `model`, not `model`'s class, and it runs only at the captured shapes unless
+    `dynamic_shapes` (passed to `torch.export.export`) says which may vary. `fold` keeps the class.
+
+    Raises `UnsupportedModelError` where torch.export cannot capture the model (`fold` can fall back
+    to symbolic_trace) and `VerificationError` if the result does not match the original.
+    """
+    from . import graph_rewrite
+
+    args, kwargs = _arguments(model, example_inputs, example_kwargs)
+    name = name or type(model).__name__
+    seconds = {}
+    start = time.perf_counter()
+    captured = capture(model, args, kwargs, dynamic_shapes)
+    if captured.program is None:
+        raise UnsupportedModelError(
+            f"{name}: fold_graph rewrites torch.export's graph, and torch.export failed ({captured.export_error}); "
+            "normpass.fold captures it with symbolic_trace instead"
+        )
+    tg = build_zero_mean_graph(model, captured, name)
+    graph_module = copy.deepcopy(captured.program.module())
+    fold_plan = graph_rewrite.restrict(tg, make_plan(tg.zmg), graph_module)
+    seconds["analysis"] = time.perf_counter() - start
+    start = time.perf_counter()
+    notes = graph_rewrite.apply(tg, fold_plan, graph_module) if fold_plan.folded else {}
+    seconds["rewrite"] = time.perf_counter() - start
+    report = TorchFoldReport(fold_plan, captured.method, None, None, {}, notes, {}, seconds)
+    if verify:
+        start = time.perf_counter()
+        _verify(model, graph_module, args, kwargs, report)
+        seconds["verify"] = time.perf_counter() - start
+        comparison = report.comparison
+        assert comparison is not None  # set by _verify
+        if not comparison.passed:
+            raise VerificationError(f"{name}: folded graph does not match the original: {comparison.failures()}")
+    return graph_module, report
 
 
 # --- verification ------------------------------------------------------------------------------

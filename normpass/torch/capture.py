@@ -98,6 +98,7 @@ class Capture:
     constants: dict[str, torch.Tensor]  # tensor name → parameter, buffer or constant tensor
     reads: dict[tuple[str, str], Attr | None] = field(default_factory=dict)  # (fx node, constant) → attribute
     export_error: str | None = None  # why torch.export was not used
+    program: Any = None  # the torch.export.ExportedProgram, where that captured it
 
 
 # --- entry point ---------------------------------------------------------------------------------
@@ -245,7 +246,7 @@ def _from_export(model: nn.Module, program) -> Capture:
     graph = program.graph_module.graph
     signature = program.graph_signature
     aliases = _aliases(model)
-    result = Capture(EXPORT, [], [], [], {}, {})
+    result = Capture(EXPORT, [], [], [], {}, {}, program=program)
     names: dict[str, str] = {}  # fx node name → tensor name
     fqn_of: dict[str, str] = {}
     for spec in signature.input_specs:
@@ -347,7 +348,13 @@ def _to(self, *args, **kwargs):
     return "_to_copy", {"self": self, "dtype": dtype}
 
 
+def _getattr(value, name):
+    """`x.T` (Falcon's `x @ W.T`); other attributes (`x.shape`) are not tensors."""
+    return ("numpy_T", {"self": value}) if name == "T" else None
+
+
 FUNCTIONS = {
+    getattr: _getattr,
     operator.add: _binary("add"),  # x + y
     torch.add: _binary("add"),
     operator.sub: _binary("sub"),
@@ -405,6 +412,10 @@ FUNCTIONS = {
         "convolution",
         {"input": input, "weight": weight, "bias": bias, "transposed": False, "groups": groups},
     ),
+    torch.zeros_like: lambda input, **kwargs: ("zeros_like", {"self": input}),
+    torch.ones_like: lambda input, **kwargs: ("ones_like", {"self": input}),
+    torch.empty_like: lambda input, **kwargs: ("empty_like", {"self": input}),
+    torch.full_like: lambda input, fill_value, **kwargs: ("full_like", {"self": input}),
 }
 
 METHODS = {
@@ -438,6 +449,14 @@ METHODS = {
     "float": lambda self, memory_format=None: ("_to_copy", {"self": self, "dtype": torch.float32}),
     "double": lambda self, memory_format=None: ("_to_copy", {"self": self, "dtype": torch.float64}),
     "half": lambda self, memory_format=None: ("_to_copy", {"self": self, "dtype": torch.float16}),
+    "repeat": lambda self, *sizes: ("repeat", {"self": self, "repeats": _as_list(sizes)}),
+    "add_": _binary("add_"),
+    "sub_": _binary("sub_"),
+    "mul_": lambda self, other: ("mul_", {"self": self, "other": other}),
+    "div_": lambda self, other: ("div_", {"self": self, "other": other, "rounding_mode": None}),
+    "new_zeros": lambda self, *size, **kwargs: ("new_zeros", {"self": self}),
+    "new_ones": lambda self, *size, **kwargs: ("new_ones", {"self": self}),
+    "new_empty": lambda self, *size, **kwargs: ("new_empty", {"self": self}),
 }
 
 
@@ -495,8 +514,16 @@ def _module_call(module: nn.Module, path: str, args: tuple, kwargs: dict) -> tup
 
 
 def _getitem(value, index):
-    """Basic indexing `x[...]` with slices only is a slice along the sliced axes."""
+    """Basic indexing `x[...]` with slices only is a slice along the sliced axes; `x[None]` adds axes;
+    `x[:, i]` is a select; `x[t]` with one tensor `t` is `aten.index` (a row lookup: `table[positions]`)."""
+    if isinstance(index, torch.fx.Node):
+        return "index", {"self": value, "indices": [index]}
     items = index if isinstance(index, tuple) else (index,)
+    if None in items and all(i is None or i == slice(None) for i in items):
+        return "unsqueeze", {"self": value}  # `pos[None]`: new axes of size 1 (a reshape)
+    integers = [position for position, i in enumerate(items) if isinstance(i, int)]
+    if len(integers) == 1 and all(i == slice(None) for i in items if not isinstance(i, int)):
+        return "select", {"self": value, "dim": integers[0], "index": items[integers[0]]}  # `x[:, :, -1]`
     if not all(isinstance(i, slice) or i is Ellipsis for i in items) or items.count(Ellipsis) > 1:
         return None
     axes, after_ellipsis = [], False
@@ -509,21 +536,55 @@ def _getitem(value, index):
     return "slice_axes", {"self": value, "dims": axes}
 
 
-def _check_no_visible_mutation(graph_module: torch.fx.GraphModule) -> None:
-    """symbolic_trace records in-place ops as if they were pure: refuse any whose target is read again.
+RENAMED_IN_PLACE = {"add_", "sub_", "mul_", "div_"}  # x.add_(y) on a fresh x: later readers of x read its result
+VIEWS = {"view", "view_as", "reshape", "permute", "transpose", "t", "expand", "expand_as", "narrow", "select"}
+VIEWS |= {"squeeze", "unsqueeze", "flatten", "unflatten", "split", "chunk", "unbind", "contiguous", "detach"}
+VIEWS |= {"as_strided", "diagonal", "getitem", "getattr"}
 
-    (`x = relu_(linear(h))` is fine, `y = linear(h); y.mul_(g); return ln(y) + y` is not.)
+
+def _name(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def _renamed_in_place(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor `node` changes in place, where its later readers can read `node`'s result instead.
+
+    So is `h.add_(branch)` (Falcon's residual) when h is computed in the forward (not an input, a
+    parameter or a view of another tensor, which would change too) and no view of h taken before
+    is read after it (it would see the change). torch.export renames them so itself.
+    """
+    target = node.args[0] if node.args else None
+    if node.op != "call_method" or node.target not in RENAMED_IN_PLACE or not isinstance(target, torch.fx.Node):
+        return None
+    if target.op in ("placeholder", "get_attr") or _name(target) in VIEWS:
+        return None
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    views = [u for u in target.users if u is not node and _name(u) in VIEWS]
+    while views:
+        view = views.pop()
+        if any(order[u] > order[node] for u in view.users):
+            return None
+        views += [u for u in view.users if _name(u) in VIEWS]
+    return target
+
+
+def _check_no_visible_mutation(graph_module: torch.fx.GraphModule) -> None:
+    """symbolic_trace records in-place ops as if they were pure: refuse any whose target is read again,
+    unless the capture renames its later readers (`_renamed_in_place`).
+
+    (`x = relu_(linear(h))` is fine, `y = linear(h); y.mul_(g); return ln(y) + y` is renamed, so is
+    `h.add_(f(h))`; `h[:, :1].add_(…)` changes h through a view and is refused.)
     """
     modules = dict(graph_module.named_modules())
     for node in graph_module.graph.nodes:
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        name = _name(node)
         inplace = (
             (node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__"))
             or (node.op == "call_function" and (node.target is operator.setitem or node.kwargs.get("inplace")))
             or (node.op == "call_module" and getattr(modules.get(node.target), "inplace", False))
         )
         target = node.args[0] if node.args else None
-        if inplace and isinstance(target, torch.fx.Node) and len(target.users) > 1:
+        if inplace and isinstance(target, torch.fx.Node) and len(target.users) > 1 and not _renamed_in_place(node):
             raise TypeError(
                 f"in-place {name or node.target} at node {node.name} changes {target.name}, which is "
                 "read again; symbolic_trace graphs do not track mutation"
@@ -563,6 +624,7 @@ def _from_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) -> Capture
             node.op == "call_function"
             and node.target is operator.getitem
             and isinstance(node.args[0].meta.get("tensor_meta"), (list, tuple))
+            and not hasattr(node.args[0].meta["tensor_meta"], "shape")  # a tuple of tensors, not TensorMetadata
         ):
             if hasattr(meta, "shape"):  # an item of a tuple-valued call, named by the call's outputs
                 names[node.name] = node.name
@@ -579,6 +641,8 @@ def _from_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) -> Capture
                 result.shapes[node.name] = tuple(meta.shape)
             names[node.name] = node.name
             result.calls.append(_traced_call(node, modules, names))
+            if (target := _renamed_in_place(node)) is not None:
+                names[target.name] = node.name  # later readers of the target read the changed value
     for call in result.calls:
         for ref in call.refs():
             if ref in fqns:

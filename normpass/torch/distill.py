@@ -64,7 +64,7 @@ from ..core.replace import BudgetMissed, Candidate, ReplaceOptions, ReplaceRepor
 from ..errors import InputError, VerificationError
 from ..onnx.runtime.verify import compare_outputs
 from .replace import Prepared, _run, _set_module, _tensors, emit, prepare
-from .surrogates import SmoothRemoval, smooth_removal, surrogate_modules
+from .surrogates import SmoothRemoval, smooth_removal, surrogate_modules, surrogate_norm
 
 REDUCTION_FREE = ("affine", "scalebias", "dyt", "derf")
 TRAINED = ("surrogates", "linears", "all")
@@ -431,7 +431,7 @@ def emit_student(p: Prepared, student: nn.Module, blends: dict[str, SmoothRemova
     checked against the unmigrated student on `batch`."""
     bench = p.bench
     by_path = {bench.by_name[n].ref.module: n for n in blends}
-    surrogates = {by_path[path]: blend.surrogate.to_surrogate() for path, blend in _blends(student)}
+    surrogates = {by_path[path]: surrogate_norm(blend.surrogate).to_surrogate() for path, blend in _blends(student)}
     ordered = [(n.name, surrogates[n.name]) for n in bench.norms if n.name in surrogates]
     final, emissions = emit(trained_base(bench.base, student), bench.tg, ordered, migrate=True)
     comparison = compare_outputs(_run(unwrap(student), batch), _run(final, batch))

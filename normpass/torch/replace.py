@@ -5,8 +5,10 @@
 1. **Exact first.** `normpass.fold` folds every provable LayerNorm (verified on the first batch);
    the folded module is captured again, and the norms it leaves are candidates unless `why_not`
    (core) or this front end rules them out: a norm must be the whole forward of a norm module
-   (`nn.LayerNorm`, `nn.RMSNorm`, a `*RMSNorm` class) called once, whose parameters nothing else
-   reads, so that swapping the module replaces exactly that norm. LayerNorms among them get input
+   (a LayerNorm module as `fold` swaps them: `nn.LayerNorm`, timm's `LayerNorm`, and channels-first
+   ones between permutes, timm's `LayerNorm2d`, whose surrogate sits between the same permutes;
+   `nn.RMSNorm`, a `*RMSNorm` class) called once, whose parameters nothing else reads, so that
+   swapping the module replaces exactly that norm. LayerNorms among them get input
    centring (the exact pass's centrings that are safe, `core/analysis.safe_centrings`), applied to
    parameters as `fold` applies them.
 2. **Data.** An iterable of input dicts (keyword arguments of `forward`) or tuples (positional
@@ -62,8 +64,17 @@ from ..core.surrogates import NormSpec, Surrogate
 from ..errors import InputError
 from .api import _arguments, _outputs, fold
 from .capture import Attr, capture
-from .fx import TorchGraph, build_zero_mean_graph, to_numpy
-from .rewrite import RMSNormWithBias, _Editor, _edits_of, _wide, add_to_bias, carry_along_stream, move_affine
+from .fx import Layout, TorchGraph, build_zero_mean_graph, to_numpy
+from .rewrite import (
+    Permuted,
+    RMSNormWithBias,
+    _Editor,
+    _edits_of,
+    _wide,
+    add_to_bias,
+    carry_along_stream,
+    move_affine,
+)
 from .surrogates import surrogate_module
 from .targets import BiasTarget, claim_residual, migration_targets, shift_target, stream_targets
 
@@ -200,15 +211,25 @@ def norm_cost(norm: NormInfo) -> float:
 
 
 class _Slot(nn.Module):
-    """A candidate norm in the working copy: the norm, or for one trial the surrogate put in its place."""
+    """A candidate norm in the working copy: the norm, or for one trial the surrogate put in its place
+    (between the permutes of a channels-first LayerNorm module, `layout`)."""
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, norm: nn.Module, layout: Layout = (None, None)):
         super().__init__()
-        self.norm = norm
+        self.norm, self.layout = norm, layout
         self.surrogate: nn.Module | None = None
 
+    def norm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the norm op inside the module normalizes: `x` after the permute before it."""
+        return x if self.layout[0] is None else x.permute(self.layout[0])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x) if self.surrogate is None else self.surrogate(x)
+        return self.norm(x) if self.surrogate is None else _laid_out(self.surrogate, self.layout)(x)
+
+
+def _laid_out(module: nn.Module, layout: Layout) -> nn.Module:
+    """`module` between the permutes `layout` names (`rewrite.Permuted`), or itself where there are none."""
+    return module if layout == (None, None) else Permuted(module, *layout)
 
 
 def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -231,7 +252,7 @@ class TorchBench:
         self.working = copy.deepcopy(base)
         self.slots = {}
         for norm in norms:
-            slot = _Slot(self.working.get_submodule(norm.ref.module))
+            slot = _Slot(self.working.get_submodule(norm.ref.module), norm.ref.layout)
             _set_module(self.working, norm.ref.module, slot)
             self.slots[norm.name] = slot
         self.like = _like(base)
@@ -262,7 +283,8 @@ class TorchBench:
         mask: list = [None]
 
         def hook(name):
-            return lambda _module, args: into.add(name, token_rows(to_numpy(args[0]), mask[0]))
+            slot = self.slots[name]
+            return lambda _module, args: into.add(name, token_rows(to_numpy(slot.norm_input(args[0])), mask[0]))
 
         handles = [self.slots[m].register_forward_pre_hook(hook(m)) for m in norms]
         try:
@@ -341,7 +363,7 @@ def emit(
                 surrogate = dataclasses.replace(surrogate, beta=np.asarray(surrogate.beta) / scale)
         replacement = surrogate_module(surrogate, width, plan.keep_shift, plan.keep_gamma, plan.keep_beta, **like)
         emission.ops.update(replacement.ops())
-        _set_module(module, norm.ref.module, replacement)
+        _set_module(module, norm.ref.module, _laid_out(replacement, norm.ref.layout))
         emissions[name] = emission
     editor.forget_hf_ties()
     return module, emissions
@@ -373,7 +395,9 @@ def front_end_reason(tg: TorchGraph, norm: NormInfo, uses: dict) -> str | None:
     site = norm.ref
     module = tg.model.get_submodule(site.module) if site.module else tg.model
     swappable = (
-        type(module) is nn.LayerNorm or isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+        (norm.norm_type is NormType.LAYER and site.replace_blocked is None)  # fx._layer_norm_module
+        or isinstance(module, nn.RMSNorm)
+        or type(module).__name__.endswith("RMSNorm")
     )
     if not site.module or not swappable:
         return site.replace_blocked or f"{norm.op} is not the forward of a norm module"

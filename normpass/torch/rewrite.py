@@ -15,9 +15,12 @@ shape, compiles and exports like the original.
   layer's output is absorbed first, (x·W + b)⊙s = x·(W⊙s) + b⊙s, the factor set to ones, so the
   layer is centred as any other; only where nothing else reads s, W or b.
 * Inserted centring (the plan's `Insertion`s; BLOOM's and mBART's embedding LayerNorms, PVT-v2's
-  patch norms, XCiT's BatchNorm stem): where the tensor to centre is the output of a one-op module
-  called once, that module (or the RMSNorm it became, keeping γ and β) is wrapped in `Centred`,
-  y − mean(y). A centring anywhere else (inside a larger forward) is declined.
+  patch norms, XCiT's BatchNorm stem, wav2vec2's positional convolution's Add): where the tensor to
+  centre is the output of a one-op module called once, that module (or the RMSNorm it became,
+  keeping γ and β) is wrapped in `Centred`, y − mean(y); where its one reader is a pass-through
+  module called once (wav2vec2's encoder dropout), that module is, since its output is the tensor.
+  A centring anywhere else (after a functional `F.gelu`) is declined; `torch/graph_rewrite.py`
+  makes it on the captured graph instead.
 * Copy-on-write: an edit assigns a new `nn.Parameter` to the one attribute the graph read it
   through, so a parameter tied elsewhere (GPT-2's LM head is the token table) keeps its value
   there; HF tying metadata is updated so `tie_weights()` will not tie them again.
@@ -45,7 +48,7 @@ from ..core.analysis import ShiftChecker
 from ..core.plan import Blocker, Centring, FoldPlan, Insertion, NormDecision
 from ..core.rules import Linear, layer_scale
 from .capture import Attr
-from .fx import NodeRef, NormSite, TorchGraph, to_numpy
+from .fx import PASS_THROUGH, NodeRef, NormSite, TorchGraph, to_numpy
 from .targets import BiasTarget, Stream, claim_residual, migration_targets
 
 
@@ -189,6 +192,8 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
         decision.reason = f"provably foldable, but the PyTorch rewrite cannot apply it: {reason}"
         decision.blocker = Blocker(node, reason, (decision.name, node))
 
+    placements = {i: _place(tg, i) for d in decisions if d.foldable for i in d.insertions}
+
     while True:
         before = sum(d.foldable for d in decisions)
         for decision in (d for d in decisions if d.foldable):
@@ -196,7 +201,7 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
             kept = [d for d in calls_of.get(site.module, []) if not d.foldable]
             if site.replace_blocked:
                 decline(decision, decision.name, site.replace_blocked)
-            elif why := next(filter(None, (_not_at_module_output(tg, i) for i in decision.insertions)), None):
+            elif why := next((p for p in (placements[i] for i in decision.insertions) if isinstance(p, str)), None):
                 decline(decision, decision.name, why)
             elif affine_readers[site.module]:
                 reader = affine_readers[site.module][0]
@@ -223,13 +228,13 @@ def restrict(tg: TorchGraph, plan: FoldPlan) -> FoldPlan:
             return FoldPlan(decisions)
 
 
-def _centred_module(tg: TorchGraph, insertion: Insertion) -> str | None:
-    """The module whose output is `insertion`'s tensor, where a `Centred` wrapper can centre it.
+def _centred_module(tg: TorchGraph, tensor: str) -> str | None:
+    """The module whose output is `tensor`, where a `Centred` wrapper can centre it.
 
     It must be a module without submodules whose one call in the graph is one op making that tensor
     (a LayerNorm, a BatchNorm, a GELU module), so that wrapping it centres exactly that tensor.
     """
-    producer = next((c for c in tg.capture.calls if insertion.tensor in c.outputs), None)
+    producer = next((c for c in tg.capture.calls if tensor in c.outputs), None)
     if producer is None or not producer.module:
         return None
     if next(tg.model.get_submodule(producer.module).children(), None) is not None:
@@ -239,13 +244,32 @@ def _centred_module(tg: TorchGraph, insertion: Insertion) -> str | None:
     return producer.module
 
 
-def _not_at_module_output(tg: TorchGraph, insertion: Insertion) -> str | None:
-    if _centred_module(tg, insertion) is None:
+def _pass_through_reader(tg: TorchGraph, tensor: str) -> str | None:
+    """The module to wrap where `tensor`'s one reader is a pass-through module (a dropout at inference)."""
+    readers = [c for c in tg.capture.calls if tensor in c.refs()]
+    if len(readers) != 1 or tensor in tg.capture.outputs:
+        return None
+    reader = readers[0]
+    if reader.op not in PASS_THROUGH or reader.args.get("train") or reader.refs() != [tensor]:
+        return None
+    return _centred_module(tg, reader.outputs[0])
+
+
+def _place(tg: TorchGraph, insertion: Insertion) -> tuple[str, int] | str:
+    """The module to wrap in `Centred`, and the axis, that centres `insertion`'s tensor; or why there is none.
+
+    The tensor is that module's output, or its one reader is that module, a pass-through (a dropout
+    at inference) whose output is the tensor. (The planner already cuts as far upstream as a
+    centring is exact, so moving the cut up through linear ops finds no other module output.)
+    """
+    module = _centred_module(tg, insertion.tensor) or _pass_through_reader(tg, insertion.tensor)
+    if module is None:
         return (
             f"the centring it needs on {insertion.tensor} is not at the output of a one-op module called once, "
-            "where a module rewrite could put it (the ONNX front end inserts it)"
+            "nor read only by one, where a module rewrite could put it (the ONNX front end and normpass.fold_graph "
+            "insert it)"
         )
-    return None
+    return module, insertion.axis - len(tg.zmg.shape(insertion.tensor) or ())
 
 
 def _planned_edits(tg: TorchGraph, decisions: list[NormDecision], decline):
@@ -453,11 +477,11 @@ def apply(
     """
     uses = tg.uses()
     editor = _Editor(module)
-    centred = {}  # module → the axis its output is centred along
+    centred: dict[str, int] = {}  # module → the axis its output is centred along
     for insertion in {i for decision in plan.folded for i in decision.insertions}:
-        path = _centred_module(tg, insertion)
-        assert path is not None, f"restrict() checked the centring of {insertion.tensor}"
-        centred[path] = insertion.axis - len(tg.zmg.shape(insertion.tensor) or ())
+        placement = _place(tg, insertion)
+        assert not isinstance(placement, str), f"restrict() checked the centring of {insertion.tensor}"
+        centred.update([placement])
     # Decide migrations on the original graph, before any parameter is rewritten. A norm whose
     # output is centred keeps its γ and β: the centring is planned on γ⊙x̂+β.
     targets: dict[str, tuple[list | None, list | None]] = {}

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.surrogates import Surrogate
+from .rewrite import Permuted
 
 
 def _parameter(values, dtype=None, device=None) -> nn.Parameter | None:
@@ -258,11 +259,14 @@ def surrogate_module(
 
 
 class SmoothRemoval(nn.Module):
-    """DaMN's smooth removal: α·N(x) + (1 − α)·S(x), α a buffer (1: the norm, 0: the surrogate)."""
+    """DaMN's smooth removal: α·N(x) + (1 − α)·S(x), α a buffer (1: the norm, 0: the surrogate).
+
+    S is a `SurrogateNorm`, or one between the permutes of a channels-first norm (`rewrite.Permuted`).
+    """
 
     alpha: torch.Tensor
 
-    def __init__(self, norm: nn.Module, surrogate: SurrogateNorm, alpha: float = 1.0):
+    def __init__(self, norm: nn.Module, surrogate: nn.Module, alpha: float = 1.0):
         super().__init__()
         self.norm = norm
         self.surrogate = surrogate
@@ -277,6 +281,21 @@ def surrogate_modules(model: nn.Module) -> Iterator[tuple[str, SurrogateNorm]]:
     for path, module in model.named_modules():
         if isinstance(module, SurrogateNorm):
             yield path, module
+
+
+def surrogate_norm(module: nn.Module) -> SurrogateNorm:
+    """The surrogate a blend holds: `module` itself, or the one between a channels-first norm's permutes."""
+    held = module.norm if isinstance(module, Permuted) else module
+    assert isinstance(held, SurrogateNorm), f"{type(held).__name__} is a surrogate module"
+    return held
+
+
+def _has_module(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def smooth_removal(student: nn.Module, norms: nn.Module, alpha: float = 1.0) -> list[SmoothRemoval]:
@@ -294,8 +313,12 @@ def smooth_removal(student: nn.Module, norms: nn.Module, alpha: float = 1.0) -> 
                 f"{path}: its {', '.join(surrogate.migrated)} migrated into adjacent layers; build the student "
                 "with ReplaceOptions(migrate_affine=False) to blend it with its norm"
             )
-        blend = SmoothRemoval(copy.deepcopy(norms.get_submodule(path)), surrogate, alpha)
         parent, _, child = path.rpartition(".")
+        held: nn.Module = surrogate
+        if not _has_module(norms, path) and isinstance(student.get_submodule(parent), Permuted):
+            held, path = student.get_submodule(parent), parent  # a channels-first norm's: both blended permuted
+            parent, _, child = path.rpartition(".")
+        blend = SmoothRemoval(copy.deepcopy(norms.get_submodule(path)), held, alpha)
         setattr(student.get_submodule(parent), child, blend)
         blends.append(blend)
     return blends
