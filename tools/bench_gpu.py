@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import pathlib
 import sys
 import time
@@ -140,7 +139,6 @@ def nbits_weights(source: pathlib.Path, out: pathlib.Path, bits: int) -> pathlib
     weight-only recipe at `bits`: symmetric, blocks of 32), built afresh."""
     import bench_rotation
 
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     out.unlink(missing_ok=True)  # its source is rebuilt on every `prepare`
     recipe = bench_rotation.Recipe("nbits", bits=bits)
     return bench_rotation.quantize(source, recipe, [], out, bench_rotation.lm_head(source))
