@@ -333,8 +333,8 @@ def vit_entry(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=mlp,
-        num_labels=VIT_LABELS,
     )
+    config.num_labels = VIT_LABELS  # (transformers 5 types the constructor without the keyword)
     make_inputs = partial(_image_inputs, 3, image_size)
     norms = 2 * layers + 1
     final = (
