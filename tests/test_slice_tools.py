@@ -58,7 +58,8 @@ def test_the_gpu_rounds_slice_step_runs_end_to_end_on_the_cpu_with_the_small_twi
     (record,) = json.loads((out / "records.json").read_text())["records"]
     assert (record["model"], record["provider"], record["baseline"]) == (name, "cpu", "ort-opt")
     assert set(record["variants"]) == {"slice-0.25"} and record["variants"]["slice-0.25"]["median_ms"] > 0
-    macs = json.loads((out / f"ort-{name}.fp32.json").read_text())["macs"]
+    (macs,) = json.loads((out / f"ort-{name}.fp32.json").read_text())["macs"]  # the twin's one point: 2 images
+    assert (macs["batch"], macs["seq"]) == (2, 1)
     # 2 images: the patch Conv (16 patches, 3·8·8 → 64), 2 blocks × 17 tokens × (QKV, out, MLP), the head (1 token)
     per_image = 16 * 64 * 3 * 8 * 8 + 2 * 17 * (3 * 64 * 64 + 64 * 64 + 2 * 64 * 128) + 64 * 1000
     assert macs["original"] == {"linear": 2 * per_image, "attention": 2 * 2 * 2 * 17 * 17 * 64}

@@ -34,8 +34,8 @@ slices; seeded weights) from its TorchScript export (as HF Optimum exports), in 
 
 Beside them it writes what ORT's optimizer fused in each variant (`structure.json`: nodes, fused ops,
 MatMul/Gemm) and, for the sliced ones, the multiply-accumulates of the linear layers (constant-weight
-MatMul, Gemm, Conv: what slicing cuts to k/d) and of the attention cores (QKᵀ, PV: kept) at the model's fp32
-point, from ORT's symbolic shape inference (`macs.json`): what bounds a sliced model's speed-up. `run`
+MatMul, Gemm, Conv: what slicing cuts to k/d) and of the attention cores (QKᵀ, PV: kept) at each of the
+model's points, from ORT's symbolic shape inference (`macs.json`): what bounds a sliced model's speed-up. `run`
 copies both into its reports. `prepare --provider cpu` builds the CPU twin (the fold's CPU emission, the
 optimizer without `use_gpu`), timed with `run --provider cpu --dtypes fp32 --threads 1 --clock cpu`.
 `--cpu-dry-run` (both steps) builds the same names from the registry's small models (`SMALL_TWINS`) and
@@ -266,12 +266,12 @@ def prepare(
         builders[label] = functools.partial(lambda r: optimize(cuts(r), settings)[0], ratio)
         builders[f"opt-{label}"] = functools.partial(lambda r: sliced(original(), name, r, provider), ratio)
     models = {label: builders[label]() for label in wanted}
-    point = MODELS[name][2][0]  # the fp32 point: GPT-2 at 1×1024 and ViT at batch 64, the issue's GPU targets
-    macs = {"point": point, "original": linear_macs(raw, *point)} | {
-        f"slice-{ratio:g}": linear_macs(cuts(ratio), *point)
-        for ratio in SLICE_RATIOS
-        if any(label.endswith(f"slice-{ratio:g}") for label in wanted)
-    }
+    sliced_ratios = [r for r in SLICE_RATIOS if any(label.endswith(f"slice-{r:g}") for label in wanted)]
+    macs = [
+        {"batch": batch, "seq": seq, "original": linear_macs(raw, batch, seq)}
+        | {f"slice-{ratio:g}": linear_macs(cuts(ratio), batch, seq) for ratio in sliced_ratios}
+        for batch, seq in sorted({*MODELS[name][1], *MODELS[name][2]})
+    ]
     rotated = rotated_optimized(raw, settings, name) if quantized else None  # before `raw`'s weights move out
     paths: dict[str, dict[str, str]] = {"fp32": {}, "fp16": {}}
     for label in wanted:
@@ -284,11 +284,18 @@ def prepare(
         paths["fp16"] |= prepare_quantized(rotated, root)
     fused = {label: structure(model) for label, model in models.items()}
     (root / "structure.json").write_text(json.dumps(fused, indent=1) + "\n")
-    if len(macs) > 2:
+    if sliced_ratios:
         (root / "macs.json").write_text(json.dumps(macs, indent=1) + "\n")
     for label, found in fused.items():
         print(f"{name} {label}: {found['nodes']} nodes, {found['ops']}", flush=True)
-    print(f"{name}: variants in {root}; linear-layer MACs {macs}", flush=True)
+    for point in macs if sliced_ratios else []:
+        shares = ", ".join(
+            f"{k} {sum(point[k].values()) / sum(point['original'].values()):.3f}"
+            for k in point
+            if k.startswith("slice")
+        )
+        print(f"{name} {point['batch']}x{point['seq']}: MACs {point['original']}, sliced/original {shares}", flush=True)
+    print(f"{name}: variants in {root}", flush=True)
     return paths
 
 
