@@ -353,6 +353,8 @@ def run_ort(args: argparse.Namespace, manifest: dict, device: str) -> list[dict]
                 if label in paths
             ]
             points = args.points or (MODELS[name][1] if dtype == "fp16" else MODELS[name][2])
+            if all(seq == 1 for _, seq in MODELS[name][1]):  # an image model: `--points 1x128` is batch 1
+                points = sorted({(batch, 1) for batch, _ in points})
             start = time.time()
             report = bench.run_benchmark(
                 candidates,

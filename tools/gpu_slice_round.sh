@@ -5,8 +5,9 @@
 #   tools/gpu_slice_round.sh OUT            # on the GPU machine, from the repository root
 #   DRY=1 tools/gpu_slice_round.sh OUT      # here: the same steps on the registry's small models, ORT CPU
 #
-# Steps: install the carried wheels (.whl/: normpass, onnx-ir >= 1.1 and onnxruntime-gpu, whose wheel may
-# come in parts .whl/onnxruntime_gpu.part* that are joined here; docs/benchmarks/slice.md), prepare each model
+# Steps: install the carried wheels (.whl/*.whl: normpass, onnx-ir >= 1.1; onnxruntime-gpu, over the 64 MiB a
+# call carries, split into parts .whl/c*/onnxruntime_gpu.part* carried by earlier calls and joined here in
+# name order; docs/benchmarks/slice.md says how), prepare each model
 # in its own process on the CPU cores (`bench_gpu.py prepare --variants fold-opt slice-0.25`), merge their
 # manifests, time them (`bench_gpu.py run`), and leave in OUT the records, the reports in one archive and
 # the logs. Expected on a 16-core H100/H200 machine: about 4 minutes to prepare (both models at once), 1 to time.
@@ -21,9 +22,10 @@ mkdir -p "$OUT" "$CACHE" "$RESULTS"
 
 if [ -d .whl ] && [ -z "$DRY_RUN" ]; then
   wheels=(.whl/*.whl)
-  if compgen -G ".whl/onnxruntime_gpu.part*" > /dev/null; then
+  parts=$(find .whl -name 'onnxruntime_gpu.part*' | sort)  # carried one folder a call: .whl/c0, .whl/c1, …
+  if [ -n "$parts" ]; then
     wheel=/tmp/${ORT_WHEEL:-onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl}
-    cat .whl/onnxruntime_gpu.part* > "$wheel"
+    cat $parts > "$wheel"
     wheels+=("$wheel")
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
