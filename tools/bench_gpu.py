@@ -267,11 +267,11 @@ def prepare(
         builders[f"opt-{label}"] = functools.partial(lambda r: sliced(original(), name, r, provider), ratio)
     models = {label: builders[label]() for label in wanted}
     sliced_ratios = [r for r in SLICE_RATIOS if any(label.endswith(f"slice-{r:g}") for label in wanted)]
-    macs = [
-        {"batch": batch, "seq": seq, "original": linear_macs(raw, batch, seq)}
+    macs: dict[tuple[int, int], dict[str, dict[str, int]]] = {
+        (batch, seq): {"original": linear_macs(raw, batch, seq)}
         | {f"slice-{ratio:g}": linear_macs(cuts(ratio), batch, seq) for ratio in sliced_ratios}
-        for batch, seq in sorted({*MODELS[name][1], *MODELS[name][2]})
-    ]
+        for batch, seq in (sorted({*MODELS[name][1], *MODELS[name][2]}) if sliced_ratios else [])
+    }
     rotated = rotated_optimized(raw, settings, name) if quantized else None  # before `raw`'s weights move out
     paths: dict[str, dict[str, str]] = {"fp32": {}, "fp16": {}}
     for label in wanted:
@@ -284,17 +284,15 @@ def prepare(
         paths["fp16"] |= prepare_quantized(rotated, root)
     fused = {label: structure(model) for label, model in models.items()}
     (root / "structure.json").write_text(json.dumps(fused, indent=1) + "\n")
-    if sliced_ratios:
-        (root / "macs.json").write_text(json.dumps(macs, indent=1) + "\n")
-    for label, found in fused.items():
-        print(f"{name} {label}: {found['nodes']} nodes, {found['ops']}", flush=True)
-    for point in macs if sliced_ratios else []:
-        shares = ", ".join(
-            f"{k} {sum(point[k].values()) / sum(point['original'].values()):.3f}"
-            for k in point
-            if k.startswith("slice")
-        )
-        print(f"{name} {point['batch']}x{point['seq']}: MACs {point['original']}, sliced/original {shares}", flush=True)
+    if macs:
+        found = [{"batch": batch, "seq": seq} | counts for (batch, seq), counts in macs.items()]
+        (root / "macs.json").write_text(json.dumps(found, indent=1) + "\n")
+    for label, built in fused.items():
+        print(f"{name} {label}: {built['nodes']} nodes, {built['ops']}", flush=True)
+    for (batch, seq), counts in macs.items():
+        total = {label: sum(kinds.values()) for label, kinds in counts.items()}
+        shares = ", ".join(f"{label} {n / total['original']:.3f}" for label, n in total.items() if label != "original")
+        print(f"{name} {batch}x{seq}: MACs {counts['original']}, sliced/original {shares}", flush=True)
     print(f"{name}: variants in {root}", flush=True)
     return paths
 
