@@ -175,6 +175,21 @@ def structure(model: onnx.ModelProto) -> dict:
     return {"nodes": len(model.graph.node), "ops": dict(sorted(ops.items()))}
 
 
+def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` whose linear layers' weights keep their shape and not their values (no shape depends
+    on them): shape inference of a large model without a second copy of its weights."""
+    weights = {node.input[1] for node in model.graph.node if node.op_type in (*MATMULS, "Conv")}
+    copy = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
+    for field in ("node", "input", "output", "value_info"):
+        getattr(copy.graph, field).extend(getattr(model.graph, field))
+    for tensor in model.graph.initializer:
+        if tensor.name in weights:
+            copy.graph.initializer.add(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
+        else:
+            copy.graph.initializer.append(tensor)
+    return copy
+
+
 def linear_macs(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, int]:
     """Multiply-accumulates of `model` (standard ops: before ORT's optimizer) at one input shape, from ORT's
     symbolic shape inference: `linear`, the layers with a constant weight (MatMul, Gemm, Conv: what slicing
@@ -182,8 +197,7 @@ def linear_macs(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, int]:
     slicing keeps)."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    shaped = onnx.ModelProto()
-    shaped.CopyFrom(model)
+    shaped = weightless(model)
     for value in shaped.graph.input:
         shape = bench.point_shapes(model, batch, seq)[value.name]
         for dim, size in zip(value.type.tensor_type.shape.dim, shape, strict=True):

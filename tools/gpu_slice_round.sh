@@ -16,7 +16,7 @@ OUT=${1:?give the output folder}
 PY=${PYTHON:-python3}
 CACHE=${CACHE:-/tmp/slice-cache}
 RESULTS=${RESULTS:-/tmp/slice-results}
-MODELS="gpt2-small-shape-4k vit-b16-shape-head"
+MODELS=${MODELS:-"gpt2-small-shape-4k vit-b16-shape-head"}  # MODELS=vit-b16-shape-head: one alone
 DRY_RUN=${DRY:+--cpu-dry-run}
 mkdir -p "$OUT" "$CACHE" "$RESULTS"
 
