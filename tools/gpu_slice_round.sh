@@ -10,7 +10,8 @@
 # name order; docs/benchmarks/slice.md says how), prepare each model
 # in its own process on the CPU cores (`bench_gpu.py prepare --variants fold-opt slice-0.25`), merge their
 # manifests, time them (`bench_gpu.py run`), and leave in OUT the records, the reports in one archive and
-# the logs. Expected on a 16-core H100/H200 machine: about 4 minutes to prepare (both models at once), 1 to time.
+# the logs. Expected on a 16-core H100/H200 machine: 2–4 minutes to prepare (both models at once), 1–2 to
+# time; 7–9 minutes of device time with the start and the calls that carry the wheel (docs/benchmarks/slice.md).
 set -euo pipefail
 OUT=${1:?give the output folder}
 PY=${PYTHON:-python3}
