@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from normpass.core.analysis import Cutter, Prover, ShiftChecker
+from normpass.core.analysis import Cutter, FirstUnsafe, Prover, ShiftChecker
 from normpass.core.graph import NormType
 from normpass.core.plan import FoldPlan, Insertion, NormDecision
 from normpass.io import in_memory_proto
@@ -63,7 +63,7 @@ def forced_folds(model: onnx.ModelProto, plan: FoldPlan, feeds: dict[str, np.nda
     """The forced fold of each LayerNorm that `plan` (`inspect_onnx(model)`) declines."""
     zmg = build_zero_mean_graph(open_graph(model))
     prover, checker = Prover(zmg), ShiftChecker(zmg)
-    cutter = Cutter(prover, checker)
+    cutter = Cutter(FirstUnsafe(prover, checker))
     expected = run_unoptimized(model, feeds)
     found = []
     for decision in plan.decisions:

@@ -42,6 +42,7 @@ from transformers import (
     SwinConfig,
     SwinModel,
     ViTConfig,
+    ViTForImageClassification,
     ViTModel,
 )
 
@@ -187,6 +188,17 @@ class _Logits(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False, return_dict=True).logits
 
 
+class _ImageLogits(torch.nn.Module):
+    """Image classifier returning plain logits."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values, return_dict=True).logits
+
+
 class _LastHidden(torch.nn.Module):
     """Encoder returning plain ``last_hidden_state``."""
 
@@ -285,26 +297,61 @@ def _bert_entry() -> ModelEntry:
     )
 
 
-def _vit_entry() -> ModelEntry:
-    layers = 2
+VIT_LABELS = 1000  # the classification head's classes (ImageNet-1k's, as ViT-B/16's)
+
+
+def _vit_module(config: ViTConfig, head: bool) -> torch.nn.Module:
+    """`ViTModel` returning `last_hidden_state`, or with `head` `ViTForImageClassification` returning logits."""
+    if head:
+        return _ImageLogits(ViTForImageClassification(config))
+    return _LastHidden(ViTModel(config, add_pooling_layer=False))
+
+
+def vit_entry(
+    name: str = "vit",
+    head: bool = False,
+    image_size: int = 32,
+    patch_size: int = 8,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    mlp: int = 128,
+    seed: int = 3,
+    large: bool = False,
+) -> ModelEntry:
+    """Entry for a ViT encoder of any size; with `head`, the image classifier (`VIT_LABELS` logits).
+
+    Without a head the final LayerNorm writes the graph output (`last_hidden_state`), so `slice` and
+    `rotate` leave the stream whole (a graph output reads it). With a head, as published ViTs have (final
+    norm → class token → Linear), the stream is read by norms and linear layers only: it slices.
+    """
     config = ViTConfig(
-        image_size=32,
-        patch_size=8,
+        image_size=image_size,
+        patch_size=patch_size,
         num_channels=3,
-        hidden_size=64,
+        hidden_size=hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        intermediate_size=128,
+        num_attention_heads=heads,
+        intermediate_size=mlp,
     )
-    make_inputs = partial(_image_inputs, 3, 32)
+    config.num_labels = VIT_LABELS  # (transformers 5 types the constructor without the keyword)
+    make_inputs = partial(_image_inputs, 3, image_size)
     norms = 2 * layers + 1
+    final = (
+        "The final one feeds the classification head (the class token, a Gather, then a Linear): its β would "
+        "reach the Linear's bias only through the Gather, which the fold does not follow, so `fold` keeps it."
+        if head
+        else "The final one writes the graph output, so its β has nowhere to go and `fold` keeps it."
+    )
     return ModelEntry(
-        name="vit",
-        summary=f"ViT encoder, pre-LN, {layers} layers, hidden 64, 32x32 images in 8x8 patches",
-        build_torch=partial(_build, lambda: _LastHidden(ViTModel(config, add_pooling_layer=False)), make_inputs, 3),
+        name=name,
+        summary=f"ViT encoder, pre-LN, {layers} layers, hidden {hidden}, {image_size}x{image_size} images in "
+        f"{patch_size}x{patch_size} patches"
+        + (f", class token → Linear to {VIT_LABELS} logits" if head else ", returns last_hidden_state"),
+        build_torch=partial(_build, partial(_vit_module, config, head), make_inputs, seed),
         make_inputs=make_inputs,
         input_names=("pixel_values",),
-        output_names=("last_hidden_state",),
+        output_names=("logits",) if head else ("last_hidden_state",),
         dynamic_shapes=IMAGE_DYNAMIC,
         expected_norms=norms,
         expected_folded=norms,
@@ -312,12 +359,12 @@ def _vit_entry() -> ModelEntry:
         why=(
             "Pre-LN: the residual stream is written only by the patch Conv, the concatenated CLS token, the "
             "position-embedding Add and the attention/MLP output Gemms, all affine maps that can be centred, "
-            "so every LayerNorm folds. The final one writes the graph output, so its β has nowhere to go "
-            "and `fold` keeps it."
+            "so every LayerNorm folds. " + final
         ),
+        large=large,
         ort_model_type="vit",
-        num_heads=4,
-        hidden_size=64,
+        num_heads=heads,
+        hidden_size=hidden,
     )
 
 
@@ -487,35 +534,15 @@ def bert_base_shape(seed: int = 6) -> ModelEntry:
     )
 
 
-def vit_b16_shape(seed: int = 7) -> ModelEntry:
+def vit_b16_shape(seed: int = 7, head: bool = False) -> ModelEntry:
     """ViT-B/16-shaped encoder (224x224 images, 16x16 patches, 12 layers, hidden 768, 86M), seeded.
 
-    For benchmarks only; not in ``REGISTRY`` (call this function).
+    With `head`, `vit-b16-shape-head`: the image classifier (final norm → class token → Linear to 1000
+    logits), whose stream slices; without, the encoder returning `last_hidden_state` (the records of
+    docs/results/ measured this one). For benchmarks only; not in ``REGISTRY`` (call this function).
     """
-    config = ViTConfig(
-        image_size=224,
-        patch_size=16,
-        num_channels=3,
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-    )
-    make_inputs = partial(_image_inputs, 3, 224)
-    return ModelEntry(
-        name="vit-b16-shape",
-        summary="ViT-B/16-shaped encoder, pre-LN, 12 layers, hidden 768, 224x224 images in 16x16 patches",
-        build_torch=partial(_build, lambda: _LastHidden(ViTModel(config, add_pooling_layer=False)), make_inputs, seed),
-        make_inputs=make_inputs,
-        input_names=("pixel_values",),
-        output_names=("last_hidden_state",),
-        dynamic_shapes=IMAGE_DYNAMIC,
-        expected_norms=2 * 12 + 1,
-        expected_folded=2 * 12 + 1,
-        expected_kept=1,
-        why="Pre-LN, as the small `vit` entry: every LayerNorm folds; `fold` keeps the final one.",
-        large=True,
-    )
+    name = "vit-b16-shape-head" if head else "vit-b16-shape"
+    return vit_entry(name, head, 224, 16, 12, 768, 12, 3072, seed=seed, large=True)
 
 
 def opt_125m_shape(n_layer: int = 12) -> ModelEntry:
@@ -531,7 +558,7 @@ REGISTRY: dict[str, ModelEntry] = {
     for entry in (
         gpt2_entry("gpt2"),
         _bert_entry(),
-        _vit_entry(),
+        vit_entry(),
         _llama_entry(),
         _swin_entry(),
         opt_entry("opt"),

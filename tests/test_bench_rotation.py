@@ -3,7 +3,9 @@ that ONNX Runtime's quantizer then leaves exactly those unquantized."""
 
 from __future__ import annotations
 
+import logging
 import pathlib
+import sys
 
 import numpy as np
 import onnx
@@ -58,3 +60,16 @@ def test_fp32_attention_recipe_leaves_the_core_unquantized_and_the_rest_in_int8(
         got = run_ort(quantized_model, feeds)[output]
         error = np.linalg.norm(got - reference[output]) / np.linalg.norm(reference[output])
         assert 0 < error < 0.2, (recipe, error)
+
+
+def test_the_weight_only_quantizer_is_imported_with_the_root_logger_kept(monkeypatch):
+    """ORT's `matmul_nbits_quantizer` calls `logging.basicConfig(level=INFO)` when imported: the root logger
+    would print every library's INFO records after a weight-only recipe ran."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # as in a plain process (pytest adds its own), so basicConfig acts
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    monkeypatch.delitem(sys.modules, "onnxruntime.quantization.matmul_nbits_quantizer", raising=False)
+    quantizer = bench_rotation.nbits_quantizer()
+    assert quantizer.__name__ == "MatMulNBitsQuantizer"
+    assert "onnxruntime.quantization.matmul_nbits_quantizer" in sys.modules  # imported afresh here
+    assert root.level == logging.WARNING and root.handlers == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections import Counter
 
 import fuzzcheck
 import graphgen
@@ -22,6 +23,7 @@ from normpass.core import pca
 from normpass.core.pca import Covariance, eigenbasis, rms_rescale, sliced_width
 from normpass.models import get
 from normpass.models.reference import entry_feeds
+from normpass.models.registry import vit_entry
 from normpass.onnx.slice.cut import Slicer
 
 D, RANK, S, V = 32, 16, 6, 20
@@ -291,6 +293,34 @@ def test_a_post_ln_model_keeps_its_streams_with_the_reasons(registry_export, cap
     assert main(["inspect", str(path), "--slice"]) == 0
     out = capsys.readouterr().out
     assert f"0 of {len(plan.streams)} residual streams sliceable" in out and "left whole: LayerNormalization" in out
+
+
+@pytest.fixture(scope="module")
+def vit_head(tmp_path_factory):
+    """The registry's small ViT with its classification head (`vit_entry(head=True)`), exported once."""
+    entry = vit_entry("vit-head", head=True)
+    return entry, entry.export_onnx(tmp_path_factory.mktemp("vit-head") / "vit-head.onnx")
+
+
+def test_a_vit_with_a_classification_head_slices_and_one_returning_its_final_norm_does_not(
+    vit_head, registry_export, capsys
+):
+    entry, path = vit_head
+    assert main(["inspect", str(path), "--slice"]) == 0
+    assert "1 of 1 residual streams sliceable" in capsys.readouterr().out
+    headless = inspect_slice(onnx.load(str(registry_export("vit"))), name="vit")
+    assert not headless.sliceable and "graph output" in " ".join(headless.reasons.values())
+
+    model = onnx.load(str(path))
+    result = slice_onnx(model, entry_feeds(entry, model, batch=16, seq=1), SliceOptions(ratio=0.25), name="vit")
+    (stream,) = result.slicing.sliceable
+    assert stream.width == 64 and result.chosen is not None and result.chosen.kept[stream.name] == 48
+    shapes = Counter(w.shape for w in initializers(result.model).values() if w.ndim == 2)
+    readers = {(48, 64): 2 * 3, (48, 128): 2, (1000, 48): 1}  # Q_kᵀ·W: Q, K, V, MLP up; the classifier (Gemm, Wᵀ)
+    writers = {(64, 48): 2, (128, 48): 2}  # W·Q_k: attention output, MLP down
+    assert shapes == Counter(readers | writers)  # every linear layer of the stream cut to k, none left d wide
+    assert result.held_out is not None and result.held_out.cos_mean > 0.99
+    check_structure(result.model)
 
 
 # --- the command line ---------------------------------------------------------------------------

@@ -7,9 +7,10 @@ Two steps, so that the GPU machine only times:
     python tools/bench_gpu.py run --cache /tmp/gpu-cache --out OUT --provider cpu --dtypes fp32 --points 1x128
 
 `prepare` builds, per model (`MODELS`: the registry's GPT-2-small shape with 4096 positions, BERT-base
-shape, ViT-B/16 shape; seeded weights) from its TorchScript export (as HF Optimum exports), in fp32 and
-fp16 (ORT's `convert_float_to_float16(keep_io_types=True)` as the last step, as ORT's documentation
-does it):
+shape, ViT-B/16 shape, and ViT-B/16 with its classification head, `vit-b16-shape-head`, whose stream
+slices; seeded weights) from its TorchScript export (as HF Optimum exports), in fp32 and fp16 (ORT's
+`convert_float_to_float16(keep_io_types=True)` as the last step, as ORT's documentation does it), the
+`--variants` asked (all of `VARIANTS` by default; `ort-opt` always):
 
 * `raw`: the export as it is, and `raw-folded`: `normpass fold --provider cuda` of it;
 * `ort-opt`: ORT's transformers optimizer (`optimize_model(model_type, use_gpu=True, opt_level=0)`):
@@ -22,12 +23,24 @@ does it):
   speed only; outputs not checked), then the optimizer: every norm gone, γ carried along the residual
   stream, the residual writers' bias Adds taken into the surrogates' β;
 * `slice-R` (`SLICE_RATIOS`): `normpass slice --ratio R` (one basis per stream, k a multiple of 16) fitted on
-  seeded random inputs (`SLICE_CALIBRATION` batches: speed only, the outputs differ; not checked; accuracy
-  on real weights: `tools/eval_slice.py`), then the optimizer;
+  seeded random inputs (`SLICE_CALIBRATION` batches: speed only — which directions are cut does not change
+  the time; the outputs differ, not checked; accuracy on real weights: `tools/eval_slice.py`), then the
+  optimizer; `opt-slice-R` (only when asked): the optimizer, then the slice — the other order, which fuses
+  no better (docs/benchmarks/slice.md);
 * fp16 only, weight-only 4- and 8-bit (ORT's `MatMulNBitsQuantizer`, block 32, symmetric, the LM head
   kept; `WEIGHT_BITS`): `opt-int4`, `opt-int8w`: `ort-opt` quantized; `rot-opt`: `normpass rotate
   --provider cuda`, then the optimizer; `rot-opt-int4`, `rot-opt-int8w`: that quantized. Seeded weights:
   their errors are recorded, not bounded (speed only; accuracy on real weights: `tools/bench_rotation.py`).
+
+Beside them it writes what ORT's optimizer fused in each variant (`structure.json`: nodes, fused ops,
+MatMul/Gemm) and, for the sliced ones, the multiply-accumulates of the linear layers (constant-weight
+MatMul, Gemm, Conv: what slicing cuts to k/d) and of the attention cores (QKᵀ, PV: kept) at each of the
+model's points, from ORT's symbolic shape inference (`macs.json`): what bounds a sliced model's speed-up. `run`
+copies both into its reports. `prepare --provider cpu` builds the CPU twin (the fold's CPU emission, the
+optimizer without `use_gpu`), timed with `run --provider cpu --dtypes fp32 --threads 1 --clock cpu`.
+`--cpu-dry-run` (both steps) builds the same names from the registry's small models (`SMALL_TWINS`) and
+times them on the CPU at small points: the GPU round tried end to end in about a minute, before a GPU
+session spends its minutes (`tools/gpu_slice_round.sh`).
 
 `run` times them on ORT's CUDA provider (`normpass.onnx.runtime.bench.run_benchmark`: IO binding, interleaved
 rounds, ORT_ENABLE_ALL, outputs checked against `ort-opt` with TF32 off: fp32 at the fp32 tolerance,
@@ -42,12 +55,15 @@ and the full reports beside it (`ort-MODEL.DTYPE.json`, `torch.json`).
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import json
-import logging
+import math
 import pathlib
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -63,7 +79,7 @@ from normpass.onnx.replace.driver import prepare as replace_prepare
 from normpass.onnx.replace.surrogates import export_model
 from normpass.onnx.rotate.driver import RotateOptions, rotate_onnx
 from normpass.onnx.runtime import bench
-from normpass.onnx.runtime.ortopt import OrtOptimizer, optimize
+from normpass.onnx.runtime.ortopt import MS_DOMAIN, OrtOptimizer, optimize
 from normpass.onnx.slice import SliceOptions, slice_onnx
 
 # name → (registry entry factory, points as (batch, seq), fp32 points)
@@ -75,18 +91,35 @@ MODELS = {
     ),
     "bert-base-shape": (registry.bert_base_shape, [(1, 128), (8, 512)], [(8, 512)]),
     "vit-b16-shape": (registry.vit_b16_shape, [(1, 1), (64, 1), (256, 1)], [(64, 1)]),
+    "vit-b16-shape-head": (lambda: registry.vit_b16_shape(head=True), [(1, 1), (64, 1), (256, 1)], [(64, 1)]),
+}
+# `--cpu-dry-run`: the same names built as the registry's small models, timed on the CPU at small points, so the
+# whole GPU round (prepare, then run) is tried here before a GPU session spends its minutes on it
+SMALL_TWINS = {
+    "gpt2-small-shape-4k": (lambda: registry.gpt2_entry("gpt2"), [(1, 16)], [(1, 16)]),
+    "bert-base-shape": (lambda: registry.get("bert"), [(1, 16)], [(1, 16)]),
+    "vit-b16-shape": (lambda: registry.get("vit"), [(2, 1)], [(2, 1)]),
+    "vit-b16-shape-head": (lambda: registry.vit_entry("vit-head", head=True), [(2, 1)], [(2, 1)]),
 }
 SLICE_RATIOS = (0.25,)  # `slice-R` variants: the issue's GPU targets are at R = 0.25
-SLICED = tuple(f"slice-{ratio:g}" for ratio in SLICE_RATIOS)
+SLICED = tuple(f"slice-{ratio:g}" for ratio in SLICE_RATIOS)  # the slice, then the optimizer
+OPT_SLICED = tuple(f"opt-{label}" for label in SLICED)  # the optimizer, then the slice (`--variants`: the order)
 SLICE_CALIBRATION, SLICE_SEQ = 4, 64  # seeded batches of 2×64 tokens (or 2 images) fit the bases, one more judges
 VARIANTS = ("ort-opt", "opt-fold", "fold-opt", "opt-identity", "opt-affine", *SLICED, "raw", "raw-folded")
+BUILT = (*VARIANTS, *OPT_SLICED)  # what `prepare --variants` can build (all of VARIANTS by default)
 WEIGHT_BITS = {"-int4": 4, "-int8w": 8}  # a weight-only variant's label suffix → its `MatMulNBits` bits
 QUANTIZED = ("opt-int4", "rot-opt", "rot-opt-int4", "opt-int8w", "rot-opt-int8w")  # fp16 only
 BASELINES = {
-    "ort-opt": ("opt-fold", "fold-opt", "opt-identity", "opt-affine", *SLICED, *QUANTIZED),
+    "ort-opt": ("opt-fold", "fold-opt", "opt-identity", "opt-affine", *SLICED, *OPT_SLICED, *QUANTIZED),
     "raw": ("raw-folded",),
 }
-UNCHECKED = ("opt-identity", "opt-affine", *SLICED)  # norm-free or sliced: their outputs differ from the original's
+UNCHECKED = (
+    "opt-identity",
+    "opt-affine",
+    *SLICED,
+    *OPT_SLICED,
+)  # norm-free or sliced: their outputs differ from the original's
+MATMULS = ("MatMul", "Gemm")
 FP16_BOUND = 0.05  # relative error of an fp16 variant against the fp16 `ort-opt`
 NBITS_BOUND = 10.0  # a weight-only (`WEIGHT_BITS`) variant's relative error is recorded, not bounded
 
@@ -121,11 +154,12 @@ def norm_free(raw: onnx.ModelProto, name: str) -> onnx.ModelProto:
     return export_model(ctx, prepared.folded, emitter.docs, {})
 
 
-def sliced(raw: onnx.ModelProto, name: str, ratio: float) -> onnx.ModelProto:
-    """`normpass slice --ratio R --provider cuda` of `raw`, its bases fitted on seeded random inputs
-    (`SLICE_CALIBRATION`): the sliced model's shapes, for speed (not its accuracy)."""
+def sliced(raw: onnx.ModelProto, name: str, ratio: float, provider: str = "cuda") -> onnx.ModelProto:
+    """`normpass slice --ratio R --provider PROVIDER` of `raw`, its bases fitted on seeded random inputs
+    (`SLICE_CALIBRATION`): the sliced model's shapes, for speed (which directions are cut does not change
+    the time; accuracy on real weights: `tools/eval_slice.py`)."""
     feeds = [bench.make_feeds(raw, 2, SLICE_SEQ, seed) for seed in range(SLICE_CALIBRATION + 1)]
-    options = SliceOptions(ratio=ratio, provider="cuda", holdout=feeds[-1:], verify=False)
+    options = SliceOptions(ratio=ratio, provider=provider, holdout=feeds[-1:], verify=False)
     result = slice_onnx(raw, feeds[:-1], options, name=name)
     print(
         f"{name}: {len(result.slicing.sliceable)} of {result.slicing.to_json()['total']} streams sliced "
@@ -135,12 +169,64 @@ def sliced(raw: onnx.ModelProto, name: str, ratio: float) -> onnx.ModelProto:
     return result.model
 
 
+def structure(model: onnx.ModelProto) -> dict:
+    """What ORT's optimizer left: the node count, the fused (com.microsoft) ops and the MatMul/Gemm counts."""
+    ops = collections.Counter(n.op_type for n in model.graph.node if n.domain == MS_DOMAIN or n.op_type in MATMULS)
+    return {"nodes": len(model.graph.node), "ops": dict(sorted(ops.items()))}
+
+
+def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` whose linear layers' weights keep their shape and not their values (no shape depends
+    on them): shape inference of a large model without a second copy of its weights."""
+    weights = {node.input[1] for node in model.graph.node if node.op_type in (*MATMULS, "Conv")}
+    copy = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
+    for field in ("node", "input", "output", "value_info"):
+        getattr(copy.graph, field).extend(getattr(model.graph, field))
+    for tensor in model.graph.initializer:
+        if tensor.name in weights:
+            copy.graph.initializer.add(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
+        else:
+            copy.graph.initializer.append(tensor)
+    return copy
+
+
+def linear_macs(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, int]:
+    """Multiply-accumulates of `model` (standard ops: before ORT's optimizer) at one input shape, from ORT's
+    symbolic shape inference: `linear`, the layers with a constant weight (MatMul, Gemm, Conv: what slicing
+    cuts to k/d), and `attention`, the MatMuls of two activations (QKᵀ and PV: the heads' width, which
+    slicing keeps)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    shaped = weightless(model)
+    for value in shaped.graph.input:
+        shape = bench.point_shapes(model, batch, seq)[value.name]
+        for dim, size in zip(value.type.tensor_type.shape.dim, shape, strict=True):
+            dim.dim_value = size
+    shaped = SymbolicShapeInference.infer_shapes(shaped, auto_merge=True)
+    dims = {
+        v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in (*shaped.graph.input, *shaped.graph.value_info, *shaped.graph.output)
+    }
+    weights = {i.name for i in shaped.graph.initializer}
+    found = {"linear": 0, "attention": 0}
+    for node in shaped.graph.node:
+        if node.op_type in (*MATMULS, "Conv"):
+            out = math.prod(dims[node.output[0]])
+            if node.op_type == "Conv":
+                depth = math.prod(next(i.dims for i in shaped.graph.initializer if i.name == node.input[1])[1:])
+            else:
+                trans_a = any(a.name == "transA" and a.i for a in node.attribute)
+                depth = dims[node.input[0]][0 if trans_a else -1]
+            kind = "linear" if weights & set(node.input[:2]) else "attention"
+            found[kind] += out * depth
+    return found
+
+
 def nbits_weights(source: pathlib.Path, out: pathlib.Path, bits: int) -> pathlib.Path:
     """`source` with every constant-weight MatMul but the LM head in `bits` bits (`bench_rotation`'s
     weight-only recipe at `bits`: symmetric, blocks of 32), built afresh."""
     import bench_rotation
 
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     out.unlink(missing_ok=True)  # its source is rebuilt on every `prepare`
     recipe = bench_rotation.Recipe("nbits", bits=bits)
     return bench_rotation.quantize(source, recipe, [], out, bench_rotation.lm_head(source))
@@ -164,30 +250,45 @@ def prepare_quantized(rotated: onnx.ModelProto, root: pathlib.Path) -> dict[str,
     return paths
 
 
-def prepare(name: str, cache: pathlib.Path, quantized: bool) -> dict[str, dict[str, str]]:
-    """Every variant of `name` in fp32 and fp16 (the module docstring), written under `cache/name`."""
+def prepare(
+    name: str, cache: pathlib.Path, quantized: bool, variants: tuple[str, ...] = VARIANTS, provider: str = "cuda"
+) -> dict[str, dict[str, str]]:
+    """`variants` of `name` (the module docstring; `ort-opt` always, the baseline), in fp32 and fp16, written
+    under `cache/name`, with what ORT's optimizer fused in each (`structure.json`) and the linear layers'
+    multiply-accumulates of the sliced models against the original's (`macs.json`). `provider`: the fold's
+    emission and the optimizer's `use_gpu` (cpu: the CPU twin)."""
     entry = MODELS[name][0]()
     root = cache / name
     root.mkdir(parents=True, exist_ok=True)
     export = forms.export_form(entry, root / "export.onnx", "torchscript")
     raw = onnx.load(str(export))
-    settings = OrtOptimizer(entry.ort_model_type, entry.num_heads, entry.hidden_size, use_gpu=True)
-    folded = fold_onnx(raw, FoldOptions(provider="cuda"), name=name)
-    models = {
-        "raw": raw,
-        "raw-folded": folded.model,
-        "ort-opt": optimize(raw, settings)[0],
-        "opt-fold": fold_onnx(raw, FoldOptions(provider="cuda", ort_optimizer=settings), name=name).model,
-        "fold-opt": optimize(folded.model, settings)[0],
-        "opt-identity": optimize(bench_e2e.without_norms(raw), settings)[0],
-        "opt-affine": optimize(norm_free(raw, name), settings)[0],
-    } | {
-        label: optimize(sliced(raw, name, ratio), settings)[0]
-        for label, ratio in zip(SLICED, SLICE_RATIOS, strict=True)
+    settings = OrtOptimizer(entry.ort_model_type, entry.num_heads, entry.hidden_size, use_gpu=provider == "cuda")
+    wanted = dict.fromkeys(("ort-opt", *variants, *(("raw",) if "raw-folded" in variants else ())))
+    folded = functools.cache(lambda: fold_onnx(raw, FoldOptions(provider=provider), name=name))
+    original = functools.cache(lambda: optimize(raw, settings)[0])
+    cuts = functools.cache(lambda ratio: sliced(raw, name, ratio, provider))
+    builders: dict[str, Callable[[], onnx.ModelProto]] = {
+        "raw": lambda: raw,
+        "raw-folded": lambda: folded().model,
+        "ort-opt": original,
+        "opt-fold": lambda: fold_onnx(raw, FoldOptions(provider=provider, ort_optimizer=settings), name=name).model,
+        "fold-opt": lambda: optimize(folded().model, settings)[0],
+        "opt-identity": lambda: optimize(bench_e2e.without_norms(raw), settings)[0],
+        "opt-affine": lambda: optimize(norm_free(raw, name), settings)[0],
+    }
+    for label, ratio in zip(SLICED, SLICE_RATIOS, strict=True):
+        builders[label] = functools.partial(lambda r: optimize(cuts(r), settings)[0], ratio)
+        builders[f"opt-{label}"] = functools.partial(lambda r: sliced(original(), name, r, provider), ratio)
+    models = {label: builders[label]() for label in wanted}
+    sliced_ratios = [r for r in SLICE_RATIOS if any(label.endswith(f"slice-{r:g}") for label in wanted)]
+    macs: dict[tuple[int, int], dict[str, dict[str, int]]] = {
+        (batch, seq): {"original": linear_macs(raw, batch, seq)}
+        | {f"slice-{ratio:g}": linear_macs(cuts(ratio), batch, seq) for ratio in sliced_ratios}
+        for batch, seq in (sorted({*MODELS[name][1], *MODELS[name][2]}) if sliced_ratios else [])
     }
     rotated = rotated_optimized(raw, settings, name) if quantized else None  # before `raw`'s weights move out
     paths: dict[str, dict[str, str]] = {"fp32": {}, "fp16": {}}
-    for label in VARIANTS:
+    for label in wanted:
         half = to_fp16(models[label])  # before the fp32 model is saved: saving moves its weights out
         for dtype, model in (("fp32", models[label]), ("fp16", half)):
             path = root / f"{label}.{dtype}.onnx"
@@ -195,7 +296,18 @@ def prepare(name: str, cache: pathlib.Path, quantized: bool) -> dict[str, dict[s
             paths[dtype][label] = str(path)
     if rotated is not None:
         paths["fp16"] |= prepare_quantized(rotated, root)
-    print(f"{name}: {folded.folded} of {folded.plan.total} norms folded; variants in {root}", flush=True)
+    fused = {label: structure(model) for label, model in models.items()}
+    (root / "structure.json").write_text(json.dumps(fused, indent=1) + "\n")
+    if macs:
+        found = [{"batch": batch, "seq": seq} | counts for (batch, seq), counts in macs.items()]
+        (root / "macs.json").write_text(json.dumps(found, indent=1) + "\n")
+    for label, built in fused.items():
+        print(f"{name} {label}: {built['nodes']} nodes, {built['ops']}", flush=True)
+    for (batch, seq), counts in macs.items():
+        total = {label: sum(kinds.values()) for label, kinds in counts.items()}
+        shares = ", ".join(f"{label} {n / total['original']:.3f}" for label, n in total.items() if label != "original")
+        print(f"{name} {batch}x{seq}: MACs {counts['original']}, sliced/original {shares}", flush=True)
+    print(f"{name}: variants in {root}", flush=True)
     return paths
 
 
@@ -205,6 +317,8 @@ def records(report: dict, device: str, provider: str, name: str, dtype: str) -> 
     for point in report["points"]:
         for baseline, labels in BASELINES.items():
             labels = tuple(label for label in labels if label in point["results"])
+            if baseline not in point["results"] or not labels:  # `prepare --variants` built neither side
+                continue
             times = {label: [t / 1e3 for t in point["results"][label]["runs_ms"]] for label in (baseline, *labels)}
             summary = bench.summarize(times, baseline)
             out.append(
@@ -247,10 +361,12 @@ def run_ort(args: argparse.Namespace, manifest: dict, device: str) -> list[dict]
                     if bounded and label not in UNCHECKED
                     else None,
                 )
-                for label in (*VARIANTS, *QUANTIZED)
+                for label in (*BUILT, *QUANTIZED)
                 if label in paths
             ]
             points = args.points or (MODELS[name][1] if dtype == "fp16" else MODELS[name][2])
+            if all(seq == 1 for _, seq in MODELS[name][1]):  # an image model: `--points 1x128` is batch 1
+                points = sorted({(batch, 1) for batch, _ in points})
             start = time.time()
             report = bench.run_benchmark(
                 candidates,
@@ -259,8 +375,14 @@ def run_ort(args: argparse.Namespace, manifest: dict, device: str) -> list[dict]
                 repeats=args.repeats,
                 warmup=args.warmup,
                 budget_s=args.budget,
+                threads=args.threads,
+                clock=args.clock,
                 progress=False,
             )
+            root = pathlib.Path(paths["ort-opt"]).parent
+            for extra in ("structure", "macs"):  # what `prepare` found: ORT's fusions, the linear layers' MACs
+                if (root / f"{extra}.json").exists():
+                    report[extra] = json.loads((root / f"{extra}.json").read_text())
             if args.ran_ops:
                 report["ran_ops"] = {
                     c.label: bench_e2e.ran_ops(pathlib.Path(c.path), args.provider, 0) for c in candidates
@@ -286,7 +408,7 @@ def run(args: argparse.Namespace) -> None:
     manifest = {name: paths for name, paths in manifest.items() if name in args.models}
     device = (bench.gpu_name() or "unknown GPU") if args.provider == "cuda" else bench.machine()["cpu"]
     found = run_ort(args, manifest, device) if manifest else []
-    machine = bench.machine() | {"device": device}
+    machine = bench.machine() | {"device": device, "threads": args.threads, "clock": args.clock}
     if args.torch:
         import bench_torch
         import torch
@@ -346,6 +468,15 @@ def main() -> None:
     prep.add_argument("--cache", type=pathlib.Path, required=True)
     prep.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     prep.add_argument("--quantized", action="store_true", help="also the fp16 weight-only variants (QUANTIZED)")
+    prep.add_argument(
+        "--variants", nargs="+", choices=BUILT, default=list(VARIANTS), help="only these (and ort-opt, the baseline)"
+    )
+    prep.add_argument(
+        "--provider",
+        choices=tuple(bench.PROVIDERS),
+        default="cuda",
+        help="fold emission, optimizer use_gpu",
+    )
     timing = sub.add_parser("run", help="time the prepared variants (GPU)")
     timing.add_argument("--cache", type=pathlib.Path, required=True)
     timing.add_argument("--out", type=pathlib.Path, required=True)
@@ -358,19 +489,33 @@ def main() -> None:
     timing.add_argument("--repeats", type=int, default=20)
     timing.add_argument("--warmup", type=int, default=3)
     timing.add_argument("--budget", type=float, default=3.0, help="seconds per point: more repeats for short points")
+    timing.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0: ORT's default)")
+    timing.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="cpu: this process's CPU time (a shared machine)"
+    )
     timing.add_argument("--ran-ops", action="store_true", help="also count the ops ORT runs (a session more each)")
     timing.add_argument("--torch", action="store_true", help="also PyTorch eager and compiled (fp16, CUDA)")
     timing.add_argument("--torch-modes", nargs="+", choices=("eager", "compile"), default=["eager", "compile"])
     timing.add_argument(
         "--surrogates", nargs="*", default=[], help="with --torch: replaced-KIND and all-KIND (norm-free) variants"
     )
+    for step in (prep, timing):
+        step.add_argument(
+            "--cpu-dry-run",
+            action="store_true",
+            help="the same models as the registry's small ones (SMALL_TWINS), timed on the CPU at small points",
+        )
     args = parser.parse_args()
+    if args.cpu_dry_run:
+        MODELS.update(SMALL_TWINS)
+        if args.step == "run":
+            args.provider, args.repeats, args.warmup, args.budget = "cpu", min(args.repeats, 3), 1, 0.0
     if args.step == "prepare":
         args.cache.mkdir(parents=True, exist_ok=True)
         manifest_path = args.cache / "manifest.json"
         manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
         for name in args.models:
-            manifest[name] = prepare(name, args.cache, args.quantized)
+            manifest[name] = prepare(name, args.cache, args.quantized, tuple(args.variants), args.provider)
             manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
         (args.cache / "DONE").write_text("\n".join(sorted(manifest)) + "\n")
     else:

@@ -101,7 +101,6 @@ from onnxruntime.quantization import (
     quantize_dynamic,
     quantize_static,
 )
-from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from normpass import models as builtin_models
 from normpass.models import minilm, registry, text, thirdparty
@@ -275,6 +274,21 @@ def recipe_exclusions(path: pathlib.Path, recipe: Recipe) -> list[str]:
     return excluded
 
 
+def nbits_quantizer() -> type:
+    """ORT's `MatMulNBitsQuantizer`, its module imported with the root logger kept as it was: that import
+    calls `logging.basicConfig(level=INFO)`, which would print every library's INFO records (onnx_ir's,
+    with stacks) in whatever process runs a weight-only recipe."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    finally:
+        root.setLevel(level)
+        for added in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(added)
+    return MatMulNBitsQuantizer
+
+
 def quantize(
     source: pathlib.Path,
     method: str | Recipe,
@@ -326,7 +340,7 @@ def quantize(
                     op_types_to_quantize=op_types,
                 )
             else:
-                quantizer = MatMulNBitsQuantizer(
+                quantizer = nbits_quantizer()(
                     onnx.load(str(source)),
                     bits=recipe.bits,
                     block_size=32,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import pathlib
 import sys
 from collections.abc import Callable
@@ -46,10 +45,6 @@ from normpass.onnx.rotate.driver import RotateOptions, rotate_onnx
 from normpass.onnx.runtime import bench
 from normpass.onnx.runtime.ortopt import OrtOptimizer, optimize
 from normpass.onnx.slice import SliceOptions, slice_onnx
-
-# bench_rotation imports ORT's MatMulNBits quantizer, whose import sets the root logger to INFO: keep
-# onnx_ir's INFO records (with stacks) off the console
-logging.getLogger("onnx_ir").setLevel(logging.WARNING)
 
 HIDDEN = 384
 DINOV2_OPTIMIZER = OrtOptimizer("vit", 6, HIDDEN, use_gpu=False)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import logging
 import pathlib
 import sys
 import tempfile
@@ -44,10 +43,6 @@ from normpass.models import thirdparty
 from normpass.models.forms import torchscript_export
 from normpass.onnx.runtime import bench
 from normpass.onnx.slice import SliceOptions, slice_onnx
-
-# bench_rotation imports ORT's MatMulNBits quantizer, whose import sets the root logger to INFO: keep
-# onnx_ir's INFO records (with stacks) off the console
-logging.getLogger("onnx_ir").setLevel(logging.WARNING)
 
 RATIOS = (0.1, 0.2, 0.3, 0.4)
 BASES = ("stream", "layer")
