@@ -266,8 +266,7 @@ def _place(tg: TorchGraph, insertion: Insertion) -> tuple[str, int] | str:
     if module is None:
         return (
             f"the centring it needs on {insertion.tensor} is not at the output of a one-op module called once, "
-            "nor read only by one, where a module rewrite could put it (the ONNX front end and normpass.fold_graph "
-            "insert it)"
+            "nor read only by one (the graph rewrite, normpass.fold_graph, inserts it)"
         )
     return module, insertion.axis - len(tg.zmg.shape(insertion.tensor) or ())
 
