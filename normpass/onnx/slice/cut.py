@@ -132,12 +132,12 @@ class Slicer(Rotator):
         changed = self._new_value(f"{shortcut.tensor}.shortcut", dtype)
         if operand.shape is not None:  # the shortcut acts on the last axis (`driver._pieces`)
             changed.shape = ir.Shape([*list(operand.shape)[:-1], matrix.shape[1]])
-        self.ctx.dtypes[changed.name] = dtype
+        self.ctx.dtypes[name_of(changed)] = dtype
         name = self._unique(f"{shortcut.node}.shortcut")
         self.ctx.graph.insert_before(node, ir.node("MatMul", [operand, weight], outputs=[changed], name=name))
         node.replace_input_with(index, changed)
         self._note(name, f"shortcut from the basis of {shortcut.source} to that of {shortcut.target}")
-        return changed.name
+        return name_of(changed)
 
     def _carried_constants(self, stream: Stream, basis: np.ndarray) -> dict[str, tuple[ir.Node, np.ndarray]]:
         """Per reader (by name): the bias that carries what the cut drops of the constants added after a norm

@@ -424,8 +424,8 @@ def sequential_covariances(
     for piece in _in_graph_order(slicer, pieces):
         stage(f"basis of {piece.name}, on the model cut before it")
         current, _, _, _, renamed = _cut_pieces(folded, name, options, bases, kept)
-        covariance = stream_covariances(current, [piece], batches, options, mask_input, renamed, prune=True)
-        covariance = covariance[piece.name]
+        fitted = stream_covariances(current, [piece], batches, options, mask_input, renamed, prune=True)
+        covariance = fitted[piece.name]
         combine([covariance])
         covariances[piece.name], bases[piece.name] = covariance, eigenbasis(covariance)
     return covariances
