@@ -241,7 +241,8 @@ def test_padding_tokens_are_left_out_of_the_basis():
     options = SliceOptions(ratio=0.5, holdout=feeds)  # all of it fits: every token is counted or not
     result = slice_onnx(model, feeds, options)
     (stream,) = result.slicing.sliceable
-    assert result.tokens[stream.name] == len(stream.norms) * int(mask.sum()) < len(stream.norms) * mask.size
+    counted = sum(result.tokens.values())  # over the pieces of the default basis="layer", each fitted in sequence
+    assert counted == len(stream.norms) * int(mask.sum()) < len(stream.norms) * mask.size
     assert_equivalent(model, result.model, rel_tol=1e-5)  # the rank-k stream still slices exactly
 
 
@@ -250,7 +251,7 @@ def test_a_tied_embedding_and_lm_head_stay_one_tensor_cut_once():
     E·Q_k, one copy, cut once (`test_rotation`'s model: an RMSNorm LM on a [S, D] stream, D = 12)."""
     model = tied_rms_model(rng(7), np.full(12, 0.5, np.float32))  # a uniform γ: no reader absorbs it
     calibration = {"ids": rng(9).integers(0, 10, 48).astype(np.int64)}
-    result = slice_onnx(model, calibration, SliceOptions(ratio=0.5, round_to=2, batch_size=4))
+    result = slice_onnx(model, calibration, SliceOptions(ratio=0.5, round_to=2, basis="stream", batch_size=4))
     (stream,) = result.slicing.sliceable
     assert result.chosen is not None and result.chosen.kept == {stream.name: 6}
     gather, head = producer(result.model, "h0"), producer(result.model, "logits")
@@ -287,7 +288,7 @@ def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
     model, feeds = gpt2
     damage, widths, parameters = [], [], []
     for ratio in (0.25, 0.5, 0.75):
-        result = slice_onnx(model, feeds, SliceOptions(ratio=ratio), name="gpt2")
+        result = slice_onnx(model, feeds, SliceOptions(ratio=ratio, basis="stream"), name="gpt2")
         (stream,) = result.slicing.sliceable
         kept = result.chosen.kept[stream.name]
         widths.append(kept)
@@ -335,13 +336,20 @@ def test_basis_layer_fits_after_the_earlier_cuts_and_loses_no_accuracy_by_it(gpt
     assert sequential.held_out.cos_mean >= unsliced.held_out.cos_mean
 
 
-def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch):
+@pytest.mark.parametrize(
+    "basis, refusal",
+    [
+        ("stream", r"sliced at ratio 0\.5 does not run"),  # when judged
+        ("layer", r"sliced before node_layer_norm_\w+, to fit its basis, does not run"),  # a later piece's fit
+    ],
+)
+def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch, basis, refusal):
     """The exporter's `view`s of the stream build their target shape as Concat(Shape…, [64]): without
     naming k there the sliced model does not run, which is refused in one line, nothing written."""
     model, feeds = gpt2
     monkeypatch.setattr(Slicer, "_retarget", lambda self, *args: None)
-    with pytest.raises(UnsupportedModelError, match=r"sliced at ratio 0\.5 does not run") as refused:
-        slice_onnx(model, feeds, SliceOptions(ratio=0.5), name="gpt2")
+    with pytest.raises(UnsupportedModelError, match=refusal) as refused:
+        slice_onnx(model, feeds, SliceOptions(ratio=0.5, basis=basis), name="gpt2")
     assert "\n" not in str(refused.value)
 
 
@@ -382,7 +390,8 @@ def test_cli_slice_writes_the_model_and_the_report(files, capsys):
         == 0
     )
     printed = capsys.readouterr().out
-    assert "1 of 1 residual streams sliced at ratio 0.5 (32 → 16; " in printed and "held out (8 samples)" in printed
+    assert "1 of 1 residual streams sliced at ratio 0.5 (32 → 16, 2 bases and 1 shortcuts; " in printed  # the default
+    assert "held out (8 samples)" in printed
     data = json.loads(report.read_text())
     assert data["output"] == str(out) and data["slice"]["streams"][0]["kept"] == RANK
     assert data["slice"]["held_out"]["cos_min"] > 0.9999

@@ -72,7 +72,7 @@ class SliceOptions:
 
     ratio: float = 0.25  # R: k = (1 − R)·d columns kept per stream
     round_to: int = DEFAULT_ROUND_TO  # k a multiple of this (`core/pca.sliced_width`)
-    basis: str = "stream"  # one principal basis per proven stream; "layer": one per norm, with shortcuts
+    basis: str = "layer"  # one principal basis per norm, with shortcuts (SliceGPT's); "stream": one per stream
     budget: Budget | str | None = None  # e.g. "cos=0.99"; None: judged and reported, never refused
     write_best: bool = False  # on a miss, write the largest ratio of the ladder that meets the budget
     split: tuple[float, float] = (0.75, 0.25)  # fitting, held out (with `holdout`: all fits)
@@ -201,7 +201,7 @@ class SliceResult(FoldResult):
     tried: list[Trial] = field(default_factory=list)
     requested_ratio: float = 0.0
     budget: Budget | None = None
-    basis: str = "stream"
+    basis: str = "layer"
 
     @property
     def ratio(self) -> float:
@@ -424,7 +424,15 @@ def sequential_covariances(
     for piece in _in_graph_order(slicer, pieces):
         stage(f"basis of {piece.name}, on the model cut before it")
         current, _, _, _, renamed = _cut_pieces(folded, name, options, bases, kept)
-        fitted = stream_covariances(current, [piece], batches, options, mask_input, renamed, prune=True)
+        try:
+            fitted = stream_covariances(current, [piece], batches, options, mask_input, renamed, prune=True)
+        except InputError as e:  # the unsliced model ran on this data (the first piece): the cut is at fault
+            if not bases:
+                raise
+            raise UnsupportedModelError(
+                f"{name}: the model sliced before {piece.name}, to fit its basis, does not run; nothing written; "
+                f"slicing missed something this model computes from the hidden size: report it ({e})"
+            ) from e
         covariance = fitted[piece.name]
         combine([covariance])
         covariances[piece.name], bases[piece.name] = covariance, eigenbasis(covariance)
