@@ -44,7 +44,7 @@ def test_slice_without_torch_calibrates_in_one_process(tmp_path):
     argv = ["slice", str(model), "-o", str(out), "--calib", "synthetic", "--samples", "8", "--ratio", "0.5"]
     run = without_torch(CLI, *argv, "--round-to", "4", "--input-shape", "input_ids:1x8")
     assert run.returncode == 0, run.stderr
-    assert "1 of 1 residual streams sliced at ratio 0.5 (16 → 8; " in run.stdout and out.exists()
+    assert "1 of 1 residual streams sliced at ratio 0.5 (16 → 8, " in run.stdout and out.exists()  # then bases
 
 
 def test_the_torch_api_without_torch_is_one_line_naming_the_extra():

@@ -24,6 +24,7 @@ from normpass.core.pca import Covariance, eigenbasis, rms_rescale, sliced_width
 from normpass.models import get
 from normpass.models.reference import entry_feeds
 from normpass.models.registry import vit_entry
+from normpass.onnx.slice import driver
 from normpass.onnx.slice.cut import Slicer
 
 D, RANK, S, V = 32, 16, 6, 20
@@ -198,6 +199,41 @@ def test_a_beta_kept_after_the_final_norm_reaches_a_biasless_head_as_its_bias(mo
         assert_equivalent(model, dropped, rel_tol=1e-3)
 
 
+def _unit_projector(tokens: np.ndarray, k: int) -> np.ndarray:
+    """Q_k·Q_kᵀ of the first k principal directions of the unit-length rows of `tokens` (float64)."""
+    rows = tokens.reshape(-1, tokens.shape[-1])
+    units = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+    vectors = np.linalg.eigh(units.T @ units)[1][:, ::-1][:, :k]
+    return vectors @ vectors.T
+
+
+def test_layer_bases_are_fitted_in_sequence_on_the_model_cut_before_them():
+    """SliceGPT's sequential fit, computed by hand in NumPy on the block of `low_rank_model` (D = 32, the fold
+    bakes each writer's mean in): the first piece's basis Q₁ comes from the embedding e; the second piece's
+    from the sum the model cut to Q₁,k gives the final norm, h = e·Q₁,k·Q₁,kᵀ + MLP(the sliced norm of e),
+    not from the unsliced model's e + MLP(norm of e)."""
+    model = low_rank_model(rng(5))
+    feeds, k, epsilon = ids(6, 16), 8, 0.5
+    result = slice_onnx(model, feeds, SliceOptions(ratio=0.75, round_to=k, basis="layer", holdout=feeds))
+    (stream,) = result.slicing.sliceable
+    first, second = (result.bases[p].vectors[:, :k] for p in result.pieces[stream.name])
+    w = {name: values.astype(np.float64) for name, values in initializers(model).items()}
+    emb = w["table"][feeds["ids"]]
+    emb -= emb.mean(-1, keepdims=True)
+    assert np.allclose(first @ first.T, _unit_projector(emb, k), atol=1e-5)
+
+    def stream_at_the_final_norm(projector: np.ndarray) -> np.ndarray:
+        seen = emb @ projector  # what the first norm reads: all of e, or its part in Q₁,k
+        normed = seen / np.sqrt((seen**2).mean(-1, keepdims=True) + epsilon)
+        branch = np.maximum((normed * w["g1"] + w["b1"]) @ w["w1"] + w["c1"], 0) @ w["w2"]
+        return seen + branch - branch.mean(-1, keepdims=True)
+
+    sequential = _unit_projector(stream_at_the_final_norm(first @ first.T), k)
+    one_pass = _unit_projector(stream_at_the_final_norm(np.eye(D)), k)
+    assert np.allclose(second @ second.T, sequential, atol=1e-4)
+    assert np.abs(sequential - one_pass).max() > 1e-2  # the two fits differ here: the test can tell them apart
+
+
 def test_padding_tokens_are_left_out_of_the_basis():
     model = low_rank_model(rng(13), mask=True)
     feeds = ids(14, 16)
@@ -207,7 +243,8 @@ def test_padding_tokens_are_left_out_of_the_basis():
     options = SliceOptions(ratio=0.5, holdout=feeds)  # all of it fits: every token is counted or not
     result = slice_onnx(model, feeds, options)
     (stream,) = result.slicing.sliceable
-    assert result.tokens[stream.name] == len(stream.norms) * int(mask.sum()) < len(stream.norms) * mask.size
+    counted = sum(result.tokens.values())  # over the pieces of the default basis="layer", each fitted in sequence
+    assert counted == len(stream.norms) * int(mask.sum()) < len(stream.norms) * mask.size
     assert_equivalent(model, result.model, rel_tol=1e-5)  # the rank-k stream still slices exactly
 
 
@@ -216,7 +253,7 @@ def test_a_tied_embedding_and_lm_head_stay_one_tensor_cut_once():
     E·Q_k, one copy, cut once (`test_rotation`'s model: an RMSNorm LM on a [S, D] stream, D = 12)."""
     model = tied_rms_model(rng(7), np.full(12, 0.5, np.float32))  # a uniform γ: no reader absorbs it
     calibration = {"ids": rng(9).integers(0, 10, 48).astype(np.int64)}
-    result = slice_onnx(model, calibration, SliceOptions(ratio=0.5, round_to=2, batch_size=4))
+    result = slice_onnx(model, calibration, SliceOptions(ratio=0.5, round_to=2, basis="stream", batch_size=4))
     (stream,) = result.slicing.sliceable
     assert result.chosen is not None and result.chosen.kept == {stream.name: 6}
     gather, head = producer(result.model, "h0"), producer(result.model, "logits")
@@ -253,7 +290,7 @@ def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
     model, feeds = gpt2
     damage, widths, parameters = [], [], []
     for ratio in (0.25, 0.5, 0.75):
-        result = slice_onnx(model, feeds, SliceOptions(ratio=ratio), name="gpt2")
+        result = slice_onnx(model, feeds, SliceOptions(ratio=ratio, basis="stream"), name="gpt2")
         (stream,) = result.slicing.sliceable
         kept = result.chosen.kept[stream.name]
         widths.append(kept)
@@ -274,13 +311,47 @@ def test_error_grows_with_the_ratio_and_the_layers_have_k_columns(gpt2):
     assert result.parameters > parameters[0] > parameters[1] > parameters[2]
 
 
-def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch):
+def test_basis_layer_fits_after_the_earlier_cuts_and_loses_no_accuracy_by_it(gpt2, monkeypatch):
+    """On the seeded GPT-2 (2 blocks, 5 pieces): the first piece's basis is the one-pass basis (nothing is cut
+    before it), every later one differs from it, and the held-out error is not larger than the one-pass fit's."""
+    model, feeds = gpt2
+    options = SliceOptions(ratio=0.5, basis="layer")
+    sequential = slice_onnx(model, feeds, options, name="gpt2")
+
+    def one_pass(folded, name, options, slicer, pieces, kept, batches, mask_input):
+        every_piece = [piece for found in pieces.values() for piece in found]
+        return driver.stream_covariances(slicer, every_piece, batches, options, mask_input)
+
+    monkeypatch.setattr(driver, "sequential_covariances", one_pass)
+    unsliced = slice_onnx(model, feeds, options, name="gpt2")
+    (pieces,) = sequential.pieces.values()
+    k = next(iter(sequential.chosen.kept.values()))
+
+    def projector(result, piece):
+        columns = result.bases[piece].vectors[:, :k]
+        return columns @ columns.T
+
+    gaps = [np.abs(projector(sequential, p) - projector(unsliced, p)).max() for p in pieces]
+    assert gaps[0] < 1e-6 and min(gaps[1:]) > 1e-3, gaps
+    assert sequential.held_out is not None and unsliced.held_out is not None
+    assert sequential.held_out.cos_min >= unsliced.held_out.cos_min  # 0.99862 against 0.99854 when written
+    assert sequential.held_out.cos_mean >= unsliced.held_out.cos_mean
+
+
+@pytest.mark.parametrize(
+    "basis, refusal",
+    [
+        ("stream", r"sliced at ratio 0\.5 does not run"),  # when judged
+        ("layer", r"sliced before node_layer_norm_\w+, to fit its basis, does not run"),  # a later piece's fit
+    ],
+)
+def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch, basis, refusal):
     """The exporter's `view`s of the stream build their target shape as Concat(Shape…, [64]): without
     naming k there the sliced model does not run, which is refused in one line, nothing written."""
     model, feeds = gpt2
     monkeypatch.setattr(Slicer, "_retarget", lambda self, *args: None)
-    with pytest.raises(UnsupportedModelError, match=r"sliced at ratio 0\.5 does not run") as refused:
-        slice_onnx(model, feeds, SliceOptions(ratio=0.5), name="gpt2")
+    with pytest.raises(UnsupportedModelError, match=refusal) as refused:
+        slice_onnx(model, feeds, SliceOptions(ratio=0.5, basis=basis), name="gpt2")
     assert "\n" not in str(refused.value)
 
 
@@ -349,7 +420,8 @@ def test_cli_slice_writes_the_model_and_the_report(files, capsys):
         == 0
     )
     printed = capsys.readouterr().out
-    assert "1 of 1 residual streams sliced at ratio 0.5 (32 → 16; " in printed and "held out (8 samples)" in printed
+    assert "1 of 1 residual streams sliced at ratio 0.5 (32 → 16, 2 bases and 1 shortcuts; " in printed  # the default
+    assert "held out (8 samples)" in printed
     data = json.loads(report.read_text())
     assert data["output"] == str(out) and data["slice"]["streams"][0]["kept"] == RANK
     assert data["slice"]["held_out"]["cos_min"] > 0.9999
@@ -434,20 +506,21 @@ def test_cli_slice_refuses_bad_input_with_one_line_and_exit_2(files, capsys, ext
 # --- calibration over several processes ---------------------------------------------------------
 
 
-def _bases_in_one_process_of_two(rank: int, port: int, model: bytes, shards: list, out: str) -> None:
+def _bases_in_one_process_of_two(rank: int, port: int, model: bytes, shards: list, out: str, basis: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        options = SliceOptions(ratio=0.25, holdout=shards[rank], verify=False)
+        options = SliceOptions(ratio=0.5, basis=basis, holdout=shards[rank], verify=False)
         result = slice_onnx(onnx.ModelProto.FromString(model), shards[rank], options)
-        (name,) = result.bases
-        np.savez(f"{out}/{rank}.npz", vectors=result.bases[name].vectors, values=result.bases[name].values)
+        found = {f"{kind}:{p}": getattr(b, kind) for p, b in result.bases.items() for kind in ("vectors", "values")}
+        np.savez(f"{out}/{rank}.npz", **found)
     finally:
         dist.destroy_process_group()
 
 
-def test_two_processes_combine_their_covariances_into_the_basis_of_one(tmp_path):
+@pytest.mark.parametrize("basis", ["stream", "layer"])  # layer (k < d): each piece's sum combined before the next
+def test_two_processes_combine_their_covariances_into_the_basis_of_one(tmp_path, basis):
     torch_mp = pytest.importorskip("torch.multiprocessing")
     model = low_rank_model(rng(8))
     noisy = onnx.ModelProto.FromString(model.SerializeToString())  # full rank: a basis with 32 distinct values
@@ -459,17 +532,23 @@ def test_two_processes_combine_their_covariances_into_the_basis_of_one(tmp_path)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     torch_mp.spawn(
-        _bases_in_one_process_of_two, (port, noisy.SerializeToString(), shards, str(tmp_path)), nprocs=2, join=True
+        _bases_in_one_process_of_two,
+        (port, noisy.SerializeToString(), shards, str(tmp_path), basis),
+        nprocs=2,
+        join=True,
     )
     both = {name: np.concatenate([s[name] for s in shards]) for name in shards[0]}
-    alone = slice_onnx(noisy, both, SliceOptions(ratio=0.25, holdout=both, verify=False))
-    (basis,) = alone.bases.values()
+    alone = slice_onnx(noisy, both, SliceOptions(ratio=0.5, basis=basis, holdout=both, verify=False))
+    assert len(alone.bases) == (2 if basis == "layer" else 1)
     for rank in (0, 1):
         got = np.load(tmp_path / f"{rank}.npz")
-        assert np.allclose(got["values"], basis.values, rtol=1e-10)
-        assert np.allclose(got["vectors"], basis.vectors, atol=1e-8)
-    lone = slice_onnx(noisy, shards[0], SliceOptions(ratio=0.25, holdout=shards[0], verify=False))
-    assert not np.allclose(next(iter(lone.bases.values())).values, basis.values)  # one shard alone differs
+        for piece, expected in alone.bases.items():
+            assert np.allclose(got[f"values:{piece}"], expected.values, rtol=1e-10)
+            defined = expected.values > 1e-9 * expected.values[0]  # a null space has no particular basis
+            assert np.allclose(got[f"vectors:{piece}"][:, defined], expected.vectors[:, defined], atol=1e-8)
+    lone = slice_onnx(noisy, shards[0], SliceOptions(ratio=0.5, basis=basis, holdout=shards[0], verify=False))
+    first = next(iter(alone.bases))
+    assert not np.allclose(lone.bases[first].values, alone.bases[first].values)  # one shard alone differs
 
 
 def test_without_a_process_group_combine_leaves_the_sums_and_never_imports_torch(monkeypatch):

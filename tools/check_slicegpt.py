@@ -152,6 +152,7 @@ def slicegpt_half(repo: pathlib.Path, workdir: pathlib.Path) -> None:
             ("layer", False, pca_calc),
             ("layer-head", True, pca_calc),
             ("layer-unit", False, unit_pca_calc),
+            ("layer-unit-head", True, unit_pca_calc),
         ):
             rotate.pca_calc = pca
             adapter = fused()
@@ -243,6 +244,8 @@ SLICEGPT_VARIANTS = {
     "raw stream of the already sliced layers, shortcut matrices, the LM head's input not sliced",
     "layer-head": "the same with do_slice_head=True: the LM head's input sliced too",
     "layer-unit": "SliceGPT as published, its pca_calc given unit-length tokens (normpass's choice), not raw ones",
+    "layer-unit-head": "SliceGPT's sequential slicing with normpass's two choices: unit-length tokens and the LM "
+    "head's input sliced (do_slice_head=True): what basis='layer' computes",
     "stream-raw": "SliceGPT's rotate_*/slice_* steps with one basis for the whole stream: pca_calc of the raw "
     "tokens at every norm of the unsliced model; the LM head's input sliced",
     "stream-unit": "the same from unit-length tokens: normpass's basis='stream', computed in PyTorch on the HF "

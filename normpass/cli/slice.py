@@ -55,9 +55,10 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--basis",
         choices=BASES,
-        default="stream",
-        help="stream: one principal basis per residual stream (default; no op added); layer: one per norm, with a "
-        "k×k shortcut MatMul on the residual path between them (SliceGPT's)",
+        default="layer",
+        help="layer: one principal basis per norm, fitted in sequence on the model cut before it, with a k×k "
+        "shortcut MatMul on the residual path between them (default; SliceGPT's); stream: one per residual "
+        "stream (no op added, one calibration pass)",
     )
     add_data_arguments(
         parser, required=True, more_data=", or 'synthetic' (seeded random inputs, for demos and tests only)"

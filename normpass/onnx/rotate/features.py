@@ -51,7 +51,8 @@ def captured(
     if not names:  # the data is read and checked all the same: a file the user names must be one
         return
     wanted = sorted(set(names))
-    for name in wanted:
+    outputs = {output.name for output in proto.graph.output}
+    for name in (n for n in wanted if n not in outputs):  # a graph pruned to what is wanted has them already
         dtype = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(ctx.dtypes[name]))
         proto.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype, None))
     runner = Runner(proto)

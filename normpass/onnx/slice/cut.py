@@ -120,20 +120,24 @@ class Slicer(Rotator):
             )
         self._note(name_of(eps_node), f"normalizes {kept} of {width} columns: γ·√(d/k), ε·{factor:.4g}")
 
-    def add_shortcut(self, shortcut: Shortcut, matrix: np.ndarray) -> None:
+    def add_shortcut(self, shortcut: Shortcut, matrix: np.ndarray) -> str:
         """Change the basis of the operand of a residual sum that comes from another piece (`core/layers.py`):
-        one inserted MatMul by the k×k `matrix` Q_a,kᵀ·Q_b,k on that edge."""
+        one inserted MatMul by the k_a×k_b `matrix` Q_a,kᵀ·Q_b,k on that edge (k_b = d and Q_b = I where the
+        target piece is left whole). Returns the name of the tensor the sum now reads."""
         node = self.zmg.nodes[shortcut.node].ref
         index = next(i for i, v in enumerate(node.inputs) if v is not None and v.name == shortcut.tensor)
         operand = node.inputs[index]
         dtype = self._dtype(operand)
         weight = new_initializer(self.ctx.graph, self._unique(f"{shortcut.tensor}.shortcut"), matrix.astype(dtype))
         changed = self._new_value(f"{shortcut.tensor}.shortcut", dtype)
-        changed.shape = operand.shape
+        if operand.shape is not None:  # the shortcut acts on the last axis (`driver._pieces`)
+            changed.shape = ir.Shape([*list(operand.shape)[:-1], matrix.shape[1]])
+        self.ctx.dtypes[name_of(changed)] = dtype
         name = self._unique(f"{shortcut.node}.shortcut")
         self.ctx.graph.insert_before(node, ir.node("MatMul", [operand, weight], outputs=[changed], name=name))
         node.replace_input_with(index, changed)
         self._note(name, f"shortcut from the basis of {shortcut.source} to that of {shortcut.target}")
+        return name_of(changed)
 
     def _carried_constants(self, stream: Stream, basis: np.ndarray) -> dict[str, tuple[ir.Node, np.ndarray]]:
         """Per reader (by name): the bias that carries what the cut drops of the constants added after a norm

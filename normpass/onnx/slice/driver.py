@@ -14,7 +14,11 @@
    summed across processes when a `torch.distributed` group is initialized; its eigenvectors, descending.
    `basis="stream"`: one basis per stream, so no change of basis is needed between its layers; `"layer"`:
    one per piece of the stream an RMS op reads (`core/layers.py`: per norm, as SliceGPT), a k×k shortcut
-   Q_a,kᵀ·Q_b,k on each residual edge between two pieces.
+   Q_a,kᵀ·Q_b,k on each residual edge between two pieces, and each piece fitted in graph order on the
+   model whose earlier pieces are already cut (`sequential_covariances`, SliceGPT's sequential fit: one
+   calibration pass per piece, each through the model only as far as that piece; at k = d the cuts are
+   rotations, so one pass on the unsliced model gives the same bases). The bases of `"layer"` depend on k:
+   they are fitted again for every ratio tried.
 4. **Cut** (`cut.py`): k = (1 − R)·d rounded to a multiple of `round_to`; writers W·Q_k, readers
    Q_kᵀ·W, the RMS ops over k columns with γ·√(d/k) and ε·d/k.
 5. **Judge** on the held-out part against the original (`core/budget.compare`): with a `budget`, a model
@@ -50,6 +54,7 @@ from ...io import in_memory_proto
 from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
+from ..graph.frontend import graph_values
 from ..graphsurgeon import from_graphsurgeon
 from ..replace.driver import Runner, input_spec, load, opened, reference_runner, refuse_scalar_inputs
 from ..rotate.driver import RotateOptions, plan_streams
@@ -67,7 +72,7 @@ class SliceOptions:
 
     ratio: float = 0.25  # R: k = (1 − R)·d columns kept per stream
     round_to: int = DEFAULT_ROUND_TO  # k a multiple of this (`core/pca.sliced_width`)
-    basis: str = "stream"  # one principal basis per proven stream; "layer": one per norm, with shortcuts
+    basis: str = "layer"  # one principal basis per norm, with shortcuts (SliceGPT's); "stream": one per stream
     budget: Budget | str | None = None  # e.g. "cos=0.99"; None: judged and reported, never refused
     write_best: bool = False  # on a miss, write the largest ratio of the ladder that meets the budget
     split: tuple[float, float] = (0.75, 0.25)  # fitting, held out (with `holdout`: all fits)
@@ -196,7 +201,7 @@ class SliceResult(FoldResult):
     tried: list[Trial] = field(default_factory=list)
     requested_ratio: float = 0.0
     budget: Budget | None = None
-    basis: str = "stream"
+    basis: str = "layer"
 
     @property
     def ratio(self) -> float:
@@ -278,15 +283,29 @@ def _read_tensors(slicer: Slicer, stream: Stream) -> list[tuple[str, list[str], 
 
 
 def stream_covariances(
-    slicer: Slicer, streams: list[Stream], batches: list[Batch], options: SliceOptions, mask_input: str | None
+    slicer: Slicer,
+    streams: list[Stream],
+    batches: list[Batch],
+    options: SliceOptions,
+    mask_input: str | None,
+    renamed: dict[str, str] | None = None,
+    prune: bool = False,
 ) -> dict[str, Covariance]:
-    """Σ uᵀu per stream over the unit-length tokens where its RMS ops read it (`core/pca.py`), streamed."""
-    reads = {s.name: _read_tensors(slicer, s) for s in streams}
+    """Σ uᵀu per stream over the unit-length tokens where its RMS ops read it (`core/pca.py`), streamed;
+    `renamed`: the tensor a norm now reads in place of one of the folded graph (a shortcut's output);
+    `prune`: the slicer's graph is cut down to what computes those tensors (`_outputs_only`) before it runs."""
+    renamed = renamed or {}
+    reads = {
+        s.name: [(axis, [renamed.get(t, t) for t in tensors], bias) for axis, tensors, bias in _read_tensors(slicer, s)]
+        for s in streams
+    }
     axes = {name: slicer.zmg.norm_by_name(name).axis for s in streams for name in s.norms}
     wanted = [t for entries in reads.values() for _, tensors, _ in entries for t in tensors]
     covariances = {s.name: Covariance(s.width or 0) for s in streams}
     if not streams:
         return covariances
+    if prune:
+        _outputs_only(slicer, wanted)
     data = CalibData(options.batch_size, options.tokenizer, options.max_length)
     for batch, values in captured(slicer.ctx, wanted, batches, data):
         mask = batch.get(mask_input) if mask_input else None
@@ -325,23 +344,37 @@ def _pieces(slicer: Slicer, plan: SlicePlan, basis: str) -> tuple[dict[str, list
     return pieces, shortcuts
 
 
+def _cut_pieces(
+    folded: FoldResult, name: str, options: SliceOptions, bases: dict[str, Basis], kept: dict[str, int]
+) -> tuple[Slicer, SlicePlan, dict[str, list[Stream]], list[Shortcut], dict[str, str]]:
+    """A `Slicer` over a fresh copy of the folded model in which every piece with a basis in `bases` is cut
+    to the first `kept[its stream]` principal directions, and every shortcut between pieces is inserted; a
+    piece without a basis stays whole (Q = I, d columns: a shortcut into it maps back to the stream's own
+    coordinates). With the plan, the pieces, the shortcuts, and the tensor each shortcut's sum now reads."""
+    slicer, plan = _plan(folded, name)
+    pieces, shortcuts = _pieces(slicer, plan, options.basis)
+    columns: dict[str, np.ndarray] = {}  # piece → Q_k; a piece left whole: I
+    for stream, found in pieces.items():
+        for piece in found:
+            whole = np.eye(piece.width or 0)
+            columns[piece.name] = bases[piece.name].vectors[:, : kept[stream]] if piece.name in bases else whole
+            if piece.name in bases:
+                slicer.cut_stream(piece, columns[piece.name], piece.name)
+    renamed = {}
+    for shortcut in shortcuts:
+        if shortcut.source in bases or shortcut.target in bases:  # between two whole pieces: the identity
+            matrix = columns[shortcut.source].T @ columns[shortcut.target]
+            renamed[shortcut.tensor] = slicer.add_shortcut(shortcut, matrix)
+    RemoveUnusedNodesPass()(slicer.ctx.model)
+    slicer.ctx.graph.sort()
+    return slicer, plan, pieces, shortcuts, renamed
+
+
 def _cut(
     folded: FoldResult, name: str, options: SliceOptions, bases: dict[str, Basis], kept: dict[str, int]
 ) -> ir.Model:
     """The folded model with each stream of `kept` cut to its first `kept[stream]` principal directions."""
-    slicer, plan = _plan(folded, name)
-    pieces, shortcuts = _pieces(slicer, plan, options.basis)
-    width = {}
-    for stream, found in pieces.items():
-        for piece in found:
-            width[piece.name] = kept[stream]
-            slicer.cut_stream(piece, bases[piece.name].vectors[:, : kept[stream]], piece.name)
-    for shortcut in shortcuts:
-        source = bases[shortcut.source].vectors[:, : width[shortcut.source]]
-        target = bases[shortcut.target].vectors[:, : width[shortcut.target]]
-        slicer.add_shortcut(shortcut, source.T @ target)
-    RemoveUnusedNodesPass()(slicer.ctx.model)
-    slicer.ctx.graph.sort()
+    slicer, plan, pieces, shortcuts, _ = _cut_pieces(folded, name, options, bases, kept)
     widths = "; ".join(f"{s.name}: {s.width} → {kept[s.name]}" for s in plan.sliceable)
     metadata = {
         "normpass.version": __version__,
@@ -349,6 +382,61 @@ def _cut(
         f"{sum(len(p) for p in pieces.values())} bases, {len(shortcuts)} shortcuts",
     }
     return export_model(slicer.ctx.model, slicer.docs, metadata)
+
+
+def _in_graph_order(slicer: Slicer, pieces: dict[str, list[Stream]]) -> list[Stream]:
+    """Every piece, in the order of its first norm in the (topologically sorted) folded graph."""
+    position = {id(node): i for i, node in enumerate(slicer.ctx.graph)}
+
+    def first(piece: Stream) -> int:
+        return min(position[id(node)] for norm in piece.norms for node in slicer.zmg.norm_by_name(norm).ref.nodes)
+
+    return sorted((piece for found in pieces.values() for piece in found), key=first)
+
+
+def _outputs_only(slicer: Slicer, tensors: list[str]) -> None:
+    """Make `tensors` the graph's only outputs and drop every node they do not need (a calibration run of the
+    model up to where a piece is read, not of all of it; constants read from the graph are gone after it)."""
+    graph = slicer.ctx.graph
+    values = {value.name: value for value in graph_values(graph)}
+    graph.outputs.clear()
+    graph.outputs.extend(values[t] for t in sorted(set(tensors)))
+    RemoveUnusedNodesPass()(slicer.ctx.model)
+
+
+def sequential_covariances(
+    folded: FoldResult,
+    name: str,
+    options: SliceOptions,
+    slicer: Slicer,
+    pieces: dict[str, list[Stream]],
+    kept: dict[str, int],
+    batches: list[Batch],
+    mask_input: str | None,
+) -> dict[str, Covariance]:
+    """SliceGPT's sequential fit (`rotate.py`, `rotate_and_slice_sequential`): piece by piece in graph
+    order, each piece's Σ uᵀu taken on the model whose earlier pieces are already cut to `kept` columns with
+    their shortcuts (the piece itself and the later ones whole), so that each basis fits the signal the
+    sliced model will give it. One calibration pass per piece; each sum is combined across processes before
+    its basis cuts the next pass's model."""
+    covariances: dict[str, Covariance] = {}
+    bases: dict[str, Basis] = {}
+    for piece in _in_graph_order(slicer, pieces):
+        stage(f"basis of {piece.name}, on the model cut before it")
+        current, _, _, _, renamed = _cut_pieces(folded, name, options, bases, kept)
+        try:
+            fitted = stream_covariances(current, [piece], batches, options, mask_input, renamed, prune=True)
+        except InputError as e:  # the unsliced model ran on this data (the first piece): the cut is at fault
+            if not bases:
+                raise
+            raise UnsupportedModelError(
+                f"{name}: the model sliced before {piece.name}, to fit its basis, does not run; nothing written; "
+                f"slicing missed something this model computes from the hidden size: report it ({e})"
+            ) from e
+        covariance = fitted[piece.name]
+        combine([covariance])
+        covariances[piece.name], bases[piece.name] = covariance, eigenbasis(covariance)
+    return covariances
 
 
 def _parameters(model: ir.Model) -> int:
@@ -386,12 +474,10 @@ def slice_onnx(
     mask_input = find_mask_input(input_spec(original), options.mask_input)
     pieces, shortcuts = _pieces(slicer, plan, options.basis)
     every_piece = [piece for found in pieces.values() for piece in found]
-    covariances = stream_covariances(slicer, every_piece, fit, options, mask_input)
-    combine(list(covariances.values()))
-    bases = {stream: eigenbasis(covariance) for stream, covariance in covariances.items()}
+    one_pass: dict[str, Covariance] = {}  # on the unsliced model: the bases of `basis="stream"`, and of any at k = d
     seconds["bases"] = time.perf_counter() - start
+    seconds["judge"] = 0.0
 
-    start = time.perf_counter()
     masks = [b.get(mask_input) if mask_input else None for b in held]
     with reference_runner(source, original) as reference:
         references = [reference.run(b) for b in held]
@@ -402,6 +488,17 @@ def slice_onnx(
         kept = {s.name: sliced_width(s.width or 0, ratio, options.round_to) for s in plan.sliceable}
         if tried and kept == tried[-1].kept:
             continue
+        start = time.perf_counter()
+        if options.basis == "layer" and any(kept[s.name] < (s.width or 0) for s in plan.sliceable):
+            covariances = sequential_covariances(folded, name, options, slicer, pieces, kept, fit, mask_input)
+        else:  # one basis per stream, or k = d: every earlier cut is a rotation and changes no piece's signal
+            if not one_pass:
+                one_pass = stream_covariances(slicer, every_piece, fit, options, mask_input)
+                combine(list(one_pass.values()))
+            covariances = one_pass
+        bases = {piece: eigenbasis(covariance) for piece, covariance in covariances.items()}
+        seconds["bases"] += time.perf_counter() - start
+        start = time.perf_counter()
         stage(f"slicing at ratio {ratio:g} and judging it on the held-out data")
         cut = _cut(folded, name, options, bases, kept)
         candidate = Runner(in_memory_proto(cut))
@@ -415,10 +512,10 @@ def slice_onnx(
         metrics = compare(references, outputs, masks)
         met = None if budget is None else budget.holds(metrics)
         tried.append(Trial(ratio, kept, metrics, met, _parameters(cut)))
+        seconds["judge"] += time.perf_counter() - start
         if tried[-1].budget_met is not False:
             chosen = tried[-1]
             break
-    seconds["judge"] = time.perf_counter() - start
     assert cut is not None  # the ladder has one ratio at least
     result = SliceResult(
         cut,
