@@ -383,7 +383,9 @@ def test_a_vit_with_a_classification_head_slices_and_one_returning_its_final_nor
     assert not headless.sliceable and "graph output" in " ".join(headless.reasons.values())
 
     model = onnx.load(str(path))
-    result = slice_onnx(model, entry_feeds(entry, model, batch=16, seq=1), SliceOptions(ratio=0.25), name="vit")
+    result = slice_onnx(
+        model, entry_feeds(entry, model, batch=16, seq=1), SliceOptions(ratio=0.25, basis="stream"), name="vit"
+    )
     (stream,) = result.slicing.sliceable
     assert stream.width == 64 and result.chosen is not None and result.chosen.kept[stream.name] == 48
     shapes = Counter(w.shape for w in initializers(result.model).values() if w.ndim == 2)

@@ -159,7 +159,7 @@ def sliced(raw: onnx.ModelProto, name: str, ratio: float, provider: str = "cuda"
     (`SLICE_CALIBRATION`): the sliced model's shapes, for speed (which directions are cut does not change
     the time; accuracy on real weights: `tools/eval_slice.py`)."""
     feeds = [bench.make_feeds(raw, 2, SLICE_SEQ, seed) for seed in range(SLICE_CALIBRATION + 1)]
-    options = SliceOptions(ratio=ratio, provider=provider, holdout=feeds[-1:], verify=False)
+    options = SliceOptions(ratio=ratio, basis="stream", provider=provider, holdout=feeds[-1:], verify=False)
     result = slice_onnx(raw, feeds[:-1], options, name=name)
     print(
         f"{name}: {len(result.slicing.sliceable)} of {result.slicing.to_json()['total']} streams sliced "
