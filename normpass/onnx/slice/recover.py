@@ -90,12 +90,11 @@ def linear_layers(model: ir.Model) -> dict[str, Linear]:
         data, weight = input_at(node, 0), input_at(node, 1)
         if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or not node.name:
             continue
-        if data is None or is_initializer(data) or not is_initializer(weight) or weight.const_value is None:
-            continue
-        if len(weight.const_value.shape) != 2:
+        const = weight.const_value if weight is not None and is_initializer(weight) else None
+        if data is None or is_initializer(data) or const is None or len(const.shape) != 2:
             continue
         transposed = node.op_type == "Gemm" and bool(attr(node, "transB", 0))
-        width = weight.const_value.shape[0 if transposed else 1]
+        width = const.numpy().shape[0 if transposed else 1]
         if node.op_type == "Gemm" and not _plain_gemm(node, width):
             continue
         bias, output = _bias(node, width)
@@ -248,7 +247,7 @@ def _equations(
 def _values(model: ir.Model, values: list[ir.Value], batches: list[Batch]) -> Iterator[list[np.ndarray]]:
     """`values` of `model` on each batch: ONNX Runtime on a copy whose outputs are those values alone (the
     nodes nothing of them needs are dropped)."""
-    names = [v.name for v in values]
+    names = [v.name or "" for v in values]
     copy = ir.from_proto(in_memory_proto(model))
     by_name = {v.name: v for node in copy.graph for v in node.outputs} | {v.name: v for v in copy.graph.inputs}
     copy.graph.outputs.clear()
