@@ -42,7 +42,6 @@ from ...core.budget import Budget, Metrics, compare
 from ...core.layers import Shortcut, layer_pieces
 from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis, sliced_width
 from ...core.progress import stage
-from ...core.refit import DEFAULT_RIDGE
 from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
@@ -88,7 +87,7 @@ class SliceOptions:
     input_shapes: dict = field(default_factory=dict)  # of the verification inputs (and of synthetic data)
     seed: int = 0  # of the split and of the verification inputs
     recover: float = 0.0  # seconds of recovery (`recover.py`: layer-wise refit on the fitting data) per ratio; 0: none
-    recover_ridge: float = DEFAULT_RIDGE  # its pull towards the cut's weights (`core/refit.py`)
+    recover_ridge: float | None = None  # its pull towards the cut (`core/refit.py`); None: validated per layer
 
     def checked(self) -> Budget | None:
         """The budget, parsed; bad options refused (`InputError`) before any model is read."""
@@ -103,10 +102,9 @@ class SliceOptions:
             )
         if not (isinstance(self.recover, (int, float)) and 0 <= self.recover < math.inf):
             raise InputError(f"recover {self.recover}: give the seconds recovery may take (0: no recovery)")
-        if not (isinstance(self.recover_ridge, (int, float)) and 0 < self.recover_ridge < math.inf):
-            raise InputError(
-                f"recover_ridge {self.recover_ridge}: give a positive number ({DEFAULT_RIDGE:g} by default)"
-            )
+        ridge = self.recover_ridge
+        if ridge is not None and not (isinstance(ridge, (int, float)) and 0 < ridge < math.inf):
+            raise InputError(f"recover_ridge {ridge}: give a positive number, or None to choose it per layer")
         if len(self.split) != 2 or min(self.split) < 0 or (self.holdout is None and min(self.split) <= 0):
             raise InputError(f"split {tuple(self.split)}: give two positive fractions FIT,HELD_OUT, e.g. 0.75,0.25")
         budget = (

@@ -6,7 +6,8 @@ layer the cut changed (a `MatMul` or `Gemm` with a constant 2-D weight whose sha
 stream's readers — QKV, fc1, a head — its writers — attention output, fc2 — and `--basis layer`'s shortcuts)
 so that, on the calibration fitting split, its output on the *sliced* model's actual input matches what
 the *unsliced* model computes there (`core/refit.py`: ridge least squares towards the cut's weights, biases
-included, streamed normal equations in float64):
+included, streamed normal equations in float64, λ chosen per layer by two-fold validation on the
+calibration data itself, the cut kept where it validates best):
 
 * **The target** is read from the same cut at full width, k = d: the folded model rotated into the same
   principal bases, exact (what slicing verifies at R = 0), with the same layers by name. A reader's
@@ -135,9 +136,10 @@ class Recovery:
     many calibration tokens; and the held-out figures before and after it."""
 
     limit_s: float
-    ridge: float
+    ridge: float | None  # a fixed λ (`core/refit.py`), or None: chosen per layer
     layers: list[str]  # the linear layers the cut changed, in topological order
     refit: list[str] = field(default_factory=list)
+    ridges: dict[str, float | None] = field(default_factory=dict)  # per layer refit, its λ; None: the cut kept
     seconds: float = 0.0
     tokens: int = 0  # calibration tokens (rows) each refit layer was fitted on
     held_out_before: Metrics | None = None
@@ -147,9 +149,17 @@ class Recovery:
     def complete(self) -> bool:
         return len(self.refit) == len(self.layers)
 
+    @property
+    def kept(self) -> int:
+        """Layers visited whose cut weights validated better than any refit."""
+        return sum(r is None for r in self.ridges.values())
+
     def describe(self) -> str:
         stop = "" if self.complete else f", stopped by the time limit of {self.limit_s:g} s"
-        return f"recovery refit {len(self.refit)} of {len(self.layers)} linear layers in {self.seconds:.1f} s{stop}"
+        kept = f" ({self.kept} kept as cut: it validated best)" if self.kept else ""
+        return (
+            f"recovery refit {len(self.refit)} of {len(self.layers)} linear layers{kept} in {self.seconds:.1f} s{stop}"
+        )
 
     def to_json(self) -> dict:
         return {
@@ -158,6 +168,8 @@ class Recovery:
             "layers": len(self.layers),
             "refit": len(self.refit),
             "refit_layers": list(self.refit),
+            "kept_as_cut": self.kept,
+            "ridges": dict(self.ridges),
             "complete": self.complete,
             "seconds": round(self.seconds, 3),
             "tokens": self.tokens,
@@ -172,7 +184,7 @@ def recover(
     batches: list[Batch],
     mask_input: str | None,
     seconds: float,
-    ridge: float,
+    ridge: float | None,
 ) -> Recovery:
     """Refit, in place, the linear layers of `sliced` whose weights' shapes differ from `reference`'s (the
     same cut at full width), group by group in topological order, until `seconds` are spent (the module
@@ -196,8 +208,13 @@ def recover(
         equations = _equations(layers, [theirs[name] for name in group], sliced, reference, batches, mask_input)
         combine(equations)
         for layer, eq in zip(layers, equations, strict=True):
-            weight, bias = eq.solve(layer.weight(), layer.bias_values(), ridge)
-            _write(sliced.graph, layer, weight, bias)
+            if ridge is None:
+                weight, bias, chosen = eq.refit(layer.weight(), layer.bias_values())
+            else:
+                (weight, bias), chosen = eq.solve(layer.weight(), layer.bias_values(), ridge), ridge
+            recovery.ridges[layer.name] = chosen
+            if chosen is not None:
+                _write(sliced.graph, layer, weight, bias)
         recovery.refit += group
         recovery.tokens = equations[0].rows
     RemoveUnusedNodesPass()(sliced)
@@ -230,17 +247,24 @@ def _equations(
     mask_input: str | None,
 ) -> list[NormalEquations]:
     """Each layer's normal equations: its input on `sliced`, the output of its twin on `reference` (the
-    first columns, as many as the layer writes), token by token (padding excluded), one batch at a time."""
+    first columns, as many as the layer writes), token by token (padding excluded), one batch at a time;
+    the batches alternate between the two folds (the halves of its rows where there is one batch)."""
     equations = [
         NormalEquations(w.shape[0], w.shape[1], layer.bias is not None)
         for layer, w in ((x, x.weight()) for x in layers)
     ]
     inputs = _values(sliced, [layer.input for layer in layers], batches)
     outputs = _values(reference, [layer.output for layer in targets], batches)
-    for batch, got, wanted in zip(batches, inputs, outputs, strict=True):
+    for index, (batch, got, wanted) in enumerate(zip(batches, inputs, outputs, strict=True)):
         mask = batch.get(mask_input) if mask_input else None
         for eq, x, y in zip(equations, got, wanted, strict=True):
-            eq.add(token_rows(x, mask), token_rows(y, mask)[:, : eq.outputs])
+            rows, target = token_rows(x, mask), token_rows(y, mask)[:, : eq.outputs]
+            if len(batches) > 1:
+                eq.add(rows, target, index % 2)
+                continue
+            half = len(rows) // 2
+            eq.add(rows[:half], target[:half], 0)
+            eq.add(rows[half:], target[half:], 1)
     return equations
 
 
