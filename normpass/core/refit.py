@@ -85,7 +85,7 @@ class NormalEquations:
         start = self._augmented(weight, bias)
         if not all(self.counts):  # one fold only: nothing to validate on, the cut stays
             return weight, bias, None
-        errors = {None: sum(self._error(start, fold) for fold in (0, 1))}
+        errors: dict[float | None, float] = {None: sum(self._error(start, fold) for fold in (0, 1))}
         for ridge in RIDGES:
             errors[ridge] = sum(
                 self._error(_ridge_solution(self.grams[1 - f], self.crosses[1 - f], start, ridge), f) for f in (0, 1)
