@@ -181,6 +181,7 @@ def evaluate(name: str, args: argparse.Namespace, cache: pathlib.Path, results: 
                     "top1_agree": after.top1,
                     "layers_refit": len(recovery.refit),
                     "layers": len(recovery.layers),
+                    "kept_as_cut": recovery.kept,
                     "limit_s": recovery.limit_s,
                     "ridge": recovery.ridge,
                     "recover_s": round(recovery.seconds, 1),
