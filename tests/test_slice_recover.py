@@ -12,7 +12,7 @@ from conftest import build, check_structure, randn, rng
 from test_patterns import header
 from test_slice import files  # noqa: F401  (a fixture)
 
-from normpass import SliceOptions, slice_onnx
+from normpass import BudgetMissed, SliceOptions, slice_onnx
 from normpass.cli.main import main
 from normpass.core.refit import NormalEquations
 from normpass.models import get
@@ -102,6 +102,15 @@ def test_recovery_lowers_the_held_out_error_of_a_sliced_model(gpt2, basis, ridge
     assert set(report["ridges"]) == set(recovery.refit) and (ridge is None or set(report["ridges"].values()) == {ridge})
     assert report["tokens"] == 48 * 16  # the fitting split's tokens: 48 of the 64 sequences of 16
     check_structure(result.model)
+
+
+def test_the_budget_judges_the_recovered_model(gpt2):
+    """cos = 0.9987 lies between the cut's worst held-out sample (0.99868) and the recovered one's (0.99873)."""
+    model, feeds = gpt2
+    with pytest.raises(BudgetMissed):
+        slice_onnx(model, feeds, SliceOptions(ratio=0.5, budget="cos=0.9987"), name="gpt2")
+    result = slice_onnx(model, feeds, SliceOptions(ratio=0.5, budget="cos=0.9987", recover=600), name="gpt2")
+    assert result.chosen.budget_met and result.chosen.recovery.held_out_before.cos_min < 0.9987
 
 
 def test_the_time_limit_stops_recovery_and_the_report_says_so(gpt2):
