@@ -6,7 +6,9 @@ calibration inputs only; the sliced model is then judged against the original on
 share nothing with them, as `normpass slice --budget` judges (`core.budget.compare`): per held-out sample
 (an image, a sequence), the cosine of its output with the original's (min, mean) and the relative error
 max |y − y₀| / max |y₀| (mean, max); for IgLM also the share of positions whose top-1 token is unchanged.
-No recovery (distillation) is applied.
+With `--recover SECONDS`, each point is also recovered (`slice --recover`: the cut layers refit by least
+squares on the calibration inputs alone) and judged on the same held-out inputs: both sides are recorded,
+`cosine_*`/`relative_error_*` without recovery and `recovered` with it, with the time it took.
 
 Models (real weights, nothing downloaded):
 
@@ -126,22 +128,29 @@ MODELS = {"dinov2": dinov2, "iglm": iglm}
 # --- judging --------------------------------------------------------------------------------------
 
 
-def evaluate(name: str, args: argparse.Namespace, cache: pathlib.Path) -> dict:
+def evaluate(name: str, args: argparse.Namespace, cache: pathlib.Path, results: list[dict], save) -> None:
     """Every (basis, ratio) of `args` on model `name`: `slice_onnx` fits its bases on the calibration inputs
     alone and judges the sliced model on the held-out ones (`holdout`; no budget, so nothing is decided on
     them) as `--budget` judges (`core.budget.compare`): per held-out sample, the cosine of the output with
-    the original's and its relative error max |y − y₀| / max |y₀|."""
+    the original's and its relative error max |y − y₀| / max |y₀|. The model's entry joins `results`, and
+    `save()` is called after each point (a long run keeps what it measured)."""
     path, calibration, judged, described = MODELS[name](args.per_photo if name == "dinov2" else args.sequences, cache)
     original = onnx.load(str(path))
-    points = []
+    points: list[dict] = []
+    results.append({"model": name, **described, "points": points})
     for basis in args.bases:
         for ratio in args.ratios:
             start = time.perf_counter()
-            options = SliceOptions(ratio=ratio, basis=basis, holdout=judged, provider="cpu", verify=False)
+            options = SliceOptions(
+                ratio=ratio, basis=basis, holdout=judged, provider="cpu", verify=False, recover=args.recover
+            )
             result = slice_onnx(original, calibration, options, name=name)
             seconds = time.perf_counter() - start
-            held, chosen, streams = result.held_out, result.chosen, result.slice_report()["streams"]
-            assert held is not None and chosen is not None and held.rel_samples is not None  # no budget: judged
+            chosen, streams = result.chosen, result.slice_report()["streams"]
+            assert chosen is not None  # no budget: judged
+            recovery = chosen.recovery
+            held = chosen.held_out if recovery is None else recovery.held_out_before
+            assert held is not None and held.rel_samples is not None
             found = {
                 "basis": basis,
                 "ratio": ratio,
@@ -156,14 +165,37 @@ def evaluate(name: str, args: argparse.Namespace, cache: pathlib.Path) -> dict:
                 "samples": held.samples,
                 "slice_s": round(seconds, 1),
             }
+            if recovery is not None:
+                after = chosen.held_out
+                assert after.rel_samples is not None
+                found["recovered"] = {
+                    "cosine_min": after.cos_min,
+                    "cosine_mean": after.cos_mean,
+                    "relative_error_mean": float(np.mean(after.rel_samples)),
+                    "relative_error_max": after.rel_max,
+                    "top1_agree": after.top1,
+                    "layers_refit": len(recovery.refit),
+                    "layers": len(recovery.layers),
+                    "kept_as_cut": recovery.kept,
+                    "limit_s": recovery.limit_s,
+                    "ridge": recovery.ridge,
+                    "recover_s": round(recovery.seconds, 1),
+                    "tokens": recovery.tokens,
+                }
+                print(
+                    f"{name} {basis:<6} R={ratio:.2f} recovered ({len(recovery.refit)}/{len(recovery.layers)} layers, "
+                    f"{recovery.seconds:.0f} s): cos min {after.cos_min:.4f} mean {after.cos_mean:.4f}, rel err mean "
+                    f"{found['recovered']['relative_error_mean']:.4f} max {after.rel_max:.4f}",
+                    flush=True,
+                )
             points.append(found)
+            save()
             print(
                 f"{name} {basis:<6} R={ratio:.2f} k={chosen.kept}: cos min {held.cos_min:.4f} mean "
                 f"{held.cos_mean:.4f}, rel err mean {found['relative_error_mean']:.4f} max {held.rel_max:.4f} "
                 f"({seconds:.0f} s)",
                 flush=True,
             )
-    return {"model": name, **described, "points": points}
 
 
 def main() -> None:
@@ -173,17 +205,29 @@ def main() -> None:
     parser.add_argument("--bases", nargs="+", choices=BASES, default=list(BASES))
     parser.add_argument("--per-photo", type=int, default=3, help="DINOv2-S: crops per photograph")
     parser.add_argument("--sequences", type=int, default=24, help="IgLM: sequences to calibrate, and as many to judge")
+    parser.add_argument(
+        "--recover", type=float, default=0.0, metavar="SECONDS", help="also recover each point for up to SECONDS"
+    )
     parser.add_argument("--cache", type=pathlib.Path, help="keep exports here (default: a temp dir)")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
+    results: list[dict] = []
+    report = {
+        "machine": bench.machine() | {"load": "shared 2-vCPU machine, 7 developers"},
+        "command": "python tools/eval_slice.py " + " ".join(sys.argv[1:]),
+        "results": results,
+    }
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory() as temporary:
         cache = args.cache or pathlib.Path(temporary)
         cache.mkdir(parents=True, exist_ok=True)
-        results = [evaluate(name, args, cache) for name in args.models]
-    report = {"machine": bench.machine() | {"load": "shared 2-vCPU machine, 8 developers"}, "results": results}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        for name in args.models:
+            evaluate(name, args, cache, results, save)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""`normpass slice MODEL -o OUT --calib DATA --ratio R [--budget cos=V] [--write-best] [--report R.json]`:
-fold, cut every provable residual stream to its principal subspace (SliceGPT), judge on held-out data, write.
+"""`normpass slice MODEL -o OUT --calib DATA --ratio R [--recover SECONDS] [--budget cos=V] [--write-best]
+[--report R.json]`: fold, cut every provable residual stream to its principal subspace (SliceGPT), refit the
+cut layers on the calibration data for up to SECONDS (recovery), judge on held-out data, write.
 
 Exit 1 and nothing written when the budget is missed (the report is written either way); `--write-best`
 writes the largest ratio of R, R − 0.05, … that meets it instead. At R = 0 the result is verified against
@@ -60,6 +61,13 @@ def add_parser(sub) -> None:
         "shortcut MatMul on the residual path between them (default; SliceGPT's); stream: one per residual "
         "stream (no op added, one calibration pass)",
     )
+    parser.add_argument(
+        "--recover",
+        default="0",
+        metavar="SECONDS",
+        help="after the cut, refit each linear layer it changed, in order, by least squares on the fitting data so "
+        "that it reproduces the unsliced model's output there, for up to SECONDS per ratio tried (default 0: none)",
+    )
     add_data_arguments(
         parser, required=True, more_data=", or 'synthetic' (seeded random inputs, for demos and tests only)"
     )
@@ -94,6 +102,13 @@ def _split(text: str) -> tuple[float, float]:
     return fit, held
 
 
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise InputError(f"--recover {text!r}: give the seconds recovery may take, e.g. 300 (0: none)") from None
+
+
 def summary(label: str, result: SliceResult, out) -> list[str]:
     """The lines `slice` prints: what was cut, the held-out figures, then each stream left whole, with why."""
     report = result.slice_report()
@@ -111,6 +126,12 @@ def summary(label: str, result: SliceResult, out) -> list[str]:
     sliced = "" if result.chosen is None else f"; {result.chosen.parameters} of {result.parameters} parameters"
     bases = sum(len(p) for p in result.pieces.values())
     layers = f", {bases} bases and {result.shortcuts} shortcuts" if result.basis == "layer" else ""
+    recovery = None if result.chosen is None else result.chosen.recovery
+    if recovery is not None:
+        figures += f"; {recovery.describe()}"
+        before = recovery.held_out_before
+        if before is not None:
+            figures += f" (held out before it: cos min {before.cos_min:.6f}, mean {before.cos_mean:.6f})"
     lines = [
         f"{label}: {len(result.slicing.sliceable)} of {len(result.slicing.streams)} residual streams sliced at "
         f"ratio {result.ratio:g}{' (' + widths + layers + sliced + ')' if widths else ''}{check}{figures}{budget}; "
@@ -140,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         ratio=args.ratio,
         round_to=args.round_to,
         basis=args.basis,
+        recover=_seconds(args.recover),
         budget=",".join(args.budget) if args.budget else None,
         write_best=args.write_best,
         split=_split(args.split),

@@ -82,17 +82,23 @@ def eigenbasis(covariance: Covariance) -> Basis:
 def combine(covariances: list[Covariance]) -> None:
     """Sum each accumulator over the processes of the default `torch.distributed` group, in place (every
     process must pass accumulators of the same widths, in the same order); nothing without a group."""
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
-        return
-    import torch
-
     for covariance in covariances:
-        flat = torch.from_numpy(np.append(covariance.sum.ravel(), float(covariance.tokens)))
-        distributed.all_reduce(flat)
-        summed = flat.numpy()
+        summed = summed_over_processes(np.append(covariance.sum.ravel(), float(covariance.tokens)))
         covariance.sum = summed[:-1].reshape(covariance.width, covariance.width).copy()
         covariance.tokens = round(summed[-1])
+
+
+def summed_over_processes(values: np.ndarray) -> np.ndarray:
+    """`values` (float64) summed over the processes of the default `torch.distributed` group (an
+    all-reduce; every process passes an array of the same size); `values` itself without a group."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return values
+    import torch
+
+    flat = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+    distributed.all_reduce(flat)
+    return flat.numpy()
 
 
 def sliced_width(width: int, ratio: float, round_to: int = DEFAULT_ROUND_TO) -> int:

@@ -61,6 +61,7 @@ from ..rotate.driver import RotateOptions, plan_streams
 from ..rotate.features import CalibData, captured
 from ..runtime.verify import check_input_shapes
 from .cut import Slicer, slice_refusal
+from .recover import Recovery, recover
 
 BASES = ("stream", "layer")  # one basis per stream; one per layer with shortcuts between them (SliceGPT's)
 LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last ratio above 0
@@ -90,6 +91,8 @@ class SliceOptions:
     verify: bool = True  # at R = 0: verified against the original (at R > 0 the budget judges)
     input_shapes: dict = field(default_factory=dict)  # of the verification inputs (and of synthetic data)
     seed: int = 0  # of the split and of the verification inputs
+    recover: float = 0.0  # seconds of recovery (`recover.py`: layer-wise refit on the fitting data) per ratio; 0: none
+    recover_ridge: float | None = None  # its pull towards the cut (`core/refit.py`); None: validated per layer
 
     def checked(self) -> Budget | None:
         """The budget, parsed; bad options refused (`InputError`) before any model is read."""
@@ -102,6 +105,11 @@ class SliceOptions:
                 f"basis {self.basis!r}: choose 'stream' (one per residual stream) or 'layer' (one per norm, "
                 "with k×k shortcuts on the residual path, as SliceGPT)"
             )
+        if not (isinstance(self.recover, (int, float)) and 0 <= self.recover < math.inf):
+            raise InputError(f"recover {self.recover}: give the seconds recovery may take (0: no recovery)")
+        ridge = self.recover_ridge
+        if ridge is not None and not (isinstance(ridge, (int, float)) and 0 < ridge < math.inf):
+            raise InputError(f"recover_ridge {ridge}: give a positive number, or None to choose it per layer")
         if len(self.split) != 2 or min(self.split) < 0 or (self.holdout is None and min(self.split) <= 0):
             raise InputError(f"split {tuple(self.split)}: give two positive fractions FIT,HELD_OUT, e.g. 0.75,0.25")
         budget = (
@@ -174,6 +182,7 @@ class Trial:
     held_out: Metrics
     budget_met: bool | None  # None: no budget
     parameters: int  # elements of the sliced model's constants
+    recovery: Recovery | None = None  # what recovery did before `held_out` was measured; None: not applied
 
     def to_json(self) -> dict:
         return {
@@ -182,6 +191,7 @@ class Trial:
             "held_out": self.held_out.to_json(),
             "budget_met": self.budget_met,
             "parameters": self.parameters,
+            "recovery": None if self.recovery is None else self.recovery.to_json(),
         }
 
 
@@ -233,6 +243,7 @@ class SliceResult(FoldResult):
             "wrote_fallback": self.chosen is not None and self.ratio != self.requested_ratio,
             "verification": VERIFIED_EXACT if exact or not kept else VERIFIED_BY_BUDGET,
             "held_out": None if self.held_out is None else self.held_out.to_json(),
+            "recovery": None if self.chosen is None or self.chosen.recovery is None else self.chosen.recovery.to_json(),
             "parameters": {
                 "original": self.parameters,
                 "sliced": None if self.chosen is None else self.chosen.parameters,
@@ -484,6 +495,18 @@ def slice_onnx(
     output_names = [o.name for o in original.graph.output]
     tried: list[Trial] = []
     cut, chosen = None, None
+
+    def judged(model: ir.Model, ratio: float) -> Metrics:
+        candidate = Runner(in_memory_proto(model))
+        try:
+            outputs = [candidate.run(b, output_names) for b in held]
+        except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
+            raise UnsupportedModelError(
+                f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
+                "written; slicing missed something this model computes from the hidden size: report it"
+            ) from e
+        return compare(references, outputs, masks)
+
     for ratio in options.ladder():
         kept = {s.name: sliced_width(s.width or 0, ratio, options.round_to) for s in plan.sliceable}
         if tried and kept == tried[-1].kept:
@@ -501,17 +524,16 @@ def slice_onnx(
         start = time.perf_counter()
         stage(f"slicing at ratio {ratio:g} and judging it on the held-out data")
         cut = _cut(folded, name, options, bases, kept)
-        candidate = Runner(in_memory_proto(cut))
-        try:
-            outputs = [candidate.run(b, output_names) for b in held]
-        except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
-            raise UnsupportedModelError(
-                f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
-                "written; slicing missed something this model computes from the hidden size: report it"
-            ) from e
-        metrics = compare(references, outputs, masks)
+        metrics = judged(cut, ratio)
+        recovery = None
+        if options.recover and any(kept[s.name] < (s.width or 0) for s in plan.sliceable):
+            # the same bases at full width: exact, the refit's target (per ratio: the layer bases change with k)
+            reference_cut = _cut(folded, name, options, bases, {s.name: s.width or 0 for s in plan.sliceable})
+            recovery = recover(cut, reference_cut, fit, mask_input, options.recover, options.recover_ridge)
+            recovery.held_out_before, metrics = metrics, judged(cut, ratio)
+            recovery.held_out_after = metrics
         met = None if budget is None else budget.holds(metrics)
-        tried.append(Trial(ratio, kept, metrics, met, _parameters(cut)))
+        tried.append(Trial(ratio, kept, metrics, met, _parameters(cut), recovery))
         seconds["judge"] += time.perf_counter() - start
         if tried[-1].budget_met is not False:
             chosen = tried[-1]
