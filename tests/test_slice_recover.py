@@ -80,8 +80,11 @@ def gpt2(registry_model):
     return model, entry_feeds(get("gpt2"), model, batch=64, seq=16)  # 48 fit, 16 held out
 
 
-@pytest.mark.parametrize("basis, ridge", [("stream", None), ("stream", 1e-3), ("layer", 1e-3)])
-def test_recovery_lowers_the_held_out_error_of_a_sliced_model(gpt2, basis, ridge):
+# the share of 1 − cos mean that recovery leaves, at most: measured 0.93 (stream, λ validated), 0.87 (stream,
+# 10⁻³); 0.92 (layer, 10⁻³) with the one-pass layer fit, 0.98 with the sequential one, whose bases already
+# follow the cut (held-out rel max 0.098 → 0.095)
+@pytest.mark.parametrize("basis, ridge, left", [("stream", None, 0.95), ("stream", 1e-3, 0.95), ("layer", 1e-3, 0.99)])
+def test_recovery_lowers_the_held_out_error_of_a_sliced_model(gpt2, basis, ridge, left):
     model, feeds = gpt2
     plain = slice_onnx(model, feeds, SliceOptions(ratio=0.5, basis=basis), name="gpt2")
     options = SliceOptions(ratio=0.5, basis=basis, recover=600, recover_ridge=ridge)
@@ -93,8 +96,7 @@ def test_recovery_lowers_the_held_out_error_of_a_sliced_model(gpt2, basis, ridge
     assert recovery.held_out_before == plain.held_out  # the same cut before recovery
     before, after = recovery.held_out_before, result.held_out
     assert after is recovery.held_out_after and after.samples == before.samples
-    # measured: 0.93 (stream, λ validated), 0.87 (stream, 10⁻³), 0.92 (layer, 10⁻³)
-    assert 1 - after.cos_mean < 0.95 * (1 - before.cos_mean), (before, after)
+    assert 1 - after.cos_mean < left * (1 - before.cos_mean), (before, after)
     assert after.cos_min > before.cos_min and after.rel_max < before.rel_max
     assert result.chosen.parameters == plain.chosen.parameters  # refit in place: same shapes, no tensor kept twice
     report = result.report()["slice"]["recovery"]
@@ -108,14 +110,16 @@ def test_the_budget_judges_the_recovered_model(gpt2):
     """cos = 0.9987 lies between the cut's worst held-out sample (0.99868) and the recovered one's (0.99873)."""
     model, feeds = gpt2
     with pytest.raises(BudgetMissed):
-        slice_onnx(model, feeds, SliceOptions(ratio=0.5, budget="cos=0.9987"), name="gpt2")
-    result = slice_onnx(model, feeds, SliceOptions(ratio=0.5, budget="cos=0.9987", recover=600), name="gpt2")
+        slice_onnx(model, feeds, SliceOptions(ratio=0.5, basis="stream", budget="cos=0.9987"), name="gpt2")
+    result = slice_onnx(
+        model, feeds, SliceOptions(ratio=0.5, basis="stream", budget="cos=0.9987", recover=600), name="gpt2"
+    )
     assert result.chosen.budget_met and result.chosen.recovery.held_out_before.cos_min < 0.9987
 
 
 def test_the_time_limit_stops_recovery_and_the_report_says_so(gpt2):
     model, feeds = gpt2
-    result = slice_onnx(model, feeds, SliceOptions(ratio=0.5, recover=1e-9), name="gpt2")
+    result = slice_onnx(model, feeds, SliceOptions(ratio=0.5, basis="stream", recover=1e-9), name="gpt2")
     recovery = result.chosen.recovery
     assert recovery is not None and recovery.refit == [] and not recovery.complete and recovery.layers
     assert result.held_out == recovery.held_out_before  # nothing refit: the cut as it was
@@ -162,7 +166,18 @@ agraph (float[2, 4] x) => (float[2, 3] y) {{
 def test_cli_recover_refits_and_reports(files, capsys):  # noqa: F811
     tmp, _, calib = files
     out, report = tmp / "out.onnx", tmp / "report.json"
-    argv = ["slice", str(tmp / "full.onnx"), "-o", str(out), "--calib", str(calib), "--ratio", "0.5"]
+    argv = [
+        "slice",
+        str(tmp / "full.onnx"),
+        "-o",
+        str(out),
+        "--calib",
+        str(calib),
+        "--ratio",
+        "0.5",
+        "--basis",
+        "stream",
+    ]
     assert main([*argv, "--recover", "60", "--report", str(report)]) == 0
     printed = capsys.readouterr().out
     data = json.loads(report.read_text())["slice"]
