@@ -192,7 +192,7 @@ def main() -> None:
         "baseline": "ort-opt",
         "int8_recipe": INT8_RECIPE if args.int8 else None,
         "batch": 1,
-        "machine": bench.machine() | {"load": "shared 2-vCPU machine, 8 developers working on it"},
+        "machine": bench.machine() | {"load": "shared 2-vCPU machine, loaded by other work"},
         **measured,
     }
     if args.json:

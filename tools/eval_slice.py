@@ -213,7 +213,7 @@ def main() -> None:
     args = parser.parse_args()
     results: list[dict] = []
     report = {
-        "machine": bench.machine() | {"load": "shared 2-vCPU machine, 7 developers"},
+        "machine": bench.machine() | {"load": "shared 2-vCPU machine, loaded by other work"},
         "command": "python tools/eval_slice.py " + " ".join(sys.argv[1:]),
         "results": results,
     }
