@@ -52,6 +52,7 @@ MODEL_NAMES = {
     "gpt2-small-shape": "GPT-2",
     "bert-base-shape": "BERT",
     "vit-b16-shape": "ViT",
+    "vit-b16-shape-head": "ViT with its classifier",
 }
 BASELINES = {  # a record's "baseline" (docs/results/README.md), as the cell names it
     "raw": "the raw export",
@@ -270,7 +271,12 @@ ROWS = (
                     "cpu-2026-11-27/slice-speed-dinov2-cpu-clock-2.json",
                     ("slice-layer-k288-opt", "slice-k320-opt"),
                     "DINOv2-S (d = 384), fp32",
-                )
+                ),
+                Timing(
+                    ("cpu-2026-11-27/slice-shapes-ort.json", "cpu-2026-11-27/slice-shapes-ort-2.json"),
+                    "slice-0.25",
+                    label="seeded GPT-2-small and ViT-B/16 shapes, R = 0.25 (one basis per stream; time only)",
+                ),
             ],
         },
     ),
