@@ -117,7 +117,7 @@ def timed(paths: dict[str, pathlib.Path], found: dict[str, dict], args: argparse
     print(f"timing {len(candidates)} variants, {args.repeats} interleaved rounds", flush=True)
     report = bench.run_benchmark(
         candidates,
-        [(1, 0)],
+        [(1, 1)],  # batch 1; an image model takes no sequence length
         repeats=args.repeats,
         warmup=args.warmup,
         threads=args.threads,

@@ -268,8 +268,8 @@ ROWS = (
         {
             "ORT CPU": [
                 Sliced(
-                    "cpu-2026-11-27/slice-speed-dinov2-cpu-clock-2.json",
-                    ("slice-layer-k288-opt", "slice-k320-opt"),
+                    "cpu-2026-11-27/slice-speed-dinov2-cpu-clock-3.json",
+                    ("slice-layer-k272-opt", "slice-k320-opt"),
                     "DINOv2-S (d = 384), fp32",
                 ),
                 Timing(
