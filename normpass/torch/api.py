@@ -165,13 +165,7 @@ def fold(
     seconds["rewrite"] = time.perf_counter() - start
     report = TorchFoldReport(fold_plan, tg.capture.method, tg.capture.export_error, None, {}, notes, untied, seconds)
     if verify:
-        start = time.perf_counter()
-        _verify(model, folded, args, kwargs, report)
-        seconds["verify"] = time.perf_counter() - start
-        comparison = report.comparison
-        assert comparison is not None  # set by _verify
-        if not comparison.passed:
-            raise VerificationError(f"{name}: folded module does not match the original: {comparison.failures()}")
+        _verify(model, folded, args, kwargs, report, f"{name}: folded module")
     return folded, report
 
 
@@ -215,13 +209,7 @@ def fold_graph(
     seconds["rewrite"] = time.perf_counter() - start
     report = TorchFoldReport(fold_plan, captured.method, None, None, {}, notes, {}, seconds)
     if verify:
-        start = time.perf_counter()
-        _verify(model, graph_module, args, kwargs, report)
-        seconds["verify"] = time.perf_counter() - start
-        comparison = report.comparison
-        assert comparison is not None  # set by _verify
-        if not comparison.passed:
-            raise VerificationError(f"{name}: folded graph does not match the original: {comparison.failures()}")
+        _verify(model, graph_module, args, kwargs, report, f"{name}: folded graph")
     return graph_module, report
 
 
@@ -254,7 +242,19 @@ def _widen(value):
     return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
-def _verify(model: nn.Module, folded: nn.Module, args: tuple, kwargs: dict, report: TorchFoldReport) -> None:
+def _verify(model: nn.Module, folded: nn.Module, args: tuple, kwargs: dict, report: TorchFoldReport, what: str) -> None:
+    """Compare `folded` with `model` on the example inputs into `report` (its float64 check too, timed as
+    `seconds["verify"]`); raise `VerificationError` naming `what` where they differ."""
+    start = time.perf_counter()
+    _compare_into(model, folded, args, kwargs, report)
+    report.seconds["verify"] = time.perf_counter() - start
+    comparison = report.comparison
+    assert comparison is not None  # set by _compare_into
+    if not comparison.passed:
+        raise VerificationError(f"{what} does not match the original: {comparison.failures()}")
+
+
+def _compare_into(model: nn.Module, folded: nn.Module, args: tuple, kwargs: dict, report: TorchFoldReport) -> None:
     reference = _outputs(model, args, kwargs)
     candidate = _outputs(folded, args, kwargs)
     shapes = {f"input[{i}]": list(a.shape) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
