@@ -449,16 +449,21 @@ def test_declines_what_a_module_rewrite_cannot_express(cls, name, reason):
         assert torch.equal(result(*X), module(*X))
 
 
+def _fold_captured_by(capture: str, module, inputs, monkeypatch):
+    """`fold(module, inputs)` captured by torch.export, or (torch.export made to fail) by the fallback."""
+    if capture != "torch.export":
+        monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        return fold(module, inputs)
+
+
 @pytest.mark.parametrize("capture", ["torch.export", "torch.fx.symbolic_trace"])
 def test_layer_norm_modules_of_other_classes_fold(capture, monkeypatch):
     """A LayerNorm subclass between permutes (LayerNorm2d) and a module calling F.layer_norm on its own
     weight and bias are swapped for RMSNorms (the first between the same permutes), by either capture."""
     module, images = _seeded(ConvNet), (torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3)),)
-    if capture != "torch.export":
-        monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fallback's warning
-        result, report = fold(module, images)
+    result, report = _fold_captured_by(capture, module, images, monkeypatch)
     assert report.capture == capture
     assert [(d.name, d.foldable) for d in report.plan.decisions] == [("ln2d", True), ("ln", True)]
     assert report.max_rel_error <= REL_TOL
@@ -475,11 +480,7 @@ def test_third_party_spellings_of_linear_maps_fold(capture, monkeypatch):
     """By either capture: symbolic_trace lowers `table[positions]`, `zeros_like`, `repeat` and the
     residual `h.add_(…)` (its later readers read the sum) as torch.export does."""
     module = _seeded(Spellings)
-    if capture != "torch.export":
-        monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fallback's warning
-        result, report = fold(module, IDS)
+    result, report = _fold_captured_by(capture, module, IDS, monkeypatch)
     assert report.capture == capture
     assert [(d.name, d.foldable) for d in report.plan.decisions] == [("ln1", True), ("ln2", True)]
     assert report.max_rel_error <= REL_TOL
@@ -619,11 +620,7 @@ class MutatingView(Mutating):
 
 
 def test_symbolic_trace_renames_the_readers_of_an_in_place_result(monkeypatch):
-    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
-    module = _seeded(Mutating)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fallback's warning
-        _, report = fold(module, X)
+    _, report = _fold_captured_by("torch.fx.symbolic_trace", _seeded(Mutating), X, monkeypatch)
     assert report.capture == "torch.fx.symbolic_trace" and report.max_rel_error <= REL_TOL
 
 
