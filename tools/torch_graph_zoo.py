@@ -25,12 +25,6 @@ from normpass.models import zoo
 TOLERANCE = 1e-4
 
 
-def _error(module, folded, inputs) -> float:
-    with torch.no_grad():
-        expected, got = module(*inputs).double(), folded(*inputs).double()
-    return float((expected - got).abs().max() / expected.abs().max())
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", metavar="NAME", help="models to run (default: all)")
@@ -60,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
                 line.append(f"failed: {type(e).__name__}")
                 bad.append(f"{model.name} ({rewrite.__name__}): {e}")
                 continue
-            error = _error(module, folded, inputs)
+            error = zoo.relative_error(module, folded, inputs)
             if args.dynamic_batch:  # one more sample: the first again
-                error = max(error, _error(module, folded, tuple(torch.cat([x, x[:1]]) for x in inputs)))
+                longer = tuple(torch.cat([x, x[:1]]) for x in inputs)
+                error = max(error, zoo.relative_error(module, folded, longer))
             if error > TOLERANCE:
                 bad.append(f"{model.name} ({rewrite.__name__}): error {error:.1e}")
             seconds = time.perf_counter() - start
