@@ -14,6 +14,7 @@ from ..core.plan import FoldPlan
 from ..errors import InputError
 from ..io import check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, FoldOptions, fold_decisions
+from ..onnx.runtime.verify import parse_input_shapes
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +85,27 @@ def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
         help="shape for verification inputs, e.g. input_ids:1x128 (repeatable)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
+
+
+def verification_options(args: argparse.Namespace) -> dict:
+    """The options `add_verification_arguments` sets, as `FoldOptions` (and the passes built on it) name them."""
+    return {"verify": not args.no_verify, "input_shapes": parse_input_shapes(args.input_shape), "seed": args.seed}
+
+
+def split_fractions(text: str, roles: str, example: str) -> tuple[float, ...]:
+    """`--split`: as many comma-separated fractions as `roles` names (e.g. "FIT,HELD_OUT")."""
+    count = roles.count(",") + 1
+    message = f"--split {text!r}: expected {NUMBER_WORDS[count]} fractions {roles}, e.g. {example}"
+    try:
+        parts = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise InputError(message) from None
+    if len(parts) != count:
+        raise InputError(message)
+    return parts
+
+
+NUMBER_WORDS = {2: "two", 3: "three"}
 
 
 def add_data_arguments(parser: argparse.ArgumentParser, required: bool, more_data: str = "") -> None:

@@ -16,7 +16,6 @@ from ..io import write_text_atomic
 from ..onnx.fold.driver import TARGETS, FoldOptions, fold_onnx
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.runtime.ortopt import OrtOptimizer
-from ..onnx.runtime.verify import parse_input_shapes
 from .common import (
     add_decision_arguments,
     add_model_arguments,
@@ -26,6 +25,7 @@ from .common import (
     model_source,
     replace_hint,
     save_result,
+    verification_options,
 )
 
 
@@ -113,9 +113,7 @@ def run(args: argparse.Namespace) -> int:
         migrate_affine=not args.no_migrate_affine,
         fold_with_beta_add=args.fold_with_beta_add,
         fuse_skip=False if args.no_fuse_skip else None,
-        verify=not args.no_verify,
-        input_shapes=parse_input_shapes(args.input_shape),
-        seed=args.seed,
+        **verification_options(args),
         ort_optimizer=None
         if args.ort_optimizer is None
         else OrtOptimizer.parse(args.ort_optimizer, use_gpu=args.provider == "cuda"),

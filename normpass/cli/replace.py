@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
-from .common import add_budget_arguments, add_data_arguments, add_model_arguments, model_source
+from .common import add_budget_arguments, add_data_arguments, add_model_arguments, model_source, split_fractions
 from .progress import Heartbeat
 
 
@@ -138,7 +138,7 @@ def add_calibration_arguments(
 def calibration_options(args: argparse.Namespace) -> dict:
     """The options `add_calibration_arguments` sets that `ReplaceOptions` and `DistillOptions` share."""
     return {
-        "split": _fractions(args.split),
+        "split": split_fractions(args.split, "FIT,VAL,TEST", "0.5,0.25,0.25"),
         "holdout": args.holdout,
         "batch_size": args.batch_size,
         "tokenizer": args.tokenizer,
@@ -147,16 +147,6 @@ def calibration_options(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "progress": sys.stderr.isatty() if args.progress is None else args.progress,
     }
-
-
-def _fractions(text: str) -> tuple[float, float, float]:
-    try:
-        parts = tuple(float(p) for p in text.split(","))
-    except ValueError:
-        raise InputError(f"--split {text!r}: expected three fractions FIT,VAL,TEST, e.g. 0.5,0.25,0.25") from None
-    if len(parts) != 3:
-        raise InputError(f"--split {text!r}: expected three fractions FIT,VAL,TEST, e.g. 0.5,0.25,0.25")
-    return parts[0], parts[1], parts[2]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,6 @@ from ..onnx.rotate.features import CalibData
 from ..onnx.rotate.online import DEFAULT_BLOCK
 from ..onnx.rotate.online import METADATA_KEY as KEEP_FP32
 from ..onnx.rotate.smooth import DEFAULT_ALPHA
-from ..onnx.runtime.verify import parse_input_shapes
 from .common import (
     add_data_arguments,
     add_model_arguments,
@@ -28,6 +27,7 @@ from .common import (
     model_source,
     save_result,
     unproven,
+    verification_options,
 )
 from .progress import Heartbeat
 
@@ -161,9 +161,7 @@ def run(args: argparse.Namespace) -> int:
         target=args.target,
         provider=args.provider,
         insert_centering=not args.no_insert_centering,
-        verify=not args.no_verify,
-        input_shapes=parse_input_shapes(args.input_shape),
-        seed=args.seed,
+        **verification_options(args),
         calib=args.calib,
         calib_data=CalibData(args.batch_size, args.tokenizer, args.max_length),
         smooth=args.smooth,

@@ -16,7 +16,6 @@ from ..core.replace import BudgetMissed
 from ..errors import InputError
 from ..io import calibration_files, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, TARGETS
-from ..onnx.runtime.verify import parse_input_shapes
 from ..onnx.slice.driver import BASES, DEFAULT_ROUND_TO, LADDER_STEP, SliceOptions, SliceResult, slice_onnx
 from .common import (
     add_budget_arguments,
@@ -26,6 +25,8 @@ from .common import (
     checked_paths,
     model_source,
     save_result,
+    split_fractions,
+    verification_options,
 )
 from .progress import Heartbeat
 
@@ -94,14 +95,6 @@ def add_parser(sub) -> None:
     add_verification_arguments(parser)
 
 
-def _split(text: str) -> tuple[float, float]:
-    try:
-        fit, held = (float(part) for part in text.split(","))
-    except ValueError:
-        raise InputError(f"--split {text!r}: expected two fractions FIT,HELD_OUT, e.g. 0.75,0.25") from None
-    return fit, held
-
-
 def _seconds(text: str) -> float:
     try:
         return float(text)
@@ -157,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
         raise InputError("--batch-size, --samples and --max-length must be at least 1")
+    fit, held = split_fractions(args.split, "FIT,HELD_OUT", "0.75,0.25")
     options = SliceOptions(
         ratio=args.ratio,
         round_to=args.round_to,
@@ -164,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         recover=_seconds(args.recover),
         budget=",".join(args.budget) if args.budget else None,
         write_best=args.write_best,
-        split=_split(args.split),
+        split=(fit, held),
         holdout=args.holdout,
         batch_size=args.batch_size,
         tokenizer=args.tokenizer,
@@ -174,9 +168,7 @@ def run(args: argparse.Namespace) -> int:
         target=args.target,
         provider=args.provider,
         insert_centering=not args.no_insert_centering,
-        verify=not args.no_verify,
-        input_shapes=parse_input_shapes(args.input_shape),
-        seed=args.seed,
+        **verification_options(args),
     )
     try:
         options.checked()
