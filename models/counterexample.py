@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from normpass.core.analysis import Cutter, FirstUnsafe, Prover, ShiftChecker
+from normpass.core.analysis import Cutter, FirstUnsafe, Prover, ShiftChecker, State
 from normpass.core.graph import NormType
 from normpass.core.plan import FoldPlan, Insertion, NormDecision
 from normpass.io import in_memory_proto
@@ -74,10 +74,10 @@ def forced_folds(model: onnx.ModelProto, plan: FoldPlan, feeds: dict[str, np.nda
             continue  # a norm of a constant: nothing to centre
         forced = NormDecision(norm.name, norm.op, True, None, centrings=prover.prove(norm).centrings)
         output_change, x = _forced(model, [*plan.folded, forced], expected, feeds, probe=norm.input)
-        cut = cutter.cut((norm.input, norm.axis))
+        cut = cutter.cut(State(norm.input, norm.axis))
         insertion_change = None
         if cut is not None:
-            insertions = [Insertion(*state) for state in sorted(cut[0])]
+            insertions = [Insertion(state.tensor, state.axis) for state in sorted(cut[0])]
             inserted = NormDecision(norm.name, norm.op, True, None, list(cut[1]), insertions)
             insertion_change, _ = _forced(model, [*plan.folded, inserted], expected, feeds)
         mean, rms = x.mean(axis=norm.axis), np.sqrt((x * x).mean(axis=norm.axis))

@@ -62,8 +62,7 @@ REL_TOL = 1e-4  # fp32, as models/reference.py
 class ZooModel:
     """One architecture: how to build it (module, example inputs), its family, and known front-end differences.
 
-    ``differs`` maps a front end to why it proves other norms than the others do (shown in the table);
-    ``unfound`` names the exact folds its algebra allows that the rules do not find (shown in the table).
+    ``differs`` maps a front end to why it proves other norms than the others do (shown in the table).
     """
 
     name: str
@@ -71,7 +70,6 @@ class ZooModel:
     source: str  # "transformers" or "timm"
     build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]
     differs: dict[str, str] = field(default_factory=dict)
-    unfound: str = ""
 
     @property
     def available(self) -> bool:
@@ -400,9 +398,6 @@ ZOO = [
         "timm",
         _timm("xcit_nano_12_p8_224", cls_attn_layers=1, **TIMM_VIT),
         {"torch": _INSIDE_FORWARD.format("on the local patch interaction's LayerScale (after a depthwise conv)")},
-        "the class attention's norm2 folds exactly with its projection centred weighted by the LayerScale γ₁ "
-        "([proof-patterns.md](proof-patterns.md#xcits-class-attention-an-exact-fold-the-rules-do-not-find)); "
-        "the final norm has no fold but an inserted centring",
     ),
     # hierarchical vision
     ZooModel(
@@ -726,8 +721,6 @@ def table(runs: list[ZooRun]) -> str:
                 notes.append(f"  * {front_end}: {len(norms)}× {reason}{measured}")
             if front_end in model.differs:
                 notes.append(f"  * {front_end} differs from the others: {model.differs[front_end]}")
-        if model.unfound:
-            notes.append(f"  * an exact fold the rules do not find: {model.unfound}")
         if notes:
             lines += [f"* **{model.name}**", *notes]
     return "\n".join(lines) + "\n"

@@ -166,8 +166,10 @@ class Counting:
         self.calls["forward"] += 1
         return self.rule.forward(shift)
 
-    def rows(self, shift, output):
-        return self.rule.rows(shift, output)
+    def __getattr__(self, name):  # the rule's other methods (rows, weigh, …) and attributes, uncounted
+        if name in ("rule", "calls"):
+            raise AttributeError(name)
+        return getattr(self.rule, name)
 
 
 def counted_plan(layers: int) -> tuple[dict, ZeroMeanGraph]:

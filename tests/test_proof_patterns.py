@@ -6,6 +6,8 @@ checked for the fold count and against the original in ONNX Runtime, with a coun
 * where the centring goes (wav2vec2): a centring inserted below a layer that cannot be centred;
 * a row re-normalized before it is read (XCiT's class attention): a slice of a concatenation keeps its part's rows;
 * shapes known only from shape arithmetic (Twins' TorchScript export): ONNX Runtime's symbolic shape inference;
+* a per-feature factor over a concatenation (XCiT's class attention, its norm2): the layer it scales is centred
+  weighted by the factor, and only the rows the norm reads need it;
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from conftest import assert_equivalent, build, check_structure, randn
 from torch import nn
 
-from normpass import FoldOptions, fold_onnx, inspect_onnx
+from normpass import FoldOptions, fold_graph, fold_onnx, inspect_onnx
 from normpass.torch.api import fold as torch_fold
 from normpass.torch.api import inspect as torch_inspect
 
@@ -319,22 +322,18 @@ m (float[2,4,6] x) => (float[2,4,3] y) {{
 }}"""
 
 
-def _class_attention(gen, read_end: str):
+def _class_attention_constants(gen) -> dict[str, Any]:
+    """What both class-attention graphs share: the embedding W0, b0, the head W3, three norms' γ/β, and the
+    bounds of their slices along the tokens."""
     norms: dict[str, Any] = {f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (1, 2, 3) for p in ("g", "be")}
-    return build(
-        CLASS_ATTENTION.format(read_end=read_end),
-        W0=randn(gen, 6, 8),
-        b0=randn(gen, 8),
-        W1=randn(gen, 8, 8),
-        W2=randn(gen, 8, 8),
-        W3=randn(gen, 8, 3),
-        i0=np.array([0], np.int64),
-        i1=np.array([1], np.int64),
-        i2=np.array([2], np.int64),
-        end=np.array([2**62], np.int64),
-        axis1=np.array([1], np.int64),
-        **norms,
-    )
+    bounds = {f"i{i}": np.array([i], np.int64) for i in range(3)}
+    ends = dict(end=np.array([2**62], np.int64), axis1=np.array([1], np.int64))
+    return dict(W0=randn(gen, 6, 8), b0=randn(gen, 8), W3=randn(gen, 8, 3), **norms, **bounds, **ends)
+
+
+def _class_attention(gen, read_end: str):
+    constants = _class_attention_constants(gen)
+    return build(CLASS_ATTENTION.format(read_end=read_end), W1=randn(gen, 8, 8), W2=randn(gen, 8, 8), **constants)
 
 
 def test_a_row_normalized_again_before_it_is_read_carries_no_shift(gen):
@@ -387,3 +386,146 @@ def test_torch_read_of_a_shifted_row_refuses():
     plan = torch_inspect(_seeded(ClassAttention(read=2)), torch.randn(2, 4, 6))
     assert len(plan.folded) == 0
     assert "would change its output" in _reasons(plan)["norm1"]
+
+
+# --- a per-feature factor over a concatenation -----------------------------------------------------
+
+LAYER_SCALED_CLASS_ATTENTION = """<ir_version: 10, opset_import: ["" : 17]>
+m (float[2,4,6] x) => (float[2,4,3] y{outputs}) {{
+  h0 = MatMul(x, W0)
+  s = Add(h0, b0)
+  n1 = LayerNormalization<axis=-1>(s, g1, be1)
+  cls = Slice(n1, i0, i1, axis1)
+  others = Slice(n1, i1, end, axis1)
+  p0 = MatMul(cls, Wp)
+  p = Add(p0, bp)
+  c = Concat<axis=1>(p, others)
+  scaled = Mul(gamma1, c)
+  s1 = Add(s, scaled)
+  first = Slice(s1, i0, {read_end}, axis1)
+  rest = Slice(s1, {read_end}, end, axis1)
+  n2 = LayerNormalization<axis=-1>(first, g2, be2)
+  x2 = Concat<axis=1>(n2, rest)
+  n3 = LayerNormalization<axis=-1>(x2, g3, be3)
+  y = MatMul(n3, W3)
+}}"""
+
+
+def _layer_scaled_class_attention(gen, read_end: str = "i1", gamma1=None, outputs: str = ""):
+    constants = _class_attention_constants(gen)
+    return build(
+        LAYER_SCALED_CLASS_ATTENTION.format(read_end=read_end, outputs=outputs),
+        Wp=randn(gen, 8, 8),
+        bp=randn(gen, 8),
+        gamma1=randn(gen, 8, scale=0.5) + 1 if gamma1 is None else gamma1,
+        **constants,
+    )
+
+
+def test_a_layer_scale_over_a_concatenation_centres_its_layer_weighted(gen):
+    """XCiT's class attention: norm2 reads row 0 of x + γ₁ ⊙ cat(proj(…), x̂₁[:, 1:]), which is x₀ + γ₁ ⊙ proj(…).
+    The projection is centred weighted by γ₁, W' = W − γ₁⁻¹ ⊗ mean(γ₁ ⊙ W); γ₁ ⊙ x̂₁[:, 1:] is never read by it."""
+    model = _layer_scaled_class_attention(gen)
+    result = _fold(model)
+    reasons = _reasons(result.plan)
+    assert sorted(d.name for d in result.plan.folded) == ["n1", "n2"], reasons
+    assert "the output of LayerNormalization n1" in reasons["n3"]  # row 1 on: γ₁ ⊙ x̂₁, a norm's output
+    n2 = next(d for d in result.plan.folded if d.name == "n2")
+    weighted = {(c.label, c.weight) for c in n2.centrings if c.weight is not None}
+    assert weighted == {("p0", "gamma1"), ("bp", "gamma1")}
+    # the rewritten projection: γ₁ ⊙ (x·W' + b') is zero-mean along the features for every x
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    projection = next(n for n in result.model.graph.node if n.name == "p0")
+    bias = next(n for n in result.model.graph.node if n.name == "p")
+    gamma = values["gamma1"].astype(np.float64)
+    assert (projection.input[1], bias.input[1]) != ("Wp", "bp")
+    for name in (projection.input[1], bias.input[1]):
+        assert np.abs((values[name].astype(np.float64) * gamma).mean(-1)).max() < 1e-6
+
+
+def test_a_layer_scale_over_a_concatenation_refuses_where_the_norm_reads_the_other_part(gen):
+    """norm2 reads rows 0 and 1: row 1 is γ₁ ⊙ x̂₁, a norm's output, which no centring makes zero-mean."""
+    plan = inspect_onnx(_layer_scaled_class_attention(gen, read_end="i2"))
+    reasons = _reasons(plan)
+    assert [d.name for d in plan.folded] == ["n1"], reasons
+    assert "the output of LayerNormalization n1 is γ⊙x̂+β" in reasons["n2"]
+
+
+def test_a_layer_scale_with_a_zero_refuses(gen):
+    """A zero γ₁ₖ cannot carry the weighted centring's shift c/γ₁ₖ."""
+    gamma1 = randn(gen, 8, scale=0.5) + 1
+    gamma1[3] = 0
+    plan = inspect_onnx(_layer_scaled_class_attention(gen, gamma1=gamma1))
+    reasons = _reasons(plan)
+    assert "per-feature factor gamma1 with a zero or non-finite entry" in reasons["n2"], reasons
+
+
+def test_a_weighted_centring_whose_shift_reaches_another_reader_refuses(gen):
+    """The projection's output is also a graph output: the shift c/γ₁ left in it would change it."""
+    plan = inspect_onnx(_layer_scaled_class_attention(gen, outputs=", float[2,1,8] p"))
+    reasons = _reasons(plan)
+    assert reasons["n2"] == "centring bp is unsafe: the shift reaches graph output p", reasons
+
+
+def test_a_weighted_centring_of_a_layer_whose_bias_is_one_number_refuses(gen):
+    """A Gemm's C of one element is added to every feature alike: centred weighted by w it would have to vary
+    along the features, so the norm that needs it is refused (and the rest folds)."""
+    model = build(
+        """<ir_version: 10, opset_import: ["" : 17]>
+m (float[4,6] x) => (float[4,8] y) {
+  h = Gemm(x, W, C)
+  x2 = MatMul(x, W2)
+  n0 = LayerNormalization<axis=-1>(x2, g0, b0)
+  c = Concat<axis=0>(h, n0)
+  scaled = Mul(gamma1, c)
+  first = Slice(scaled, i0, i4, axis0)
+  y = LayerNormalization<axis=-1>(first, g1, b1)
+}""",
+        W=randn(gen, 6, 8),
+        C=np.array([0.7], np.float32),
+        W2=randn(gen, 6, 8),
+        gamma1=randn(gen, 8, scale=0.5) + 1,
+        i0=np.array([0], np.int64),
+        i4=np.array([4], np.int64),
+        axis0=np.array([0], np.int64),
+        **{f"{p}{i}": randn(gen, 8) + (1 if p == "g" else 0) for i in (0, 1) for p in ("g", "b")},
+    )
+    result = _fold(model)
+    reasons = _reasons(result.plan)
+    assert [d.name for d in result.plan.folded] == ["n0"], reasons
+    assert "Gemm h's bias is one number for every feature" in reasons["y"]
+
+
+class LayerScaledClassAttention(nn.Module):
+    """XCiT's class-attention block as timm writes it (`tokens_norm` False), with a one-row attention."""
+
+    def __init__(self, read: int = 1):
+        super().__init__()
+        self.read = read
+        self.embed, self.norm1, self.proj = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.gamma1 = nn.Parameter(1 + 0.5 * torch.randn(8))
+        self.norm2, self.norm3, self.head = nn.LayerNorm(8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        s = self.embed(x)
+        n1 = self.norm1(s)
+        s = s + self.gamma1 * torch.cat([self.proj(n1[:, :1]), n1[:, 1:]], dim=1)
+        x2 = torch.cat([self.norm2(s[:, : self.read]), s[:, self.read :]], dim=1)
+        return self.head(self.norm3(x2))
+
+
+@pytest.mark.parametrize("rewrite", ["fold", "fold_graph"])
+def test_torch_layer_scale_over_a_concatenation(rewrite):
+    """The module swap (`fold`) and the graph rewrite (`fold_graph`) both centre proj weighted by gamma1."""
+    model = _seeded(LayerScaledClassAttention())
+    folded, report = (torch_fold if rewrite == "fold" else fold_graph)(model, torch.randn(2, 4, 6))
+    assert sorted(d.name for d in report.plan.folded) == ["norm1", "norm2"], _reasons(report.plan)
+    with torch.no_grad():
+        other = 3 * torch.randn(2, 4, 6) + 1  # the batch size captured (`fold_graph` without dynamic shapes)
+        torch.testing.assert_close(folded(other), model(other), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_layer_scale_over_a_concatenation_read_elsewhere_refuses():
+    plan = torch_inspect(_seeded(LayerScaledClassAttention(read=2)), torch.randn(2, 4, 6))
+    assert sorted(d.name for d in plan.folded) == ["norm1"], _reasons(plan)
+    assert "is γ⊙x̂+β" in _reasons(plan)["norm2"]

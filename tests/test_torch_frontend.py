@@ -662,7 +662,7 @@ def test_untraceable_model_in_a_directory_named_normpass_is_still_named(tmp_path
 def test_refuses_a_rewrite_that_does_not_verify(monkeypatch):
     import normpass.torch.rewrite as rewrite
 
-    monkeypatch.setattr(rewrite, "centre", lambda values, axis: values + 1.0)
+    monkeypatch.setattr(rewrite, "centre", lambda values, axis, weight=None: values + 1.0)
     with pytest.raises(VerificationError, match="does not match the original"):
         fold(_seeded(Stack), IDS)
 

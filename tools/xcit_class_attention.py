@@ -1,13 +1,13 @@
-"""XCiT's class-attention norm2, the fold the proof leaves there, measured (docs/proof-patterns.md).
+"""XCiT's class-attention norm2: its fold's algebra measured with torch alone (docs/proof-patterns.md).
 
 In timm's ``ClassAttentionBlock`` (``tokens_norm`` False) ``norm2`` reads row 0 (the class token) of
 
     x + γ ⊙ cat(proj(attn(x̂₁)), x̂₁[:, 1:])        (cat along the tokens, γ a per-channel LayerScale)
 
-that is x₀ + γ ⊙ a, with a = W h + b the projection of the class token's attention. The proof
-centres the writers of x₀ but stops at γ ⊙ cat(…): a per-channel factor over a concatenation is
-absorbed into no one layer, since it also scales x̂₁[:, 1:]. Two ways to fold norm2 into the RMS op
-over the same γ/β:
+that is x₀ + γ ⊙ a, with a = W h + b the projection of the class token's attention. A per-channel
+factor over a concatenation is absorbed into no one layer, since it also scales x̂₁[:, 1:]. Two ways
+to fold norm2 into the RMS op over the same γ/β (normpass's proof finds the second, `Centring.weight`;
+this script checks the algebra without normpass's proof or rewrite):
 
 * ``centred``: centre the projection as a fold centres a layer, W' = W − mean_k(W), b' = b − mean_k(b).
   a' is zero-mean, γ ⊙ a' is not: mean_k(γ ⊙ a') = mean_k((γ − mean γ) ⊙ a') ≠ 0 unless γ is uniform.

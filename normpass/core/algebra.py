@@ -21,12 +21,23 @@ from __future__ import annotations
 import numpy as np
 
 
-def centre(values: np.ndarray, axis: int | None) -> np.ndarray:
-    """`values` minus its mean along `axis`; all zeros when `axis` is None (constant along it)."""
+def centre(values: np.ndarray, axis: int | None, weight: np.ndarray | None = None) -> np.ndarray:
+    """`values` minus its mean along `axis`; all zeros when `axis` is None (constant along it).
+
+    With `weight` w (one nonzero factor per index of `axis`): v − w⁻¹ ⊗ mean_k(w ⊙ v), so that
+    w ⊙ v' = centre(w ⊙ v) is zero-mean along `axis` (a layer whose output a per-channel
+    LayerScale multiplies before the norm reads it). The weighted mean is taken in float64.
+    """
     if axis is None:
         return np.zeros_like(values)
-    mean = values.mean(axis=axis, keepdims=True, dtype=np.float64)
-    return values - mean.astype(values.dtype)
+    if weight is None:
+        mean = values.mean(axis=axis, keepdims=True, dtype=np.float64)
+        return values - mean.astype(values.dtype)
+    shape = [1] * values.ndim
+    shape[axis] = -1
+    w = np.asarray(weight, dtype=np.float64).reshape(shape)
+    mean = (values.astype(np.float64) * w).mean(axis=axis, keepdims=True)
+    return values - (mean / w).astype(values.dtype)
 
 
 def migrate_affine(

@@ -11,6 +11,13 @@ constant on a branch is centred; `Sum`, `Concat`, `Scale` (factor constant along
 ops that keep the axis intact continue the walk on their inputs; an already-centred output stops
 it; anything else blocks the proof.
 
+Two refinements travel with a walk's state (`State`). *Rows*: a slice with constant bounds along
+another axis needs only the rows it keeps, so a concatenation's parts outside them need nothing
+(XCiT's class attention: norm2 reads row 0 of x + γ₁ ⊙ cat(proj(…), x̂₁[:, 1:])). *Weights*: a Mul
+by a per-feature constant w that is no layer's LayerScale (it scales a concatenation) needs its
+input w-weighted zero-mean, mean_k(w ⊙ x) = 0, and a layer under that need is centred weighted,
+W' = W − w⁻¹ ⊗ mean_k(w ⊙ W), b' likewise: exact where no wₖ is 0, since w ⊙ y' = centre(w ⊙ y).
+
 **Safety (forward, seed 003 App. D.2).** Centring a layer changes its output y into
 y − m(x)·1ₖ, a per-sample shift constant along k. The model is unchanged iff every path from y
 carries that shift (through sums, scalings constant along k, axis-preserving layout ops and means
@@ -18,7 +25,8 @@ over other axes) into
 an op that removes it: a LayerNorm over k (folded or not: LN(x + c·1) = LN(x)), a centring
 x − mean_k(x), or a Softmax over k; a reader of shapes only (Shape, Size) never sees it. A shift
 reaching a graph output, a linear layer, a nonlinearity or an RMSNorm makes the centring unsafe,
-and the norms that need it are refused.
+and the norms that need it are refused. A weighted centring leaves c·w⁻¹, not constant along k:
+it must reach a multiply by w (which makes it c·1) before anything removes it.
 
 **Inserted centring.** Where a proof is blocked, or needs a centring that is unsafe, inserting
 t' = t − mean_k(t) at a tensor t of its walk whose shifts are all removed downstream (the safety
@@ -40,15 +48,32 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from .graph import NormInfo, Rows, Shift, ZeroMeanGraph, ZNode
 from .plan import Blocker, Centring, FoldPlan, Insertion, NormDecision
-from .rules import layer_scale, regroup_axis  # noqa: F401  (re-exported for the front ends)
+from .rules import Concat, Linear, layer_scale, regroup_axis  # noqa: F401  (layer_scale, regroup_axis: re-exported)
 
 MIN_FOLDS_PER_INSERTION = 2
 
-State = tuple[str, int]  # (tensor, axis)
-ShiftState = tuple[str, int, Rows | None]  # (tensor, axis, the rows that carry the shift; None: all)
+
+class State(NamedTuple):
+    """What the proof needs of a tensor: `weight ⊙ tensor` zero-mean along `axis`, in the slice `rows`.
+
+    `rows` (None: all of it) is the one slice along another axis that the norm reads, where a slice
+    with constant bounds tells (`Rule.rows_read`): a concatenation's parts outside it need nothing.
+    `weight` (None: no weight) names a per-feature constant w that multiplies the tensor before the
+    norm reads it (`Rule.weigh`): a layer there is centred weighted by w (`plan.Centring.weight`).
+    """
+
+    tensor: str
+    axis: int
+    rows: Rows | None = None
+    weight: str | None = None
+
+
+# (tensor, axis, the rows that carry the shift (None: all), the weight w of a shift c·w⁻¹ (None: c·1))
+ShiftState = tuple[str, int, Rows | None, str | None]
 
 
 # --- proof (backward) --------------------------------------------------------------------------
@@ -102,7 +127,7 @@ class Prover:
             return Proof(blockers=[Blocker(norm.input, reason, (norm.name, norm.input))])
         if norm.axis is None:  # front ends mark such norms unsupported; a proof needs one axis
             return Proof(blockers=[Blocker(norm.name, "the norm normalizes over several axes", (norm.name,))])
-        found = self._found((norm.input, norm.axis))
+        found = self._found(State(norm.input, norm.axis))
         blockers = [replace(b, path=(norm.name, *b.path)) for b in found.blockers.values()]
         return Proof(list(found.centrings), blockers)
 
@@ -115,7 +140,7 @@ class Prover:
                 stack.pop()
                 continue
             if state not in steps:
-                steps[state] = self._step(*state)
+                steps[state] = self._step(state)
                 waiting = [s for s in steps[state].needs if s not in self.memo and s not in steps]
                 if waiting:
                     stack.extend(waiting)
@@ -124,28 +149,64 @@ class Prover:
             self.memo[state] = self._merge(state, steps[state])
         return self.memo[start]
 
-    def _step(self, tensor: str, axis: int) -> _Step:
+    def _step(self, state: State) -> _Step:
+        tensor, axis, rows, weight = state
         node = self.zmg.producer_of(tensor)
         if node is None:
             return _Step(
                 blocker=Blocker(tensor, f"graph input {tensor} carries arbitrary data", (tensor,), tensor, axis)
             )
+
+        def blocked(reason: str) -> _Step:
+            return _Step(blocker=Blocker(node.name, reason, (node.name,), tensor, axis))
+
         result = node.rule.backward(self.zmg, node, tensor, axis)
+        if isinstance(result, str) and weight is None:  # a per-feature factor: its input weighted by it
+            weighed = node.rule.weigh(self.zmg, node, tensor, axis)
+            if isinstance(weighed, str):
+                result = weighed
+            elif weighed is not None:
+                result, weight = weighed
         if isinstance(result, Centring):
-            return _Step(centrings=(result,))
+            layer = self.zmg.nodes[result.node].rule
+            if weight is not None and not isinstance(layer, Linear):
+                return blocked(f"{node.op} {node.name} is a LayerScale after the per-feature factor {weight}")
+            if weight is not None and not layer.bias_per_feature:
+                reason = f"{node.op} {node.name}'s bias is one number for every feature: no centring weighted by"
+                return blocked(f"{reason} {weight} keeps its shape")
+            return _Step(centrings=(replace(result, weight=weight),))
         if isinstance(result, str):
-            return _Step(blocker=Blocker(node.name, result, (node.name,), tensor, axis))
-        centrings = tuple(
-            Centring(node.name, in_axis, index, source, stream_axis=axis)
-            for index, source, in_axis in result
-            if self.zmg.is_constant(source)
-        )
+            return blocked(result)
+        if weight is not None and not result:
+            return blocked(f"{node.op} {node.name}'s output is zero-mean, not once weighted by {weight}")
+        if weight is not None and isinstance(node.rule, Concat) and node.rule.axis == axis:
+            return blocked(f"{node.op} {node.name} concatenates along the axis that {weight} weights")
+        centrings: list[Centring] = []
         needs: dict[State, None] = {}
-        for _, source, in_axis in result:
-            if not self.zmg.is_constant(source):
+        for index, source, in_axis in result:
+            part = node.rule.rows_read(self.zmg, node, tensor, rows, index)
+            if part is not None and part[2] <= part[1]:
+                continue  # the norm reads none of this input
+            if self.zmg.is_constant(source):
+                if weight is not None and in_axis is None:
+                    return blocked(
+                        f"{node.op} {node.name} adds {source}, constant along the axis that {weight} weights"
+                    )
+                centrings.append(Centring(node.name, in_axis, index, source, stream_axis=axis, weight=weight))
+            else:
                 assert in_axis is not None  # rules refuse a run-time input broadcast along the axis
-                needs[(source, in_axis)] = None
-        return _Step(centrings, node=node.name, needs=tuple(needs))
+                needs[State(source, in_axis, self._whole(source, part), weight)] = None
+        return _Step(tuple(centrings), node=node.name, needs=tuple(needs))
+
+    def _whole(self, tensor: str, rows: Rows | None) -> Rows | None:
+        """`rows`, or None where they are all of `tensor` along their axis (so states that need the same share
+        one proof)."""
+        if rows is None:
+            return None
+        axis, start, stop = rows
+        shape = self.zmg.shape(tensor)
+        size = shape[axis] if shape is not None and axis < len(shape) else None
+        return None if start <= 0 and isinstance(size, int) and stop >= size else rows
 
     def _merge(self, state: State, step: _Step) -> _Found:
         found = _Found(dict.fromkeys(step.centrings), {} if step.blocker is None else {state: step.blocker})
@@ -193,37 +254,49 @@ class ShiftChecker:
             node = self.zmg.nodes[centring.node]
             if centring.input_index is None:
                 assert centring.axis is not None  # a layer is centred along an axis
-                blocker = self.removed(node.outputs[0], centring.axis)
+                blocker = self.removed(node.outputs[0], centring.axis, centring.weight)
             else:
                 assert centring.stream_axis is not None  # set for every constant (`Prover._step`)
-                blocker = self.entering(node, centring.input_index, centring.axis, centring.stream_axis)
+                blocker = self.entering(
+                    node, centring.input_index, centring.axis, centring.stream_axis, centring.weight
+                )
             if blocker is not None:
                 blocker = Blocker(blocker.node, blocker.reason, (centring.label, blocker.node))
             self.verdicts[centring] = blocker
         return self.verdicts[centring]
 
-    def _through(self, node: ZNode, index: int, axis: int | None, out_axis: int | None = None, rows=None):
+    def _through(self, node: ZNode, index: int, axis: int | None, out_axis: int | None = None, rows=None, weight=None):
         """Successor states of a shift entering `node` at input `index` (see `graph.Shift`), or a Blocker.
 
-        A successor whose rows are empty (a slice that keeps none of the shifted rows) carries no shift.
+        A successor whose rows are empty (a slice that keeps none of the shifted rows) carries no shift. A
+        weighted shift c·w⁻¹ stays weighted until a multiply by w (`Rule.unweighs`), and no rule that removes
+        a shift constant along its axis removes it.
         """
-        shift = Shift(self.zmg, node, index, axis, out_axis, rows)
+        shift = Shift(self.zmg, node, index, axis, out_axis, rows, weight)
         result = node.rule.forward(shift)
         if isinstance(result, str):
             return Blocker(node.name, f"{node.op} {node.name} {result}")
-        states = [(out, out_axis, node.rule.rows(shift, out)) for out, out_axis in result]
+        if weight is not None and not result and node.rule.removes_shift:
+            return Blocker(node.name, f"{node.op} {node.name} receives c/{weight}, not constant along its axis")
+        if weight is not None and node.rule.unweighs(shift):
+            weight = None
+        states = [(out, out_axis, node.rule.rows(shift, out), weight) for out, out_axis in result]
         return [s for s in states if s[2] is None or s[2][1] < s[2][2]]
 
-    def entering(self, node: ZNode, index: int, axis: int | None, out_axis: int) -> Blocker | None:
-        """Is a shift entering `node` at input `index` (along `axis` of that input) removed downstream?"""
-        successors = self._through(node, index, axis, out_axis)
+    def entering(
+        self, node: ZNode, index: int, axis: int | None, out_axis: int, weight: str | None = None
+    ) -> Blocker | None:
+        """Is a shift entering `node` at input `index` (along `axis` of that input; c·w⁻¹ for a `weight` w)
+        removed downstream?"""
+        successors = self._through(node, index, axis, out_axis, weight=weight)
         if isinstance(successors, Blocker):
             return successors
         return next((b for s in successors if (b := self._removed(s)) is not None), None)
 
-    def removed(self, tensor: str, axis: int) -> Blocker | None:
-        """None if a shift along `axis` of `tensor` is removed on every path, else where it is not."""
-        return self._removed((tensor, axis, None))
+    def removed(self, tensor: str, axis: int, weight: str | None = None) -> Blocker | None:
+        """None if a shift along `axis` of `tensor` (c·w⁻¹ for a `weight` w) is removed on every path, else where
+        it is not."""
+        return self._removed((tensor, axis, None, weight))
 
     def _removed(self, start: ShiftState) -> Blocker | None:
         stack = [(start, False)]
@@ -245,12 +318,12 @@ class ShiftChecker:
             stack.extend((s, False) for s in successors if s not in self.memo)
         return self.memo[start]
 
-    def _expand(self, tensor: str, axis: int, rows: Rows | None):
+    def _expand(self, tensor: str, axis: int, rows: Rows | None, weight: str | None):
         if tensor in self.zmg.graph_outputs:
             return Blocker(tensor, f"the shift reaches graph output {tensor}")
         states = []
         for node, index in self.zmg.consumers_of(tensor):
-            result = self._through(node, index, axis, rows=rows)
+            result = self._through(node, index, axis, rows=rows, weight=weight)
             if isinstance(result, Blocker):
                 return result
             states.extend(result)
@@ -315,7 +388,7 @@ def plan(zmg: ZeroMeanGraph, insert_centering: bool = True, keep: dict[str, str]
         if norm.name in keep:
             decision.kept, decision.reason, decision.centrings = True, keep[norm.name], []
             continue
-        unsafe = first_unsafe((norm.input, norm.axis)) if proof.centrings and norm.axis is not None else None
+        unsafe = first_unsafe(State(norm.input, norm.axis)) if proof.centrings and norm.axis is not None else None
         if unsafe is not None:
             decision.blocker = unsafe
             decision.reason = f"centring {unsafe.path[0]} is unsafe: {unsafe.reason}"
@@ -394,8 +467,8 @@ class Cutter:
                 for part in parts:
                     centrings.update(part[1] if part is not None else {})
                 self.memo[state] = (cuts, centrings)
-            elif self.checker.removed(*state) is None:
-                self.memo[state] = (frozenset([state]), {})
+            elif state.weight is None and self.checker.removed(state.tensor, state.axis) is None:
+                self.memo[state] = (frozenset([State(state.tensor, state.axis)]), {})
             else:
                 self.memo[state] = None
         return self.memo[start]
@@ -411,15 +484,17 @@ def _plan_insertions(zmg: ZeroMeanGraph, cutter: Cutter, decisions: list[NormDec
     for name, norm in pending.items():
         if norm.axis is None or zmg.is_constant(norm.input):
             continue
-        cut = cutter.cut((norm.input, norm.axis))
+        cut = cutter.cut(State(norm.input, norm.axis))
         if cut is None:
             continue
         cuts[name] = cut
         for state in cut[0]:
-            candidates.setdefault(Insertion(*state), set()).add(name)
+            candidates.setdefault(Insertion(state.tensor, state.axis), set()).add(name)
     chosen = set(candidates)
     while True:
-        enabled = {name for name, (states, _) in cuts.items() if all(Insertion(*s) in chosen for s in states)}
+        enabled = {
+            name for name, (states, _) in cuts.items() if all(Insertion(s.tensor, s.axis) in chosen for s in states)
+        }
         weak = {i for i in chosen if len(candidates[i] & enabled) < MIN_FOLDS_PER_INSERTION}
         if not weak:
             break
@@ -428,7 +503,7 @@ def _plan_insertions(zmg: ZeroMeanGraph, cutter: Cutter, decisions: list[NormDec
     for name in enabled:
         states, centrings = cuts[name]
         decision = by_name[name]
-        decision.insertions = sorted((Insertion(*s) for s in states), key=lambda i: (i.tensor, i.axis))
+        decision.insertions = sorted((Insertion(s.tensor, s.axis) for s in states), key=lambda i: (i.tensor, i.axis))
         decision.centrings = list(centrings)
         decision.foldable = True
         decision.reason = None

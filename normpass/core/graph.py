@@ -102,6 +102,8 @@ class Shift:
     `axis` is the shifted axis of that input; None when the input is broadcast along the
     normalized axis, which is then `out_axis` of the output. `rows`, where known, is the one slice
     along another axis of the input that carries the shift (the rest of the input carries none).
+    `weight`, where set, names the per-feature constant w the shift is c·w⁻¹ of (a weighted
+    centring's, `plan.Centring.weight`): not constant along the axis until a multiply by w.
     """
 
     zmg: ZeroMeanGraph
@@ -110,6 +112,7 @@ class Shift:
     axis: int | None
     out_axis: int | None = None
     rows: Rows | None = None
+    weight: str | None = None
 
     @property
     def out(self) -> str:
@@ -146,10 +149,26 @@ class Rule(Protocol):
         """The slice of `output` that carries a shift `forward` passed on to it (None: all of it)."""
         ...
 
+    def rows_read(self, zmg: ZeroMeanGraph, node: ZNode, tensor: str, rows: Rows | None, index: int) -> Rows | None:
+        """The slice of input `index` that the slice `rows` of output `tensor` reads (None: all of it; an
+        empty range, stop ≤ start: none of it)."""
+        ...
+
+    def weigh(self, zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int) -> tuple[Required, str] | str | None:
+        """For a multiply by a per-feature constant w along `axis`: the input that must be w-weighted
+        zero-mean (w ⊙ x zero-mean) for output `tensor` to be zero-mean, and w's name; or why not; None
+        where the node is no such multiply."""
+        ...
+
+    def unweighs(self, shift: Shift) -> bool:
+        """Whether the node multiplies a shift c·w⁻¹ (`Shift.weight` w) by w, leaving c·1."""
+        ...
+
 
 def describe(rule: Rule) -> str:
-    """A rule's name and parameters as one string, e.g. `Linear(axis=2)`, `NormRule(norm=ln_f)`."""
-    params = ", ".join(f"{f.name}={_short(getattr(rule, f.name))}" for f in fields(rule))
+    """A rule's name and parameters as one string, e.g. `Linear(axis=2)`, `NormRule(norm=ln_f)` (fields declared
+    with `repr=False` left out)."""
+    params = ", ".join(f"{f.name}={_short(getattr(rule, f.name))}" for f in fields(rule) if f.repr)
     return f"{type(rule).__name__}({params})"
 
 

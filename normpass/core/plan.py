@@ -16,6 +16,11 @@ class Centring:
     For a constant feeding `node` at input `input_index`, the constant itself is centred along
     `axis` of the constant (`axis=None`: the constant is constant along the required axis, so its
     centred value is zero).
+
+    `weight` names a constant w, one positive or negative factor per feature, that multiplies the
+    output before it is read (a LayerScale the proof walked through, `rules.per_channel_factor`): then
+    w ⊙ y is made zero-mean, W' = W − w⁻¹ ⊗ mean_k(w ⊙ W) (`algebra.centre`), and the shift left in y
+    is c·w⁻¹, which the multiply turns into c·1.
     """
 
     node: str
@@ -23,6 +28,7 @@ class Centring:
     input_index: int | None = None  # set for constants: which input of `node` is the constant
     tensor: str | None = None  # the constant's name, for constants
     stream_axis: int | None = None  # for constants: the normalized axis in `node`'s output
+    weight: str | None = None  # the constant per-feature factor the centring is weighted by
 
     @property
     def label(self) -> str:

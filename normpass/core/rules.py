@@ -47,8 +47,19 @@ The rules (the inputs of an op that the front end classifies; `x` is the stream 
 **Rows that carry a shift.** A shift entering part i of a `Concat` along another axis a lives in
 that part's rows of a alone; a `Slice` along a that keeps none of those rows passes no shift on
 (`Rule.rows`). So a row taken from a concatenation whose other rows were normalized again reads
-no shift (XCiT's class attention: `cat([norm2(x[:, :1]), x[:, 1:]])[:, :1]` feeds the MLP). Every
-other rule forgets where the shift is (all rows), which is always sound.
+no shift (XCiT's class attention: `cat([norm2(x[:, :1]), x[:, 1:]])[:, :1]` feeds the MLP).
+Elementwise ops keep the rows where the input spans their axis. Every other rule forgets where the
+shift is (all rows), which is always sound. Backwards, `Rule.rows_read` is the same map the other
+way: the rows of an input that a slice of the output reads (a `Slice`'s bounds, a `Concat` part's
+own rows, none for a part outside them); every other rule needs all rows, which is always sound.
+
+**Weights.** `Scale.weigh`: y = x ⊙ w with w a constant that varies along the axis alone (a
+LayerScale over a concatenation, which no one layer absorbs) is zero-mean iff x is w-weighted
+zero-mean, mean_k(w ⊙ x) = 0. Every rule that returns inputs keeps each element's feature index
+along the axis and acts on rows linearly, so a weighted need passes through it unchanged, except a
+`Concat` along the axis; a layer is then centred weighted (`plan.Centring.weight`). Forwards, the
+shift c·w⁻¹ such a centring leaves passes the same rules and becomes c·1 at a multiply by w
+(`Scale.unweighs`); a rule that removes shifts (`removes_shift`) does not remove it before that.
 
 **Values nobody reads.** A shift entering the data input (input 0) of a modelled op (any rule but
 `Opaque`) whose outputs only shape readers read, and no graph output is, changes nothing: those ops'
@@ -64,8 +75,10 @@ suffix products (`regroup_axis`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
+
+import numpy as np
 
 from .graph import Backward, Forward, NormInfo, Required, Rows, Shift, ZeroMeanGraph, ZNode
 from .plan import Centring
@@ -181,6 +194,26 @@ def _values_unread(zmg: ZeroMeanGraph, node: ZNode) -> bool:
     )
 
 
+def _rows_of_input(zmg: ZeroMeanGraph, node: ZNode, tensor: str, rows: Rows | None, index: int) -> Rows | None:
+    """The rows of broadcast input `index` that rows `rows` of elementwise output `tensor` read: the same rows
+    where the input spans their axis, all of it where it is broadcast along it."""
+    if rows is None:
+        return None
+    axis, start, stop = rows
+    in_axis, why = broadcast_axis(zmg.shape(tensor), zmg.shape(node.inputs[index]), axis)
+    return None if in_axis is None or why else (in_axis, start, stop)
+
+
+def _rows_of_output(shift: Shift) -> Rows | None:
+    """The rows of an elementwise output that a shift in rows `shift.rows` of its input reaches: the same rows
+    where the input spans their axis, all of it where it is broadcast along it."""
+    if shift.rows is None or shift.in_shape is None or shift.out_shape is None:
+        return None
+    axis, start, stop = shift.rows
+    out_axis = axis + shift.lift
+    return (out_axis, start, stop) if shift.in_shape[axis] == shift.out_shape[out_axis] else None
+
+
 # --- the rules ---------------------------------------------------------------------------------
 
 
@@ -219,15 +252,33 @@ class _Flow:
     def rows(self, shift: Shift, output: str) -> Rows | None:
         return None  # all of it: forgetting where a shift is never makes the check unsound
 
+    def rows_read(self, zmg, node, tensor, rows, index) -> Rows | None:
+        return None  # all of it: requiring every row of an input to be zero-mean is never unsound
+
+    def weigh(self, zmg, node, tensor, axis) -> tuple[Required, str] | str | None:
+        return None
+
+    def unweighs(self, shift: Shift) -> bool:
+        return False
+
+    # `forward` returns [] because the node removes a shift constant along its axis (not because the shift
+    # never reaches its output's values): a weighted shift, not constant along the axis, is not removed there
+    removes_shift: ClassVar[bool] = False
+
     def push(self, shift: Shift, axis: int) -> Forward:
         return "would change its output (it is not shift-invariant)"
 
 
 @dataclass(frozen=True)
 class Linear(_Flow):
-    """Output zero-mean along `axis` once the layer's weights are centred (the stream input is free)."""
+    """Output zero-mean along `axis` once the layer's weights are centred (the stream input is free).
+
+    `bias_per_feature` False: a bias that is one number for every feature (a Gemm's C of one element),
+    which a weighted centring cannot keep in its shape (`plan.Centring.weight`).
+    """
 
     axis: int
+    bias_per_feature: bool = field(default=True, repr=False)
 
     def backward(self, zmg, node, tensor, axis) -> Backward:
         if axis != self.axis:
@@ -280,9 +331,36 @@ class Scale(_Flow):
 
     def push(self, shift: Shift, axis: int) -> Forward:
         out_axis = axis + shift.lift
-        if not self._is_stream(shift, out_axis):
+        if not self._is_stream(shift, out_axis) and not self.unweighs(shift):
             return "scales the shifted tensor by a factor that varies along its axis, or scales by it"
         return [(shift.out, out_axis)]
+
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        return _rows_of_output(shift)
+
+    def rows_read(self, zmg, node, tensor, rows, index) -> Rows | None:
+        return _rows_of_input(zmg, node, tensor, rows, index)
+
+    def weigh(self, zmg, node, tensor, axis) -> tuple[Required, str] | str | None:
+        """y = x ⊙ w with w constant and per-feature along `axis`: mean_k(y) = 0 iff x is w-weighted zero-mean.
+
+        Where w has a zero (or non-finite) entry no weighted centring exists: a shift c·w⁻¹ is undefined.
+        """
+        found = per_channel_factor(zmg, node, axis)
+        if found is None:
+            return None
+        stream, factor = found
+        values = zmg.constant(factor)
+        if not np.all(np.isfinite(values)) or np.any(values == 0):
+            return f"{node.op} {node.name} multiplies by a per-feature factor {factor} with a zero or non-finite entry"
+        required = _broadcast_inputs(zmg, node, tensor, axis, [stream])
+        return required if isinstance(required, str) else (required, factor)
+
+    def unweighs(self, shift: Shift) -> bool:
+        if shift.weight is None or shift.axis is None or shift.out_shape is None or shift.in_shape is None:
+            return False
+        found = per_channel_factor(shift.zmg, shift.node, shift.axis + shift.lift)
+        return found is not None and found == (shift.index, shift.weight)
 
 
 class _Elementwise(_Flow):
@@ -293,6 +371,12 @@ class _Elementwise(_Flow):
 
     def push(self, shift: Shift, axis: int) -> Forward:
         return [(shift.out, axis + shift.lift)]
+
+    def rows(self, shift: Shift, output: str) -> Rows | None:
+        return _rows_of_output(shift)
+
+    def rows_read(self, zmg, node, tensor, rows, index) -> Rows | None:
+        return _rows_of_input(zmg, node, tensor, rows, index)
 
 
 @dataclass(frozen=True)
@@ -360,6 +444,17 @@ class Concat(_Flow):
         axis, start, stop = shift.rows
         return (axis, offset + start, offset + stop) if axis == self.axis else shift.rows
 
+    def rows_read(self, zmg, node, tensor, rows, index) -> Rows | None:
+        """The part's own rows within `rows` (an empty range where the part lies outside them)."""
+        if rows is None or rows[0] != self.axis:
+            return rows
+        sizes = [(zmg.shape(t) or ())[self.axis : self.axis + 1] for t in node.inputs]
+        if not all(len(size) == 1 and isinstance(size[0], int) for size in sizes):
+            return None
+        offset, size = sum(size[0] for size in sizes[:index]), sizes[index][0]
+        _, start, stop = rows
+        return (self.axis, max(start - offset, 0), min(stop - offset, size))
+
 
 @dataclass(frozen=True)
 class Mix(_Flow):
@@ -423,6 +518,9 @@ class Permute(_Flow):
             return "has a perm that does not match its input"
         return [(shift.out, self.perm.index(axis))]
 
+    def rows_read(self, zmg, node, tensor, rows, index) -> Rows | None:
+        return None if rows is None or rows[0] >= len(self.perm) else (self.perm[rows[0]], *rows[1:])
+
 
 @dataclass(frozen=True)
 class Regroup(_Flow):
@@ -473,6 +571,18 @@ class Select(_Flow):
             return None
         return (axis, max(start, kept[1]) - kept[1], min(stop, kept[2]) - kept[1])
 
+    def rows_read(self, zmg, node, tensor, rows, index) -> Rows | None:
+        """The input rows a slice reads: its own bounds (along an axis other than the normalized one, which
+        `pull` refuses to slice), or the slice `rows` of its output moved to where it starts."""
+        bounds = {bound[0]: bound for bound in self.bounds or ()}
+        if rows is None:
+            return next(iter(bounds.values()), None)
+        axis, start, stop = rows
+        if self.axes is not None and axis not in self.axes:
+            return rows
+        bound = bounds.get(axis)
+        return None if bound is None else (axis, bound[1] + start, bound[1] + min(stop, bound[2] - bound[1]))
+
 
 @dataclass(frozen=True)
 class Take(_Flow):
@@ -500,6 +610,8 @@ class Take(_Flow):
 class Centered(_Flow):
     axis: int
 
+    removes_shift: ClassVar[bool] = True
+
     def pull(self, zmg, node, tensor, axis) -> Backward:
         return [] if self.axis == axis else f"{node.op} {node.name} is centred along axis {self.axis}, not {axis}"
 
@@ -510,6 +622,8 @@ class Centered(_Flow):
 @dataclass(frozen=True)
 class ShiftInvariant(_Flow):
     axis: int
+
+    removes_shift: ClassVar[bool] = True
 
     def pull(self, zmg, node, tensor, axis) -> Backward:
         return f"{node.op} {node.name} is not linear in its input"
@@ -545,6 +659,8 @@ class Opaque(_Flow):
 @dataclass(frozen=True)
 class NormRule(_Flow):
     norm: NormInfo
+
+    removes_shift: ClassVar[bool] = True
 
     def pull(self, zmg, node, tensor, axis) -> Backward:
         if self.norm.output_centred and self.norm.axis == axis:
@@ -605,6 +721,19 @@ def layer_scale(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, ZNode,
     ):
         return None
     return factors[0], producer, add
+
+
+def per_channel_factor(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, str] | None:
+    """(stream input, factor) of a `Mul` by a constant that varies along output axis `axis` alone, y = x ⊙ w, else
+    None: a LayerScale over anything, which a centring weighted by w makes exact (`plan.Centring.weight`)."""
+    if not isinstance(node.rule, Scale) or node.op not in SCALING_OPS or len(node.inputs) != 2:
+        return None
+    factors = [i for i, t in enumerate(node.inputs) if zmg.is_constant(t)]
+    out_shape = zmg.shape(node.outputs[0])
+    if len(factors) != 1 or out_shape is None:
+        return None
+    factor = node.inputs[factors[0]]
+    return (1 - factors[0], factor) if _per_channel(zmg.shape(factor), len(out_shape), axis) else None
 
 
 def _per_channel(shape, rank: int, axis: int) -> bool:

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from torch import fx
 
-from ..core.algebra import centre, scale_along
+from ..core.algebra import scale_along
 from ..core.plan import Blocker, FoldPlan
 from .fx import NormSite, TorchGraph, to_numpy
-from .rewrite import _edits_of, _layer_scale
+from .rewrite import AxisWeight, _edits_of, _layer_scale, weighted_centre
 
 VIEWS = {torch.ops.aten.t.default, torch.ops.aten.numpy_T.default, torch.ops.aten.transpose.int}
 VIEWS |= {torch.ops.aten.permute.default}  # the transposes `fx._Context.transposed_constant` reads through
@@ -144,13 +144,13 @@ def apply(tg: TorchGraph, plan: FoldPlan, graph_module: fx.GraphModule) -> dict[
             if tensor is not None:
                 reads.set(scale.linear, tensor, scale_along(reads.get(scale.linear, tensor), axis, factor.reshape(-1)))
         reads.set(scale.mul, scale.factor, np.ones_like(factor))
-    centred: dict[tuple[str, str], int | None] = {}
+    centred: dict[tuple[str, str], AxisWeight] = {}
     for centring in plan.centrings:
         edits = _edits_of(tg, centring, absorbing=True)
         assert not isinstance(edits, str), f"restrict() checked the centring of {centring.node}"
-        centred.update({(node, tensor): axis for node, tensor, axis in edits})
-    for (node, tensor), axis in centred.items():
-        reads.set(node, tensor, centre(reads.get(node, tensor), axis))
+        centred.update({(node, tensor): (axis, centring.weight) for node, tensor, axis in edits})
+    for (node, tensor), (axis, weight) in centred.items():
+        reads.set(node, tensor, weighted_centre(tg, reads.get(node, tensor), axis, weight))
     reads.write()
     graph = graph_module.graph
     nodes = {n.name: n for n in graph.nodes}

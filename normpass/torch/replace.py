@@ -43,7 +43,6 @@ import torch
 from torch import nn
 
 from ..calibration import Batch, InputSpec, check_indices, find_mask_input, load_batches
-from ..core.algebra import centre
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.cost import CPU_COST, Emission
 from ..core.graph import NormInfo, NormType
@@ -74,6 +73,7 @@ from .rewrite import (
     add_to_bias,
     carry_along_stream,
     move_affine,
+    weighted_centre,
 )
 from .surrogates import surrogate_module
 from .targets import BiasTarget, claim_residual, migration_targets, shift_target, stream_targets
@@ -428,7 +428,7 @@ def _centre_inputs(tg: TorchGraph, editor: _Editor, norm: NormInfo, checker: Shi
             attr = tg.attr(node, tensor)
             current = None if attr is None else editor.get(attr)
             assert attr is not None and current is not None  # `_edits_of` checked: every read is an attribute
-            editor.set(attr, centre(_wide(current), axis))
+            editor.set(attr, weighted_centre(tg, _wide(current), axis, centring.weight))
         done.append(centring.node)
     return done
 

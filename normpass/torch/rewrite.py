@@ -92,6 +92,9 @@ class Permuted(nn.Module):
 # --- what a module rewrite can express ---------------------------------------------------------
 
 
+AxisWeight = tuple[int | None, str | None]  # how a constant is centred: along an axis, weighted by a constant or not
+
+
 @dataclass(frozen=True)
 class LayerScale:
     """A per-channel factor s after a linear layer, absorbed into it: W ← W⊙s along its outputs, b ← b⊙s, s ← 1."""
@@ -148,20 +151,29 @@ def _edits_of(tg: TorchGraph, centring: Centring, absorbing: bool = False) -> li
         reads = [(centring.node, linear.weight, linear.out_axis)]
         if linear.bias is not None:
             reads.append((centring.node, linear.bias, linear.bias_axis))
-    for node, tensor, _ in reads:
+    for node, tensor, axis in reads:
         if tg.attr(node, tensor) is None:
             return f"{tensor}, read by {node}, is not a module parameter or buffer"
+        if centring.weight is not None and axis is None:
+            return f"{tensor}, read by {node}, is one number for every channel: it has no centring weighted by a factor"
     return reads
 
 
-def _harmless(tg: TorchGraph, checker: ShiftChecker, node: str, tensor: str, axis: int | None) -> str | None:
-    """None if centring `tensor` along `axis` where `node` reads it leaves the model unchanged, else why not."""
+def weighted_centre(tg: TorchGraph, values: np.ndarray, axis: int | None, weight: str | None) -> np.ndarray:
+    """`values` centred along `axis`, weighted by the constant `weight` where one is named (`algebra.centre`)."""
+    return centre(values, axis, None if weight is None else np.ravel(tg.zmg.constant(weight)))
+
+
+def _harmless(tg: TorchGraph, checker: ShiftChecker, node: str, tensor: str, centring: AxisWeight) -> str | None:
+    """None if centring `tensor` as `centring` says (an axis, a weight) where `node` reads it leaves the model
+    unchanged, else why not."""
+    axis, weight = centring
     znode = tg.zmg.nodes[node]
     linear = znode.ref.linear if isinstance(znode.ref, NodeRef) else None
     if linear is None or (tensor, axis) not in ((linear.weight, linear.out_axis), (linear.bias, linear.bias_axis)):
         return f"it is also read by {node}, which centring it would change"
     assert isinstance(znode.rule, Linear)  # the node of a linear layer
-    blocker = checker.removed(znode.outputs[0], znode.rule.axis)
+    blocker = checker.removed(znode.outputs[0], znode.rule.axis, weight)
     return None if blocker is None else f"it is also read by {node}, where centring is unsafe: {blocker.reason}"
 
 
@@ -283,21 +295,23 @@ def _planned_edits(tg: TorchGraph, decisions: list[NormDecision], decline):
         if failed:
             decline(decision, decision.name, failed)
             continue
-        for node, tensor, axis in (read for reads in planned if not isinstance(reads, str) for read in reads):
-            attr = tg.attr(node, tensor)
-            assert attr is not None  # checked by _edits_of
-            edits.setdefault(attr, {})[(node, tensor)] = axis
-            needs.setdefault(attr, set()).add(decision.name)
+        for centring, reads in zip(decision.centrings, planned, strict=True):
+            assert not isinstance(reads, str)  # `failed` above
+            for node, tensor, axis in reads:
+                attr = tg.attr(node, tensor)
+                assert attr is not None  # checked by _edits_of
+                edits.setdefault(attr, {})[(node, tensor)] = (axis, centring.weight)
+                needs.setdefault(attr, set()).add(decision.name)
     return edits, needs
 
 
 def _conflict(tg, checker, attr: Attr, reads: dict, uses: list[tuple[str, str]]) -> str | None:
     """Why centring `attr` as `reads` says would change the model somewhere else, or None."""
-    axes = set(reads.values())
-    if len(axes) > 1:
-        return f"{attr} would be centred along different axes"
+    centrings = set(reads.values())
+    if len(centrings) > 1:
+        return f"{attr} would be centred along different axes, or weighted differently"
     for node, tensor in uses:
-        if (node, tensor) not in reads and (why := _harmless(tg, checker, node, tensor, next(iter(axes)))):
+        if (node, tensor) not in reads and (why := _harmless(tg, checker, node, tensor, next(iter(centrings)))):
             return f"{attr} cannot be centred: {why}"
     return None
 
@@ -497,16 +511,16 @@ def apply(
         targets[norm.name] = (full, beta_only)
     for scale in {s for c in plan.centrings if (s := _layer_scale(tg, c)) is not None}:
         _absorb(tg, editor, scale)
-    axes: dict[Attr, int | None] = {}
+    centrings: dict[Attr, AxisWeight] = {}
     for centring in plan.centrings:
         edits = _edits_of(tg, centring, absorbing=True)
         assert not isinstance(edits, str), f"restrict() checked the centring of {centring.node}: {edits}"
         for node, tensor, axis in edits:
             attr = tg.attr(node, tensor)
             assert attr is not None  # checked by _edits_of
-            axes[attr] = axis
-    for attr, axis in axes.items():
-        editor.set(attr, centre(_wide(editor.parameter(attr)), axis))
+            centrings[attr] = (axis, centring.weight)
+    for attr, (axis, weight) in centrings.items():
+        editor.set(attr, weighted_centre(tg, _wide(editor.parameter(attr)), axis, weight))
     notes = {d.name: _swap_norm(tg, editor, d.name, *targets[d.name]) for d in plan.folded}
     for path, axis in centred.items():
         parent, _, child = path.rpartition(".")

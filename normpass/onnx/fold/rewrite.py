@@ -158,7 +158,20 @@ class Rewriter:
         set_input(node, index, self._copies[key])
 
     def centre_layer(self, centring: Centring, norms: list[str]) -> None:
-        self.map_layer(centring, centre, "centred", f"centred for {', '.join(norms)}")
+        """Centre `centring`'s layer or constant; weighted by its `weight` w where it has one,
+        W' = W − w⁻¹ ⊗ mean_k(w ⊙ W) (`algebra.centre`)."""
+        change = f"centred for {', '.join(norms)}"
+        if centring.weight is None:
+            self.map_layer(centring, centre, "centred", change)
+            return
+        weight = np.ravel(self.zmg.constant(centring.weight))
+
+        def weighted(values: np.ndarray, axis: int | None) -> np.ndarray:
+            if axis is None:  # the plan weights no constant broadcast along the axis; a layer's bias may be one
+                raise ValueError(f"a bias broadcast along the features cannot be centred weighted by {centring.weight}")
+            return centre(values, axis, weight)
+
+        self.map_layer(centring, weighted, f"centred/{centring.weight}", f"{change}, weighted by {centring.weight}")
 
     def map_layer(self, centring: Centring, along: AxisMap, tag: str, change: str) -> None:
         """Apply `along` to the output features of the layer or constant `centring` names (copy-on-write).

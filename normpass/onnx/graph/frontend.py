@@ -453,8 +453,12 @@ def _matmul(ctx, node):
 
 
 def _gemm(ctx, node):
-    ok = is_constant(node.inputs[1]) and (input_at(node, 2) is None or is_constant(node.inputs[2]))
-    return _linear_or("its weight or bias is computed at run time", ok, 1)
+    bias = input_at(node, 2)
+    ok = is_constant(node.inputs[1]) and (bias is None or is_constant(bias))
+    kind, rule = _linear_or("its weight or bias is computed at run time", ok, 1)
+    if bias is not None and isinstance(rule, Linear) and (bias.shape is None or (list(bias.shape) or [1])[-1] == 1):
+        rule = Linear(1, bias_per_feature=False)  # C broadcast along the output features
+    return kind, rule
 
 
 def _conv(ctx, node):
