@@ -3,6 +3,7 @@ inside a module's forward (`torch/graph_rewrite.py`)."""
 
 from __future__ import annotations
 
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,23 @@ class InlineLayerNorm(nn.Module):
     def forward(self, x):
         h = self.emb(x)
         return self.fc(F.layer_norm(h, (8,), self.gamma, self.beta)) * 2
+
+
+class ClassRow(nn.Module):
+    """XCiT's class-attention tail: the class row normalized again before its MLP reads it alone. The proof
+    needs the sizes of the concatenations' parts along the tokens, which a dynamic token axis hides."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm1, self.attn = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.norm2, self.mlp, self.norm3, self.head = nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        s = self.embed(x)
+        s = s + self.attn(self.norm1(s))
+        x2 = torch.cat([self.norm2(s[:, :1]), s[:, 1:]], dim=1)
+        x3 = torch.cat([self.mlp(x2[:, :1]), x2[:, 1:]], dim=1)
+        return self.head(self.norm3(x2 + x3))
 
 
 def _seeded(cls) -> nn.Module:
@@ -173,3 +191,66 @@ def test_a_layer_norm_call_inside_a_forward_folds_in_the_graph():
     graph, report = fold_graph(module, X)
     assert report.folded == 1 and report.max_rel_error <= REL_TOL
     assert "aten.rms_norm.default" in _ops(graph) and "aten.layer_norm.default" not in _ops(graph)
+
+
+def gelu_stem_factory():
+    """A `--torch` factory (`normpass fold --torch test_torch_graph:gelu_stem_factory`)."""
+    return _seeded(GeluStem), X
+
+
+def test_cli_fold_torch_graph(tmp_path, capsys):
+    """`fold --torch F --graph` folds what `fold_graph` folds and writes ONNX that runs at another batch size."""
+    import onnxruntime as ort
+
+    from normpass.cli.main import main
+
+    module_out, graph_out = tmp_path / "module.onnx", tmp_path / "graph.onnx"
+    assert main(["fold", "--torch", "test_torch_graph:gelu_stem_factory", "-o", str(module_out)]) == 0
+    assert "0 of 2 norms folded" in capsys.readouterr().out  # the module swap cannot centre after F.gelu
+    assert main(["fold", "--torch", "test_torch_graph:gelu_stem_factory", "--graph", "-o", str(graph_out)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 of 2 norms folded" in printed and "captured with torch.export" in printed
+    session = ort.InferenceSession(str(graph_out), providers=["CPUExecutionProvider"])
+    ops = {node.op_type for node in onnx.load(str(graph_out)).graph.node}
+    assert "LayerNormalization" not in ops
+    other = torch.randn(3, 5, 4)  # another batch size than the example's: the capture kept it dynamic
+    (got,) = session.run(None, {session.get_inputs()[0].name: other.numpy()})
+    with torch.no_grad():
+        expected = _seeded(GeluStem)(other).numpy()
+    assert abs(got - expected).max() <= 1e-5 * abs(expected).max()
+
+
+def class_row_factory():
+    return _seeded(ClassRow), X
+
+
+def test_cli_fold_torch_graph_keeps_the_sizes_a_proof_needs(tmp_path, capsys):
+    """Captured with every dimension dynamic, the class row's proof fails (the parts' sizes along the tokens are
+    symbolic); `--graph` then captures with the batch axis alone dynamic, which folds more, and says so."""
+    import onnxruntime as ort
+
+    from normpass.cli.main import main
+    from normpass.torch.api import auto_dynamic_shapes
+
+    module = _seeded(ClassRow)
+    _, every = fold_graph(module, X, dynamic_shapes=auto_dynamic_shapes(X))
+    assert not every.plan.folded
+    out = tmp_path / "class_row.onnx"
+    assert main(["fold", "--torch", "test_torch_graph:class_row_factory", "--graph", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 of 3 norms folded" in printed and "axis 0 alone dynamic (2 more norm(s) fold" in printed
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    other = torch.randn(3, 5, 4)
+    (got,) = session.run(None, {session.get_inputs()[0].name: other.numpy()})
+    with torch.no_grad():
+        expected = module(other).numpy()
+    assert abs(got - expected).max() <= 1e-5 * abs(expected).max()
+
+
+def test_cli_graph_without_torch_refuses(tmp_path, capsys):
+    from normpass.cli.main import main
+
+    assert main(["fold", "--builtin", "gpt2", "--graph", "-o", str(tmp_path / "o.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--graph applies to --torch only" in err[0]
+    assert not (tmp_path / "o.onnx").exists()

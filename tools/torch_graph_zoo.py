@@ -3,10 +3,11 @@ and `normpass.fold_graph` (torch.export's graph); one line per model, a Markdown
 
     python tools/torch_graph_zoo.py                         # every model
     python tools/torch_graph_zoo.py --models whisper timm-xcit
-    python tools/torch_graph_zoo.py --dynamic-batch         # fold_graph captured with a dynamic batch axis
+    python tools/torch_graph_zoo.py --dynamic batch         # fold_graph captured with axis 0 of every input dynamic
+    python tools/torch_graph_zoo.py --dynamic every         # … with every dimension Dim.AUTO
 
 Each folded result is checked against the module's own outputs here (not by normpass's verifier):
-the largest relative error is printed (with --dynamic-batch, the larger of the errors at the example
+the largest relative error is printed (with --dynamic, the larger of the errors at the example
 batch and at one more). Exits 1 if one is above 1e-4 or a run fails.
 """
 
@@ -21,6 +22,7 @@ import torch
 
 import normpass
 from normpass.models import zoo
+from normpass.torch.api import auto_dynamic_shapes
 
 TOLERANCE = 1e-4
 
@@ -30,9 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", metavar="NAME", help="models to run (default: all)")
     parser.add_argument("--markdown", action="store_true", help="print the rows that differ as a Markdown table")
     parser.add_argument(
-        "--dynamic-batch",
-        action="store_true",
-        help="capture fold_graph with axis 0 of every input dynamic (Dim.AUTO), and check it at another batch size",
+        "--dynamic",
+        choices=["batch", "every"],
+        help="capture fold_graph with axis 0 (batch) or every dimension (every) of every input Dim.AUTO, dynamic "
+        "where the model allows it (`normpass fold --torch --graph` tries every, then batch), and check it at "
+        "another batch size",
     )
     args = parser.parse_args(argv)
     models = [m for m in zoo.ZOO if m.available and (not args.models or m.name in args.models)]
@@ -45,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    if rewrite is normpass.fold_graph and args.dynamic_batch:
-                        dynamic = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
+                    if rewrite is normpass.fold_graph and args.dynamic:
+                        dynamic = auto_dynamic_shapes(inputs)
+                        if args.dynamic == "batch":
+                            dynamic = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
                         folded, report = rewrite(module, inputs, verify=False, dynamic_shapes=dynamic)
                     else:
                         folded, report = rewrite(module, inputs, verify=False)
@@ -55,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 bad.append(f"{model.name} ({rewrite.__name__}): {e}")
                 continue
             error = zoo.relative_error(module, folded, inputs)
-            if args.dynamic_batch:  # one more sample: the first again
+            if args.dynamic:  # one more sample: the first again
                 longer = tuple(torch.cat([x, x[:1]]) for x in inputs)
                 error = max(error, zoo.relative_error(module, folded, longer))
             if error > TOLERANCE:

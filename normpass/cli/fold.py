@@ -73,6 +73,15 @@ def add_parser(sub) -> None:
         "verification uses the example inputs; --ort-optimizer is refused: it must run before the fold, on "
         "an ONNX graph; input dimensions stay dynamic where the module allows it)",
     )
+    parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="with --torch: rewrite torch.export's graph (normpass.fold_graph) instead of swapping modules, so "
+        "that a centring inside a module's forward (after a functional op) is made too and the module folds as "
+        "its ONNX export does; captured with every input dimension dynamic where the module allows it, or with "
+        "the batch axis alone dynamic where that folds more (the summary says which); needs torch.export (no "
+        "symbolic_trace fallback); γ and β stay in the RMS op (--no-migrate-affine does not apply)",
+    )
 
 
 def _factory_file(spec: str | None) -> dict[str, Path]:
@@ -104,6 +113,8 @@ def _print_summary(
 def run(args: argparse.Namespace) -> int:
     if args.torch:
         return _run_torch(args)
+    if args.graph:
+        raise InputError("--graph applies to --torch only: an ONNX model is folded on its graph already")
     out, inputs = checked_paths(args, _factory_file(args.torch))
     options = FoldOptions(
         target=args.target,
@@ -143,13 +154,39 @@ def _run_torch(args: argparse.Namespace) -> int:
     out, _ = checked_paths(args, _factory_file(args.torch))
     label = f"torch:{args.torch}"
     module, inputs = load_factory(args.torch)
-    folded, report = fold(
-        module, inputs, migrate_affine=not args.no_migrate_affine, verify=not args.no_verify, name=label
-    )
-    export_onnx(folded, inputs, out)
+    dynamic, captured = None, ""
+    if args.graph:
+        folded, report, dynamic, captured = _fold_graph_for_export(module, inputs, not args.no_verify, label)
+    else:
+        folded, report = fold(
+            module, inputs, migrate_affine=not args.no_migrate_affine, verify=not args.no_verify, name=label
+        )
+    export_onnx(folded, inputs, out, dynamic)
     if args.report:
         write_text_atomic(
             json.dumps({"model": label, "output": str(out), **report.to_json()}, indent=2) + "\n", args.report
         )
-    _print_summary(label, report.plan, report.comparison, out, f"; captured with {report.capture}")
+    _print_summary(label, report.plan, report.comparison, out, f"; captured with {report.capture}{captured}")
     return 0
+
+
+def _fold_graph_for_export(module, inputs: tuple, verify: bool, label: str):
+    """`fold_graph` captured with every input dimension `Dim.AUTO` (dynamic where the module allows it), or
+    with axis 0 alone dynamic where that folds more: a proof may need sizes along the tokens or space (a
+    reshape's, a concatenation's parts'), which a dynamic dimension hides. Returns the graph, the report, the
+    `dynamic_shapes` to export it with, and what the summary says of them."""
+    import torch
+
+    from ..torch.api import auto_dynamic_shapes, fold_graph
+
+    dynamic = auto_dynamic_shapes(inputs)
+    folded, report = fold_graph(module, inputs, dynamic_shapes=dynamic, verify=verify, name=label)
+    if len(report.plan.folded) == report.plan.total:
+        return folded, report, dynamic, ""
+    batch = tuple({0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() else None for x in inputs)
+    by_batch, batch_report = fold_graph(module, inputs, dynamic_shapes=batch, verify=verify, name=label)
+    more = len(batch_report.plan.folded) - len(report.plan.folded)
+    if more <= 0:
+        return folded, report, dynamic, ""
+    note = f", axis 0 alone dynamic ({more} more norm(s) fold than with every dimension dynamic)"
+    return by_batch, batch_report, batch, note

@@ -336,6 +336,15 @@ def _registration_quiet():
         logger.setLevel(level)
 
 
+def auto_dynamic_shapes(example_inputs) -> tuple:
+    """`dynamic_shapes` for `torch.export` with every dimension of every tensor input `Dim.AUTO`: dynamic
+    where the module allows it, static where it specializes it (a width its weights fix)."""
+    return tuple(
+        {axis: torch.export.Dim.AUTO for axis in range(x.dim())} if isinstance(x, torch.Tensor) else None
+        for x in example_inputs
+    )
+
+
 def to_onnx(module: nn.Module, example_inputs: tuple, dynamic_shapes=None) -> onnx.ModelProto:
     """`module` exported with `torch.onnx.export(dynamo=True)`; a failure is an `UnsupportedModelError`.
 
@@ -343,10 +352,7 @@ def to_onnx(module: nn.Module, example_inputs: tuple, dynamic_shapes=None) -> on
     the module allows it, so the file runs at other batch sizes and lengths than the examples'.
     """
     if dynamic_shapes is None:
-        dynamic_shapes = tuple(
-            {axis: torch.export.Dim.AUTO for axis in range(x.dim())} if isinstance(x, torch.Tensor) else None
-            for x in example_inputs
-        )
+        dynamic_shapes = auto_dynamic_shapes(example_inputs)
     try:
         with _registration_quiet():
             program = torch.onnx.export(
