@@ -23,15 +23,18 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
 * an `If` on a bool input whose branches read stream tensors through outer scope (nested
   sometimes, with a norm inside sometimes), or a `Loop` whose body does, its output added to the
   stream or returned;
+* XCiT's class-attention block, where the sequence length is fixed: h + w ⊙ cat(proj(n1[:, :1]), n1[:, 1:])
+  along the tokens (w a per-feature LayerScale sometimes, with a zero entry sometimes), then
+  cat(norm2(h[:, :r]), h[:, r:]), r = 1 mostly (the class row alone), 2 sometimes;
 * exits: the final stream, a norm, an LM head (tied to the embedding table sometimes), and
   extra graph outputs at random points;
 * one float dtype per model (fp32 mostly, fp16, fp64), an opset in 13–23 with ops valid for it,
   an IR version from the opset's minimum to 10 (opset 23 needs IR 11);
 * overridable initializers: some or all initializers also listed in `graph.input`.
 
-Spellings and functions are drawn from a random stream of their own, LayerScales from another (both
-seeded by the seed too), so every other draw, and with it the model of a seed without them, is what it
-was before they existed.
+Spellings and functions are drawn from a random stream of their own, LayerScales from another, class-attention
+blocks from a third (all seeded by the seed too), so every other draw, and with it the model of a seed without
+them, is what it was before they existed.
 
 Feeds: several shapes when a dim is dynamic, both values of the bool input, and a feed set that
 overrides every overridable float initializer. Float inputs have a non-zero mean per feature, so
@@ -64,12 +67,13 @@ FEATURES = (
     "spellings",
     "functions",
     "layer_scale",
+    "class_token",
 )
 # The features the pinned campaign seeds were found with: `generate(seed, PINNED_FEATURES)` replays
 # the very model a regression test was written for (later features draw from a stream of their own).
 PINNED_FEATURES = FEATURES[:9]
 # The features the surrogate and rotation tests' seeds were chosen with (before LayerScales existed).
-FEATURES_BEFORE_LAYER_SCALE = FEATURES[:-1]
+FEATURES_BEFORE_LAYER_SCALE = FEATURES[: FEATURES.index("layer_scale")]
 SPELLINGS = ("twice", "identity", "moments", "wide", "onnx")  # of a decomposed LayerNorm (see the module docstring)
 WIDER = {np.dtype(np.float16): np.float32, np.dtype(np.float32): np.float64}  # the "wide" spelling's inner type
 FUNCTION_DOMAIN = "fuzz.functions"
@@ -92,6 +96,7 @@ class Builder:
         self.rng, self.dtype, self.opset, self.features, self.seq = rng, np.dtype(dtype), opset, features, seq
         self.spell = spell or np.random.default_rng(0)  # spellings and functions: a stream of their own
         self.scales = np.random.default_rng(0)  # LayerScales (top-level blocks only): another one
+        self.classes = np.random.default_rng(0)  # class-attention blocks: a third
         self.prefix = ""
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
@@ -326,6 +331,28 @@ class Builder:
         factor = self.const("ls", self.scales.uniform(0.05, 1.5, shape).astype(self.dtype))
         return self.node("Mul", [x, factor] if self.scales.random() < 0.5 else [factor, x])
 
+    def class_attention(self, h: str) -> str:
+        """XCiT's class-attention block (`tokens_norm` False), its attention left out: the stream plus a LayerScale
+        w (sometimes) over cat(proj(n1[:, :1]), n1[:, 1:]) along the tokens, then the first r rows normalized
+        again. norm2 folds with proj centred weighted by w where r = 1 and no wₖ is 0."""
+        self.used.add("class_token")
+        draw, big = self.classes, 2**62
+        n1 = self.norm(h)
+        first = self.node("Slice", [n1, self.ints(0), self.ints(1), self.ints(1)])
+        rest = self.node("Slice", [n1, self.ints(1), self.ints(big), self.ints(1)])
+        parts = self.node("Concat", [self.linear(first), rest], axis=1)
+        if draw.random() < 0.8:
+            w = draw.uniform(0.05, 1.5, D)
+            if draw.random() < 0.2:
+                w[draw.integers(D)] = 0
+            factor = self.const("ls", w.astype(self.dtype))
+            parts = self.node("Mul", [parts, factor] if draw.random() < 0.5 else [factor, parts])
+        h = self.node("Add", [h, parts])
+        rows = 1 if draw.random() < 0.7 else 2
+        head = self.node("Slice", [h, self.ints(0), self.ints(rows), self.ints(1)])
+        tail = self.node("Slice", [h, self.ints(rows), self.ints(big), self.ints(1)])
+        return self.node("Concat", [self.norm(head), tail], axis=1)
+
     def split_concat(self, h: str) -> str:
         """Split D in two, transform one half linearly or not at all, concatenate back."""
         left, right = self.node("Split", [h, self.ints(D // 2, D // 2)], outputs=2, axis=-1)
@@ -408,6 +435,7 @@ def generate(seed: int, features=FEATURES) -> Case:
     seq = "seq" if rng.random() < 0.5 else SHAPES[0][1]
     b = Builder(rng, dtype, opset, features, seq, np.random.default_rng((seed, 1)))
     b.scales = np.random.default_rng((seed, 2))
+    b.classes = np.random.default_rng((seed, 3))
     tensor_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     inputs, outputs = [], []
 
@@ -446,6 +474,9 @@ def generate(seed: int, features=FEATURES) -> Case:
                 outputs.append(result)
         elif step == "output":
             outputs.append(h)
+        stream.append(h)
+    if "class_token" in features and seq != "seq" and b.classes.random() < 0.4:
+        h = b.class_attention(h)
         stream.append(h)
 
     exit_kind, width = rng.integers(3), D
