@@ -360,9 +360,8 @@ class Rewriter:
             note = "γ kept in the RMS op" + (", β migrated into " + ", ".join(moved_to) if moved_to else "")
             note += ", β kept as an Add" if beta is not None else ""
         original_gamma = self._feature_vector(norm, match.gamma)
-        dtype = (
-            original_gamma.dtype if original_gamma is not None else self._dtype(match.x)
-        )  # x may be an inserted centring
+        # x may be an inserted centring, or of a type inference does not reach (past a model-local function)
+        dtype = original_gamma.dtype if original_gamma is not None else self._dtype(match.x, y)
         scale = gamma
         if scale is None:
             width = self._width(norm)
@@ -447,11 +446,14 @@ class Rewriter:
             self._loaded[name] = values
         return self._loaded[name]
 
-    def _dtype(self, tensor: ir.Value) -> np.dtype:
-        known = self.ctx.dtypes.get(name_of(tensor))
-        return np.dtype(
-            known if known is not None else tensor.dtype.numpy() if tensor.dtype is not None else np.float32
-        )
+    def _dtype(self, *tensors: ir.Value) -> np.dtype:
+        """The element type of the first of `tensors` whose type inference or the model knows (one norm's input and
+        output share it), float32 where none is known."""
+        for tensor in tensors:
+            known = self.ctx.dtypes.get(name_of(tensor))
+            if known is not None or tensor.dtype is not None:
+                return np.dtype(known if known is not None else tensor.dtype.numpy())
+        return np.dtype(np.float32)
 
     def _note(self, name: str, text: str) -> None:
         previous = self.docs.get(name)
