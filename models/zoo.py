@@ -119,7 +119,17 @@ def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
         model = make()
         _randomise(model)
         _randomise_layer_scales(model)
+        _randomise_quiet_heads(model)
     return model.eval()
+
+
+def _randomise_quiet_heads(model: nn.Module) -> None:
+    """Draw a linear layer initialised near zero like the others (std 0.02): timm's EVA-02 scales its head by
+    1e-3 (`head_init_scale`), so that its outputs were its head's bias to within 2e-4, and a wrong rewrite of the
+    blocks before it would not have shown."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and float(module.weight.abs().max()) < 1e-3:
+            module.weight.normal_(0.0, 0.02)
 
 
 def _randomise_layer_scales(model: nn.Module) -> None:
