@@ -166,10 +166,21 @@ class Counting:
         self.calls["forward"] += 1
         return self.rule.forward(shift)
 
-    def __getattr__(self, name):  # the rule's other methods (rows, weigh, …) and attributes, uncounted
-        if name in ("rule", "calls"):
-            raise AttributeError(name)
-        return getattr(self.rule, name)
+    def rows(self, shift, output):
+        return self.rule.rows(shift, output)
+
+    def rows_read(self, zmg, node, tensor, rows, index):
+        return self.rule.rows_read(zmg, node, tensor, rows, index)
+
+    def weigh(self, zmg, node, tensor, axis):
+        return self.rule.weigh(zmg, node, tensor, axis)
+
+    def unweighs(self, shift):
+        return self.rule.unweighs(shift)
+
+    @property
+    def removes_shift(self):
+        return self.rule.removes_shift
 
 
 def counted_plan(layers: int) -> tuple[dict, ZeroMeanGraph]:

@@ -171,7 +171,7 @@ class Prover:
             layer = self.zmg.nodes[result.node].rule
             if weight is not None and not isinstance(layer, Linear):
                 return blocked(f"{node.op} {node.name} is a LayerScale after the per-feature factor {weight}")
-            if weight is not None and not layer.bias_per_feature:
+            if weight is not None and isinstance(layer, Linear) and not layer.bias_per_feature:
                 reason = f"{node.op} {node.name}'s bias is one number for every feature: no centring weighted by"
                 return blocked(f"{reason} {weight} keeps its shape")
             return _Step(centrings=(replace(result, weight=weight),))

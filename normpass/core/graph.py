@@ -137,6 +137,12 @@ class Rule(Protocol):
 
     __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
 
+    @property
+    def removes_shift(self) -> bool:
+        """Whether `forward` returns [] because the node removes a shift constant along its axis (which a weighted
+        shift is not), not because the shift never reaches its output's values."""
+        ...
+
     def backward(self, zmg: ZeroMeanGraph, node: ZNode, tensor: str, axis: int) -> Backward:
         """What makes output `tensor` of `node` zero-mean along `axis`."""
         ...

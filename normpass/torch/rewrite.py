@@ -285,7 +285,7 @@ def _place(tg: TorchGraph, insertion: Insertion) -> tuple[str, int] | str:
 
 def _planned_edits(tg: TorchGraph, decisions: list[NormDecision], decline):
     """Per attribute: the (node, constant) reads the folded decisions centre, with their axes; and who needs it."""
-    edits: dict[Attr, dict[tuple[str, str], int | None]] = {}
+    edits: dict[Attr, dict[tuple[str, str], AxisWeight]] = {}
     needs: dict[Attr, set[str]] = {}
     for decision in decisions:
         if not decision.foldable:

@@ -451,8 +451,10 @@ class Rewriter:
         output share it), float32 where none is known."""
         for tensor in tensors:
             known = self.ctx.dtypes.get(name_of(tensor))
-            if known is not None or tensor.dtype is not None:
-                return np.dtype(known if known is not None else tensor.dtype.numpy())
+            if known is not None:
+                return np.dtype(known)
+            if tensor.dtype is not None:
+                return np.dtype(tensor.dtype.numpy())
         return np.dtype(np.float32)
 
     def _note(self, name: str, text: str) -> None:
