@@ -50,9 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     if rewrite is normpass.fold_graph and args.dynamic:
-                        dynamic = auto_dynamic_shapes(inputs)
-                        if args.dynamic == "batch":
-                            dynamic = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
+                        dynamic = auto_dynamic_shapes(inputs, batch_only=args.dynamic == "batch")
                         folded, report = rewrite(module, inputs, verify=False, dynamic_shapes=dynamic)
                     else:
                         folded, report = rewrite(module, inputs, verify=False)

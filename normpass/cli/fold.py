@@ -175,15 +175,13 @@ def _fold_graph_for_export(module, inputs: tuple, verify: bool, label: str):
     with axis 0 alone dynamic where that folds more: a proof may need sizes along the tokens or space (a
     reshape's, a concatenation's parts'), which a dynamic dimension hides. Returns the graph, the report, the
     `dynamic_shapes` to export it with, and what the summary says of them."""
-    import torch
-
     from ..torch.api import auto_dynamic_shapes, fold_graph
 
     dynamic = auto_dynamic_shapes(inputs)
     folded, report = fold_graph(module, inputs, dynamic_shapes=dynamic, verify=verify, name=label)
     if len(report.plan.folded) == report.plan.total:
         return folded, report, dynamic, ""
-    batch = tuple({0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() else None for x in inputs)
+    batch = auto_dynamic_shapes(inputs, batch_only=True)
     by_batch, batch_report = fold_graph(module, inputs, dynamic_shapes=batch, verify=verify, name=label)
     more = len(batch_report.plan.folded) - len(report.plan.folded)
     if more <= 0:

@@ -168,10 +168,12 @@ class Prover:
             elif weighed is not None:
                 result, weight = weighed
         if isinstance(result, Centring):
+            if weight is None:
+                return _Step(centrings=(result,))
             layer = self.zmg.nodes[result.node].rule
-            if weight is not None and not isinstance(layer, Linear):
+            if not isinstance(layer, Linear):
                 return blocked(f"{node.op} {node.name} is a LayerScale after the per-feature factor {weight}")
-            if weight is not None and isinstance(layer, Linear) and not layer.bias_per_feature:
+            if not layer.bias_per_feature:
                 reason = f"{node.op} {node.name}'s bias is one number for every feature: no centring weighted by"
                 return blocked(f"{reason} {weight} keeps its shape")
             return _Step(centrings=(replace(result, weight=weight),))

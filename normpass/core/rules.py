@@ -694,17 +694,11 @@ def layer_scale(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, ZNode,
     per-channel constant s: (x·W + b)⊙s = x·(W⊙s) + b⊙s, so s is absorbed into the layer, which
     is then centred. The layer's output and the bias sum must be read by nothing else.
     """
-    if not isinstance(node.rule, Scale) or node.op not in SCALING_OPS or len(node.inputs) != 2:
+    found = per_channel_factor(zmg, node, axis)
+    if found is None:
         return None
-    factors = [i for i, t in enumerate(node.inputs) if zmg.is_constant(t)]
-    out_shape = zmg.shape(node.outputs[0])
-    if (
-        len(factors) != 1
-        or out_shape is None
-        or not _per_channel(zmg.shape(node.inputs[factors[0]]), len(out_shape), axis)
-    ):
-        return None
-    stream = node.inputs[1 - factors[0]]
+    stream_index, _ = found
+    stream = node.inputs[stream_index]
     add = None
     producer = _private_producer(zmg, stream)
     if producer is not None and producer.op == "Add" and isinstance(producer.rule, Sum) and len(producer.inputs) == 2:
@@ -720,7 +714,7 @@ def layer_scale(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, ZNode,
         or producer.op not in ABSORBING_OPS
     ):
         return None
-    return factors[0], producer, add
+    return 1 - stream_index, producer, add
 
 
 def per_channel_factor(zmg: ZeroMeanGraph, node: ZNode, axis: int) -> tuple[int, str] | None:

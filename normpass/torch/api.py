@@ -336,11 +336,14 @@ def _registration_quiet():
         logger.setLevel(level)
 
 
-def auto_dynamic_shapes(example_inputs) -> tuple:
-    """`dynamic_shapes` for `torch.export` with every dimension of every tensor input `Dim.AUTO`: dynamic
-    where the module allows it, static where it specializes it (a width its weights fix)."""
+def auto_dynamic_shapes(example_inputs, batch_only: bool = False) -> tuple:
+    """`dynamic_shapes` for `torch.export` with every dimension of every tensor input `Dim.AUTO` (or axis 0
+    alone, `batch_only`): dynamic where the module allows it, static where it specializes it (a width its
+    weights fix)."""
     return tuple(
-        {axis: torch.export.Dim.AUTO for axis in range(x.dim())} if isinstance(x, torch.Tensor) else None
+        {axis: torch.export.Dim.AUTO for axis in range(min(x.dim(), 1) if batch_only else x.dim())}
+        if isinstance(x, torch.Tensor)
+        else None
         for x in example_inputs
     )
 

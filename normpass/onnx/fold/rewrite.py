@@ -167,8 +167,7 @@ class Rewriter:
         weight = np.ravel(self.zmg.constant(centring.weight))
 
         def weighted(values: np.ndarray, axis: int | None) -> np.ndarray:
-            if axis is None:  # the plan weights no constant broadcast along the axis; a layer's bias may be one
-                raise ValueError(f"a bias broadcast along the features cannot be centred weighted by {centring.weight}")
+            assert axis is not None  # the proof weights no constant, nor Gemm bias, broadcast along the features
             return centre(values, axis, weight)
 
         self.map_layer(centring, weighted, f"centred/{centring.weight}", f"{change}, weighted by {centring.weight}")
