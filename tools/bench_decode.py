@@ -17,7 +17,9 @@ decode step reads (every initializer but the tables a `Gather` reads one row of)
   copy of the folder with its `model.onnx` (and external data) replaced; `genai_config.json` is unchanged (it
   names head sizes and counts, not the stream's width).
 * `ort`: the same folders' `model.onnx` in a plain ONNX Runtime loop (inputs fed, `present.*` fed back as
-  `past_key_values.*`), and IgLM's with-past export (`tools/eval_decode.py`) with its sliced and 4-bit variants.
+  `past_key_values.*`), and IgLM's with-past export (`tools/eval_decode.py`; d = 512 × 4 layers, 12.9 M
+  parameters) with the same variants, calibrated on 16 sequences sampled from IgLM (the builder builds no
+  GPT-2, so IgLM has no GenAI folder).
 
     python tools/bench_decode.py --json docs/results/cpu-2026-11-28/decode-speed.json
 """
@@ -72,11 +74,15 @@ def build_phi(root: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def save_folder(original: pathlib.Path, model: onnx.ModelProto, out: pathlib.Path) -> pathlib.Path:
-    """A copy of the GenAI folder `original` with `model` as its model.onnx (weights in model.onnx.data)."""
+def save_folder(original: pathlib.Path | None, model: onnx.ModelProto, out: pathlib.Path) -> pathlib.Path:
+    """A copy of the GenAI folder `original` (None: an empty folder) with `model` as its model.onnx (weights in
+    model.onnx.data)."""
     if out.exists():
         shutil.rmtree(out)
-    shutil.copytree(original, out, ignore=shutil.ignore_patterns("model.onnx", "model.onnx.data"))
+    if original is None:
+        out.mkdir(parents=True)
+    else:
+        shutil.copytree(original, out, ignore=shutil.ignore_patterns("model.onnx", "model.onnx.data"))
     onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
     return out
 
@@ -231,36 +237,67 @@ def records(report: dict) -> dict:
 # --- variants -------------------------------------------------------------------------------------
 
 
-def phi_variants(folder: pathlib.Path, cache: pathlib.Path, args) -> dict[str, onnx.ModelProto]:
-    """The seeded Phi folder's model and its variants (the module docstring), by label."""
+def variants(original: onnx.ModelProto, calibration: list[dict], shapes: dict, args, name: str) -> dict:
+    """`original` and its variants (the module docstring), by label; `calibration`: decode steps to slice on."""
+    rotate = RotateOptions(provider="cpu", input_shapes=shapes)
+    found = {"original": original, "4bit": eval_decode.four_bit(original)}
+    found["rotate+4bit"] = eval_decode.four_bit(rotate_onnx(original, rotate, name).model)
+    for ratio in args.ratios:
+        options = SliceOptions(
+            ratio=ratio, basis=args.basis, head=args.head, batch_size=1, provider="cpu", input_shapes=shapes
+        )
+        sliced = slice_onnx(original, calibration, options, name).model
+        found[f"slice-{ratio:g}"] = sliced
+        if ratio in args.quantized_ratios:
+            found[f"slice-{ratio:g}+4bit"] = eval_decode.four_bit(sliced)
+            try:
+                rotated = rotate_onnx(sliced, rotate, name).model
+            except Exception as e:  # a refusal is a finding
+                print(f"slice-{ratio:g}+rotate: {e}", flush=True)
+            else:
+                found[f"slice-{ratio:g}+rotate+4bit"] = eval_decode.four_bit(rotated)
+    return found
+
+
+def phi(cache: pathlib.Path, args) -> tuple[dict, np.ndarray, int, pathlib.Path]:
+    """The seeded Phi folder's variants, a prompt from its sentences, its head size, the folder."""
+    folder = build_phi(cache / "phi-1024x8")
     original = onnx.load(str(folder / "model.onnx"))
     head_size = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
     reference = eval_decode.session(original)
     calibration = [eval_decode.calibration_feeds(p, original, reference, head_size) for p in prompts(folder, 16, 33)]
     del reference
     shapes = eval_decode.verification_shapes(original, head_size)
-    rotate = RotateOptions(provider="cpu", input_shapes=shapes)
-    variants = {"original": original, "4bit": eval_decode.four_bit(original)}
-    variants["rotate+4bit"] = eval_decode.four_bit(rotate_onnx(original, rotate, "phi").model)
-    for ratio in args.ratios:
-        options = SliceOptions(
-            ratio=ratio, basis=args.basis, head=args.head, batch_size=1, provider="cpu", input_shapes=shapes
-        )
-        sliced = slice_onnx(original, calibration, options, "phi").model
-        variants[f"slice-{ratio:g}"] = sliced
-        if ratio in args.quantized_ratios:
-            variants[f"slice-{ratio:g}+4bit"] = eval_decode.four_bit(sliced)
-            try:
-                rotated = rotate_onnx(sliced, rotate, "phi").model
-            except Exception as e:  # a refusal is a finding
-                print(f"slice-{ratio:g}+rotate: {e}", flush=True)
-            else:
-                variants[f"slice-{ratio:g}+rotate+4bit"] = eval_decode.four_bit(rotated)
-    return variants
+    return variants(original, calibration, shapes, args, "phi"), prompts(folder, 1, args.prompt)[0], head_size, folder
+
+
+def iglm(cache: pathlib.Path, args) -> tuple[dict, np.ndarray, int, None]:
+    """IgLM's with-past export and its variants (calibrated on 16 sequences sampled with seed 1), the first
+    tokens of a sequence sampled with seed 2 as the prompt."""
+    import eval_slice
+    import transformers
+
+    directory = eval_slice.iglm_directory()
+    vocab = (directory / "vocab.txt").read_text().split()
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(directory / "IgLM")).eval()
+    path = cache / "iglm-with-past.onnx"
+    if not path.exists():
+        eval_decode.export_with_past(model, path)
+    original = onnx.load(str(path))
+    reference = eval_decode.session(original)
+    sequences = eval_slice.iglm_sequences(model, vocab, 16, seed=1, length=eval_decode.LENGTH)
+    calibration = [eval_decode.calibration_feeds(s, original, reference) for s in sequences]
+    prompt = eval_slice.iglm_sequences(model, vocab, 1, seed=2, length=eval_decode.LENGTH)[0][:, : args.prompt]
+    shapes = eval_decode.verification_shapes(original)
+    return variants(original, calibration, shapes, args, "iglm"), prompt, 0, None
+
+
+MODELS = {"phi-1024x8": phi, "iglm": iglm}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
     parser.add_argument("--quantized-ratios", type=float, nargs="*", default=[0.25])
     parser.add_argument("--basis", choices=("layer", "stream"), default="stream")
@@ -280,7 +317,11 @@ def main() -> None:
     report: dict = {
         "machine": bench.machine() | {"onnxruntime_genai": og.__version__, "load_before": load},
         "command": "python tools/bench_decode.py " + " ".join(sys.argv[1:]),
-        "shape": f"seeded Phi (GenAI builder, fp32): {SHAPE}, vocabulary 256",
+        "shapes": {
+            "phi-1024x8": f"seeded Phi (GenAI builder, fp32): {SHAPE}, vocabulary 256",
+            "iglm": "IgLM (iglm 0.1.0), with-past torch.onnx export (dynamo), fp32; no GenAI folder (the builder "
+            "builds no GPT-2)",
+        },
         "prompt_tokens": args.prompt,
         "decoded_tokens": args.tokens,
         "rounds": args.rounds,
@@ -297,31 +338,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as temporary:
         cache = args.cache or pathlib.Path(temporary)
         cache.mkdir(parents=True, exist_ok=True)
-        folder = build_phi(cache / "phi-1024x8")
-        variants = phi_variants(folder, cache, args)
-        sizes = {name: read_bytes(model) for name, model in variants.items()}
-        parameters = {n: sum(int(np.prod(t.dims)) for t in m.graph.initializer) for n, m in variants.items()}
-        prompt = prompts(folder, 1, args.prompt)[0]
-        folders = {n: save_folder(folder, m, cache / "variants" / n) for n, m in variants.items()}
-        del variants
-        if "genai" in args.loops:
-            runs = {n: GenAIRun(f, args.threads) for n, f in folders.items()}
-            found = interleaved(runs, prompt, args.tokens, args.rounds)
-            for name, entry in found.items():
-                entry |= {"read_bytes": sizes[name], "read_bytes_ratio": sizes[name] / sizes["original"]}
-                entry["parameters"] = parameters[name]
-            report["results"]["genai-phi-1024x8"] = found
-            del runs
-            save()
-        if "ort" in args.loops:
-            head_size = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
-            runs = {n: OrtRun(f / "model.onnx", args.threads, head_size) for n, f in folders.items()}
-            found = interleaved(runs, prompt, args.tokens, args.rounds)
-            for name, entry in found.items():
-                entry |= {"read_bytes": sizes[name], "read_bytes_ratio": sizes[name] / sizes["original"]}
-            report["results"]["ort-phi-1024x8"] = found
-            del runs
-            save()
+        for model in args.models:
+            found_variants, prompt, head_size, folder = MODELS[model](cache, args)
+            sizes = {name: read_bytes(m) for name, m in found_variants.items()}
+            parameters = {n: sum(int(np.prod(t.dims)) for t in m.graph.initializer) for n, m in found_variants.items()}
+            where = cache / "variants" / model
+            folders = {n: save_folder(folder, m, where / n) for n, m in found_variants.items()}
+            del found_variants
+            loops = [loop for loop in args.loops if folder is not None or loop == "ort"]
+            for loop in loops:
+                if loop == "genai":
+                    runs: dict = {n: GenAIRun(f, args.threads) for n, f in folders.items()}
+                else:
+                    runs = {n: OrtRun(f / "model.onnx", args.threads, head_size) for n, f in folders.items()}
+                found = interleaved(runs, prompt, args.tokens, args.rounds)
+                for name, entry in found.items():
+                    entry |= {"read_bytes": sizes[name], "read_bytes_ratio": sizes[name] / sizes["original"]}
+                    entry["parameters"] = parameters[name]
+                report["results"][f"{loop}-{model}"] = found
+                del runs
+                save()
     report["machine"]["load_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     save()
     if args.records:
