@@ -9,6 +9,11 @@ drawn too), so a fold or rotation that drops a term shows in the logits and in t
 
 ``FAMILIES`` maps a family to its transformers config: Phi (LayerNorm, parallel block) and Llama (RMSNorm)
 are the two the tests use; the others are there for the families table.
+
+``export_with_past(family, path, exporter)`` writes the same kind of model as ``torch.onnx`` does for a
+Hugging Face causal LM with ``use_cache=True`` (``dynamo`` or ``torchscript``): inputs ``input_ids``,
+``attention_mask`` (past + new), ``past_key_values.N.key`` / ``.value``; outputs ``logits``, ``present.N.*``.
+``WITH_PAST`` lists the families it knows (GPT-2: LayerNorm; Llama: RMSNorm).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FAMILIES", "build_folder", "checkpoint", "prompts", "tokenizer_json"]
+from .registry import _quiet
+
+__all__ = ["FAMILIES", "WITH_PAST", "build_folder", "checkpoint", "export_with_past", "prompts", "tokenizer_json"]
 
 _DATA = pathlib.Path(__file__).parent / "data"
 _SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -43,9 +50,10 @@ def _common(d: int, layers: int, heads: int, kv_heads: int, vocab: int) -> dict[
 
 
 def _phi(vocab: int) -> Any:
+    """Head size 32: GroupQueryAttention needs the rotary half-width (a quarter of a Phi head) a multiple of 8."""
     from transformers import PhiConfig
 
-    return PhiConfig(**_common(64, 2, 4, 4, vocab))
+    return PhiConfig(**_common(128, 2, 4, 4, vocab))
 
 
 def _llama(vocab: int) -> Any:
@@ -149,3 +157,92 @@ def build_folder(family: str, directory: str | pathlib.Path, seed: int = 0, prec
         raise RuntimeError(f"onnxruntime_genai's builder failed on {family}: {tail}")
     json.loads((out / "genai_config.json").read_text())
     return out
+
+
+def _gpt2() -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
+
+
+def _llama_small() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**_common(64, 2, 4, 2, 128), "max_position_embeddings": 64})
+
+
+WITH_PAST: dict[str, Callable[[], Any]] = {"gpt2": _gpt2, "llama": _llama_small}
+
+
+def export_with_past(
+    family: str, path: str | pathlib.Path, exporter: str = "dynamo", seed: int = 0
+) -> tuple[pathlib.Path, Any]:
+    """Export the seeded ``family`` (``WITH_PAST``) with its KV cache as inputs and outputs to ``path``; return
+    the path and the PyTorch model (for reference generation)."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    config = WITH_PAST[family]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    _randomise(model, seed)
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head = config.hidden_size // heads
+
+    class WithPast(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, *past):
+            cache = DynamicCache(config=config)
+            for layer in range(layers):
+                cache.update(past[2 * layer], past[2 * layer + 1], layer)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            grown = out.past_key_values.layers
+            return (out.logits, *[t for layer in grown[:layers] for t in (layer.keys, layer.values)])
+
+    batch, new, past_length = 2, 3, 4
+    ids = torch.randint(0, config.vocab_size, (batch, new))
+    mask = torch.ones(batch, past_length + new, dtype=torch.int64)
+    past = [torch.randn(batch, kv_heads, past_length, head) for _ in range(2 * layers)]
+    cache_names = [f"{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    inputs = ["input_ids", "attention_mask"] + [f"past_key_values.{n}" for n in cache_names]
+    outputs = ["logits"] + [f"present.{n}" for n in cache_names]
+    out = pathlib.Path(path)
+    with torch.no_grad(), _quiet():
+        if exporter == "dynamo":
+            b, s, p, t = (torch.export.Dim(n) for n in ("batch", "sequence", "past", "total"))
+            dynamic = {
+                "input_ids": {0: b, 1: s},
+                "attention_mask": {0: b, 1: t},
+                "past": tuple([{0: b, 2: p}] * 2 * layers),
+            }
+            torch.onnx.export(
+                WithPast(),
+                (ids, mask, *past),
+                str(out),
+                dynamo=True,
+                dynamic_shapes=dynamic,
+                input_names=inputs,
+                output_names=outputs,
+                verbose=False,
+            )
+        else:
+            axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total"}}
+            axes.update({name: {0: "batch", 2: "past"} for name in inputs[2:]})
+            axes.update({name: {0: "batch", 2: "total"} for name in outputs[1:]})
+            axes["logits"] = {0: "batch", 1: "sequence"}
+            torch.onnx.export(
+                WithPast(),
+                (ids, mask, *past),
+                str(out),
+                dynamo=False,
+                input_names=inputs,
+                output_names=outputs,
+                dynamic_axes=axes,
+                opset_version=17,
+            )
+    return out, model
