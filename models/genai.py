@@ -1,7 +1,7 @@
 """Seeded ONNX Runtime GenAI folders: a tiny Hugging Face checkpoint per family, run through GenAI's builder.
 
 ``checkpoint(family, directory)`` writes a seeded checkpoint (``config.json``, ``model.safetensors``, a
-word-level ``tokenizer.json`` made with ``tokenizers`` from ``models/data/sentences.txt``);
+byte-level BPE ``tokenizer.json`` made with ``tokenizers`` from ``models/data/sentences.txt``);
 ``build_folder(family, directory)`` runs ``python -m onnxruntime_genai.models.builder -p fp32 -e cpu`` on it and
 returns the folder it wrote (``model.onnx``, its weights, ``genai_config.json``, the tokenizer). Nothing is
 downloaded: the builder reads the local checkpoint. The weights are random but non-trivial (norm γ and β
@@ -96,13 +96,16 @@ def prompts() -> list[str]:
     return [" ".join(line.split()[:6]) for line in lines[:4]]
 
 
-def tokenizer_json(path: pathlib.Path, vocab: int = 256) -> int:
-    """Write a word-level ``tokenizer.json`` of at most ``vocab`` words to ``path``; return its size."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def tokenizer_json(path: pathlib.Path, vocab: int = 384) -> int:
+    """Write a byte-level BPE ``tokenizer.json`` (GPT-2's kind, which ONNX Runtime GenAI's tokenizer reads) of
+    ``vocab`` tokens, trained on ``models/data/sentences.txt``, to ``path``; return its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(vocab_size=vocab, special_tokens=_SPECIALS)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=_SPECIALS, initial_alphabet=alphabet)
     tok.train([str(_DATA / "sentences.txt")], trainer)
     tok.save(str(path))
     return tok.get_vocab_size()
