@@ -16,6 +16,12 @@ The folder is written as a temporary folder beside `OUT_DIR` and renamed into pl
 absent or complete. An existing `OUT_DIR` must be an empty folder: normpass replaces files, never folders,
 and never removes a user's files. The calibration text of a folder is tokenized with its own
 `tokenizer.json` unless `--tokenizer` names another.
+
+From Python, the passes take the decoder's path and `write_folder` writes their model as a folder::
+
+    folder = open_folder("phi-2")
+    result = rotate_onnx(str(folder.model))
+    write_folder(folder, result.ir_model, Path("phi-2-rotated"))
 """
 
 from __future__ import annotations
@@ -112,6 +118,12 @@ def updated_config(config: dict, widths: dict[int, int] | None) -> dict | None:
     changed = json.loads(json.dumps(config))
     changed["model"]["decoder"]["hidden_size"] = width
     return changed
+
+
+def sliced_widths(result) -> dict[int, int]:
+    """A slice result's streams as {width: width kept} (`write_folder`'s `widths`); {} where nothing was chosen."""
+    kept = result.chosen.kept if result.chosen is not None else {}
+    return {s.width: kept[s.name] for s in result.slicing.sliceable if s.width and s.name in kept}
 
 
 def write_folder(folder: Folder, model: ir.Model, out: Path, widths: dict[int, int] | None = None) -> None:
