@@ -108,11 +108,12 @@ def test_a_past_with_several_new_tokens_at_batch_above_one_is_bad_input(genai_fo
 
 
 def test_bench_times_a_decode_step(genai_folder, capsys, tmp_path):
-    model = genai_folder("llama") / "model.onnx"
-    rotated = tmp_path / "r.onnx"
-    assert cli(capsys, "rotate", model, "-o", rotated)[0] == 0
-    code, _, err = cli(capsys, "bench", model, rotated, "--seq", "12", "--repeats", "2", "--warmup", "0")
-    assert code == 0, err
+    folder = genai_folder("llama")
+    model = folder / "model.onnx"
+    rotated = tmp_path / "rotated"
+    assert cli(capsys, "rotate", folder, "-o", rotated)[0] == 0
+    code, _, err = cli(capsys, "bench", folder, rotated, "--seq", "12", "--repeats", "2", "--warmup", "0")
+    assert code == 0, err  # folders: their decoders
     feeds = make_feeds(structure(model), 1, 12)
     assert feeds["input_ids"].shape == (1, 1) and feeds["attention_mask"].shape == (1, 13)
     assert feeds["past_key_values.0.key"].shape == (1, 2, 12, 16)
