@@ -7,10 +7,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import build
 
 from normpass.cli.main import main
 from normpass.onnx.runtime import decode
 from normpass.onnx.runtime.bench import make_feeds
+from normpass.onnx.runtime.verify import make_inputs
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:
@@ -117,3 +119,38 @@ def test_bench_times_a_decode_step(genai_folder, capsys, tmp_path):
     feeds = make_feeds(structure(model), 1, 12)
     assert feeds["input_ids"].shape == (1, 1) and feeds["attention_mask"].shape == (1, 13)
     assert feeds["past_key_values.0.key"].shape == (1, 2, 12, 16)
+
+
+def test_positions_and_the_lengths_attention_takes_as_inputs_count_from_the_past():
+    """position_ids run past … past + new − 1; seqlens_k is total − 1 per row, total_sequence_length the total."""
+    model = build(
+        """<ir_version: 10, opset_import: ["" : 17]>
+        g (int64[B, S] input_ids, int64[B, S] position_ids, int64[B, T] attention_mask, float[B, 2, P, 4] past_0,
+           int32[B] seqlens_k, int32[1] total_sequence_length) => (float[B, 2, P, 4] present_0) {
+          present_0 = Identity(past_0)
+        }"""
+    )
+    sig = decode.signature(model)
+    assert sig is not None and not sig.gqa
+    assert (sig.positions, sig.seqlens, sig.total_length, sig.past, sig.total) == (
+        "position_ids",
+        "seqlens_k",
+        "total_sequence_length",
+        "P",
+        "T",
+    )
+    shapes = decode.input_shapes(model, sig, 2, 3, 5)
+    assert shapes == {
+        "input_ids": (2, 3),
+        "position_ids": (2, 3),
+        "attention_mask": (2, 8),
+        "past_0": (2, 2, 5, 4),
+        "seqlens_k": (2,),
+        "total_sequence_length": (1,),
+    }
+    feeds = decode.set_values(sig, make_inputs(model, shapes, 0), 5)
+    assert feeds["position_ids"].tolist() == [[5, 6, 7]] * 2 and feeds["attention_mask"].all()
+    assert feeds["seqlens_k"].tolist() == [7, 7] and feeds["total_sequence_length"].tolist() == [8]
+    prefill = decode.prefill(model, sig, {"input_ids": np.ones((1, 4), np.int64)})
+    assert prefill["past_0"].shape == (1, 2, 0, 4) and prefill["position_ids"].tolist() == [[0, 1, 2, 3]]
+    assert prefill["attention_mask"].shape == (1, 4)
