@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 from collections import Counter
 
@@ -17,10 +18,12 @@ from test_patterns import beta, gamma, header
 from test_rotation import tied_rms_model
 
 from normpass import SliceOptions, SlicePass, UnsupportedModelError, inspect_slice, io, slice_onnx
+from normpass.calibration import find_mask_input
 from normpass.cli import progress as cli_progress
 from normpass.cli.main import main
 from normpass.core import pca
 from normpass.core.pca import Covariance, eigenbasis, rms_rescale, sliced_width
+from normpass.errors import InputError
 from normpass.models import get
 from normpass.models.reference import entry_feeds
 from normpass.models.registry import vit_entry
@@ -491,11 +494,18 @@ def test_cli_slice_budget_missed_writes_nothing_and_write_best_writes_the_larges
         (["--calib", "calib.npz", "--write-best"], "--write-best writes the largest ratio that meets a budget"),
         (["--calib", "calib.npz", "--split", "0.5"], "--split '0.5': expected two fractions"),
         (["--calib", "calib.npz", "--budget", "cos=2"], "cos must be in (0, 1]"),
+        (["--calib", "calib.npz", "--round-to", "0"], "--round-to 0: choose a whole number of at least 1"),
+        (["--calib", "calib.npz", "--round-to", "32"], "ratio 0.5 with round_to 32 keeps all 32 columns"),
+        (["--calib", "calib.npz", "--ratio", "0.1"], "ratio 0.1 with round_to 16 keeps all 32 columns"),
+        (["--calib", "calib.npz", "--holdout", "calib.npz"], "is the calibration data"),
+        (["--calib", "calib.npz", "--holdout", "copy.npz"], "is the calibration data"),
+        (["--calib", "calib.npz", "--mask-input", "ids"], "mask input 'ids' indexes a table"),
     ],
 )
 def test_cli_slice_refuses_bad_input_with_one_line_and_exit_2(files, capsys, extra, message):
     tmp, path, _ = files
     np.savez(tmp / "wrong.npz", tokens=np.zeros((8, S), dtype=np.int64))
+    (tmp / "copy.npz").write_bytes((tmp / "calib.npz").read_bytes())
     argv = ["slice", str(path), "-o", str(tmp / "out.onnx"), "--ratio", "0.5", *extra]
     argv = [str(tmp / a) if a.endswith(".npz") else a for a in argv]
     before = path.read_bytes()
@@ -503,6 +513,51 @@ def test_cli_slice_refuses_bad_input_with_one_line_and_exit_2(files, capsys, ext
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp / "out.onnx").exists() and path.read_bytes() == before
+
+
+def test_cli_slice_refuses_a_mask_input_whose_data_is_not_zeros_and_ones(tmp_path, capsys):
+    """An input named as the mask must hold 1 (kept) and 0 (padding): ids or an additive mask would make
+    padding of every token whose value is 0."""
+    path, calib = tmp_path / "model.onnx", tmp_path / "calib.npz"
+    onnx.save(low_rank_model(rng(5), mask=True), path)
+    batch = ids(7, 32)
+    np.savez(calib, **batch, attention_mask=np.where(batch["ids"] > 3, 0.0, -1e9).astype(np.int64))
+    argv = ["slice", str(path), "-o", str(tmp_path / "out.onnx"), "--calib", str(calib), "--ratio", "0.5"]
+    assert main([*argv, "--mask-input", "attention_mask"]) == 2
+    err = capsys.readouterr().err
+    assert "mask input 'attention_mask' holds -1000000000" in err and err.count("\n") == 1, err
+    assert main(argv) == 0  # found by its name, its data says it is no mask: no token is left out
+    assert find_mask_input(driver.input_spec(onnx.load(str(path))), None, [batch]) is not None  # real ids: a mask
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("round_to", None, "round_to None: choose a whole number"),
+        ("round_to", 16.5, "round_to 16.5: choose a whole number"),
+        ("round_to", True, "round_to True: choose a whole number"),
+        ("budget", 5, "budget 5: give it as text"),
+        ("ratio", "0.25", "ratio '0.25': give a number"),
+        ("ratio", np.float64("nan"), "give a finite number"),
+        ("batch_size", 0, "batch_size 0: choose a whole number of at least 1"),
+        ("split", (0.5, "x"), "split 'x': give a number"),
+        ("recover", None, "recover None: give a number"),
+    ],
+)
+def test_slice_options_refuse_what_the_command_line_refuses_naming_the_field(option, value, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        SliceOptions(**{option: value}).checked()
+
+
+def test_slice_options_take_numpy_numbers_as_numbers_and_report_them_as_json():
+    options = SliceOptions(ratio=np.float32(0.25), round_to=np.int64(8), budget=["cos=0.9"], split=np.array([0.5, 0.5]))
+    with pytest.raises(InputError, match="split"):  # an array is not a pair
+        options.checked()
+    options.split = (np.float32(0.5), 0.5)
+    assert str(options.checked()) == "cos=0.9"
+    assert (options.ratio, options.round_to, options.split) == (0.25, 8, (0.5, 0.5))
+    assert json.dumps([options.ratio, options.round_to, options.split])
+    assert sliced_width(64, options.ratio, options.round_to) == 48
 
 
 # --- calibration over several processes ---------------------------------------------------------

@@ -148,8 +148,6 @@ def run(args: argparse.Namespace) -> int:
         | calibration_files("--holdout", args.holdout)
         | calibration_files("--tokenizer", args.tokenizer),
     )
-    if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
-        raise InputError("--batch-size, --samples and --max-length must be at least 1")
     fit, held = split_fractions(args.split, "FIT,HELD_OUT", "0.75,0.25")
     options = SliceOptions(
         ratio=args.ratio,

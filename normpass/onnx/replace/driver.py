@@ -42,7 +42,16 @@ import onnx
 import onnx_ir as ir
 
 from ... import __version__
-from ...calibration import MIN_SAMPLES, Batch, InputSpec, find_mask_input, load_batches, longest_batch, source_label
+from ...calibration import (
+    MIN_SAMPLES,
+    Batch,
+    InputSpec,
+    distinct_holdout,
+    find_mask_input,
+    load_batches,
+    longest_batch,
+    source_label,
+)
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
@@ -337,10 +346,11 @@ def prepare(
     check_input_shapes(model, options.input_shapes)
     started = time.perf_counter()
 
+    distinct_holdout(calibration, options.holdout)
     batches = load(calibration, model, options, options.seed)
     holdout = None if options.holdout is None else load(options.holdout, model, options, options.seed + 1)
     splits = split_roles(batches, holdout, options)
-    mask_input = find_mask_input(input_spec(model), options.mask_input)
+    mask_input = find_mask_input(input_spec(model), options.mask_input, batches + (holdout or []))
 
     folded = fold_onnx(
         source,
