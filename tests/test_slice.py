@@ -12,12 +12,22 @@ import graphgen
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 from conftest import assert_equivalent, build, check_structure, initializers, producer, randn, rng, run_ort
 from test_patterns import beta, gamma, header
 from test_rotation import tied_rms_model
 
-from normpass import SliceOptions, SlicePass, UnsupportedModelError, inspect_slice, io, slice_onnx
+from normpass import (
+    FoldOptions,
+    SliceOptions,
+    SlicePass,
+    UnsupportedModelError,
+    fold_onnx,
+    inspect_slice,
+    io,
+    slice_onnx,
+)
 from normpass.calibration import find_mask_input
 from normpass.cli import progress as cli_progress
 from normpass.cli.main import main
@@ -166,6 +176,31 @@ def test_a_stream_of_rank_k_slices_to_k_columns_exactly(monkeypatch, basis, rms_
     eps_unscaled = slice_onnx(model, ids(0, 16), options).model
     with pytest.raises(AssertionError, match="relative error"):
         assert_equivalent(model, eps_unscaled, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("rms_op", ["decomposed", "onnx"])
+def test_declared_shapes_inside_a_sliced_rms_norm_say_k_and_the_output_folds_again(tmp_path, capfd, rms_op):
+    """A Llama-style export declares every tensor's shape, those of its RMSNorm's Pow/ReduceMean/Mul chain
+    too: each one the cut narrows must say k, or ONNX Runtime warns on load and `fold` refuses the output."""
+    folded = fold_onnx(low_rank_model(rng(3)), FoldOptions(rms_op=rms_op, target="onnx", verify=False)).model
+    declared = onnx.shape_inference.infer_shapes(folded)  # value_info at d everywhere, as exporters write
+    path, calib, out = tmp_path / "rms.onnx", tmp_path / "calib.npz", tmp_path / "out.onnx"
+    onnx.save(declared, path)
+    np.savez(calib, **ids(0, 16))
+    assert main(["slice", str(path), "-o", str(out), "--calib", str(calib), "--ratio", "0.5"]) == 0
+    sliced = onnx.load(str(out))
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in sliced.graph.value_info}
+    squares = [n.input[0] for n in sliced.graph.node if n.op_type == "ReduceMean"]  # x² (Mul) in the chain
+    assert all(shapes[name][-1] == RANK for name in squares), {n: shapes.get(n) for n in squares}
+    assert len(squares) == (2 if rms_op == "decomposed" else 0)
+    assert not [name for name, dims in shapes.items() if D in dims]  # nothing else is d wide: all cut
+    check_structure(sliced)  # strict shape inference: no declaration contradicts its node
+    capfd.readouterr()
+    session_options = ort.SessionOptions()
+    session_options.log_severity_level = 1  # warnings
+    ort.InferenceSession(str(out), session_options, providers=["CPUExecutionProvider"])
+    assert "Error merging shape info" not in capfd.readouterr().err
+    assert main(["fold", str(out), "-o", str(tmp_path / "again.onnx")]) == 0
 
 
 def test_slice_pass_in_a_pass_manager_gives_what_slice_onnx_gives_and_leaves_its_input():
