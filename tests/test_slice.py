@@ -22,7 +22,6 @@ from normpass import (
     FoldOptions,
     SliceOptions,
     SlicePass,
-    UnsupportedModelError,
     fold_onnx,
     inspect_slice,
     io,
@@ -33,7 +32,7 @@ from normpass.cli import progress as cli_progress
 from normpass.cli.main import main
 from normpass.core import pca
 from normpass.core.pca import Covariance, eigenbasis, rms_rescale, sliced_width
-from normpass.errors import InputError
+from normpass.errors import InputError, InternalError
 from normpass.models import get
 from normpass.models.reference import entry_feeds
 from normpass.models.registry import vit_entry
@@ -380,7 +379,7 @@ def test_basis_layer_fits_after_the_earlier_cuts_and_loses_no_accuracy_by_it(gpt
     "basis, refusal",
     [
         ("stream", r"sliced at ratio 0\.5 does not run"),  # when judged
-        ("layer", r"sliced before node_layer_norm_\w+, to fit its basis, does not run"),  # a later piece's fit
+        ("layer", r"sliced at ratio 0\.5 does not run"),  # the fit's runtime targets are pinned (`pin_width`)
     ],
 )
 def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch, basis, refusal):
@@ -388,9 +387,30 @@ def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch, ba
     naming k there the sliced model does not run, which is refused in one line, nothing written."""
     model, feeds = gpt2
     monkeypatch.setattr(Slicer, "_retarget", lambda self, *args: None)
-    with pytest.raises(UnsupportedModelError, match=refusal) as refused:
+    with pytest.raises(InternalError, match=refusal) as refused:
         slice_onnx(model, feeds, SliceOptions(ratio=0.5, basis=basis), name="gpt2")
-    assert "\n" not in str(refused.value)
+    assert "\n" not in str(refused.value) and refused.value.exit_code == 3
+
+
+def test_opt_from_the_torchscript_exporter_slices_with_layer_bases(registry_export, tmp_path, capsys, monkeypatch):
+    """OPT's TorchScript export flattens the stream to [tokens, d] for its MLP and restores [batch, seq, d]
+    after the residual sum from the `Shape` it took before: a runtime target in one piece computed from a
+    tensor of another. Fitting a piece's basis on the model cut before it (earlier pieces k wide, this one d)
+    that target said k; each piece's runtime targets now name its own width. Were they not, the failure is
+    normpass's: exit 3, one line, no advice about the data."""
+    out = tmp_path / "out.onnx"
+    argv = ["slice", str(registry_export("opt", "torchscript")), "-o", str(out), "--calib", "synthetic"]
+    argv += ["--ratio", "0.25", "--report", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "r.json").read_text())["slice"]
+    assert report["basis"] == "layer" and report["shortcuts"] > 0 and report["held_out"]["cos_min"] > 0.99
+    out.unlink()
+    capsys.readouterr()
+    monkeypatch.setattr(Slicer, "pin_width", lambda self, *args: None)
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "to fit its basis, does not run" in err and "a bug in normpass" in err, err
+    assert "shorten" not in err and "Reshape" in err and not out.exists()
 
 
 def test_a_post_ln_model_keeps_its_streams_with_the_reasons(registry_export, capsys):

@@ -256,6 +256,35 @@ class Slicer(Rotator):
                     if out is not None and self._narrow(out, axis, width, kept):
                         pending.append((out, axis))
 
+    def pin_width(self, piece: Stream, width: int, label: str) -> None:
+        """Name `width` on the stream's axis of every target shape of `piece` computed at run time (a `Reshape`
+        or `Expand` whose target is no constant): Mul by a mask, Add `width` there. Such a target reads the
+        `Shape` of another tensor of the stream — OPT's TorchScript export restores [batch, seq, d] after its
+        MLP from the shape taken before it flattened the stream, in another piece. Once every piece has the
+        same width that shape is right; in the sequential fit's models (`driver.sequential_covariances`),
+        where the earlier pieces are cut to k and the later ones whole, it is not."""
+        axes = dict(piece.states)
+        for node in list(self.ctx.graph):
+            position = RESHAPING.get(node.op_type)
+            out = node.outputs[0].name if node.outputs else None
+            if position is None or out not in axes or position >= len(node.inputs):
+                continue
+            target, rank = node.inputs[position], len(self.ctx.shapes.get(out) or ())
+            if target is None or not rank or constant_values(target) is not None:
+                continue
+            keep = np.ones(rank, np.int64)
+            keep[axes[out]] = 0
+            masked = self._new_value(f"{name_of(target)}.masked", np.dtype(np.int64))
+            pinned = self._new_value(f"{name_of(target)}.pinned", np.dtype(np.int64))
+            graph, name = self.ctx.graph, self._unique(f"{name_of(node)}.pinned")
+            inputs = [new_initializer(graph, self._unique(f"{name}.mask"), keep)]
+            mask = ir.node("Mul", [target, *inputs], outputs=[masked], name=self._unique(f"{name}.mask"))
+            inputs = [new_initializer(graph, self._unique(f"{name}.width"), (1 - keep) * width)]
+            add = ir.node("Add", [masked, *inputs], outputs=[pinned], name=name)
+            graph.insert_before(node, [mask, add])
+            node.replace_input_with(position, pinned)
+            self._note(name_of(node), f"target shape names {width} features on the stream's axis ({label})")
+
     def _retarget(self, node: ir.Node, position: int, at: int, width: int, kept: int, label: str) -> None:
         """Where the target shape of `node` (its input `position`) names `width` at `at` (counted from the end),
         name `kept`: a constant is copied; a `Concat` of pieces (ONNX exports build shapes from `Shape` and

@@ -49,7 +49,7 @@ from ...core.progress import stage
 from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
-from ...errors import InputError, UnsupportedModelError
+from ...errors import InputError, InternalError
 from ...io import in_memory_proto
 from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx
 from ..graph.constants import constant_values
@@ -391,12 +391,15 @@ def _cut_pieces(
     slicer, plan = _plan(folded, name)
     pieces, shortcuts = _pieces(slicer, plan, options.basis)
     columns: dict[str, np.ndarray] = {}  # piece → Q_k; a piece left whole: I
+    mixed = bool(bases) and any(p.name not in bases for found in pieces.values() for p in found)  # a sequential fit
     for stream, found in pieces.items():
         for piece in found:
             whole = np.eye(piece.width or 0)
             columns[piece.name] = bases[piece.name].vectors[:, : kept[stream]] if piece.name in bases else whole
             if piece.name in bases:
                 slicer.cut_stream(piece, columns[piece.name], piece.name)
+            if mixed:
+                slicer.pin_width(piece, columns[piece.name].shape[1], piece.name)
     renamed = {}
     for shortcut in shortcuts:
         if shortcut.source in bases or shortcut.target in bases:  # between two whole pieces: the identity
@@ -466,14 +469,21 @@ def sequential_covariances(
         except InputError as e:  # the unsliced model ran on this data (the first piece): the cut is at fault
             if not bases:
                 raise
-            raise UnsupportedModelError(
-                f"{name}: the model sliced before {piece.name}, to fit its basis, does not run; nothing written; "
-                f"slicing missed something this model computes from the hidden size: report it ({e})"
-            ) from e
+            raise _not_running(f"{name}: the model sliced before {piece.name}, to fit its basis,", e) from e
         covariance = fitted[piece.name]
         combine([covariance])
         covariances[piece.name], bases[piece.name] = covariance, eigenbasis(covariance)
     return covariances
+
+
+def _not_running(what: str, error: Exception) -> InternalError:
+    """The original ran on this data and the model the cut made of it does not: the cut is at fault (exit 3).
+    The runtime's own error is quoted, not the advice on data that came with it."""
+    cause = error.__cause__ if isinstance(error, InputError) and error.__cause__ is not None else error
+    return InternalError(
+        f"{what} does not run ({str(cause).splitlines()[0]}); nothing written; a bug in normpass: slicing "
+        "missed something this model computes from the hidden size (report it with the model's op types)"
+    )
 
 
 def _refuse_no_cut(plan: SlicePlan, options: SliceOptions, name: str) -> None:
@@ -541,10 +551,7 @@ def slice_onnx(
         try:
             outputs = [candidate.run(b, output_names) for b in held]
         except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
-            raise UnsupportedModelError(
-                f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
-                "written; slicing missed something this model computes from the hidden size: report it"
-            ) from e
+            raise _not_running(f"{name}: the model sliced at ratio {ratio:g}", e) from e
         return compare(references, outputs, masks)
 
     for ratio in options.ladder():
