@@ -540,6 +540,44 @@ def test_cli_slice_budget_missed_writes_nothing_and_write_best_writes_the_larges
     assert f"wrote ratio {written['ratio']:g}, the largest tried that meets it (--write-best)" in printed
 
 
+def argmax_head(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with its logits turned into ids (`ArgMax` over the classes), its only output."""
+    copy = onnx.ModelProto.FromString(model.SerializeToString())
+    copy.graph.node.append(onnx.helper.make_node("ArgMax", ["logits"], ["ids_out"], axis=-1, keepdims=0))
+    del copy.graph.output[:]
+    copy.graph.output.append(onnx.helper.make_tensor_value_info("ids_out", onnx.TensorProto.INT64, ["B", S]))
+    return copy
+
+
+def test_cli_slice_and_replace_judge_ids_by_agreement_and_refuse_a_budget_they_cannot_judge(files, capsys):
+    """An `ArgMax` head's ids have no cosine: they are judged by the share of equal ids, recomputed here
+    in ONNX Runtime, and a budget term with no figure is refused before any work."""
+    tmp, _, calib = files
+    path, holdout, out, report = tmp / "ids.onnx", tmp / "holdout.npz", tmp / "out.onnx", tmp / "r.json"
+    onnx.save(argmax_head(onnx.load(str(tmp / "full.onnx"))), path)
+    held = ids(8, 16)
+    np.savez(holdout, **held)
+    args = ["slice", str(path), "-o", str(out), "--calib", str(calib), "--holdout", str(holdout), "--ratio", "0.75"]
+    args += ["--round-to", "4", "--report", str(report)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads(report.read_text())["slice"]["held_out"]
+    expected = np.mean(run_ort(onnx.load(str(path)), held)["ids_out"] == run_ort(onnx.load(str(out)), held)["ids_out"])
+    assert figures["top1"] == pytest.approx(expected) and 0 < expected < 1
+    assert figures["cos_min"] is None and figures["samples"] == 16
+    assert f"held out (16 samples): top1 {expected:.4f}, by ids (agreement): ids_out" in printed
+    out.unlink()
+    for budget, code, says in (
+        ("cos=0.99", 2, "give no figure for cos, so it cannot judge them; budget them with top1=V"),
+        (f"top1={(1 + expected) / 2:.4f}", 1, f"(top1 {expected:.4f}, by ids (agreement): ids_out)"),
+    ):
+        assert main([*args, "--budget", budget]) == code
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1 and not out.exists(), err
+    assert main(["replace", str(path), "--calib", str(calib), "-o", str(out)]) == 2  # its default: cos=0.999
+    assert "budget cos=0.999: the model's outputs (ids_out: ids (agreement)) give no figure" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -676,12 +714,30 @@ def test_without_a_process_group_combine_leaves_the_sums_and_never_imports_torch
 # --- generated graphs ---------------------------------------------------------------------------
 
 # Generated graphs with a stream slice cuts (38, 83, 93, 318: attention, shape arithmetic, Gemm and Conv
-# views, shared weights, LayerScales) and one whose streams stay whole (12: a Relu reads them).
+# views, shared weights, LayerScales) and one whose streams stay whole (12: a Relu reads them), drawn before
+# `ArgMax` heads existed; and three whose only output is an `ArgMax` head's ids (318 with every feature, 578,
+# 731): judged by agreement, no cosine claimed, the figures recomputed by the oracle.
 SLICE_SEEDS = (12, 38, 83, 93, 318)
+SLICE_SEEDS_IDS = (318, 578, 731)
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
 def test_fuzz_graphs_slice_exactly_at_ratio_zero_and_to_a_sound_model_above(ratio):
-    cases = [graphgen.generate(seed) for seed in SLICE_SEEDS]
+    cases = [graphgen.generate(seed, graphgen.FEATURES_BEFORE_IDS) for seed in SLICE_SEEDS]
+    cases += [graphgen.generate(seed) for seed in SLICE_SEEDS_IDS]
     failures = [f"seed {case.seed}: {f}" for case in cases for f in fuzzcheck.check_slice(case, (ratio,))]
     assert not failures, "\n".join(failures)
+
+
+def test_fuzz_oracle_catches_figures_claimed_from_no_data(monkeypatch):
+    """A judge that skips the ids (as `compare` did) reports figures the oracle's recomputation refutes."""
+    floats_only = driver.compare
+
+    def skipping_ids(references, candidates, masks=None):
+        keep = [{k: v for k, v in r.items() if v.dtype.kind == "f"} for r in references]
+        return floats_only(keep, candidates, masks)
+
+    monkeypatch.setattr(driver, "compare", skipping_ids)
+    failures = fuzzcheck.check_slice(graphgen.generate(SLICE_SEEDS_IDS[1]), (0.5,))
+    assert failures and all(f.kind == "figures" for f in failures), failures
+    assert any("top1 None reported" in f.detail for f in failures), failures

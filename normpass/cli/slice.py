@@ -108,12 +108,7 @@ def summary(label: str, result: SliceResult, out) -> list[str]:
     kept = {} if result.chosen is None else result.chosen.kept
     widths = ", ".join(f"{s.width} → {kept[s.name]}" for s in result.slicing.sliceable)
     held = result.held_out
-    figures = (
-        ""
-        if held is None
-        else f"; held out ({held.samples} samples): cos min {held.cos_min:.6f}, mean {held.cos_mean:.6f}, "
-        f"rel max {held.rel_max:.3g}"
-    )
+    figures = "" if held is None else f"; held out ({held.samples} samples): {held.describe()}"
     budget = "" if result.budget is None else f"; budget {result.budget}"
     check = "" if result.comparison is None else f" ({result.comparison.describe()})"
     sliced = "" if result.chosen is None else f"; {result.chosen.parameters} of {result.parameters} parameters"
@@ -124,7 +119,7 @@ def summary(label: str, result: SliceResult, out) -> list[str]:
         figures += f"; {recovery.describe()}"
         before = recovery.held_out_before
         if before is not None:
-            figures += f" (held out before it: cos min {before.cos_min:.6f}, mean {before.cos_mean:.6f})"
+            figures += f" (held out before it: {before.describe()})"
     lines = [
         f"{label}: {len(result.slicing.sliceable)} of {len(result.slicing.streams)} residual streams sliced at "
         f"ratio {result.ratio:g}{' (' + widths + layers + sliced + ')' if widths else ''}{check}{figures}{budget}; "

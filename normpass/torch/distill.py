@@ -373,7 +373,7 @@ class Trainer:
                     metrics = self.judge(student)
                     usage = self.budget.usage(metrics)
                     holds = usage <= o.margin
-                    figure = f"decide cos min {metrics.cos_min:.4f} mean {metrics.cos_mean:.4f}"
+                    figure = f"decide {metrics.describe()}"
                     record.history.append(
                         {"step": step + 1, "loss": round(float(loss.detach()), 6), "decide": metrics.to_json()}
                     )
@@ -528,8 +528,8 @@ def distill(
         raise BudgetMissed(
             report,
             f"{p.frame.name}: the distilled student misses the budget {budget} on the test split "
-            f"(cos min {test.cos_min:.6f}, {len(surrogates)} norms replaced, decide split: cos min "
-            f"{decide.cos_min:.6f}); nothing written. Give more calibration data, more steps or rounds, "
+            f"({test.describe(mean=False)}; {len(surrogates)} norms replaced; decide split: "
+            f"{decide.describe(mean=False)}); nothing written. Give more calibration data, more steps or rounds, "
             "or keep more norms",
             final,
         )

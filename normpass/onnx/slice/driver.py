@@ -542,6 +542,8 @@ def slice_onnx(
     masks = [b.get(mask_input) if mask_input else None for b in held]
     with reference_runner(source, original) as reference:
         references = [reference.run(b) for b in held]
+    if budget is not None:
+        budget.refuse_unjudgeable(compare(references, references, masks), f"{name}: the held-out data")
     output_names = [o.name for o in original.graph.output]
     tried: list[Trial] = []
     cut, chosen = None, None
@@ -611,7 +613,7 @@ def slice_onnx(
         raise BudgetMissed(
             ReplaceReport({"output": None, **result.report()}),
             f"{name}: sliced at ratio {tried[-1].ratio:g}, the model misses the budget {budget} on {last.samples} "
-            f"held-out samples (cos min {last.cos_min:.6f}, rel max {last.rel_max:.3g}); nothing written; "
+            f"held-out samples ({last.describe(mean=False)}); nothing written; "
             + ("no ratio tried meets it" if options.write_best else "try a smaller ratio, or --write-best"),
             cut,
         )
