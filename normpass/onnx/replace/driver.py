@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 
 from ... import __version__
-from ...calibration import Batch, find_mask_input
+from ...calibration import Batch, distinct_holdout, find_mask_input
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
@@ -211,10 +211,11 @@ def prepare(
     check_input_shapes(model, options.input_shapes)
     started = time.perf_counter()
 
+    distinct_holdout(calibration, options.holdout)
     batches = load(calibration, model, options, options.seed)
     holdout = None if options.holdout is None else load(options.holdout, model, options, options.seed + 1)
     splits = split_roles(batches, holdout, options)
-    mask_input = find_mask_input(input_spec(model), options.mask_input)
+    mask_input = find_mask_input(input_spec(model), options.mask_input, batches + (holdout or []))
 
     folded = fold_onnx(
         source,
@@ -280,9 +281,10 @@ def prepare(
             [bench.runner(base).run(first, output_names)],
             [first.get(mask_input) if mask_input else None],
         )
-        if centring.rel_max > CENTRING_TOLERANCE:
+        changed = (centring.rel_max or 0.0) > CENTRING_TOLERANCE or (centring.top1 or 1.0) < 1.0
+        if changed:
             raise VerificationError(
-                f"{name}: input centring changed the outputs (relative error {centring.rel_max:.3g}); "
+                f"{name}: input centring changed the outputs ({centring.describe(mean=False)}); "
                 "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model"
             )
     frame = Frame(name, "onnx", [(n.name, n.op) for n in original], exact, declined, centred, kinds, _count_ops(model))
