@@ -13,9 +13,9 @@ import contextlib
 
 from ..core.orthogonal import KINDS
 from ..io import calibration_files
+from ..onnx.calibrate import CalibData
 from ..onnx.fold.driver import PROVIDERS, TARGETS
 from ..onnx.rotate.driver import RotateOptions, RotateResult, rotate_onnx
-from ..onnx.rotate.features import CalibData
 from ..onnx.rotate.online import DEFAULT_BLOCK
 from ..onnx.rotate.online import METADATA_KEY as KEEP_FP32
 from ..onnx.rotate.smooth import DEFAULT_ALPHA
@@ -170,6 +170,6 @@ def run(args: argparse.Namespace) -> int:
     model, label = model_source(args)
     with Heartbeat("rotate") if args.calib else contextlib.nullcontext():
         result = rotate_onnx(model, options, name=label)
-    save_result(result, out, inputs, label, args.report)
+    save_result(result, out, inputs, label, args.report, args.genai)
     print("\n".join(summary(label, result, out)))
     return 0

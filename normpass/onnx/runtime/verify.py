@@ -28,6 +28,7 @@ no weights.
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,9 +37,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError
+from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
 from ...io import (
     in_memory_proto,
+    interface,
     ir_weight_bytes,
     keeps_external_data,
     maps_weights,
@@ -49,6 +51,7 @@ from ...io import (
     skeleton,
     to_proto,
 )
+from . import decode
 from .precision import bf16_as_fp32, uses_bf16
 
 if TYPE_CHECKING:
@@ -216,13 +219,15 @@ def fixed_dim(dim: onnx.TensorShapeProto.Dimension) -> int | None:
 
 
 def check_input_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], where: str = "input shape") -> None:
-    """Refuse shapes for inputs the model lacks, or that disagree with its declared rank or fixed dims."""
+    """Refuse shapes for inputs the model lacks, or that disagree with its declared rank or fixed dims; a size
+    below 1 except a KV-cache graph's past length (0: an empty cache)."""
     declared = {i.name: i.type.tensor_type for i in model.graph.input}
+    empty_caches = decode.zero_allowed(model) if any(0 in shape for shape in shapes.values()) else {}
     total = 0
     for name, shape in shapes.items():
         if name not in declared:
             raise InputError(f"{where} {name}: the model has no input {name!r} (its inputs: {', '.join(declared)})")
-        if any(d < 1 for d in shape):
+        if any(d < 1 for axis, d in enumerate(shape) if axis != empty_caches.get(name)):
             raise InputError(f"{where} {name}: {list(shape)} has a dimension < 1; every dimension must be positive")
         tensor_type = declared[name]
         if tensor_type.HasField("shape"):
@@ -413,6 +418,37 @@ def verification_runs(model: onnx.ModelProto) -> list[tuple[str | None, tuple[in
 Model = onnx.ModelProto | ir.Model | Path
 
 
+def run_inputs(
+    model: onnx.ModelProto, shapes: dict | None, seed: int, source: Model | None = None
+) -> list[tuple[dict[str, np.ndarray], str | None, bool]]:
+    """(feeds, boolean fill, whether the original must run on them) of each verification run.
+
+    Without given shapes, a KV-cache graph (`decode.signature`) runs a prefill, a decode step (both required)
+    and several new tokens after a past; any other model the runs of `verification_runs`, the first required.
+    """
+    config = decode.read_config(source) if isinstance(source, (str, Path)) else None
+    sig = decode.signature(model, config) if not shapes else None
+    if sig is not None:
+        return [
+            (
+                decode.set_values(sig, make_inputs(model, decode.input_shapes(model, sig, *step), seed + i), step[2]),
+                None,
+                i < 2,
+            )
+            for i, step in enumerate(sig.steps(DEFAULT_DIM))
+        ]
+    return [
+        (
+            make_inputs(
+                model, None if dims else shapes, seed + i, bools or "true", dims or (DEFAULT_BATCH, DEFAULT_DIM)
+            ),
+            bools,
+            not dims,
+        )
+        for i, (bools, dims) in enumerate(verification_runs(model))
+    ]
+
+
 def structure(model: Model) -> onnx.ModelProto:
     """What verification reads of `model` besides running it: a proto of its graph, without large weights."""
     if isinstance(model, onnx.ModelProto):
@@ -483,18 +519,15 @@ def verify(
     done: list[tuple[dict, dict, dict]] = []
     runs: list[Run] = []
     with Runner(original, before) as reference_runner:
-        for index, (bools, dims) in enumerate(verification_runs(before)):
-            feeds = make_inputs(
-                before, None if dims else shapes, seed + index, bools or "true", dims or (DEFAULT_BATCH, DEFAULT_DIM)
-            )
+        for feeds, bools, required in run_inputs(before, shapes, seed, original):
             run_shapes = {k: list(v.shape) for k, v in feeds.items()}
-            if dims and bools is None and run_shapes == runs[0].shapes:
+            if not required and bools is None and runs and run_shapes == runs[0].shapes:
                 runs.append(Run(run_shapes, bools, "the model has no dynamic dims"))
                 continue
             try:
                 reference = reference_runner.run(feeds)
             except Exception as e:  # the original need not accept other sizes than the given ones; say so instead
-                if not dims:
+                if required:
                     sizes = ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in run_shapes.items())
                     raise InputsRejectedError(
                         f"{name}: the original model does not run on the verification inputs ({sizes}): "
@@ -515,3 +548,46 @@ def verify(
         for results in zip(*(c.outputs for c in comparisons), strict=False)
     ]
     return Comparison(tuple(worst), comparisons[0].input_shapes, tuple(runs))
+
+
+def checked(
+    original,
+    rewritten: ir.Model,
+    before: onnx.ModelProto,
+    options,
+    name: str,
+    done: str,
+    verb: tuple,
+    seconds: dict,
+    modified: bool = True,
+) -> Comparison | None:
+    """`rewritten`'s signature checked against `before` (the original's structure) and, with `options.verify`,
+    its outputs against `original`'s (`verify.verify`, with `options.input_shapes` and `options.seed`).
+
+    `done` says what the rewrite did ("3 of 5 norms folded"), `verb` names it ("fold", "folded"). Raises
+    `VerificationError` on a mismatch, `UnsupportedModelError` where the result cannot run; records
+    `seconds["verify"]`. A model left as it was (`modified` false) that does not take the verification
+    inputs has nothing to verify: None.
+    """
+    if not options.verify:
+        check_signature(before, interface(rewritten), name)  # verify() checks it first
+        return None
+    start = time.perf_counter()
+    try:
+        comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
+    except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
+        raise
+    except UnsupportedModelError as e:
+        if isinstance(e, InputsRejectedError) and not modified:
+            return None
+        wrapper = InputsRejectedError if isinstance(e, InputsRejectedError) else UnsupportedModelError
+        raise wrapper(
+            f"{name}: {done}, but the result could not be verified ({e}); nothing written; "
+            f"{verb[0]} without verification to write it unverified"
+        ) from e
+    seconds["verify"] = time.perf_counter() - start
+    if not comparison.passed:
+        raise VerificationError(
+            f"{name}: {verb[1]} model does not match the original: {comparison.failures()}; nothing written"
+        )
+    return comparison
