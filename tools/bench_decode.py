@@ -259,11 +259,20 @@ def variants(original: onnx.ModelProto, calibration: list[dict], shapes: dict, a
     return found
 
 
-def phi(cache: pathlib.Path, args) -> tuple[dict, np.ndarray, int, pathlib.Path]:
-    """The seeded Phi folder's variants, a prompt from its sentences, its head size, the folder."""
+def reused(where: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The variant folders a previous run saved under `where`, the original first."""
+    found = {path.parent.name: path.parent for path in sorted(where.glob("*/model.onnx"))}
+    return {"original": found.pop("original"), **found}
+
+
+def phi(cache: pathlib.Path, args, reuse: pathlib.Path | None = None) -> tuple[dict, np.ndarray, int, pathlib.Path]:
+    """The seeded Phi folder's variants (or the folders of `reuse`), a prompt from its sentences, its head size,
+    the folder."""
     folder = build_phi(cache / "phi-1024x8")
-    original = onnx.load(str(folder / "model.onnx"))
     head_size = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
+    if reuse is not None:
+        return reused(reuse), prompts(folder, 1, args.prompt)[0], head_size, folder
+    original = onnx.load(str(folder / "model.onnx"))
     reference = eval_decode.session(original)
     calibration = [eval_decode.calibration_feeds(p, original, reference, head_size) for p in prompts(folder, 16, 33)]
     del reference
@@ -271,7 +280,7 @@ def phi(cache: pathlib.Path, args) -> tuple[dict, np.ndarray, int, pathlib.Path]
     return variants(original, calibration, shapes, args, "phi"), prompts(folder, 1, args.prompt)[0], head_size, folder
 
 
-def iglm(cache: pathlib.Path, args) -> tuple[dict, np.ndarray, int, None]:
+def iglm(cache: pathlib.Path, args, reuse: pathlib.Path | None = None) -> tuple[dict, np.ndarray, int, None]:
     """IgLM's with-past export and its variants (calibrated on 16 sequences sampled with seed 1), the first
     tokens of a sequence sampled with seed 2 as the prompt."""
     import eval_slice
@@ -283,11 +292,13 @@ def iglm(cache: pathlib.Path, args) -> tuple[dict, np.ndarray, int, None]:
     path = cache / "iglm-with-past.onnx"
     if not path.exists():
         eval_decode.export_with_past(model, path)
+    prompt = eval_slice.iglm_sequences(model, vocab, 1, seed=2, length=eval_decode.LENGTH)[0][:, : args.prompt]
+    if reuse is not None:
+        return reused(reuse), prompt, 0, None
     original = onnx.load(str(path))
     reference = eval_decode.session(original)
     sequences = eval_slice.iglm_sequences(model, vocab, 16, seed=1, length=eval_decode.LENGTH)
     calibration = [eval_decode.calibration_feeds(s, original, reference) for s in sequences]
-    prompt = eval_slice.iglm_sequences(model, vocab, 1, seed=2, length=eval_decode.LENGTH)[0][:, : args.prompt]
     shapes = eval_decode.verification_shapes(original)
     return variants(original, calibration, shapes, args, "iglm"), prompt, 0, None
 
@@ -308,6 +319,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0: ORT's default)")
     parser.add_argument("--loops", nargs="+", choices=("genai", "ort"), default=["genai", "ort"])
     parser.add_argument("--cache", type=pathlib.Path, help="keep folders here (default: a temp dir)")
+    parser.add_argument(
+        "--only", nargs="+", help="time these variants alone (the original always), e.g. slice-0.25 rotate+4bit"
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="time the variants a previous run left under --cache instead of making them",
+    )
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--records", type=pathlib.Path, help="also write the records (docs/results/README.md)")
     args = parser.parse_args()
@@ -339,12 +358,18 @@ def main() -> None:
         cache = args.cache or pathlib.Path(temporary)
         cache.mkdir(parents=True, exist_ok=True)
         for model in args.models:
-            found_variants, prompt, head_size, folder = MODELS[model](cache, args)
-            sizes = {name: read_bytes(m) for name, m in found_variants.items()}
-            parameters = {n: sum(int(np.prod(t.dims)) for t in m.graph.initializer) for n, m in found_variants.items()}
             where = cache / "variants" / model
-            folders = {n: save_folder(folder, m, where / n) for n, m in found_variants.items()}
-            del found_variants
+            if args.reuse:
+                folders, prompt, head_size, folder = MODELS[model](cache, args, reuse=where)
+            else:
+                found_variants, prompt, head_size, folder = MODELS[model](cache, args)
+                folders = {n: save_folder(folder, m, where / n) for n, m in found_variants.items()}
+                del found_variants
+            if args.only:
+                folders = {n: f for n, f in folders.items() if n == "original" or n in args.only}
+            structures = {n: onnx.load(str(f / "model.onnx"), load_external_data=False) for n, f in folders.items()}
+            sizes = {name: read_bytes(m) for name, m in structures.items()}
+            parameters = {n: sum(int(np.prod(t.dims)) for t in m.graph.initializer) for n, m in structures.items()}
             loops = [loop for loop in args.loops if folder is not None or loop == "ort"]
             for loop in loops:
                 if loop == "genai":

@@ -94,6 +94,7 @@ def export_with_past(model, path: pathlib.Path) -> pathlib.Path:
         dynamic_shapes=shapes,
         optimize=True,
     )
+    assert program is not None  # dynamo=True returns the program
     program.save(str(path))
     return path
 
@@ -101,7 +102,7 @@ def export_with_past(model, path: pathlib.Path) -> pathlib.Path:
 def past_shapes(model: onnx.ModelProto, batch: int, past: int, head_size: int = 0) -> dict[str, tuple[int, ...]]:
     """Each past tensor's shape: heads and head size as declared (`head_size` where the declaration names it,
     as GenAI's builder does: `kv_cache_dim`), `past` tokens."""
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for value in model.graph.input:
         if value.name.startswith("past_key_values."):
             dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
