@@ -534,6 +534,17 @@ def test_cli_slice_writes_the_model_and_the_report(files, capsys):
     check_structure(onnx.load(str(out)))
 
 
+def test_cli_slice_head_full_leaves_the_head_at_full_width(files):
+    tmp, path, calib = files
+    out, report = tmp / "out.onnx", tmp / "report.json"
+    args = ["slice", str(path), "-o", str(out), "--calib", str(calib), "--ratio", "0.5", "--report", str(report)]
+    assert main([*args, "--head", "full"]) == 0
+    data = json.loads(report.read_text())["slice"]
+    assert data["head"] == "full" and len(data["left_whole"]) == 1 and data["shortcuts"] == 1
+    model = onnx.load(str(out))
+    assert initializers(model)[producer(model, "m3").input[1]].shape == (D, V)  # the head reads all D columns
+
+
 @pytest.mark.parametrize("ratio", ["0", "0.5"])
 def test_cli_slice_never_reads_its_model_file_whole(files, monkeypatch, ratio):
     """`normpass slice MODEL` maps MODEL's weights (the fold's loader), checks its structure and runs the
