@@ -320,6 +320,12 @@ ROWS = (
                     ("slice-0.25", "4bit", "rotate+4bit", "slice-0.25+4bit", "slice-0.25+rotate+4bit"),
                     "seeded Phi shape d = 1024 × 8 layers (101 M parameters) in onnxruntime-genai",
                 ),
+                Decode(
+                    "cpu-2026-11-28/records-decode-2.json",
+                    "cpu-genai",
+                    ("slice-0.25", "slice-0.3", "rotate+4bit", "slice-0.25+rotate+4bit"),
+                    "a second run of the same folders in onnxruntime-genai (7 rounds)",
+                ),
                 Decode(DECODE, "cpu", ("slice-0.25", "rotate+4bit"), "the same folders in a plain ORT loop"),
             ],
         },
