@@ -21,9 +21,11 @@ from conftest import build, randn, rng
 from onnx import numpy_helper
 from test_patterns import pre_ln_block
 
-from normpass.io import keeps_external_data, load_ir, save_onnx_atomic, unmapped
+from normpass.io import keeps_external_data, load_ir, maps_weights, save_onnx_atomic, unmapped
 from normpass.onnx.fold.driver import fold_onnx
+from normpass.onnx.rotate.driver import rotate_onnx
 from normpass.onnx.runtime import verify
+from normpass.onnx.slice.driver import SliceOptions, slice_onnx
 
 
 def test_a_large_rewritten_model_is_verified_from_a_file_with_external_data(tmp_path, monkeypatch):
@@ -149,3 +151,20 @@ def test_unmapped_weights_survive_onnx_irs_own_writer(tmp_path):
     """`io.unmapped` reads the mapped weights into memory, so that `ir.save` (what Olive writes a pass's model
     with) writes their bytes."""
     written_elsewhere(tmp_path, lambda model, out: ir.save(unmapped(model), out))
+
+
+def test_a_model_that_came_with_external_data_keeps_it_when_every_weight_changes(tmp_path):
+    """`rotate_onnx` and `slice_onnx` change every weight of `wide_model` (none stays mapped from the input): their
+    results, written through the library, are still OUT plus its data file, as the input was."""
+    source = tmp_path / "external.onnx"
+    onnx.save(wide_model(), str(source), save_as_external_data=True, location="external.onnx.data", size_threshold=0)
+    results = {
+        "rotated": rotate_onnx(str(source)),
+        "sliced": slice_onnx(str(source), "synthetic", SliceOptions(ratio=0.25, samples=16)),
+    }
+    for label, result in results.items():
+        assert not maps_weights(result.ir_model), f"{label}: every weight changed"
+        out = tmp_path / label / "out.onnx"
+        out.parent.mkdir()
+        result.save(out)
+        assert len(list(out.parent.glob("out.onnx.*.data"))) == 1, label

@@ -12,7 +12,7 @@ import onnx
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan
 from ..errors import InputError
-from ..io import check_paths, model_files, save_onnx_atomic, write_text_atomic
+from ..io import came_with_external_data, check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, FoldOptions, fold_decisions
 from ..onnx.runtime.verify import parse_input_shapes
 
@@ -157,8 +157,9 @@ def checked_paths(
 
 
 def save_result(result, out: Path, inputs: dict[str, Path], label: str, report: str | None) -> None:
-    """Write a pass's model to `out` (never over a file `inputs` reads) and, if asked, its JSON report."""
-    save_onnx_atomic(result.ir_model, out, keep=inputs.values())
+    """Write a pass's model to `out` (never over a file `inputs` reads; as `OUT` and its data file where the
+    model at `label`, a path for a file, came with external data: the contract) and, if asked, its JSON report."""
+    save_onnx_atomic(result.ir_model, out, keep=inputs.values(), external=came_with_external_data(label))
     if report:
         data = {"model": label, "output": str(out), **result.report()}
         write_text_atomic(json.dumps(data, indent=2) + "\n", report)

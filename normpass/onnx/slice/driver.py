@@ -50,7 +50,7 @@ from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
 from ...errors import InputError, UnsupportedModelError
-from ...io import in_memory_proto
+from ...io import in_memory_proto, stored_like
 from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
@@ -392,7 +392,7 @@ def _cut(
         "normpass.sliced": f"{len(plan.sliceable)} of {len(plan.streams)} residual streams sliced ({widths}), "
         f"{sum(len(p) for p in pieces.values())} bases, {len(shortcuts)} shortcuts",
     }
-    return export_model(slicer.ctx.model, slicer.docs, metadata)
+    return stored_like(export_model(slicer.ctx.model, slicer.docs, metadata), folded.ir_model)
 
 
 def _in_graph_order(slicer: Slicer, pieces: dict[str, list[Stream]]) -> list[Stream]:
