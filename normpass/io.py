@@ -620,7 +620,9 @@ def _external_paths(model) -> list[Path]:
 
 def came_with_external_data(path: PathArgument) -> bool:
     """Whether the model file at `path` keeps weights in external data files (None or no file: False)."""
-    light = modelfiles.light_model(Path(path)) if path is not None and Path(path).is_file() else None
+    if path is None or not Path(path).is_file():
+        return False
+    light = modelfiles.light_model(Path(path))
     return light is not None and bool(modelfiles.external_files(light, Path(path)))
 
 
