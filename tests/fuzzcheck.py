@@ -540,7 +540,8 @@ def emitted_both_ways(prepared, surrogates: list) -> tuple[onnx.ModelProto, onnx
 
 def check_replace(case) -> list[Failure]:
     """Failures of the surrogate emission on `case` (the module docstring); [] when all is well."""
-    from normpass.onnx.replace.driver import Runner, prepare
+    from normpass.onnx.calibrate import Runner
+    from normpass.onnx.replace.driver import prepare
 
     mode = "replace"
     options = ReplaceOptions(kind="auto", all_norms=True, samples=8, budget="cos=0.01", check=0.0)

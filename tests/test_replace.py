@@ -31,7 +31,8 @@ from normpass.cli.main import main
 from normpass.core.cost import CPU_COST
 from normpass.core.replace import BudgetMissed, ReplaceOptions
 from normpass.errors import InputError
-from normpass.onnx.replace.driver import input_spec, replace_onnx
+from normpass.onnx.calibrate import input_spec
+from normpass.onnx.replace.driver import replace_onnx
 from normpass.onnx.runtime.verify import make_inputs
 
 FAST = dict(orders=("input",), samples=48, batch_size=8)

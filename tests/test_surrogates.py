@@ -32,8 +32,8 @@ from normpass.core.surrogates import (
     least_squares,
     relative_error,
 )
+from normpass.onnx.calibrate import Runner
 from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
-from normpass.onnx.replace.driver import Runner
 from normpass.onnx.replace.surrogates import Emitter, export_model, light_model, open_graph
 
 D = 8

@@ -46,13 +46,13 @@ from ... import __version__
 from ...core.analysis import plan as make_plan
 from ...core.graph import ZeroMeanGraph
 from ...core.plan import FoldPlan
-from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
+from ...errors import InputError, UnsupportedModelError
 from ...io import checked_model, in_memory_proto, interface, load_ir, save_onnx_atomic
 from ..graph.export import export_model
 from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph
 from ..graphsurgeon import from_graphsurgeon, to_graphsurgeon
 from ..runtime.ortopt import OrtOptimizer, optimize, ordering_note
-from ..runtime.verify import Comparison, Model, check_input_shapes, check_signature, verify
+from ..runtime.verify import Comparison, Model, check_input_shapes, checked
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .matmul import gemms_to_matmuls
 from .rewrite import RMS_OPS, Rewriter
@@ -351,49 +351,6 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str, opti
         notes=[note] if note else [],
         shapes=ctx.shapes,
     )
-
-
-def checked(
-    original,
-    rewritten: ir.Model,
-    before: onnx.ModelProto,
-    options,
-    name: str,
-    done: str,
-    verb: tuple,
-    seconds: dict,
-    modified: bool = True,
-) -> Comparison | None:
-    """`rewritten`'s signature checked against `before` (the original's structure) and, with `options.verify`,
-    its outputs against `original`'s (`verify.verify`, with `options.input_shapes` and `options.seed`).
-
-    `done` says what the rewrite did ("3 of 5 norms folded"), `verb` names it ("fold", "folded"). Raises
-    `VerificationError` on a mismatch, `UnsupportedModelError` where the result cannot run; records
-    `seconds["verify"]`. A model left as it was (`modified` false) that does not take the verification
-    inputs has nothing to verify: None.
-    """
-    if not options.verify:
-        check_signature(before, interface(rewritten), name)  # verify() checks it first
-        return None
-    start = time.perf_counter()
-    try:
-        comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
-    except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
-        raise
-    except UnsupportedModelError as e:
-        if isinstance(e, InputsRejectedError) and not modified:
-            return None
-        wrapper = InputsRejectedError if isinstance(e, InputsRejectedError) else UnsupportedModelError
-        raise wrapper(
-            f"{name}: {done}, but the result could not be verified ({e}); nothing written; "
-            f"{verb[0]} without verification to write it unverified"
-        ) from e
-    seconds["verify"] = time.perf_counter() - start
-    if not comparison.passed:
-        raise VerificationError(
-            f"{name}: {verb[1]} model does not match the original: {comparison.failures()}; nothing written"
-        )
-    return comparison
 
 
 def _is_half(ctx, zmg, fold_plan: FoldPlan) -> bool:

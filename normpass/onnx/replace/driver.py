@@ -8,7 +8,7 @@
    centring* (exact, `onnx/replace/surrogates.py`), checked numerically against the folded model.
 2. **Data.** `calibration.load_batches` against the graph inputs (or seeded `"synthetic"`
    inputs, for tests and demos), split into the core's roles.
-3. **Capture.** A `Runner` is an ONNX Runtime session (CPU, optimizations off) of a working graph
+3. **Capture.** A `Runner` (`onnx/calibrate`) is an ONNX Runtime session (CPU, optimizations off) of a working graph
    whose large weights are fed as inputs (`light_model`), so a session per trial model costs
    milliseconds; the norms' inputs are extra graph outputs while calibrating.
 4. **Emission** (`Emitter.emit`) removes the norm and emits the surrogate with c, γ and β moved
@@ -28,21 +28,17 @@ the centring check, the final judgement) copies them.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 
 from ... import __version__
-from ...calibration import MIN_SAMPLES, Batch, InputSpec, find_mask_input, load_batches, longest_batch, source_label
+from ...calibration import Batch, find_mask_input
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
@@ -60,49 +56,28 @@ from ...core.replace import (
 )
 from ...core.stats import StatsCollector, token_rows
 from ...core.surrogates import NormSpec, Surrogate
-from ...errors import InputError, UnsupportedModelError, VerificationError
-from ...io import checked_model, load_ir, skeleton
-from ..fold.driver import FoldOptions, FoldResult, fold_onnx
+from ...errors import InputError, VerificationError
+from ...io import load_ir
+from ..calibrate import (
+    Runner,
+    check_runs,
+    input_spec,
+    load,
+    opened,
+    reference_runner,
+    refuse_scalar_inputs,
+    run_time_inputs,
+)
+from ..fold import FoldOptions, FoldResult, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.frontend import build_zero_mean_graph, load_graph
-from ..graph.positions import position_limit
-from ..runtime import verify
-from ..runtime.verify import check_input_shapes, fixed_dim, index_bounds, make_inputs, session
+from ..runtime.verify import check_input_shapes, fixed_dim
 from .surrogates import Emitter, export_model, light_model, norm_cost, norm_spec, open_graph, width_of
 
 CENTRING_TOLERANCE = 1e-4  # relative, float32: input centring may only change rounding
 
 
 # --- data ----------------------------------------------------------------------------------------
-
-
-def run_time_inputs(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
-    """The graph inputs that are not initializers, by name."""
-    initializers = {i.name for i in model.graph.initializer}
-    return {value.name: value for value in model.graph.input if value.name not in initializers}
-
-
-def input_spec(model: onnx.ModelProto) -> InputSpec:
-    """Graph inputs that are not initializers (dtype, rank), and the tables integer inputs index."""
-    inputs: dict[str, tuple[np.dtype | None, int | None]] = {
-        name: (
-            np.dtype(onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)),
-            len(value.type.tensor_type.shape.dim),
-        )
-        for name, value in run_time_inputs(model).items()
-    }
-    limit = position_limit(ir.from_proto(model))
-    return InputSpec(inputs, index_bounds(model), positions=None if limit is None else limit.rows)
-
-
-def refuse_scalar_inputs(model: onnx.ModelProto, name: str, verb: str) -> None:
-    """Calibration data is split into samples along axis 0 of every input: refuse a model with a scalar input."""
-    scalars = [n for n, value in run_time_inputs(model).items() if not value.type.tensor_type.shape.dim]
-    if scalars:
-        raise InputError(
-            f"{name}: input {scalars[0]} is a scalar (rank 0): calibration data is split into samples along "
-            f"axis 0 of every input, so {verb} takes models whose inputs all have a batch axis"
-        )
 
 
 def refuse_fixed_batch(model: onnx.ModelProto, name: str) -> None:
@@ -116,108 +91,7 @@ def refuse_fixed_batch(model: onnx.ModelProto, name: str) -> None:
         )
 
 
-def synthetic_batches(
-    model: onnx.ModelProto, samples: int = 64, batch_size: int = 16, seed: int = 0, input_shapes: dict | None = None
-) -> list[Batch]:
-    """Seeded random inputs (randn floats, in-range indices, all-ones masks). Tests and demos only."""
-    batches = []
-    names = input_spec(model).names
-    for index, start in enumerate(range(0, samples, batch_size)):
-        size = min(batch_size, samples - start)
-        shapes = dict(input_shapes or {})
-        for name in names:
-            if name not in shapes:
-                value = next(v for v in model.graph.input if v.name == name)
-                dims = value.type.tensor_type.shape.dim
-                shapes[name] = tuple(fixed_dim(d) or (size if axis == 0 else 16) for axis, d in enumerate(dims))
-            shapes[name] = (size,) + tuple(shapes[name][1:])
-        batches.append(make_inputs(model, shapes, seed=seed * 100003 + index))
-    return batches
-
-
-class DataOptions(Protocol):
-    """How calibration inputs are read: `ReplaceOptions`, `SliceOptions`."""
-
-    batch_size: int
-    tokenizer: str | None
-    max_length: int
-    samples: int  # of synthetic data
-    input_shapes: dict  # of synthetic data
-
-
-def load(source, model: onnx.ModelProto, options: DataOptions, seed: int, minimum: int = MIN_SAMPLES) -> list[Batch]:
-    """Calibration batches from `source` (`calibration.load_batches`, at least `minimum` samples, or
-    `"synthetic"`), shape-checked."""
-    if isinstance(source, str) and source == "synthetic":
-        return synthetic_batches(model, options.samples, options.batch_size, seed, options.input_shapes)
-    return load_fitting(source, model, options.batch_size, options.tokenizer, options.max_length, minimum)
-
-
-def load_fitting(
-    source, model: onnx.ModelProto, batch_size: int, tokenizer, max_length: int, minimum: int = MIN_SAMPLES
-) -> list[Batch]:
-    """`calibration.load_batches` for `model`, each batch's shapes checked against the model's fixed dims."""
-    batches = load_batches(source, input_spec(model), batch_size, tokenizer, max_length, minimum)
-    file = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
-    for index, batch in enumerate(batches):
-        check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"{file}calibration batch {index}, input")
-    return batches
-
-
-def check_runs(runner: Runner | verify.Runner, batches: list[Batch], source) -> None:
-    """The original model on the calibration batch holding the sample longest along axis 1: a sequence it cannot
-    take (a bound the graph does not show as a table, such as OPT's positions counted from a mask) is refused as
-    bad data, before the pass, instead of failing in its middle."""
-    longest = longest_batch(batches)
-    if longest is None:
-        return
-    batch, width = longest
-    try:
-        runner.run(batch)
-    except Exception as e:  # ONNX Runtime's InvalidArgument, Fail ... derive from Exception only
-        raise InputError(
-            f"{source_label(source)}: the model does not run on the batch holding its longest sample ({width} along "
-            f"axis 1): {str(e).splitlines()[0]}; shorten the sequences (text: --max-length) or give data that fits"
-        ) from e
-
-
-# --- running -------------------------------------------------------------------------------------
-
-
-class Runner:
-    """An ONNX Runtime session (CPU, optimizations off) for a model whose large weights are inputs."""
-
-    def __init__(self, model: onnx.ModelProto, weights: dict[str, np.ndarray] | None = None):
-        try:
-            self.session = session(model)  # models over 2 GB, duplicate node names
-        except UnsupportedModelError as e:
-            raise InputError(f"the model being calibrated: {e}") from e
-        self.weights = weights or {}
-        self.outputs = [o.name for o in self.session.get_outputs()]
-
-    def run(self, batch: Batch, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        names = outputs or self.outputs
-        return dict(zip(names, self.session.run(names, {**batch, **self.weights}), strict=True))
-
-
-def opened(model: onnx.ModelProto | str | os.PathLike, name: str) -> tuple[onnx.ModelProto | Path, onnx.ModelProto]:
-    """(the original to fold and run, its structure for the checks): a path and its skeleton (`io.skeleton` of
-    `io.load_ir`: no large weight read), or the checked ModelProto twice."""
-    if isinstance(model, (str, os.PathLike)):
-        return Path(model), skeleton(load_ir(model))
-    model = checked_model(model, name)
-    return model, model
-
-
-@contextlib.contextmanager
-def reference_runner(model: onnx.ModelProto | Path, structure: onnx.ModelProto) -> Iterator[Runner | verify.Runner]:
-    """A runner of the original model, from its file where it has one (ONNX Runtime reads its weights there:
-    nothing else holds them), released when the block ends."""
-    if isinstance(model, onnx.ModelProto):
-        yield Runner(model)
-        return
-    with verify.Runner(model, structure) as runner:
-        yield runner
+# --- the bench -----------------------------------------------------------------------------------
 
 
 class OnnxBench:

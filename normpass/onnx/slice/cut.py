@@ -1,7 +1,7 @@
 """Cut a proven residual stream of a folded ONNX graph to its first k principal directions (in place).
 
 A stream the rotation proof accepts (`core/rotation.py`) is rotated by the rotation's own rewriter
-(`rotate/driver.Rotator.rotate_stream`) with a d×k matrix Q_k instead of a square Q: every writer's
+(`rotate/rotator.Rotator.rotate_stream`) with a d×k matrix Q_k instead of a square Q: every writer's
 output features `W → W·Q_k` (biases `b·Q_k`, embedding and position tables and class tokens row-wise,
 LayerScales absorbed first), every reader's input features `W → Q_kᵀ·diag(γ)·W`. What is left for this
 module (DESIGN §2c, `core/pca.py`):
@@ -34,7 +34,7 @@ from ..fold.targets import new_initializer, set_input
 from ..graph.constants import constant_values
 from ..graph.frontend import OnnxGraph, graph_values
 from ..graph.values import input_at, name_of, take_over
-from ..rotate.driver import Rotator, reader_weight
+from ..rotate.rotator import Rotator, reader_weight
 
 LAYOUT_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Slice", "Gather", "Expand")
 SINGLE_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization")

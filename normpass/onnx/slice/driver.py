@@ -2,7 +2,7 @@
 
 `slice_onnx(model, calibration, SliceOptions(ratio=R))` (docs/slice.md, DESIGN §2c):
 
-1. **Fold and prove**, as `rotate` does (`rotate/driver.plan_streams`): every provable LayerNorm becomes
+1. **Fold and prove**, as `rotate` does (`rotate/rotator.plan_streams`): every provable LayerNorm becomes
    an RMS op with its affine moved into the next layers, and each residual stream read only by such ops
    and by linear layers is found, with every writer and reader. The others stay whole, with the reason
    (`SlicePlan`; `normpass inspect --slice`).
@@ -25,7 +25,7 @@
    that misses it is refused (`BudgetMissed`, its report attached), unless `write_best`, which tries
    R, R − 0.05, … (above 0) and keeps the largest that meets it. At R = 0 (k = d: a rotation into the
    principal basis) the result must equal the original within the dtype's tolerance and is verified as
-   every rewrite is (`fold.driver.checked`); at R > 0 slicing is not exact, and the budget on held-out
+   every rewrite is (`runtime.verify.checked`); at R > 0 slicing is not exact, and the budget on held-out
    data is its verification, not a tolerance: the report says which applied.
 """
 
@@ -51,15 +51,15 @@ from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
 from ...errors import InputError, UnsupportedModelError
 from ...io import in_memory_proto, stored_like
-from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx
+from ..calibrate import CalibData, Runner, captured, input_spec, load, opened, reference_runner, refuse_scalar_inputs
+from ..fold import FoldResult, ModelSource, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
 from ..graph.frontend import graph_values
 from ..graphsurgeon import from_graphsurgeon
-from ..replace.driver import Runner, input_spec, load, opened, reference_runner, refuse_scalar_inputs
-from ..rotate.driver import RotateOptions, plan_streams
-from ..rotate.features import CalibData, captured
-from ..runtime.verify import check_input_shapes
+from ..rotate import RotateOptions
+from ..rotate.rotator import plan_streams
+from ..runtime.verify import check_input_shapes, checked
 from .cut import Slicer, slice_refusal
 from .recover import Recovery, recover
 
