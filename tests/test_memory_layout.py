@@ -196,8 +196,10 @@ agraph (float[B, {rows}] x) => (float[B, 8] y) {{
 def test_a_changed_weight_is_computed_and_written_slab_by_slab_never_whole(tmp_path, monkeypatch):
     """W0 (4 MiB) is centred by the fold, then rotated, or cut to 48 of 64 columns: its changed copy is a
     `DerivedTensor` computed from its source's slabs, each of at most `SLAB_BYTES`, when the model is written (for
-    verification, and to OUT), never whole, and the output equals the model computed in memory."""
+    verification, for slicing's calibration and judging runs, and to OUT), never whole, and the output equals the
+    model computed in memory."""
     monkeypatch.setattr(derived, "SLAB_BYTES", 2**18)
+    monkeypatch.setattr(verify, "IN_MEMORY_WEIGHT_BYTES", 1)  # every model run from a file, as large ones are
     source = tmp_path / "centred.onnx"
     onnx.save(
         centred_model(16384, 64),

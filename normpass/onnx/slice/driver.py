@@ -50,8 +50,8 @@ from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
 from ...errors import InputError, UnsupportedModelError
-from ...io import in_memory_proto, stored_like
-from ..calibrate import CalibData, Runner, captured, input_spec, load, opened, reference_runner, refuse_scalar_inputs
+from ...io import in_memory_proto, skeleton, stored_like
+from ..calibrate import CalibData, captured, input_spec, load, opened, reference_runner, refuse_scalar_inputs
 from ..fold import FoldResult, ModelSource, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
@@ -59,6 +59,7 @@ from ..graph.frontend import graph_values
 from ..graphsurgeon import from_graphsurgeon
 from ..rotate import RotateOptions
 from ..rotate.rotator import plan_streams
+from ..runtime import verify
 from ..runtime.verify import check_input_shapes, checked
 from .cut import Slicer, slice_refusal
 from .recover import Recovery, recover
@@ -334,8 +335,9 @@ def stream_covariances(
 
 
 def _plan(folded: FoldResult, name: str) -> tuple[Slicer, SlicePlan]:
-    """A `Slicer` over a fresh copy of the folded model, and the streams it finds."""
-    slicer, rotation = plan_streams(folded, folded.model, name, Slicer)
+    """A `Slicer` over a fresh copy of the folded model (its weights shared, none copied), and the streams it
+    finds."""
+    slicer, rotation = plan_streams(folded, folded.ir_model.clone(), name, Slicer)
     return slicer, SlicePlan.of(slicer, rotation)
 
 
@@ -497,14 +499,15 @@ def slice_onnx(
     cut, chosen = None, None
 
     def judged(model: ir.Model, ratio: float) -> Metrics:
-        candidate = Runner(in_memory_proto(model))
-        try:
-            outputs = [candidate.run(b, output_names) for b in held]
-        except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
-            raise UnsupportedModelError(
-                f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
-                "written; slicing missed something this model computes from the hidden size: report it"
-            ) from e
+        with verify.Runner(model, skeleton(model)) as candidate:  # a large model from a file, its weights mapped
+            try:
+                runs = [candidate.run(b) for b in held]
+            except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
+                raise UnsupportedModelError(
+                    f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
+                    "written; slicing missed something this model computes from the hidden size: report it"
+                ) from e
+        outputs = [{output: run[output] for output in output_names} for run in runs]
         return compare(references, outputs, masks)
 
     for ratio in options.ladder():
