@@ -18,8 +18,10 @@ symlinks and hard links included.
 **Writing.** A model is written into a temporary directory beside its destination and renamed
 into place, so a failed or interrupted write leaves any existing file untouched. Protobuf cannot
 serialize more than 2 GB, so the size of a model is estimated from its tensors (never by
-serializing it); a model that may exceed the limit, or (an `ir.Model`) came with external data,
-keeps its weights in a data file beside it. That file is named for the run, `OUT.<8 hex
+serializing it); a model that may exceed the limit, or came with external data (an `ir.Model` loaded
+from such a file is marked `EXTERNAL_WEIGHTS`, which stays true when a pass changes every weight it
+mapped; the CLI also says so for any verb: `came_with_external_data`), keeps its weights in a data file
+beside it. That file is named for the run, `OUT.<8 hex
 digits>.data`, and `OUT` records the name: it is renamed into place first, then `OUT` in one
 atomic rename, so `OUT` names either the previous weights or the new ones, never a mix, however
 many runs write `OUT` at once and whenever a reader opens it (a fixed `OUT.data` beside `OUT`
