@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from ..core.budget import Metrics
 from ..core.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions
 from ..core.surrogates import KINDS
 from ..errors import InputError
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{label}: {report['exact']} of {report['total']} norms folded exactly, {report['replaced']} replaced by "
         f"surrogates{fallback}, {report['kept']} kept; test "
-        f"({test['samples']} samples): cos min {test['cos_min']:.6f}, rel max {test['rel_max']:.3g}; "
+        f"({test['samples']} samples): {Metrics.from_json(test).describe(mean=False)}; "
         f"budget {options.budget}; wrote {out}"
     )
     for norm in report["norms"]:

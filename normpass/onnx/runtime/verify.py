@@ -28,6 +28,7 @@ no weights.
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,9 +37,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError
+from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
 from ...io import (
     in_memory_proto,
+    interface,
     ir_weight_bytes,
     keeps_external_data,
     maps_weights,
@@ -551,3 +553,46 @@ def verify(
         for results in zip(*(c.outputs for c in comparisons), strict=False)
     ]
     return Comparison(tuple(worst), comparisons[0].input_shapes, tuple(runs))
+
+
+def checked(
+    original,
+    rewritten: ir.Model,
+    before: onnx.ModelProto,
+    options,
+    name: str,
+    done: str,
+    verb: tuple,
+    seconds: dict,
+    modified: bool = True,
+) -> Comparison | None:
+    """`rewritten`'s signature checked against `before` (the original's structure) and, with `options.verify`,
+    its outputs against `original`'s (`verify.verify`, with `options.input_shapes` and `options.seed`).
+
+    `done` says what the rewrite did ("3 of 5 norms folded"), `verb` names it ("fold", "folded"). Raises
+    `VerificationError` on a mismatch, `UnsupportedModelError` where the result cannot run; records
+    `seconds["verify"]`. A model left as it was (`modified` false) that does not take the verification
+    inputs has nothing to verify: None.
+    """
+    if not options.verify:
+        check_signature(before, interface(rewritten), name)  # verify() checks it first
+        return None
+    start = time.perf_counter()
+    try:
+        comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
+    except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
+        raise
+    except UnsupportedModelError as e:
+        if isinstance(e, InputsRejectedError) and not modified:
+            return None
+        wrapper = InputsRejectedError if isinstance(e, InputsRejectedError) else UnsupportedModelError
+        raise wrapper(
+            f"{name}: {done}, but the result could not be verified ({e}); nothing written; "
+            f"{verb[0]} without verification to write it unverified"
+        ) from e
+    seconds["verify"] = time.perf_counter() - start
+    if not comparison.passed:
+        raise VerificationError(
+            f"{name}: {verb[1]} model does not match the original: {comparison.failures()}; nothing written"
+        )
+    return comparison
