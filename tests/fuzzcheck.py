@@ -595,12 +595,12 @@ def _seeded_surrogates(bench, seed: int, kinds: tuple[str, ...] = REPLACE_KINDS)
 def emitted_both_ways(prepared, surrogates: list) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
     """`surrogates` on `prepared` (`normpass.onnx.replace.driver.prepare`) as `replace` emits them (`emit_all`: γ
     and biases carried along the stream), one norm at a time (nothing carried), and the first's emissions."""
-    from normpass.onnx.replace.surrogates import Emitter, export_model, open_graph
+    from normpass.onnx.replace.surrogates import Emitter, export_model, working_graph
 
     bench = prepared.bench
     ctx, emitter, emissions = bench.build(surrogates)
     carried = export_model(ctx, prepared.folded, emitter.docs, {})
-    alone_ctx = open_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
+    alone_ctx = working_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
     alone = Emitter(alone_ctx, bench.rms_op)
     for name, surrogate in surrogates:
         alone.emit(alone.norms[name], surrogate)

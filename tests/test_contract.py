@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -344,9 +345,9 @@ def test_inspect_json_is_pure_json_when_a_library_prints_warnings(tmp_path, caps
 
     infer = frontend._infer
 
-    def chatty_infer(light):
+    def chatty_infer(*args):
         print("[W] a library's warning on stdout")
-        return infer(light)
+        return infer(*args)
 
     monkeypatch.setattr(frontend, "_infer", chatty_infer)
     path = tmp_path / "bf16.onnx"
@@ -457,6 +458,42 @@ def test_concurrent_writers_leave_one_consistent_model(tmp_path, small_external)
         thread.join()
     assert any(computes_like(out, reference) for reference in expected)
     assert len(list(tmp_path.glob("out.onnx.*data"))) == 1 and not list(tmp_path.glob(".normpass-*"))
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ("fold",),
+        ("rotate",),
+        ("slice", "--calib", "synthetic", "--ratio", "0"),
+        ("slice", "--calib", "synthetic", "--ratio", "0.25", "--round-to", "2"),
+        ("replace", "--calib", "synthetic"),
+    ],
+    ids=["fold", "rotate", "slice-0", "slice-0.25", "replace"],
+)
+def test_every_verb_writes_a_model_that_came_with_external_data_as_out_and_its_data_file(
+    tmp_path, small_external, capsys, verb
+):
+    """A model with external data whose every weight the verb changes (none is left mapped from the input)
+    is still written as OUT plus OUT.<8 hex>.data, put in place whole, and it loads and runs from there."""
+    source = external_ln_model(tmp_path / "m.onnx")
+    out = tmp_path / "out" / "out.onnx"
+    out.parent.mkdir()
+    code, _, err = cli(capsys, verb[0], source, "-o", out, *verb[1:])
+    assert code == 0, err
+    names = sorted(p.name for p in out.parent.iterdir())
+    assert len(names) == 2 and names[0] == "out.onnx" and re.fullmatch(r"out\.onnx\.[0-9a-f]{8}\.data", names[1])
+    written = onnx.load(str(out), load_external_data=False)
+    stored = {t.name for t in written.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    locations = {entry.value for t in written.graph.initializer for entry in t.external_data if entry.key == "location"}
+    assert stored and locations == {names[1]}
+    assert (out.parent / names[1]).read_bytes().endswith(io.DATA_MARK + names[1].encode() + b"\n")
+    assert {t.name for t in onnx.load(str(out)).graph.initializer if t.raw_data} >= stored  # read back whole
+    got = ort_file_outputs(out, X)
+    if "0.25" in verb:  # sliced: not exact
+        assert got.shape == (len(X), D) and np.isfinite(got).all()
+    else:
+        assert computes_like(out, ort_file_outputs(source, X))
 
 
 def test_stale_data_files_go_and_nothing_else(tmp_path, small_external, capsys):
@@ -701,14 +738,35 @@ def test_duplicate_initializer_names_are_bad_input(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("declared", [["B", D // 2], ["B", D, 3]])
-def test_value_info_contradicting_the_computed_shapes_is_bad_input(tmp_path, capsys, declared):
+def test_value_info_contradicting_the_computed_shapes_is_dropped_with_a_warning(tmp_path, capsys, declared):
+    """A `value_info` is a hint ONNX Runtime ignores: one that contradicts its node is dropped, the shape
+    re-inferred (the proof reads the inferred one), one `warning:` line; the written model does not carry it."""
     model = ln_model()
+    reference = ort_outputs(model, {"x": X})[0]
     model.graph.value_info.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, declared))
     path = tmp_path / "vi.onnx"
     onnx.save(model, path)
+    out = tmp_path / "o.onnx"
+    code, stdout, err = cli(capsys, "fold", path, "-o", out)
+    assert code == 0 and "1 of 1 norms folded" in stdout, err
+    warned = [line for line in err.splitlines() if "warning:" in line and "value_info" in line]
+    assert len(warned) == 1 and "of h," in warned[0], err
+    assert computes_like(out, reference)
+    kept = [v.type.tensor_type for v in onnx.load(out).graph.value_info if v.name == "h"]
+    assert all(not t.HasField("shape") or [d.dim_value for d in t.shape.dim][1:] == [D] for t in kept), kept
+    code, _, err = cli(capsys, "inspect", path)
+    assert code == 0 and "value_info" in err
+
+
+def test_a_graph_output_contradicting_its_node_is_bad_input(tmp_path, capsys):
+    model = ln_model()
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", D, 3]))
+    path = tmp_path / "out.onnx"
+    onnx.save(model, path)
     for argv in (["fold", path, "-o", tmp_path / "o.onnx"], ["inspect", path]):
         line = refused(capsys, *argv)
-        assert "node h (Add)" in line and "value_info" in line, line
+        assert "graph output" in line and "(Add)" in line, line
 
 
 def decomposed_ln_model(absent: str) -> onnx.ModelProto:

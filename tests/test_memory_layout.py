@@ -21,9 +21,12 @@ from conftest import build, randn, rng
 from onnx import numpy_helper
 from test_patterns import pre_ln_block
 
-from normpass.io import keeps_external_data, load_ir, save_onnx_atomic, unmapped
+from normpass.io import keeps_external_data, load_ir, maps_weights, save_onnx_atomic, unmapped
+from normpass.onnx.fold import derived
 from normpass.onnx.fold.driver import fold_onnx
+from normpass.onnx.rotate.driver import rotate_onnx
 from normpass.onnx.runtime import verify
+from normpass.onnx.slice.driver import SliceOptions, slice_onnx
 
 
 def test_a_large_rewritten_model_is_verified_from_a_file_with_external_data(tmp_path, monkeypatch):
@@ -149,3 +152,90 @@ def test_unmapped_weights_survive_onnx_irs_own_writer(tmp_path):
     """`io.unmapped` reads the mapped weights into memory, so that `ir.save` (what Olive writes a pass's model
     with) writes their bytes."""
     written_elsewhere(tmp_path, lambda model, out: ir.save(unmapped(model), out))
+
+
+def test_a_model_that_came_with_external_data_keeps_it_when_every_weight_changes(tmp_path):
+    """`rotate_onnx` and `slice_onnx` change every weight of `wide_model` (none stays mapped from the input): their
+    results, written through the library, are still OUT plus its data file, as the input was."""
+    source = tmp_path / "external.onnx"
+    onnx.save(wide_model(), str(source), save_as_external_data=True, location="external.onnx.data", size_threshold=0)
+    results = {
+        "rotated": rotate_onnx(str(source)),
+        "sliced": slice_onnx(str(source), "synthetic", SliceOptions(ratio=0.25, samples=16)),
+    }
+    for label, result in results.items():
+        assert not maps_weights(result.ir_model), f"{label}: every weight changed"
+        out = tmp_path / label / "out.onnx"
+        out.parent.mkdir()
+        result.save(out)
+        assert len(list(out.parent.glob("out.onnx.*.data"))) == 1, label
+
+
+def centred_model(rows: int, hidden: int) -> onnx.ModelProto:
+    """x → MatMul W0 + b0 → LayerNorm → MatMul W1 + b1: the fold centres W0, rotation rotates it, slicing cuts it,
+    each along its output features (its rows are independent)."""
+    gen = rng(3)
+    return build(
+        f"""<ir_version: 10, opset_import: ["" : 18]>
+agraph (float[B, {rows}] x) => (float[B, 8] y) {{
+  h0 = MatMul(x, W0)
+  h = Add(h0, b0)
+  n = LayerNormalization<axis=-1>(h, g, b)
+  z = MatMul(n, W1)
+  y = Add(z, c)
+}}""",
+        W0=randn(gen, rows, hidden, scale=0.1),
+        b0=randn(gen, hidden, scale=0.1),
+        g=1 + randn(gen, hidden, scale=0.1),
+        b=randn(gen, hidden, scale=0.1),
+        W1=randn(gen, hidden, 8, scale=0.1),
+        c=randn(gen, 8, scale=0.1),
+    )
+
+
+def test_a_changed_weight_is_computed_and_written_slab_by_slab_never_whole(tmp_path, monkeypatch):
+    """W0 (4 MiB) is centred by the fold, then rotated, or cut to 48 of 64 columns: its changed copy is a
+    `DerivedTensor` computed from its source's slabs, each of at most `SLAB_BYTES`, when the model is written (for
+    verification, for slicing's calibration and judging runs, and to OUT), never whole, and the output equals the
+    model computed in memory."""
+    monkeypatch.setattr(derived, "SLAB_BYTES", 2**18)
+    monkeypatch.setattr(verify, "IN_MEMORY_WEIGHT_BYTES", 1)  # every model run from a file, as large ones are
+    source = tmp_path / "centred.onnx"
+    onnx.save(
+        centred_model(16384, 64),
+        str(source),
+        save_as_external_data=True,
+        location="centred.onnx.data",
+        size_threshold=1024,
+    )
+    runs = {
+        "folded": lambda model: fold_onnx(model),
+        "rotated": lambda model: rotate_onnx(model),
+        "sliced": lambda model: slice_onnx(model, "synthetic", SliceOptions(ratio=0.25, samples=16, basis="stream")),
+    }
+    expected = {label: run(centred_model(16384, 64)).model for label, run in runs.items()}  # computed in memory
+    largest = []
+    real_computed = derived.DerivedTensor._computed
+
+    def recording(self, start, stop):
+        values = real_computed(self, start, stop)
+        largest.append(values.nbytes)
+        return values
+
+    def whole(self):
+        raise AssertionError("a derived weight was computed whole")
+
+    monkeypatch.setattr(derived.DerivedTensor, "_computed", recording)
+    monkeypatch.setattr(derived.DerivedTensor, "_whole", whole)
+    for label, run in runs.items():
+        largest.clear()
+        result = run(str(source))
+        (weight,) = [v.const_value for v in result.ir_model.graph.initializers.values() if v.name.startswith("W0")]
+        assert isinstance(weight, derived.DerivedTensor), label
+        out = tmp_path / label / "out.onnx"
+        out.parent.mkdir()
+        result.save(out)
+        assert largest and max(largest) <= 2**18, f"{label}: a slab of at most SLAB_BYTES at a time"
+        written = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+        for tensor in expected[label].graph.initializer:
+            assert np.allclose(written[tensor.name], numpy_helper.to_array(tensor), atol=1e-6), (label, tensor.name)

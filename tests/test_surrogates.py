@@ -35,7 +35,7 @@ from normpass.core.surrogates import (
 from normpass.errors import InputError
 from normpass.onnx.calibrate import Runner
 from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
-from normpass.onnx.replace.surrogates import Emitter, export_model, light_model, open_graph
+from normpass.onnx.replace.surrogates import Emitter, export_model, light_model, working_graph
 
 D = 8
 
@@ -482,7 +482,7 @@ def test_light_model_runs_like_the_full_one(gen):
     w["W1"] = randn(gen, D, D)  # 64 elements: make it "large" with a small limit
     model = build(BLOCK, **w)
     ctx = load_graph(model)
-    light, feeds = light_model(open_graph(model, ctx.shapes), model, {"x": np.float32}, {}, limit=16)
+    light, feeds = light_model(working_graph(model, ctx.shapes), model, {"x": np.float32}, {}, limit=16)
     assert "W1" in feeds and "W1" not in {i.name for i in light.graph.initializer}
     inputs = _feeds(gen, "a", "r", "h")
     got = Runner(light, feeds).run(inputs)
@@ -505,7 +505,7 @@ def test_light_models_sharing_a_cache_take_each_trial_s_own_migrated_weights(gen
     inputs = {n: randn(gen, 2, 5, width) for n in ("a", "r")}
     x = inputs["a"].astype(np.float64) @ w["W1"] + w["b1"] + inputs["r"]
     for scale in (1.5, 0.5):
-        working = open_graph(model, ctx.shapes, dtypes=ctx.dtypes)
+        working = working_graph(model, ctx.shapes, dtypes=ctx.dtypes)
         emitter = Emitter(working)
         surrogate = Surrogate("affine", np.full(width, scale), np.zeros(width))
         emitter.emit(emitter.norms["y"], surrogate)

@@ -17,7 +17,14 @@ from ..core.budget import Metrics
 from ..core.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions
 from ..core.surrogates import KINDS
 from ..errors import InputError
-from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
+from ..io import (
+    calibration_files,
+    came_with_external_data,
+    check_paths,
+    model_files,
+    save_onnx_atomic,
+    write_text_atomic,
+)
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
 from .common import add_budget_arguments, add_data_arguments, add_model_arguments, model_source, split_fractions
@@ -192,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         if args.report:
             write_text_atomic(json.dumps({"output": None, **e.report.to_json()}, indent=2) + "\n", args.report)
         raise
-    save_onnx_atomic(result.model, out, keep=inputs.values())
+    save_onnx_atomic(result.model, out, keep=inputs.values(), external=came_with_external_data(args.model))
     report = {"output": str(out), **result.report.to_json()}
     if args.report:
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)

@@ -14,6 +14,7 @@ import json
 
 from ..core.replace import BudgetMissed
 from ..errors import InputError
+from ..genai import sliced_widths
 from ..io import calibration_files, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, TARGETS
 from ..onnx.slice.driver import BASES, DEFAULT_ROUND_TO, LADDER_STEP, SliceOptions, SliceResult, slice_onnx
@@ -176,6 +177,6 @@ def run(args: argparse.Namespace) -> int:
         if args.report:
             write_text_atomic(json.dumps({"model": label, **e.report.to_json()}, indent=2) + "\n", args.report)
         raise
-    save_result(result, out, inputs, label, args.report)
+    save_result(result, out, inputs, label, args.report, args.genai, sliced_widths(result))
     print("\n".join(summary(label, result, out)))
     return 0

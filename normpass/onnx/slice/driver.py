@@ -50,8 +50,8 @@ from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
 from ...errors import InputError, InternalError
-from ...io import in_memory_proto
-from ..calibrate import CalibData, Runner, captured, input_spec, load, opened, reference_runner, refuse_scalar_inputs
+from ...io import in_memory_proto, skeleton, stored_like
+from ..calibrate import CalibData, captured, input_spec, load, opened, reference_runner, refuse_scalar_inputs
 from ..fold import FoldResult, ModelSource, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
@@ -59,6 +59,7 @@ from ..graph.frontend import graph_values
 from ..graphsurgeon import from_graphsurgeon
 from ..rotate import RotateOptions
 from ..rotate.rotator import plan_streams
+from ..runtime import verify
 from ..runtime.verify import check_input_shapes, checked
 from .cut import Slicer, slice_refusal
 from .recover import Recovery, recover
@@ -360,8 +361,9 @@ def stream_covariances(
 
 
 def _plan(folded: FoldResult, name: str) -> tuple[Slicer, SlicePlan]:
-    """A `Slicer` over a fresh copy of the folded model, and the streams it finds."""
-    slicer, rotation = plan_streams(folded, folded.model, name, Slicer)
+    """A `Slicer` over a fresh copy of the folded model (its weights shared, none copied), and the streams it
+    finds."""
+    slicer, rotation = plan_streams(folded, folded.ir_model.clone(), name, Slicer)
     return slicer, SlicePlan.of(slicer, rotation)
 
 
@@ -421,7 +423,7 @@ def _cut(
         "normpass.sliced": f"{len(plan.sliceable)} of {len(plan.streams)} residual streams sliced ({widths}), "
         f"{sum(len(p) for p in pieces.values())} bases, {len(shortcuts)} shortcuts",
     }
-    return export_model(slicer.ctx.model, slicer.docs, metadata)
+    return stored_like(export_model(slicer.ctx.model, slicer.docs, metadata), folded.ir_model)
 
 
 def _in_graph_order(slicer: Slicer, pieces: dict[str, list[Stream]]) -> list[Stream]:
@@ -549,11 +551,12 @@ def slice_onnx(
     cut, chosen = None, None
 
     def judged(model: ir.Model, ratio: float) -> Metrics:
-        candidate = Runner(in_memory_proto(model))
-        try:
-            outputs = [candidate.run(b, output_names) for b in held]
-        except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
-            raise _not_running(f"{name}: the model sliced at ratio {ratio:g}", e) from e
+        with verify.Runner(model, skeleton(model)) as candidate:  # a large model from a file, its weights mapped
+            try:
+                runs = [candidate.run(b) for b in held]
+            except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
+                raise _not_running(f"{name}: the model sliced at ratio {ratio:g}", e) from e
+        outputs = [{output: run[output] for output in output_names} for run in runs]
         return compare(references, outputs, masks)
 
     for ratio in options.ladder():
