@@ -282,10 +282,10 @@ def prepare(model: ModelSource, calibration, options: ReplaceOptions | None = No
             [bench.runner(base).run(first, output_names)],
             [first.get(mask_input) if mask_input else None],
         )
-        changed = (centring.rel_max or 0.0) > CENTRING_TOLERANCE or (centring.top1 or 1.0) < 1.0
-        if changed:
+        # float outputs only: an exact centring may still flip an id at a tie of its logits
+        if centring.rel_max is not None and centring.rel_max > CENTRING_TOLERANCE:
             raise VerificationError(
-                f"{name}: input centring changed the outputs ({centring.describe(mean=False)}); "
+                f"{name}: input centring changed the outputs (relative error {centring.rel_max:.3g}); "
                 "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model"
             )
     frame = Frame(
