@@ -27,7 +27,14 @@ from ..io import (
 )
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
-from .common import add_budget_arguments, add_data_arguments, add_model_arguments, model_source, split_fractions
+from .common import (
+    add_budget_arguments,
+    add_data_arguments,
+    add_model_arguments,
+    model_source,
+    open_genai_folder,
+    split_fractions,
+)
 from .progress import Heartbeat
 
 
@@ -158,6 +165,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    open_genai_folder(args)  # a folder stands for its decoder, whose files -o must not overwrite
     inputs = (
         model_files("the input model", args.model)
         | calibration_files("--calib", args.calib)
