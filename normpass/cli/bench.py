@@ -12,14 +12,17 @@ import argparse
 import json
 import math
 
+from .. import genai
 from ..errors import InputError, VerificationError
 from ..io import check_paths, load_onnx, model_files, replacing, write_text_atomic
 
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("bench", help="time an optimized model against its original in ONNX Runtime")
-    parser.add_argument("original", help="the baseline .onnx model")
-    parser.add_argument("optimized", help="the .onnx model to compare with it (e.g. the output of normpass fold)")
+    parser.add_argument("original", help="the baseline .onnx model (or GenAI folder: its decoder)")
+    parser.add_argument(
+        "optimized", help="the .onnx model (or GenAI folder) to compare with it (e.g. the output of normpass fold)"
+    )
     parser.add_argument(
         "--provider",
         choices=("cpu", "cuda"),
@@ -27,7 +30,12 @@ def add_parser(sub) -> None:
         help="execution provider; cuda needs onnxruntime-gpu (inputs and outputs stay on the GPU)",
     )
     parser.add_argument("--batch", type=int, default=1, help="size of dynamic first axes (default 1)")
-    parser.add_argument("--seq", type=int, default=128, help="size of other dynamic axes (default 128)")
+    parser.add_argument(
+        "--seq",
+        type=int,
+        default=128,
+        help="size of other dynamic axes (default 128); for a KV-cache graph, the past of a one-token decode step",
+    )
     parser.add_argument(
         "--sweep", metavar="AXIS=N,N,...", help="time several points, e.g. seq=64,256,1024 or batch=1,4"
     )
@@ -76,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     ):
         if not least <= value < math.inf:  # NaN fails too
             raise InputError(f"{option} {value}: give a number of at least {least}")
+    args.original, args.optimized = (
+        str(genai.open_folder(path).model) if genai.is_folder(path) else path
+        for path in (args.original, args.optimized)
+    )
     inputs = model_files("ORIGINAL", args.original) | model_files("OPTIMIZED", args.optimized)
     outputs = list(check_paths(inputs, {"--json": args.json, "--csv": args.csv, "--plot": args.plot}).values())
     for path in (args.original, args.optimized):

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from ..core.budget import Metrics
 from ..core.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions
 from ..core.surrogates import KINDS
 from ..errors import InputError
@@ -26,7 +27,14 @@ from ..io import (
 )
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
-from .common import add_budget_arguments, add_data_arguments, add_model_arguments, model_source, split_fractions
+from .common import (
+    add_budget_arguments,
+    add_data_arguments,
+    add_model_arguments,
+    model_source,
+    open_genai_folder,
+    split_fractions,
+)
 from .progress import Heartbeat
 
 
@@ -157,6 +165,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    open_genai_folder(args)  # a folder stands for its decoder, whose files -o must not overwrite
     inputs = (
         model_files("the input model", args.model)
         | calibration_files("--calib", args.calib)
@@ -215,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{label}: {report['exact']} of {report['total']} norms folded exactly, {report['replaced']} replaced by "
         f"surrogates{fallback}, {report['kept']} kept; test "
-        f"({test['samples']} samples): cos min {test['cos_min']:.6f}, rel max {test['rel_max']:.3g}; "
+        f"({test['samples']} samples): {Metrics.from_json(test).describe(mean=False)}; "
         f"budget {options.budget}; wrote {out}"
     )
     for norm in report["norms"]:

@@ -47,9 +47,9 @@ from ...core.analysis import plan as make_plan
 from ...core.graph import ZeroMeanGraph
 from ...core.plan import FoldPlan
 from ...errors import InputError, UnsupportedModelError
-from ...io import checked_model, in_memory_proto, interface, load_ir, save_onnx_atomic
+from ...io import checked_model, in_memory_proto, interface, save_onnx_atomic
 from ..graph.export import export_model
-from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph
+from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph, open_graph
 from ..graphsurgeon import from_graphsurgeon, to_graphsurgeon
 from ..runtime.ortopt import OrtOptimizer, optimize, ordering_note
 from ..runtime.verify import Comparison, Model, check_input_shapes, checked
@@ -191,14 +191,6 @@ def _to_rms_opset(ctx: OnnxGraph) -> OnnxGraph:
         ) from e
     converted.ir_version = max(ctx.model.ir_version, RMS_IR_VERSION)
     return load_graph(converted, ctx.name, ctx.source)
-
-
-def open_graph(model: onnx.ModelProto | str | os.PathLike, name: str = "model") -> OnnxGraph:
-    """The graph of `model`: a path is loaded lazily (external weights stay on disk), a ModelProto is
-    wrapped, not copied."""
-    if isinstance(model, (str, os.PathLike)):
-        return load_graph(load_ir(model), name, Path(model))
-    return load_graph(checked_model(model, name), name)
 
 
 def inspect_onnx(model: ModelSource, insert_centering: bool = True, name: str = "model") -> FoldPlan:

@@ -17,12 +17,12 @@
 The core selects; `conclude` builds the final model with every weight inside, judges it on the
 test split and writes the report.
 
-**Memory.** A model given by its path is never read whole: the fold maps its weights from the file
-(`io.load_ir`), the checks read its structure (`io.skeleton`), and the original runs from its file for
-the reference outputs, its session released once they are computed. What holds weights after that is
-the centred base (a ModelProto), the arrays of its large weights that every session is fed
-(`OnnxBench.weights`, converted once: `light_model`), and at the end the final model; no session (a trial,
-the centring check, the final judgement) copies them.
+**Memory.** A model given by its path is never read whole: it is loaded as `fold` loads it (`open_graph`:
+`io.load_ir` maps its weights from the file), the checks read its structure (`io.skeleton`), and the
+original runs from its file for the reference outputs, its session released once they are computed. What
+holds weights after that is the centred base (a ModelProto), the arrays of its large weights that every
+session is fed (`OnnxBench.weights`, converted once: `light_model`), and at the end the final model; no
+session (a trial, the centring check, the final judgement) copies them.
 """
 
 from __future__ import annotations
@@ -32,13 +32,12 @@ import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx
 
 from ... import __version__
-from ...calibration import Batch, find_mask_input
+from ...calibration import Batch, distinct_holdout, find_mask_input
 from ...core.budget import compare
 from ...core.cost import Emission
 from ...core.graph import NormInfo
@@ -57,22 +56,21 @@ from ...core.replace import (
 from ...core.stats import StatsCollector, token_rows
 from ...core.surrogates import NormSpec, Surrogate
 from ...errors import InputError, VerificationError
-from ...io import load_ir
 from ..calibrate import (
     Runner,
     check_runs,
     input_spec,
     load,
-    opened,
     reference_runner,
     refuse_scalar_inputs,
     run_time_inputs,
 )
-from ..fold import FoldOptions, FoldResult, fold_onnx
+from ..fold import FoldOptions, FoldResult, ModelSource, fold_onnx
 from ..graph.constants import constant_values
-from ..graph.frontend import build_zero_mean_graph, load_graph
+from ..graph.frontend import build_zero_mean_graph, load_graph, open_graph
+from ..graphsurgeon import from_graphsurgeon
 from ..runtime.verify import check_input_shapes, fixed_dim
-from .surrogates import Emitter, export_model, light_model, norm_cost, norm_spec, open_graph, width_of
+from .surrogates import Emitter, export_model, light_model, norm_cost, norm_spec, width_of, working_graph
 
 CENTRING_TOLERANCE = 1e-4  # relative, float32: input centring may only change rounding
 
@@ -133,7 +131,7 @@ class OnnxBench:
 
     def build(self, surrogates: list[tuple[str, Surrogate]]):
         """A working graph of the base with `surrogates` emitted: (graph, emitter, emissions)."""
-        ctx = open_graph(self.base, self.shapes, self.name, self.dtypes)
+        ctx = working_graph(self.base, self.shapes, self.name, self.dtypes)
         emitter = Emitter(ctx, self.rms_op, self.provider)
         emissions = emitter.emit_all(surrogates)
         return ctx, emitter, emissions
@@ -163,7 +161,9 @@ class OnnxBench:
         """A `Runner` of `model` (the base, or a final model built from it) fed its large weights as inputs, the
         base's untouched ones from `weights` (`light_model`): `Runner(model)` would hold the serialized model
         and a copy of every weight in the session."""
-        return Runner(*light_model(open_graph(model, self.shapes, self.name, self.dtypes), model, None, self.weights))
+        return Runner(
+            *light_model(working_graph(model, self.shapes, self.name, self.dtypes), model, None, self.weights)
+        )
 
 
 def front_end_reason(norm: NormInfo) -> str | None:
@@ -197,24 +197,26 @@ class Prepared:
         return self.fold.model
 
 
-def prepare(
-    model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model"
-) -> Prepared:
+def prepare(model: ModelSource, calibration, options: ReplaceOptions | None = None, name: str = "model") -> Prepared:
     """Data, exact fold, candidates, input centring, the original's outputs, and the core's `Search`.
 
-    A path is read lazily (see the module docstring); a ModelProto is not modified."""
-    source, model = opened(model, name)
+    `model` is loaded as `fold_onnx` loads it (`open_graph`): a path lazily (see the module docstring), a
+    ModelProto checked, not modified; an onnx-graphsurgeon `Graph` is exported to one first."""
     options = options or ReplaceOptions()
-    refuse_scalar_inputs(model, name, "the surrogate pass")
-    refuse_fixed_batch(model, name)
-    budget, kinds, cost_rule = options.checked()
-    check_input_shapes(model, options.input_shapes)
+    budget, kinds, cost_rule = options.checked()  # bad options are refused before the model is read
+    model = from_graphsurgeon(model)
+    given = open_graph(model, name)
+    source, structure = given.source or model, given.structure  # the original to fold and run, and to check
+    refuse_scalar_inputs(structure, name, "the surrogate pass")
+    refuse_fixed_batch(structure, name)
+    check_input_shapes(structure, options.input_shapes)
     started = time.perf_counter()
 
-    batches = load(calibration, model, options, options.seed)
-    holdout = None if options.holdout is None else load(options.holdout, model, options, options.seed + 1)
+    distinct_holdout(calibration, options.holdout)
+    batches = load(calibration, structure, options, options.seed)
+    holdout = None if options.holdout is None else load(options.holdout, structure, options, options.seed + 1)
     splits = split_roles(batches, holdout, options)
-    mask_input = find_mask_input(input_spec(model), options.mask_input)
+    mask_input = find_mask_input(input_spec(structure), options.mask_input, batches + (holdout or []))
 
     folded = fold_onnx(
         source,
@@ -229,7 +231,7 @@ def prepare(
         name=name,
     )
     exact = {d.name for d in folded.plan.folded}
-    original = build_zero_mean_graph(load_graph(load_ir(source) if isinstance(source, Path) else model, name)).norms
+    original = build_zero_mean_graph(given).norms
     unfolded = {n.output for n in original if options.all_norms or n.name not in exact}
     ctx = load_graph(folded.ir_model.clone(), name)  # weights shared, none copied; the fold's model stays as it is
     emitter = Emitter(ctx, options.rms_op, options.provider)
@@ -248,9 +250,9 @@ def prepare(
             if done:
                 centred[norm.name] = done
     emitter.remove_layer_scales()  # a LayerScale absorbed by a centring leaves no Mul by ones
-    base = export_model(ctx, model, emitter.docs, {})
+    base = export_model(ctx, structure, emitter.docs, {})
 
-    with reference_runner(source, model) as reference:
+    with reference_runner(source, structure) as reference:
         check_runs(reference, batches, calibration)
         if holdout is not None:
             check_runs(reference, holdout, options.holdout)
@@ -259,7 +261,7 @@ def prepare(
             splits.references[role] = [
                 reference.run(b) for b in progress(data, f"original model ({role})", options.progress)
             ]
-    output_names = [o.name for o in model.graph.output]
+    output_names = [o.name for o in structure.graph.output]
     fused_adds = {n.name: emitter.ort_fused_adds(n) for n in candidates}
     bench = OnnxBench(
         base,
@@ -280,12 +282,15 @@ def prepare(
             [bench.runner(base).run(first, output_names)],
             [first.get(mask_input) if mask_input else None],
         )
-        if centring.rel_max > CENTRING_TOLERANCE:
+        # float outputs only: an exact centring may still flip an id at a tie of its logits
+        if centring.rel_max is not None and centring.rel_max > CENTRING_TOLERANCE:
             raise VerificationError(
                 f"{name}: input centring changed the outputs (relative error {centring.rel_max:.3g}); "
                 "replace without input centring (ReplaceOptions.centre_inputs=False) and report this model"
             )
-    frame = Frame(name, "onnx", [(n.name, n.op) for n in original], exact, declined, centred, kinds, _count_ops(model))
+    frame = Frame(
+        name, "onnx", [(n.name, n.op) for n in original], exact, declined, centred, kinds, _count_ops(structure)
+    )
     return Prepared(
         Search(bench, splits, budget, options), frame, bench, folded, emitter.docs, kinds, cost_rule, started
     )
@@ -302,7 +307,7 @@ class ReplaceResult:
 
 
 def replace_onnx(
-    model: onnx.ModelProto | str, calibration, options: ReplaceOptions | None = None, name: str = "model"
+    model: ModelSource, calibration, options: ReplaceOptions | None = None, name: str = "model"
 ) -> ReplaceResult:
     """Replace the norms of `model` that do not fold exactly by surrogates, under `options.budget`.
 
