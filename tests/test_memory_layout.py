@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import io as io_module
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from conftest import build, randn, rng
 from onnx import numpy_helper
 from test_patterns import pre_ln_block
 
+from normpass.core.algebra import centre, rotate
 from normpass.io import keeps_external_data, load_ir, maps_weights, save_onnx_atomic, unmapped
 from normpass.onnx.fold import derived
 from normpass.onnx.fold.driver import fold_onnx
@@ -215,17 +217,17 @@ def test_a_changed_weight_is_computed_and_written_slab_by_slab_never_whole(tmp_p
     }
     expected = {label: run(centred_model(16384, 64)).model for label, run in runs.items()}  # computed in memory
     largest = []
-    real_computed = derived.DerivedTensor._computed
+    real_slab = derived.DerivedTensor.slab
 
     def recording(self, start, stop):
-        values = real_computed(self, start, stop)
+        values = real_slab(self, start, stop)
         largest.append(values.nbytes)
         return values
 
     def whole(self):
         raise AssertionError("a derived weight was computed whole")
 
-    monkeypatch.setattr(derived.DerivedTensor, "_computed", recording)
+    monkeypatch.setattr(derived.DerivedTensor, "slab", recording)
     monkeypatch.setattr(derived.DerivedTensor, "_whole", whole)
     for label, run in runs.items():
         largest.clear()
@@ -239,3 +241,34 @@ def test_a_changed_weight_is_computed_and_written_slab_by_slab_never_whole(tmp_p
         written = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
         for tensor in expected[label].graph.initializer:
             assert np.allclose(written[tensor.name], numpy_helper.to_array(tensor), atol=1e-6), (label, tensor.name)
+
+
+def test_a_derived_weight_is_the_whole_computation_along_either_axis_and_through_a_chain(monkeypatch):
+    """A `DerivedTensor` gives what `make` on the whole array gives, slabbed along rows (a map along the columns),
+    along columns (a map along the rows: written in runs at their places), through a chain of two (a cut of a
+    centred weight) and where the map changes the size along its axis; `tofile` writes its C-order bytes at the
+    file's position."""
+    monkeypatch.setattr(derived, "SLAB_BYTES", 1000)
+    gen = rng(4)
+    weight = randn(gen, 37, 29)
+    columns = np.linalg.qr(gen.standard_normal((29, 29)))[0][:, :20]
+    rows = np.linalg.qr(gen.standard_normal((37, 37)))[0][:, :11]
+    centred = derived.DerivedTensor(ir.Tensor(weight), lambda v: centre(v, 1), 1, "centred")
+    cases = {
+        "a cut of the centred weight": (
+            derived.DerivedTensor(centred, lambda v: rotate(v, 1, columns, None), -1, "cut"),
+            rotate(centre(weight, 1), 1, columns, None),
+        ),
+        "rows rotated back": (
+            derived.DerivedTensor(ir.Tensor(weight), lambda v: rotate(v, 0, rows, None), 0, "rows"),
+            rotate(weight, 0, rows, None),
+        ),
+    }
+    for label, (tensor, expected) in cases.items():
+        assert len(tensor.slabs()) > 1, label
+        assert tuple(tensor.shape.numpy()) == expected.shape and np.allclose(tensor.numpy(), expected, atol=1e-6)
+        file = io_module.BytesIO(b"head")
+        file.seek(4)
+        tensor.tofile(file)
+        written = np.frombuffer(file.getvalue()[4:], np.float32).reshape(expected.shape)
+        assert np.array_equal(written, tensor.numpy()), label

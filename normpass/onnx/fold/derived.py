@@ -41,7 +41,7 @@ class DerivedTensor(ir.LazyTensor):
         self.source, self.make, self.check = source, make, check
         self.axis = axis % rank
         self.split = 1 if self.axis == 0 else 0
-        first = self._computed(0, 1)
+        first = self.slab(0, 1)
         dims = list(first.shape)
         dims[self.split] = source.shape[self.split]
         super().__init__(
@@ -51,7 +51,8 @@ class DerivedTensor(ir.LazyTensor):
     def __repr__(self) -> str:  # LazyTensor's names its function, this tensor's own method: itself again
         return f"DerivedTensor(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, axis={self.axis})"
 
-    def _computed(self, start: int, stop: int) -> np.ndarray:
+    def slab(self, start: int, stop: int) -> np.ndarray:
+        """The values at [start, stop) along `split`, from the source's values there."""
         values = source_slab(self.source, self.split, start, stop)
         result = np.ascontiguousarray(self.make(values))
         if self.check is not None:
@@ -59,10 +60,6 @@ class DerivedTensor(ir.LazyTensor):
         if isinstance(self.source, ir.ExternalTensor):
             drop_pages(self.source)
         return result
-
-    def slab(self, start: int, stop: int) -> np.ndarray:
-        """The values at [start, stop) along `split`."""
-        return self._computed(start, stop)
 
     def slabs(self) -> list[tuple[int, int]]:
         """[start, stop) along `split` of each slab: at most `SLAB_BYTES` of the result or of the source each."""
