@@ -399,6 +399,7 @@ def move_affine(
                 lambda w, axis=target.in_axis: migrate_affine(w, None, gamma, None, axis)[0],
                 "multiplied by a folded norm's γ",
                 migrated=True,
+                axis=target.in_axis,
             )
             set_input(linear, 1, scaled)
         new_bias = bias
@@ -517,6 +518,7 @@ def scale_writers(graph: ir.Graph, writers: list[LinearTarget], factors: np.ndar
             lambda w, axis=out_axis: scale_along(w.astype(np.float64), axis, factors).astype(w.dtype),
             "scaled along the residual stream",
             migrated=True,
+            axis=out_axis,
         )
         set_input(node, 1, scaled)
         if target.bias_node is not None and target.bias_index is not None:
