@@ -48,6 +48,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 CHARS_PER_TOKEN = 16  # a text's head read for each token kept, at first (`_encode_heads` doubles it as needed)
 LAST_SPACE = re.compile(r"\s\S*\Z")
 MIN_SAMPLES = 8  # fit, selection, check and test need two samples each
+DEFAULT_BATCH_SIZE = 16  # samples per batch where neither the user nor the model says
 MEMORY_SHARE = 0.5  # of the memory available, the most calibration arrays may claim (the pass copies them)
 
 
@@ -74,7 +75,7 @@ class InputSpec:
 def load_batches(
     source,
     spec: InputSpec,
-    batch_size: int = 16,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     tokenizer: str | os.PathLike | None = None,
     max_length: int = 128,
     minimum: int = MIN_SAMPLES,
