@@ -83,3 +83,25 @@ def test_the_api_takes_the_model_batch_by_default_and_refuses_another(fixed):
     assert result.notes == ["calibration data read in batches of 4, the batch m fixes (input ids, axis 0)"]
     with pytest.raises(InputError, match="--batch-size 8: m fixes the batch"):
         slice_onnx(str(path), str(calib), SliceOptions(ratio=0.5, batch_size=8), name="m")
+
+
+@pytest.mark.parametrize("verb", ["slice", "rotate"])
+def test_samples_that_leave_a_partial_batch_are_refused_saying_how_many_to_give(fixed, capsys, verb):
+    tmp, path, _ = fixed
+    np.savez(tmp / "odd.npz", **ids(7, 18))
+    argv = [verb, str(path), "-o", str(tmp / "out.onnx"), "--calib", str(tmp / "odd.npz")]
+    assert main(argv + (["--ratio", "0.5"] if verb == "slice" else [])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "odd.npz: 18 samples do not fill batches of 4, the batch the model fixes (input ids, axis 0)" in err
+    assert err.rstrip().endswith("give a multiple of 4 samples")
+
+
+def test_slice_splits_whole_batches_where_samples_would_leave_a_part_of_one(fixed, capsys):
+    """20 samples, 0.75/0.25: 15 and 5 samples would each end in a part of a batch the model refuses; the five
+    batches of 4 split as they are, four to fit and one held out."""
+    tmp, path, _ = fixed
+    np.savez(tmp / "twenty.npz", **ids(7, 20))
+    argv = ["slice", str(path), "-o", str(tmp / "out.onnx"), "--calib", str(tmp / "twenty.npz"), "--ratio", "0.5"]
+    assert main(argv) == 0
+    assert "held out (4 samples)" in capsys.readouterr().out

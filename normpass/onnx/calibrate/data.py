@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ...calibration import DEFAULT_BATCH_SIZE, MIN_SAMPLES, Batch, InputSpec, load_batches
+from ...calibration import DEFAULT_BATCH_SIZE, MIN_SAMPLES, Batch, InputSpec, load_batches, sample_count
 from ...errors import InputError
 from ..graph.positions import position_limit
 from ..runtime.verify import check_input_shapes, fixed_dim, index_bounds, make_inputs
@@ -132,10 +132,18 @@ def load_fitting(
     source, model: onnx.ModelProto, batch_size: int | None, tokenizer, max_length: int, minimum: int = MIN_SAMPLES
 ) -> list[Batch]:
     """`calibration.load_batches` for `model` in batches of `batch_size` (None: `batch_size_for`), each batch's
-    shapes checked against the model's fixed dims."""
+    shapes checked against the model's fixed dims; samples left over after the last batch the model's fixed
+    batch size fills are refused, saying how many to give."""
     size, _ = batch_size_for(model, batch_size)
     batches = load_batches(source, input_spec(model), size, tokenizer, max_length, minimum)
     file = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
+    fixed = fixed_batch(model)
+    counts = [sample_count([batch]) for batch in batches]
+    if fixed is not None and counts[-1] != fixed[1] and all(count == fixed[1] for count in counts[:-1]):
+        raise InputError(  # a remainder after the last whole batch
+            f"{file or 'calibration data: '}{sample_count(batches)} samples do not fill batches of {fixed[1]}, the "
+            f"batch the model fixes (input {fixed[0]}, axis 0): give a multiple of {fixed[1]} samples"
+        )
     for index, batch in enumerate(batches):
         check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"{file}calibration batch {index}, input")
     return batches

@@ -57,6 +57,7 @@ from ..calibrate import (
     Runner,
     batch_size_for,
     captured,
+    fixed_batch,
     input_spec,
     load,
     opened,
@@ -285,8 +286,9 @@ def _data(model: onnx.ModelProto, calibration, options: SliceOptions) -> tuple[l
         return load(calibration, model, options, options.seed, 1), load(
             options.holdout, model, options, options.seed + 1, 1
         )
-    whole = load(calibration, model, options, options.seed, 2)
-    fit, held = split_batches(whole, tuple(options.split), options.seed, options.batch_size)
+    every = load(calibration, model, options, options.seed, 2)
+    whole = fixed_batch(model) is not None  # a model that fixes its batch takes whole batches only
+    fit, held = split_batches(every, tuple(options.split), options.seed, options.batch_size, whole)
     return fit, held
 
 
