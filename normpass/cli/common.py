@@ -133,7 +133,17 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool, more_dat
     parser.add_argument(
         "--max-length", type=int, default=128, help="tokens per sentence of calibration text (default 128)"
     )
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per batch (default 16)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="samples per batch (default: the batch the model fixes, where it fixes one, else 16)",
+    )
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    """--batch-size (where given), --samples and --max-length: at least 1."""
+    if (args.batch_size is not None and args.batch_size < 1) or args.samples < 1 or args.max_length < 1:
+        raise InputError("--batch-size, --samples and --max-length must be at least 1")
 
 
 def add_budget_arguments(parser: argparse.ArgumentParser, default: str) -> None:

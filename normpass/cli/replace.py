@@ -31,6 +31,7 @@ from .common import (
     add_budget_arguments,
     add_data_arguments,
     add_model_arguments,
+    check_sizes,
     model_source,
     open_genai_folder,
     split_fractions,
@@ -152,10 +153,10 @@ def add_calibration_arguments(
 
 def calibration_options(args: argparse.Namespace) -> dict:
     """The options `add_calibration_arguments` sets that `ReplaceOptions` and `DistillOptions` share."""
-    return {
+    given = {} if args.batch_size is None else {"batch_size": args.batch_size}  # else each pass's default
+    return given | {
         "split": split_fractions(args.split, "FIT,VAL,TEST", "0.5,0.25,0.25"),
         "holdout": args.holdout,
-        "batch_size": args.batch_size,
         "tokenizer": args.tokenizer,
         "max_length": args.max_length,
         "mask_input": args.mask_input,
@@ -173,8 +174,7 @@ def run(args: argparse.Namespace) -> int:
         | calibration_files("--tokenizer", args.tokenizer)
     )
     out = check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"]
-    if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
-        raise InputError("--batch-size, --samples and --max-length must be at least 1")
+    check_sizes(args)
     options = ReplaceOptions(
         kind=args.kind,
         budget=",".join(args.budget or ["cos=0.999"]),

@@ -58,6 +58,7 @@ from ...core.surrogates import NormSpec, Surrogate
 from ...errors import InputError, VerificationError
 from ..calibrate import (
     Runner,
+    batch_size_for,
     check_runs,
     input_spec,
     load,
@@ -210,6 +211,7 @@ def prepare(model: ModelSource, calibration, options: ReplaceOptions | None = No
     refuse_scalar_inputs(structure, name, "the surrogate pass")
     refuse_fixed_batch(structure, name)
     check_input_shapes(structure, options.input_shapes)
+    options = dataclasses.replace(options, batch_size=batch_size_for(structure, options.batch_size, name)[0])
     started = time.perf_counter()
 
     distinct_holdout(calibration, options.holdout)

@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -51,7 +52,17 @@ from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
 from ...errors import InputError, InternalError
 from ...io import in_memory_proto, skeleton, stored_like
-from ..calibrate import CalibData, captured, input_spec, load, opened, reference_runner, refuse_scalar_inputs
+from ..calibrate import (
+    CalibData,
+    batch_size_for,
+    captured,
+    fixed_batch,
+    input_spec,
+    load,
+    opened,
+    reference_runner,
+    refuse_scalar_inputs,
+)
 from ..fold import FoldResult, ModelSource, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
@@ -79,7 +90,7 @@ class SliceOptions:
     write_best: bool = False  # on a miss, write the largest ratio of the ladder that meets the budget
     split: tuple[float, float] = (0.75, 0.25)  # fitting, held out (with `holdout`: all fits)
     holdout: object = None  # held-out inputs from elsewhere (the calibration data's forms)
-    batch_size: int = 16
+    batch_size: int | None = None  # None: the batch the model fixes, else 16 (`calibrate.batch_size_for`)
     tokenizer: str | None = None
     max_length: int = 128
     mask_input: str | None = None  # default: the rank-2 input named *mask* (`calibration.find_mask_input`)
@@ -301,8 +312,9 @@ def _data(model: onnx.ModelProto, calibration, options: SliceOptions) -> tuple[l
         return load(calibration, model, options, options.seed, 1), load(
             options.holdout, model, options, options.seed + 1, 1
         )
-    whole = load(calibration, model, options, options.seed, 2)
-    fit, held = split_batches(whole, tuple(options.split), options.seed, options.batch_size)
+    every = load(calibration, model, options, options.seed, 2)
+    whole = fixed_batch(model) is not None  # a model that fixes its batch takes whole batches only
+    fit, held = split_batches(every, tuple(options.split), options.seed, options.batch_size, whole)
     return fit, held
 
 
@@ -525,6 +537,8 @@ def slice_onnx(
     source, original = opened(from_graphsurgeon(model), name)  # a path is read lazily: `original` is its structure
     refuse_scalar_inputs(original, name, "slicing")
     check_input_shapes(original, options.input_shapes)
+    batch_size, batch_note = batch_size_for(original, options.batch_size, name)
+    options = dataclasses.replace(options, batch_size=batch_size)
     start = time.perf_counter()
     stage("fold")
     folded = fold_onnx(source, options.rotate_options().fold_options(), name)
@@ -610,6 +624,7 @@ def slice_onnx(
         requested_ratio=options.ratio,
         budget=budget,
         basis=options.basis,
+        notes=[batch_note] if batch_note else [],
     )
     if chosen is None:
         last = tried[-1].held_out
