@@ -113,8 +113,10 @@ class SliceOptions:
         self.ratio = _number("ratio", self.ratio)
         if not 0 <= self.ratio < 1:
             raise InputError(f"ratio {self.ratio}: choose a share of the stream to remove, from 0 up to (not) 1")
-        for option in ("round_to", "batch_size", "max_length", "samples"):
+        for option in ("round_to", "max_length", "samples"):
             setattr(self, option, _whole(option, getattr(self, option)))
+        if self.batch_size is not None:  # None: the batch the model fixes, else 16 (`calibrate.batch_size_for`)
+            self.batch_size = _whole("batch_size", self.batch_size)
         self.seed = _whole("seed", self.seed, least=0)
         if self.basis not in BASES:
             raise InputError(
