@@ -38,6 +38,7 @@ from normpass.models.reference import entry_feeds
 from normpass.models.registry import vit_entry
 from normpass.onnx.slice import driver
 from normpass.onnx.slice.cut import Slicer
+from normpass.onnx.slice.driver import HEADS
 
 D, RANK, S, V = 32, 16, 6, 20
 
@@ -236,6 +237,51 @@ def test_a_beta_kept_after_the_final_norm_reaches_a_biasless_head_as_its_bias(mo
         assert_equivalent(model, dropped, rel_tol=1e-3)
 
 
+@pytest.mark.parametrize("basis", ["stream", "layer"])
+def test_head_full_leaves_the_final_norm_and_the_head_at_full_width(basis):
+    """`head="full"` (SliceGPT's default): the stream's end — the final norm and the head — is not cut; the
+    block's writer into it writes all D columns and the first piece reaches it through one RANK×D shortcut
+    Q_kᵀ. On the rank-RANK stream of `low_rank_model` that is exact, like the cut head."""
+    model = low_rank_model(rng(3), head_bias=True)
+    result = slice_onnx(model, ids(0, 16), SliceOptions(ratio=0.5, basis=basis, head="full"))
+    (stream,) = result.slicing.sliceable
+    assert result.chosen is not None and result.chosen.kept == {stream.name: RANK}
+    first, end = result.pieces[stream.name]
+    assert result.whole == [end] and first in result.bases and end not in result.bases
+    report = result.slice_report()
+    assert report["head"] == "full" and report["left_whole"] == [end] and report["shortcuts"] == 1
+    weights = initializers(result.model)
+    shortcuts = [n for n in result.model.graph.node if n.op_type == "MatMul" and n.name.endswith(".shortcut")]
+    assert [weights[n.input[1]].shape for n in shortcuts] == [(RANK, D)]
+    assert weights[producer(result.model, "emb").input[0]].shape == (V, RANK)  # the first piece is cut
+    assert weights[producer(result.model, "m1").input[1]].shape == (RANK, 24)  # its reader too
+    assert weights[producer(result.model, "m2").input[1]].shape == (24, D)  # the writer into the end is not
+    assert weights[producer(result.model, "m3").input[1]].shape == (D, V)  # nor the head
+    check_structure(result.model)
+    assert_equivalent(model, result.model, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("basis", ["stream", "layer"])
+def test_head_full_is_exact_at_ratio_zero_and_differs_from_the_cut_head_above(gpt2, basis):
+    model, feeds = gpt2
+    exact = slice_onnx(model, feeds, SliceOptions(ratio=0.0, basis=basis, head="full"), name="gpt2")
+    assert exact.comparison is not None and exact.comparison.passed and exact.whole
+    assert_equivalent(model, exact.model, shapes={"input_ids": (2, 5)})
+    full, cut = (slice_onnx(model, feeds, SliceOptions(ratio=0.5, basis=basis, head=h), name="gpt2") for h in HEADS)
+    assert full.whole and not cut.whole
+
+    def head_weights(model: onnx.ModelProto) -> list[tuple[int, ...]]:
+        weights = initializers(model)
+        head = next(n for n in model.graph.node if n.output[0] == "logits")
+        return [weights[i].shape for i in head.input if i in weights]
+
+    assert any(64 in shape for shape in head_weights(full.model))  # d = 64 input features
+    assert not any(64 in shape for shape in head_weights(cut.model))
+    logits = [run_ort(r.model, {"input_ids": feeds["input_ids"][:3]})["logits"] for r in (full, cut)]
+    assert np.abs(logits[0] - logits[1]).max() > 1e-4  # different models (fp32 noise: ~1e-7)
+    assert full.chosen is not None and cut.chosen is not None and full.chosen.parameters > cut.chosen.parameters
+
+
 def _unit_projector(tokens: np.ndarray, k: int) -> np.ndarray:
     """Q_k·Q_kᵀ of the first k principal directions of the unit-length rows of `tokens` (float64)."""
     rows = tokens.reshape(-1, tokens.shape[-1])
@@ -355,8 +401,8 @@ def test_basis_layer_fits_after_the_earlier_cuts_and_loses_no_accuracy_by_it(gpt
     options = SliceOptions(ratio=0.5, basis="layer")
     sequential = slice_onnx(model, feeds, options, name="gpt2")
 
-    def one_pass(folded, name, options, slicer, pieces, kept, batches, mask_input):
-        every_piece = [piece for found in pieces.values() for piece in found]
+    def one_pass(folded, name, options, slicer, pieces, kept, batches, mask_input, whole=frozenset()):
+        every_piece = [piece for found in pieces.values() for piece in found if piece.name not in whole]
         return driver.stream_covariances(slicer, every_piece, batches, options, mask_input)
 
     monkeypatch.setattr(driver, "sequential_covariances", one_pass)
@@ -486,6 +532,17 @@ def test_cli_slice_writes_the_model_and_the_report(files, capsys):
     assert data["output"] == str(out) and data["slice"]["streams"][0]["kept"] == RANK
     assert data["slice"]["held_out"]["cos_min"] > 0.9999
     check_structure(onnx.load(str(out)))
+
+
+def test_cli_slice_head_full_leaves_the_head_at_full_width(files):
+    tmp, path, calib = files
+    out, report = tmp / "out.onnx", tmp / "report.json"
+    args = ["slice", str(path), "-o", str(out), "--calib", str(calib), "--ratio", "0.5", "--report", str(report)]
+    assert main([*args, "--head", "full"]) == 0
+    data = json.loads(report.read_text())["slice"]
+    assert data["head"] == "full" and len(data["left_whole"]) == 1 and data["shortcuts"] == 1
+    model = onnx.load(str(out))
+    assert initializers(model)[producer(model, "m3").input[1]].shape == (D, V)  # the head reads all D columns
 
 
 @pytest.mark.parametrize("ratio", ["0", "0.5"])

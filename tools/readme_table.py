@@ -14,6 +14,9 @@ cell links to that record, so no figure is typed by hand. A cell is one measurem
   from the matching latency report.
 * **slicing** (`Sliced`): a `tools/bench_slice.py` record, each sliced variant's time over ORT's optimized
   original's, with its held-out cosine (slicing is approximate: the two figures go together).
+* **decode** (`Decode`): a `tools/bench_decode.py` record, each variant's ms per token at decode over the
+  builder's original's, medians of interleaved rounds, with the bytes of weights read per token over the
+  original's beside it (the bound at decode).
 * **distillation** (`Distill`): a `tools/eval_distill.py` report: norms trained away, held-out
   worst-case cosine, and whether the budget held. What a verb buys in accuracy rather than time is a
   line under the table (`LINES`), not a row.
@@ -58,6 +61,7 @@ BASELINES = {  # a record's "baseline" (docs/results/README.md), as the cell nam
     "raw": "the raw export",
     "ort-opt": "the optimized original",
     "original": "the module",
+    "builder": "the builder's original",
 }
 
 
@@ -196,7 +200,32 @@ class Sliced:
         )
 
 
-Cell = Timing | Int8 | Distill | Sliced
+@dataclass(frozen=True)
+class Decode:
+    """A `tools/bench_decode.py` record (`records-decode*.json`): per variant of one loop, the ms per token at
+    decode over the original's, with the ratio of weight bytes read per token beside it."""
+
+    record: str
+    provider: str  # "cpu-genai" (onnxruntime-genai) or "cpu" (a plain ORT loop)
+    variants: tuple[str, ...]
+    label: str  # the model and the loop, in words
+
+    def render(self, page: str) -> str:
+        (point,) = [p for p in load(self.record)["records"] if p["provider"] == self.provider]
+        found = point["variants"]
+        parts = [
+            f"{variant} {found[variant]['ratio']:.2f}× (bytes {found[variant]['read_bytes_ratio']:.2f}×)"
+            for variant in self.variants
+        ]
+        ratios = [found[variant]["ratio"] for variant in self.variants]
+        return (
+            f"{self.label}: {verdict(ratios)}, " + "; ".join(parts) + f" of {BASELINES[point['baseline']]}'s "
+            f"{point['baseline_ms']:.0f} ms per token ({point['dtype']}, {point['device']}, batch 1, "
+            f"{point['seq']}-token prompt; {link(self.record, page)})"
+        )
+
+
+Cell = Timing | Int8 | Distill | Sliced | Decode
 
 
 @dataclass(frozen=True)
@@ -215,6 +244,7 @@ CPU = "cpu-2026-11-26"
 GPU = "gpu-2026-11-26-h200"
 GPU2 = "gpu-2026-11-26-h200-round2"
 GPU3 = "gpu-2026-11-26-h200-round3"
+DECODE = "cpu-2026-11-28/records-decode.json"
 CUDA_ROUNDS = (f"{GPU}/records-ort.json", f"{GPU2}/records-ort.json", f"{GPU3}/records-ort.json")
 EAGER_ROUNDS = (f"{GPU}/records-torch.json", f"{GPU2}/records-torch.json", f"{GPU3}/records-torch.json")
 
@@ -280,6 +310,26 @@ ROWS = (
             ],
         },
     ),
+    Row(
+        "`slice`, `rotate` + 4-bit weights, decoding one token at a time (ms per token; GenAI folders)",
+        {
+            "ORT CPU": [
+                Decode(
+                    DECODE,
+                    "cpu-genai",
+                    ("slice-0.25", "4bit", "rotate+4bit", "slice-0.25+4bit", "slice-0.25+rotate+4bit"),
+                    "seeded Phi shape d = 1024 × 8 layers (101 M parameters) in onnxruntime-genai",
+                ),
+                Decode(
+                    "cpu-2026-11-28/records-decode-2.json",
+                    "cpu-genai",
+                    ("slice-0.25", "slice-0.3", "rotate+4bit", "slice-0.25+rotate+4bit"),
+                    "a second run of the same folders in onnxruntime-genai (7 rounds)",
+                ),
+                Decode(DECODE, "cpu", ("slice-0.25", "rotate+4bit"), "the same folders in a plain ORT loop"),
+            ],
+        },
+    ),
 )
 
 LINES = (Line("`distill`", Distill(f"{GPU3}/distill.json")),)
@@ -294,7 +344,7 @@ def records_read(rows: Sequence[Row] = ROWS, notes: Sequence[Line] = LINES) -> s
             read.update(cell.records)
         elif isinstance(cell, Int8):
             read.update((cell.record, cell.latency))
-        elif isinstance(cell, Sliced):
+        elif isinstance(cell, (Sliced, Decode)):
             read.add(cell.record)
         else:
             read.add(cell.record)

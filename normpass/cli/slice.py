@@ -17,7 +17,7 @@ from ..errors import InputError
 from ..genai import sliced_widths
 from ..io import calibration_files, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, TARGETS
-from ..onnx.slice.driver import BASES, DEFAULT_ROUND_TO, LADDER_STEP, SliceOptions, SliceResult, slice_onnx
+from ..onnx.slice.driver import BASES, DEFAULT_ROUND_TO, HEADS, LADDER_STEP, SliceOptions, SliceResult, slice_onnx
 from .common import (
     add_budget_arguments,
     add_data_arguments,
@@ -63,6 +63,14 @@ def add_parser(sub) -> None:
         help="layer: one principal basis per norm, fitted in sequence on the model cut before it, with a k×k "
         "shortcut MatMul on the residual path between them (default; SliceGPT's); stream: one per residual "
         "stream (no op added, one calibration pass)",
+    )
+    parser.add_argument(
+        "--head",
+        choices=HEADS,
+        default=SliceOptions.head,
+        help="full: each stream's end — its final norm and the head that reads it (an LM head, a classifier) — "
+        "keeps all d columns, the layer before it writing into them through a k×d shortcut (SliceGPT's default); "
+        "cut: they read the k kept columns too (fewer bytes to read per token)",
     )
     parser.add_argument(
         "--recover",
@@ -151,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         ratio=args.ratio,
         round_to=args.round_to,
         basis=args.basis,
+        head=args.head,
         recover=_seconds(args.recover),
         budget=",".join(args.budget) if args.budget else None,
         write_best=args.write_best,

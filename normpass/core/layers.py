@@ -117,3 +117,33 @@ def _split(zmg: ZeroMeanGraph, stream: Stream, pieces: _Pieces) -> list[Stream]:
         piece.moved_gamma = [n for n in stream.moved_gamma if n in piece.norms]
         piece.tensors = len(piece.states)
     return list(by_root.values())
+
+
+def ends(pieces: list[Stream], shortcuts: list[Shortcut]) -> list[Stream]:
+    """The pieces no shortcut leaves: the stream's end, read by its last norm (the final norm, whose readers
+    are the head). Empty when the stream is one piece (nothing separates its end from the rest)."""
+    sources = {shortcut.source for shortcut in shortcuts}
+    return [] if len(pieces) < 2 else [piece for piece in pieces if piece.name not in sources]
+
+
+def end_apart(stream: Stream, pieces: list[Stream], shortcuts: list[Shortcut]) -> tuple[list[Stream], list[Shortcut]]:
+    """`stream` as two bases: its end (`ends`) and all the rest of it as one piece, with the shortcuts into
+    the end only (between the pieces merged into the rest, the basis is one: their residual sums read their
+    operands as they are). The stream whole when it is one piece."""
+    end = {piece.name for piece in ends(pieces, shortcuts)}
+    rest = [piece for piece in pieces if piece.name not in end]
+    if not end or not rest:
+        return [stream], []
+    norms = {norm for piece in rest for norm in piece.norms}
+    merged = replace(
+        stream,
+        name=next(n for n in stream.norms if n in norms),
+        norms=[n for n in stream.norms if n in norms],
+        writers={w: s for piece in rest for w, s in piece.writers.items()},
+        readers=[r for piece in rest for r in piece.readers],
+        states=[s for piece in rest for s in piece.states],
+        moved_gamma=[n for n in stream.moved_gamma if n in norms],
+    )
+    merged.tensors = len(merged.states)
+    into_end = [replace(s, source=merged.name) for s in shortcuts if s.target in end and s.source not in end]
+    return [merged, *(piece for piece in pieces if piece.name in end)], into_end

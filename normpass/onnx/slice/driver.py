@@ -44,7 +44,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from ... import __version__
 from ...calibration import Batch, distinct_holdout, find_mask_input, split_batches
 from ...core.budget import Budget, Metrics, compare
-from ...core.layers import Shortcut, layer_pieces
+from ...core.layers import Shortcut, end_apart, ends, layer_pieces
 from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis, sliced_width
 from ...core.progress import stage
 from ...core.replace import BudgetMissed, ReplaceReport
@@ -76,6 +76,7 @@ from .cut import Slicer, slice_refusal
 from .recover import Recovery, recover
 
 BASES = ("stream", "layer")  # one basis per stream; one per layer with shortcuts between them (SliceGPT's)
+HEADS = ("full", "cut")  # the stream's end (final norm → head) left at full width (SliceGPT's default), or cut
 LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last ratio above 0
 
 
@@ -86,6 +87,7 @@ class SliceOptions:
     ratio: float = 0.25  # R: k = (1 − R)·d columns kept per stream
     round_to: int = DEFAULT_ROUND_TO  # k a multiple of this (`core/pca.sliced_width`)
     basis: str = "layer"  # one principal basis per norm, with shortcuts (SliceGPT's); "stream": one per stream
+    head: str = "cut"  # "full": the stream's end — its final norm and the head reading it — keeps all d columns
     budget: Budget | str | None = None  # e.g. "cos=0.99"; None: judged and reported, never refused
     write_best: bool = False  # on a miss, write the largest ratio of the ladder that meets the budget
     split: tuple[float, float] = (0.75, 0.25)  # fitting, held out (with `holdout`: all fits)
@@ -122,6 +124,11 @@ class SliceOptions:
             raise InputError(
                 f"basis {self.basis!r}: choose 'stream' (one per residual stream) or 'layer' (one per norm, "
                 "with k×k shortcuts on the residual path, as SliceGPT)"
+            )
+        if self.head not in HEADS:
+            raise InputError(
+                f"head {self.head!r}: choose 'full' (the final norm and the head read all d columns, as SliceGPT) "
+                "or 'cut' (they read the k kept columns)"
             )
         self.recover = _number("recover", self.recover)
         if not 0 <= self.recover < math.inf:
@@ -251,6 +258,7 @@ class SliceResult(FoldResult):
     requested_ratio: float = 0.0
     budget: Budget | None = None
     basis: str = "layer"
+    whole: list[str] = field(default_factory=list)  # pieces left at full width (`SliceOptions.head` "full")
 
     @property
     def ratio(self) -> float:
@@ -269,7 +277,8 @@ class SliceResult(FoldResult):
             if name in kept and entry["hidden_size"]:
                 pieces = self.pieces.get(name, [name])
                 entry["kept"] = kept[name]
-                entry["energy_kept"] = min(self.bases[p].energy_kept(kept[name]) for p in pieces)  # the worst basis
+                cut = [p for p in pieces if p in self.bases]  # the worst basis; pieces left whole keep all energy
+                entry["energy_kept"] = min(self.bases[p].energy_kept(kept[name]) for p in cut) if cut else 1.0
                 entry["calibration_tokens"] = sum(self.tokens.get(p, 0) for p in pieces)
                 entry["bases"] = pieces
         exact = bool(kept) and all(kept[s.name] == s.width for s in self.slicing.sliceable)
@@ -278,6 +287,8 @@ class SliceResult(FoldResult):
             "ratio": self.ratio,
             "basis": self.basis,
             "shortcuts": self.shortcuts,
+            "head": "full" if self.whole else "cut",
+            "left_whole": self.whole,
             "budget": None if self.budget is None else str(self.budget),
             "wrote_fallback": self.chosen is not None and self.ratio != self.requested_ratio,
             "verification": VERIFIED_EXACT if exact or not kept else VERIFIED_BY_BUDGET,
@@ -381,20 +392,34 @@ def _plan(folded: FoldResult, name: str) -> tuple[Slicer, SlicePlan]:
     return slicer, SlicePlan.of(slicer, rotation)
 
 
-def _pieces(slicer: Slicer, plan: SlicePlan, basis: str) -> tuple[dict[str, list[Stream]], list[Shortcut]]:
-    """Per sliceable stream the pieces that take a basis each (itself alone with `basis` "stream"), and the
-    shortcuts between them. A stream whose shortcut would not read its last axis (a MatMul contracts that
-    one) keeps one basis."""
+def _pieces(
+    slicer: Slicer, plan: SlicePlan, options: SliceOptions
+) -> tuple[dict[str, list[Stream]], list[Shortcut], set[str]]:
+    """Per sliceable stream the pieces that take a basis each (itself alone with `basis` "stream"), the
+    shortcuts between them, and the pieces left at full width: with `head` "full", each stream's end
+    (`core/layers.ends`: its final norm and the head that reads it), which the piece before it writes into
+    through a k×d shortcut Q_kᵀ (with `basis` "stream": the rest of the stream is one piece). A stream whose
+    shortcut would not read its last axis (a MatMul contracts that one) keeps one basis, its end cut."""
     pieces: dict[str, list[Stream]] = {}
     shortcuts: list[Shortcut] = []
+    whole: set[str] = set()
     for stream in plan.sliceable:
-        found, between = layer_pieces(slicer.zmg, stream) if basis == "layer" else ([stream], [])
+        found: list[Stream] = [stream]
+        between: list[Shortcut] = []
+        if options.basis == "layer" or options.head == "full":
+            found, between = layer_pieces(slicer.zmg, stream)
         axes = dict(stream.states)
         if any(axes[s.tensor] != len(slicer.ctx.shapes.get(s.tensor) or ()) - 1 for s in between):
             found, between = [stream], []
+        if options.basis == "stream" and options.head == "full":
+            found, between = end_apart(stream, found, between)
+        elif options.basis == "stream":
+            found, between = [stream], []
+        if options.head == "full":
+            whole |= {piece.name for piece in ends(found, between)}
         pieces[stream.name] = found
         shortcuts += between
-    return pieces, shortcuts
+    return pieces, shortcuts, whole
 
 
 def _cut_pieces(
@@ -402,10 +427,11 @@ def _cut_pieces(
 ) -> tuple[Slicer, SlicePlan, dict[str, list[Stream]], list[Shortcut], dict[str, str]]:
     """A `Slicer` over a fresh copy of the folded model in which every piece with a basis in `bases` is cut
     to the first `kept[its stream]` principal directions, and every shortcut between pieces is inserted; a
-    piece without a basis stays whole (Q = I, d columns: a shortcut into it maps back to the stream's own
-    coordinates). With the plan, the pieces, the shortcuts, and the tensor each shortcut's sum now reads."""
+    piece without a basis (one not fitted yet, or the end `_pieces` leaves whole) stays whole (Q = I, d
+    columns: a shortcut into it maps back to the stream's own coordinates). With the plan, the pieces, the
+    shortcuts, and the tensor each shortcut's sum now reads."""
     slicer, plan = _plan(folded, name)
-    pieces, shortcuts = _pieces(slicer, plan, options.basis)
+    pieces, shortcuts, _ = _pieces(slicer, plan, options)
     columns: dict[str, np.ndarray] = {}  # piece → Q_k; a piece left whole: I
     mixed = bool(bases) and any(p.name not in bases for found in pieces.values() for p in found)  # a sequential fit
     for stream, found in pieces.items():
@@ -469,15 +495,18 @@ def sequential_covariances(
     kept: dict[str, int],
     batches: list[Batch],
     mask_input: str | None,
+    whole: frozenset[str] | set[str] = frozenset(),
 ) -> dict[str, Covariance]:
     """SliceGPT's sequential fit (`rotate.py`, `rotate_and_slice_sequential`): piece by piece in graph
     order, each piece's Σ uᵀu taken on the model whose earlier pieces are already cut to `kept` columns with
     their shortcuts (the piece itself and the later ones whole), so that each basis fits the signal the
     sliced model will give it. One calibration pass per piece; each sum is combined across processes before
-    its basis cuts the next pass's model."""
+    its basis cuts the next pass's model. A piece in `whole` (left at full width) takes no basis."""
     covariances: dict[str, Covariance] = {}
     bases: dict[str, Basis] = {}
     for piece in _in_graph_order(slicer, pieces):
+        if piece.name in whole:
+            continue
         stage(f"basis of {piece.name}, on the model cut before it")
         current, _, _, _, renamed = _cut_pieces(folded, name, options, bases, kept)
         try:
@@ -551,8 +580,8 @@ def slice_onnx(
     start = time.perf_counter()
     fit, held = _data(original, calibration, options)
     mask_input = find_mask_input(input_spec(original), options.mask_input, fit + held)
-    pieces, shortcuts = _pieces(slicer, plan, options.basis)
-    every_piece = [piece for found in pieces.values() for piece in found]
+    pieces, shortcuts, whole = _pieces(slicer, plan, options)
+    every_piece = [piece for found in pieces.values() for piece in found if piece.name not in whole]
     one_pass: dict[str, Covariance] = {}  # on the unsliced model: the bases of `basis="stream"`, and of any at k = d
     seconds["bases"] = time.perf_counter() - start
     seconds["judge"] = 0.0
@@ -581,7 +610,7 @@ def slice_onnx(
             continue
         start = time.perf_counter()
         if options.basis == "layer" and any(kept[s.name] < (s.width or 0) for s in plan.sliceable):
-            covariances = sequential_covariances(folded, name, options, slicer, pieces, kept, fit, mask_input)
+            covariances = sequential_covariances(folded, name, options, slicer, pieces, kept, fit, mask_input, whole)
         else:  # one basis per stream, or k = d: every earlier cut is a rotation and changes no piece's signal
             if not one_pass:
                 one_pass = stream_covariances(slicer, every_piece, fit, options, mask_input)
@@ -627,6 +656,7 @@ def slice_onnx(
         budget=budget,
         basis=options.basis,
         notes=[batch_note] if batch_note else [],
+        whole=sorted(whole),
     )
     if chosen is None:
         last = tried[-1].held_out
