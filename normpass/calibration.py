@@ -22,7 +22,7 @@
 * **Splits** (`split_batches`): a seeded shuffle of samples, then consecutive shares. Batches of
   equal shapes are split by sample and rebatched; single sentences of different lengths by
   sentence, then collated; other batches of different shapes (e.g. each padded to its own
-  length) by batch.
+  length), and any batches for a model that fixes its batch size (`whole`), by batch.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 CHARS_PER_TOKEN = 16  # a text's head read for each token kept, at first (`_encode_heads` doubles it as needed)
 LAST_SPACE = re.compile(r"\s\S*\Z")
 MIN_SAMPLES = 8  # fit, selection, check and test need two samples each
+DEFAULT_BATCH_SIZE = 16  # samples per batch where neither the user nor the model says
 MEMORY_SHARE = 0.5  # of the memory available, the most calibration arrays may claim (the pass copies them)
 
 
@@ -74,7 +75,7 @@ class InputSpec:
 def load_batches(
     source,
     spec: InputSpec,
-    batch_size: int = 16,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     tokenizer: str | os.PathLike | None = None,
     max_length: int = 128,
     minimum: int = MIN_SAMPLES,
@@ -485,25 +486,30 @@ def collate(samples: list[Batch], batch_size: int) -> list[Batch]:
 
 
 def split_batches(
-    batches: list[Batch], fractions: tuple[float, ...], seed: int = 0, batch_size: int | None = None
+    batches: list[Batch],
+    fractions: tuple[float, ...],
+    seed: int = 0,
+    batch_size: int | None = None,
+    whole: bool = False,
 ) -> tuple[list[Batch], ...]:
     """One list of batches per fraction, after a seeded shuffle (see the module docstring).
 
-    Every part with a positive fraction gets at least one unit (sample, sentence or batch).
+    Every part with a positive fraction gets at least one unit (sample, sentence or batch). `whole`: the
+    batches are split as they are, never rebatched (for a model that fixes its batch size).
     """
     if not fractions or not all(math.isfinite(f) and f >= 0 for f in fractions) or not sum(fractions) > 0:
         raise InputError(f"split {tuple(fractions)}: give finite non-negative fractions, at least one positive")
     total = sum(fractions)
     rng = np.random.default_rng(seed)
     size = batch_size or max(sample_count([b]) for b in batches)
-    if _uniform(batches):
+    if not whole and _uniform(batches):
         arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
         units, unit = sample_count(batches), "samples"
 
         def make(idx):
             return _rebatch({k: v[np.sort(idx)] for k, v in arrays.items()}, size) if len(idx) else []
 
-    elif _ragged_samples(batches):
+    elif not whole and _ragged_samples(batches):
         units, unit = len(batches), "sentences"
 
         def make(idx):

@@ -147,7 +147,8 @@ def write_folder(folder: Folder, model: ir.Model, out: Path, widths: dict[int, i
             (tmp / CONFIG).write_text(json.dumps(changed, indent=4) + "\n")
         external = io.keeps_external_data(model) or len(skipped) > 1
         io.save_ir(tmp / folder.filename, model, f"{folder.filename}.data", external=external)
-        os.chmod(tmp, 0o777 & ~_umask())
+        mode = io._default_mode()  # mkdtemp's 0700 is for secrets: a plain folder's mode, searchable where readable
+        os.chmod(tmp, mode | (mode & 0o444) >> 2)
         with io.signals_deferred():
             if target.is_dir():
                 target.rmdir()  # empty (checked): the rename needs its name free
@@ -160,9 +161,3 @@ def write_folder(folder: Folder, model: ir.Model, out: Path, widths: dict[int, i
         if tmp is not None:
             with io.signals_deferred():
                 shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -18,8 +18,10 @@ symlinks and hard links included.
 **Writing.** A model is written into a temporary directory beside its destination and renamed
 into place, so a failed or interrupted write leaves any existing file untouched. Protobuf cannot
 serialize more than 2 GB, so the size of a model is estimated from its tensors (never by
-serializing it); a model that may exceed the limit, or (an `ir.Model`) came with external data,
-keeps its weights in a data file beside it. That file is named for the run, `OUT.<8 hex
+serializing it); a model that may exceed the limit, or came with external data (an `ir.Model` loaded
+from such a file is marked `EXTERNAL_WEIGHTS`, which stays true when a pass changes every weight it
+mapped; the CLI also says so for any verb: `came_with_external_data`), keeps its weights in a data file
+beside it. That file is named for the run, `OUT.<8 hex
 digits>.data`, and `OUT` records the name: it is renamed into place first, then `OUT` in one
 atomic rename, so `OUT` names either the previous weights or the new ones, never a mix, however
 many runs write `OUT` at once and whenever a reader opens it (a fixed `OUT.data` beside `OUT`
@@ -64,6 +66,8 @@ EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to the data file
 LIGHT_INITIALIZER_LIMIT = 1024  # elements; larger initializers are stubs (type and dims, no data) in `skeleton`
 STUB_LOCATION = "<normpass: data not included>"
 INLINE_WEIGHTS = "normpass.inline_weights"  # ir.Model.meta: its weights are inline in its file, mapped from there
+EXTERNAL_WEIGHTS = "normpass.external_weights"  # ir.Model.meta: it came with external data (written so again)
+STORAGE = (INLINE_WEIGHTS, EXTERNAL_WEIGHTS)  # how a model's weights were stored, carried to what is made of it
 WRITE_IN_FLIGHT_BYTES = 2**26  # weights read but not yet written, at most, while saving
 DATA_ALIGNMENT = 4096  # tensors of ≥ 1 MiB start at a page boundary of the data file, so ONNX Runtime can map them
 DATA_MARK = b"\n# written by normpass as the external data of "  # + the model's file name, at the end of a data file
@@ -128,6 +132,8 @@ def _ir_load(path: Path) -> ir.Model:
     ir.external_data.set_base_dir(model.graph, os.path.dirname(path))
     if locations == {path.name}:
         model.meta[INLINE_WEIGHTS] = True
+    elif locations:
+        model.meta[EXTERNAL_WEIGHTS] = True
     return model
 
 
@@ -375,10 +381,20 @@ def unmapped(model: ir.Model) -> ir.Model:
 
 
 def keeps_external_data(model: ir.Model) -> bool:
-    """Whether `model`'s weights go to a data file when written: it came with external data (not its weights
-    inline, mapped from its file: `INLINE_WEIGHTS`), or may exceed 2 GB."""
-    external = not model.meta.get(INLINE_WEIGHTS) and maps_weights(model)
-    return external or ir_weight_bytes(model) + PROTO_HEADROOM >= PROTO_LIMIT
+    """Whether `model`'s weights go to a data file when written: it came with external data (`EXTERNAL_WEIGHTS`,
+    also when the rewrite changed every weight it mapped; or it maps some, not its weights inline, mapped from
+    its file: `INLINE_WEIGHTS`), or may exceed 2 GB."""
+    external = model.meta.get(EXTERNAL_WEIGHTS) or (not model.meta.get(INLINE_WEIGHTS) and maps_weights(model))
+    return bool(external) or ir_weight_bytes(model) + PROTO_HEADROOM >= PROTO_LIMIT
+
+
+def stored_like(model: ir.Model, source: ir.Model) -> ir.Model:
+    """`model` (made from `source`: a clone, a copy through a proto) marked as `source` is for writing: with
+    external data where `source` came with it, inline where `source` had its weights inline (`STORAGE`)."""
+    for key in STORAGE:
+        if source.meta.get(key):
+            model.meta[key] = True
+    return model
 
 
 def save_ir(path: Path, model: ir.Model, data_name: str | None = None, external: bool | None = None) -> None:
@@ -604,9 +620,20 @@ def _external_paths(model) -> list[Path]:
     ]
 
 
-def save_onnx_atomic(model: onnx.ModelProto | ir.Model, out_path: str | os.PathLike, keep: Iterable[Path] = ()) -> None:
+def came_with_external_data(path: PathArgument) -> bool:
+    """Whether the model file at `path` keeps weights in external data files (None or no file: False)."""
+    if path is None or not Path(path).is_file():
+        return False
+    light = modelfiles.light_model(Path(path))
+    return light is not None and bool(modelfiles.external_files(light, Path(path)))
+
+
+def save_onnx_atomic(
+    model: onnx.ModelProto | ir.Model, out_path: str | os.PathLike, keep: Iterable[Path] = (), external: bool = False
+) -> None:
     """Write `model` to `out_path` atomically, with its weights in a data file of its own where it
-    may exceed 2 GB (or, an `ir.Model`, came with external data: `save_ir`); see the module docstring.
+    may exceed 2 GB, or it came with external data (`external`, or an `ir.Model` marked so: `save_ir`); see
+    the module docstring.
 
     `keep`: files this run reads (its inputs), never removed as stale data; the files an `ir.Model`
     reads its weights from are kept too, and are refused as `out_path`. A symlink is written
@@ -624,8 +651,8 @@ def save_onnx_atomic(model: onnx.ModelProto | ir.Model, out_path: str | os.PathL
             tmp_dir = tempfile.mkdtemp(prefix=".normpass-", dir=target.parent)
         tmp_model = Path(tmp_dir) / target.name
         if isinstance(model, ir.Model):
-            save_ir(tmp_model, model, data_name)
-        elif may_exceed_proto_limit(model):
+            save_ir(tmp_model, model, data_name, external=True if external else None)
+        elif external or may_exceed_proto_limit(model):
             save_external(model, tmp_model, data_name)
         else:
             onnx.save_model(model, str(tmp_model))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -457,6 +458,42 @@ def test_concurrent_writers_leave_one_consistent_model(tmp_path, small_external)
         thread.join()
     assert any(computes_like(out, reference) for reference in expected)
     assert len(list(tmp_path.glob("out.onnx.*data"))) == 1 and not list(tmp_path.glob(".normpass-*"))
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ("fold",),
+        ("rotate",),
+        ("slice", "--calib", "synthetic", "--ratio", "0"),
+        ("slice", "--calib", "synthetic", "--ratio", "0.25", "--round-to", "2"),
+        ("replace", "--calib", "synthetic"),
+    ],
+    ids=["fold", "rotate", "slice-0", "slice-0.25", "replace"],
+)
+def test_every_verb_writes_a_model_that_came_with_external_data_as_out_and_its_data_file(
+    tmp_path, small_external, capsys, verb
+):
+    """A model with external data whose every weight the verb changes (none is left mapped from the input)
+    is still written as OUT plus OUT.<8 hex>.data, put in place whole, and it loads and runs from there."""
+    source = external_ln_model(tmp_path / "m.onnx")
+    out = tmp_path / "out" / "out.onnx"
+    out.parent.mkdir()
+    code, _, err = cli(capsys, verb[0], source, "-o", out, *verb[1:])
+    assert code == 0, err
+    names = sorted(p.name for p in out.parent.iterdir())
+    assert len(names) == 2 and names[0] == "out.onnx" and re.fullmatch(r"out\.onnx\.[0-9a-f]{8}\.data", names[1])
+    written = onnx.load(str(out), load_external_data=False)
+    stored = {t.name for t in written.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    locations = {entry.value for t in written.graph.initializer for entry in t.external_data if entry.key == "location"}
+    assert stored and locations == {names[1]}
+    assert (out.parent / names[1]).read_bytes().endswith(io.DATA_MARK + names[1].encode() + b"\n")
+    assert {t.name for t in onnx.load(str(out)).graph.initializer if t.raw_data} >= stored  # read back whole
+    got = ort_file_outputs(out, X)
+    if "0.25" in verb:  # sliced: not exact
+        assert got.shape == (len(X), D) and np.isfinite(got).all()
+    else:
+        assert computes_like(out, ort_file_outputs(source, X))
 
 
 def test_stale_data_files_go_and_nothing_else(tmp_path, small_external, capsys):

@@ -360,10 +360,10 @@ def test_fuzz_layer_scales_are_absorbed_exactly_by_the_fold_the_surrogates_and_t
 
 def test_fuzz_rotate_oracle_catches_a_silently_wrong_smoothing(monkeypatch):
     """Weights scaled by 2s where the norm output is divided by s: reported as a mismatch, not passed."""
-    from normpass.onnx.rotate import driver as rotate
+    from normpass.onnx.rotate import rotator
 
-    scale_along = rotate.scale_along
-    monkeypatch.setattr(rotate, "scale_along", lambda values, axis, factors: 2 * scale_along(values, axis, factors))
+    scale_along = rotator.scale_along
+    monkeypatch.setattr(rotator, "scale_along", lambda values, axis, factors: 2 * scale_along(values, axis, factors))
     failures = fuzzcheck.check_rotate(graphgen.generate(3))
     assert failures and all(f.kind == "mismatch" and f.mode == "rotate" for f in failures), failures
 

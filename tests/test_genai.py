@@ -135,3 +135,20 @@ def test_the_python_api_and_slice_pass_write_folders(genai_folder, tmp_path):
     genai.write_folder(folder, sliced.model, tmp_path / "sliced", genai.sliced_widths(slicer.result))
     assert json.loads((tmp_path / "sliced" / "genai_config.json").read_text())["model"]["decoder"]["hidden_size"] == 48
     assert len(seeded.greedy_genai(tmp_path / "sliced", prompt, STEPS)) == len(prompt) + STEPS
+
+
+def test_replace_and_viz_read_a_folders_decoder_and_never_overwrite_its_files(genai_folder, capsys, tmp_path):
+    folder = genai_folder("phi")
+    before = listing(folder)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(seeded.prompts() * 6))
+    for argv in (
+        ["replace", folder, "--calib", calib, "-o", folder / "model.onnx"],
+        ["viz", folder, "-o", folder / "model.onnx.data", "--format", "html"],
+        ["inspect", folder, "--graph", folder / "model.onnx"],
+    ):
+        code, _, err = cli(capsys, *argv)
+        assert code == 2 and "must not overwrite" in err, err
+    assert listing(folder) == before
+    code, out, err = cli(capsys, "replace", folder, "--calib", calib, "-o", tmp_path / "r.onnx")  # its tokenizer
+    assert code == 0 and "3 of 3 norms folded exactly" in out, err

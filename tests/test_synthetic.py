@@ -85,3 +85,16 @@ def test_float16_stack_folds_every_norm_but_the_final_one(tmp_path):
     result = fold_onnx(model)  # verified; the final norm's β has no linear layer to move into
     assert (result.folded, result.plan.total) == (2 * info["layers"], 2 * info["layers"] + 1)
     assert result.comparison.max_rel_error < 1e-2
+
+
+def test_the_centred_model_has_one_large_weight_that_every_verb_changes(tmp_path):
+    """`build_centred` (tools/bench_pass.py's centred-* targets): W0 holds nearly every byte, in external data, and
+    the fold centres it (a new W0), exactly."""
+    info = synthetic_stack.build_centred(tmp_path / "centred.onnx", 2**20, hidden=64, outputs=8)
+    assert info["rows"] == 4096 and info["weight_bytes"] >= 2**20
+    model = onnx.load(info["path"], load_external_data=False)
+    assert all(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer)
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "Add", "LayerNormalization", "MatMul", "Add"]
+    result = fold_onnx(info["path"], FoldOptions())
+    assert result.folded == 1 and result.comparison is not None and result.comparison.passed
+    assert "W0" not in result.ir_model.graph.initializers, "W0 was centred: a new weight"

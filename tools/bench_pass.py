@@ -24,6 +24,13 @@ Targets (each printed as a row: figure, target, pass/fail):
 4. `synthetic-7b`: the 7B-parameter fp16 stack (13 GB; hidden 4096, 33 layers) folds with
    `--no-verify` (exit 0) on this machine; wall, peak RSS and folds are reported.
 
+5. `centred-2gb`: `x → MatMul W0 + b0 → LayerNorm → MatMul W1 + b1`, W0 a 2.15 GB fp32 weight (262,400 × 2048,
+   external data) that every verb changes: the fold centres it, rotation rotates it, slicing cuts it
+   (`synthetic_stack.build_centred`). Each verb runs once as a fresh process: `fold` (verified), `rotate`
+   (verified), `slice --ratio 0` (verified) and `slice --ratio 0.25` (judged on held-out data), slicing on 32
+   samples of synthetic calibration data; each peak RSS ≤ 1.5 × weight bytes + 400 MiB. `centred-200mb` is the
+   same at 0.2 GB (quick). `--verbs` chooses among them.
+
 `--replace` also measures **replace** on each target: `normpass replace MODEL -o OUT --calib synthetic
 --samples 16 --batch-size 4 --report R.json` (the surrogate pass: its exact fold, verified, the original's
 reference outputs, a trial per candidate norm, the final model judged), reported as peak RSS over weight
@@ -76,7 +83,24 @@ SYNTHETIC: dict[str, dict[str, Any]] = {  # name → synthetic_stack.build keywo
     "synthetic-500mb-internal": {"params": 0.5e9 / 4, "dtype": "float32", "hidden": 768, "heads": 12, "vocab": 50257},
     "synthetic-7b": {"params": 7e9, "dtype": "float16"},
 }
-TARGETS = ("gpt2-12", "gpt2-48", "synthetic-2gb", "synthetic-500mb", "synthetic-500mb-internal", "synthetic-7b")
+CENTRED = {"centred-2gb": 2.15e9, "centred-200mb": 0.2e9}  # name → W0's bytes (`synthetic_stack.build_centred`)
+CENTRED_HIDDEN = 2048
+SLICE = ["slice", "--calib", "synthetic", "--samples", "32", "--batch-size", "8"]
+VERBS = {  # what runs on a CENTRED target: the verb's arguments after `normpass`, before MODEL
+    "fold": ["fold"],
+    "rotate": ["rotate"],
+    "slice-0": [*SLICE, "--ratio", "0"],
+    "slice-0.25": [*SLICE, "--ratio", "0.25"],
+}
+TARGETS = (
+    "gpt2-12",
+    "gpt2-48",
+    "synthetic-2gb",
+    "synthetic-500mb",
+    "synthetic-500mb-internal",
+    "synthetic-7b",
+    *CENTRED,
+)
 VERIFIED = ("synthetic-2gb", "synthetic-500mb", "synthetic-500mb-internal")  # folded and verified, the others not
 FLOOR_CODE = (
     "import os, sys, onnx; model = onnx.load(sys.argv[1]); "
@@ -121,6 +145,11 @@ def prepare(name: str, cache: pathlib.Path) -> pathlib.Path:
     start = time.perf_counter()
     if name.startswith("gpt2-"):
         in_fresh_process(export, str(cache), int(name.split("-")[1]))  # torch stays out of this process
+    elif name in CENTRED:
+        partial = path.parent.with_name(path.parent.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        synthetic_stack.build_centred(partial / path.name, CENTRED[name], hidden=CENTRED_HIDDEN)
+        partial.rename(path.parent)
     else:
         partial = path.parent.with_name(path.parent.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -211,6 +240,50 @@ def run_replace(model: pathlib.Path, work: pathlib.Path, limit_as_gib: float | N
         result.update(exact=summary["exact"], replaced=summary["replaced"], norms=summary["total"])
     clean(work)
     return result
+
+
+def run_verb(
+    verb: str, model: pathlib.Path, work: pathlib.Path, limit_as_gib: float | None, source: str | None = None
+) -> dict:
+    """One `normpass` run of `VERBS[verb]` on `model` (verified, or judged: slicing above 0), as a user runs it."""
+    out, report = work / "out.onnx", work / "report.json"
+    command = [normpass_script(), *VERBS[verb][:1], str(model), *VERBS[verb][1:], "-o", str(out)]
+    result = measured([*command, "--report", str(report)], limit_as_gib, source)
+    if result["rc"] == 0:
+        summary = json.loads(report.read_text())
+        result["max_rel_error"] = summary.get("max_rel_error")
+        result["written"] = sorted(path.name for path in work.iterdir() if path.name.startswith("out.onnx"))
+    clean(work)
+    return result
+
+
+def measure_verbs(
+    name: str, model: pathlib.Path, work: pathlib.Path, verbs: list[str], limit_as_gib: float | None
+) -> dict:
+    """One run of each verb on a CENTRED target, one after the other."""
+    runs = {}
+    for verb in verbs:
+        runs[verb] = run_verb(verb, model, work, limit_as_gib)
+        run = runs[verb]
+        print(f"{name}: {verb} {run['wall_s']:.1f} s {run['rss_mib']:.0f} MiB rc {run['rc']}", flush=True)
+    return {**describe(model), "verb_runs": runs}
+
+
+def verb_rows(name: str, r: dict) -> list[dict]:
+    """One row per verb run on a CENTRED target: peak RSS against 1.5 × weight bytes + 400 MiB."""
+    bound, weights = rss_bound_mib(r["weight_bytes"]), r["weight_bytes"] / MIB
+    rows = []
+    for verb, run in r["verb_runs"].items():
+        ratio = run["rss_mib"] / weights
+        rows.append(
+            {
+                "target": f"5. {name} {verb}",
+                "figure": f"exit {run['rc']}, {run['wall_s']:.0f} s, peak RSS {run['rss_mib']:.0f} MiB ({ratio:.2f}×)",
+                "goal": f"≤ {bound:.0f} MiB (1.5 × weights + 400 MiB)",
+                "pass": run["rc"] == 0 and run["rss_mib"] <= bound,
+            }
+        )
+    return rows
 
 
 def run_floor(model: pathlib.Path, work: pathlib.Path, limit_as_gib: float | None) -> dict:
@@ -443,6 +516,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results as JSON to this file")
     parser.add_argument("--replace", action="store_true", help="also measure `normpass replace` on each target")
     parser.add_argument("--baseline", metavar="DIR", help="also run each normpass command with PYTHONPATH=DIR")
+    parser.add_argument(
+        "--verbs", nargs="+", choices=list(VERBS), default=list(VERBS), help="what runs on the centred-* targets"
+    )
     args = parser.parse_args()
 
     env = environment()
@@ -451,13 +527,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="normpass-bench-", dir=args.work) as work:
         models = {name: prepare(name, cache) for name in args.targets}
         results = {
-            name: measure_target(
+            name: measure_verbs(name, models[name], pathlib.Path(work), args.verbs, args.limit_as_gib)
+            if name in CENTRED
+            else measure_target(
                 name, models[name], pathlib.Path(work), args.repeats, args.limit_as_gib, args.replace, args.baseline
             )
             for name in args.targets
         }
-    figures = {name: summarise(r) for name, r in results.items()}
-    rows = verdicts(figures)
+    figures = {name: summarise(r) for name, r in results.items() if name not in CENTRED}
+    rows = verdicts(figures) + [row for name, r in results.items() if name in CENTRED for row in verb_rows(name, r)]
     print_tables(figures, rows)
     if args.json:
         record = {

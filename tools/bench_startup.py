@@ -60,6 +60,17 @@ def timed(argv: list[str], tree: Path, cwd: Path) -> tuple[float, subprocess.Com
     return seconds, run
 
 
+def described(spec: str) -> str:
+    """`LABEL=PATH` with PATH's git commit (and whether its tracked files differ from it), or `LABEL=REV`."""
+    where = spec.split("=", 1)[1]
+    if not Path(where).is_dir():
+        return spec
+    git = ["git", "-C", where]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"]).returncode != 0
+    return f"{spec} (commit {commit or 'unknown'}{', with uncommitted changes' if dirty else ''})"
+
+
 def versions() -> dict[str, str | None]:
     found: dict[str, str | None] = {"python": platform.python_version()}
     for package in ("onnx", "onnxruntime", "onnx-ir", "numpy", "sympy", "torch"):
@@ -77,6 +88,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("-o", "--output", type=Path, required=True)
     args = parser.parse_args()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         trees = {}
@@ -109,9 +121,15 @@ def main() -> None:
     record = {
         "what": "wall time of `python -m normpass inspect MODEL` in a fresh process (seconds)",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_after": os.getloadavg()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+        },
         "versions": versions(),
-        "trees": {label: str(spec) for label, spec in zip(trees, args.tree + args.rev, strict=True)},
+        "trees": {label: described(spec) for label, spec in zip(trees, args.tree + args.rev, strict=True)},
         "runs": args.runs,
         "results": {
             label: {

@@ -193,6 +193,47 @@ def build(
     return {"path": str(path), "layers": layers, "params": total, "weight_bytes": weight_bytes}
 
 
+def build_centred(
+    path: str | pathlib.Path, weight_bytes: float, hidden: int = 4096, outputs: int = 64, seed: int = 0
+) -> dict:
+    """Write `x → MatMul W0 + b0 → LayerNorm → MatMul W1 + b1` (fp32) to `path` (+ `path.data`), W0 of
+    `rows`×`hidden` with `rows` the count that brings W0 nearest to `weight_bytes`: one large weight, which
+    the fold centres (it writes the norm's input), rotation rotates and slicing cuts (along its output
+    features), and a small reader W1 (`hidden`×`outputs`). Returns its path, rows and weight bytes."""
+    path = pathlib.Path(path)
+    rows = max(1, round(weight_bytes / (4 * hidden)))
+    location = path.name + ".data"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / location, "wb") as file:
+        weights = WeightWriter(file, location, "float32", seed)
+        inits = [
+            weights.tensor("W0", (rows, hidden)),
+            weights.tensor("b0", (hidden,)),
+            weights.tensor("gamma", (hidden,), mean=1.0),
+            weights.tensor("beta", (hidden,)),
+            weights.tensor("W1", (hidden, outputs)),
+            weights.tensor("b1", (outputs,)),
+        ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W0"], ["h0"], name="mm0"),
+        helper.make_node("Add", ["h0", "b0"], ["h"], name="add0"),
+        helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["n"], name="ln", axis=-1),
+        helper.make_node("MatMul", ["n", "W1"], ["z"], name="mm1"),
+        helper.make_node("Add", ["z", "b1"], ["y"], name="add1"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "centred",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", rows])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", outputs])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="synthetic_stack")
+    model.ir_version = IR_VERSION
+    onnx.save_model(model, str(path))
+    return {"path": str(path), "rows": rows, "weight_bytes": weights.bytes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="path of the .onnx file to write (its weights go to OUT.data)")

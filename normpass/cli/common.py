@@ -15,7 +15,7 @@ from ..calibration import TEXT_SUFFIXES
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan
 from ..errors import InputError
-from ..io import check_paths, model_files, save_onnx_atomic, write_text_atomic
+from ..io import came_with_external_data, check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, FoldOptions, fold_decisions
 from ..onnx.runtime.verify import parse_input_shapes
 
@@ -133,7 +133,17 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool, more_dat
     parser.add_argument(
         "--max-length", type=int, default=128, help="tokens per sentence of calibration text (default 128)"
     )
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per batch (default 16)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="samples per batch (default: the batch the model fixes, where it fixes one, else 16)",
+    )
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    """--batch-size (where given), --samples and --max-length: at least 1."""
+    if (args.batch_size is not None and args.batch_size < 1) or args.samples < 1 or args.max_length < 1:
+        raise InputError("--batch-size, --samples and --max-length must be at least 1")
 
 
 def add_budget_arguments(parser: argparse.ArgumentParser, default: str) -> None:
@@ -187,10 +197,12 @@ def save_result(
     folder: genai.Folder | None = None,
     widths: dict[int, int] | None = None,
 ) -> None:
-    """Write a pass's model to `out` (never over a file `inputs` reads), or the GenAI folder `out` for one read
-    from `folder` (`widths`: a stream's width → the width it was cut to), and, if asked, its JSON report."""
+    """Write a pass's model to `out` (never over a file `inputs` reads; as `OUT` and its data file where the
+    model at `label`, a path for a file, came with external data: the contract), or the GenAI folder `out` for
+    one read from `folder` (`widths`: a stream's width → the width it was cut to), and, if asked, its JSON
+    report."""
     if folder is None:
-        save_onnx_atomic(result.ir_model, out, keep=inputs.values())
+        save_onnx_atomic(result.ir_model, out, keep=inputs.values(), external=came_with_external_data(label))
     else:
         genai.write_folder(folder, result.ir_model, out, widths)
     if report:

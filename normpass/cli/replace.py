@@ -17,10 +17,25 @@ from ..core.budget import Metrics
 from ..core.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions
 from ..core.surrogates import KINDS
 from ..errors import InputError
-from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
+from ..io import (
+    calibration_files,
+    came_with_external_data,
+    check_paths,
+    model_files,
+    save_onnx_atomic,
+    write_text_atomic,
+)
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
-from .common import add_budget_arguments, add_data_arguments, add_model_arguments, model_source, split_fractions
+from .common import (
+    add_budget_arguments,
+    add_data_arguments,
+    add_model_arguments,
+    check_sizes,
+    model_source,
+    open_genai_folder,
+    split_fractions,
+)
 from .progress import Heartbeat
 
 
@@ -138,10 +153,10 @@ def add_calibration_arguments(
 
 def calibration_options(args: argparse.Namespace) -> dict:
     """The options `add_calibration_arguments` sets that `ReplaceOptions` and `DistillOptions` share."""
-    return {
+    given = {} if args.batch_size is None else {"batch_size": args.batch_size}  # else each pass's default
+    return given | {
         "split": split_fractions(args.split, "FIT,VAL,TEST", "0.5,0.25,0.25"),
         "holdout": args.holdout,
-        "batch_size": args.batch_size,
         "tokenizer": args.tokenizer,
         "max_length": args.max_length,
         "mask_input": args.mask_input,
@@ -151,6 +166,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    open_genai_folder(args)  # a folder stands for its decoder, whose files -o must not overwrite
     inputs = (
         model_files("the input model", args.model)
         | calibration_files("--calib", args.calib)
@@ -158,8 +174,7 @@ def run(args: argparse.Namespace) -> int:
         | calibration_files("--tokenizer", args.tokenizer)
     )
     out = check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"]
-    if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
-        raise InputError("--batch-size, --samples and --max-length must be at least 1")
+    check_sizes(args)
     options = ReplaceOptions(
         kind=args.kind,
         budget=",".join(args.budget or ["cos=0.999"]),
@@ -192,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         if args.report:
             write_text_atomic(json.dumps({"output": None, **e.report.to_json()}, indent=2) + "\n", args.report)
         raise
-    save_onnx_atomic(result.model, out, keep=inputs.values())
+    save_onnx_atomic(result.model, out, keep=inputs.values(), external=came_with_external_data(args.model))
     report = {"output": str(out), **result.report.to_json()}
     if args.report:
         write_text_atomic(json.dumps(report, indent=2) + "\n", args.report)

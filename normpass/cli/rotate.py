@@ -108,7 +108,8 @@ def add_parser(sub) -> None:
 
 
 def summary(label: str, result: RotateResult, out) -> list[str]:
-    """The lines `rotate` prints: the counts and error, then each stream not rotated and norm not folded, with why."""
+    """The lines `rotate` prints: the counts and error, each stream not rotated and norm not folded with why, the
+    notes."""
     rotation = result.rotation
     unverified = "not verified" if result.modified else "nothing rewritten"
     error = unverified if result.comparison is None else result.comparison.describe()
@@ -148,7 +149,7 @@ def summary(label: str, result: RotateResult, out) -> list[str]:
     for decision in result.plan.decisions:
         if not decision.foldable:
             lines.append(f"  not folded {decision.name}: {decision.reason}")
-    return lines
+    return lines + [f"note: {note}" for note in result.notes]
 
 
 def run(args: argparse.Namespace) -> int:

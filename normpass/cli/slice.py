@@ -23,6 +23,7 @@ from .common import (
     add_data_arguments,
     add_model_arguments,
     add_verification_arguments,
+    check_sizes,
     checked_paths,
     model_source,
     save_result,
@@ -112,7 +113,7 @@ def _seconds(text: str) -> float:
 
 
 def summary(label: str, result: SliceResult, out) -> list[str]:
-    """The lines `slice` prints: what was cut, the held-out figures, then each stream left whole, with why."""
+    """The lines `slice` prints: what was cut, the held-out figures, each stream left whole with why, the notes."""
     report = result.slice_report()
     kept = {} if result.chosen is None else result.chosen.kept
     widths = ", ".join(f"{s.width} → {kept[s.name]}" for s in result.slicing.sliceable)
@@ -142,7 +143,7 @@ def summary(label: str, result: SliceResult, out) -> list[str]:
     for stream in result.slicing.streams:
         if stream.name in result.slicing.reasons:
             lines.append(f"  left whole: the stream of {stream.name}: {result.slicing.reasons[stream.name]}")
-    return lines
+    return lines + [f"note: {note}" for note in result.notes]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         | calibration_files("--holdout", args.holdout)
         | calibration_files("--tokenizer", args.tokenizer),
     )
+    check_sizes(args)
     fit, held = split_fractions(args.split, "FIT,HELD_OUT", "0.75,0.25")
     options = SliceOptions(
         ratio=args.ratio,

@@ -96,7 +96,7 @@ class ReplaceOptions:
     provider: str | None = None  # ONNX: price ONNX Runtime's fusions on this provider (cpu, cuda)  [--provider]
     insert_centering: bool = True  # ONNX exact pass: may insert an explicit x − mean(x)
     reservoir: int = 8192  # tokens sampled per norm for least squares
-    batch_size: int = 16
+    batch_size: int | None = None  # None: the batch an ONNX model fixes, else calibration.DEFAULT_BATCH_SIZE
     tokenizer: str | None = None  # for .txt / .jsonl calibration files
     max_length: int = 128  # tokens per sentence of text calibration
     samples: int = 64  # ONNX synthetic data only

@@ -42,7 +42,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..calibration import Batch, InputSpec, check_indices, distinct_holdout, find_mask_input, load_batches
+from ..calibration import (
+    DEFAULT_BATCH_SIZE,
+    Batch,
+    InputSpec,
+    check_indices,
+    distinct_holdout,
+    find_mask_input,
+    load_batches,
+)
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.cost import CPU_COST, Emission
 from ..core.graph import NormInfo, NormType
@@ -136,7 +144,7 @@ def load(source, module: nn.Module, options: ReplaceOptions) -> list[Batch]:
         if not isinstance(produced, Iterable):
             raise InputError("calibration data: expected a file or an iterable of input dicts or tuples")
         source = [_as_arrays(item, spec, module, f"calibration batch {i}") for i, item in enumerate(produced)]
-    return load_batches(source, spec, options.batch_size, options.tokenizer, options.max_length)
+    return load_batches(source, spec, options.batch_size or DEFAULT_BATCH_SIZE, options.tokenizer, options.max_length)
 
 
 def _tensors(batch: Batch, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
@@ -490,6 +498,8 @@ def prepare(module: nn.Module, calibration, options: ReplaceOptions | None = Non
     """Data, the `base`, the original's outputs, and the core's `Search`."""
     options = options or ReplaceOptions()
     budget, kinds, cost_rule = options.checked()
+    if options.batch_size is None:  # a module fixes no batch
+        options = dataclasses.replace(options, batch_size=DEFAULT_BATCH_SIZE)
     if options.provider is not None:
         raise InputError(
             "provider prices ONNX Runtime's fusions in an ONNX graph, which a module does not have: "

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ...calibration import MIN_SAMPLES, Batch, InputSpec, load_batches, source_label
+from ...calibration import DEFAULT_BATCH_SIZE, MIN_SAMPLES, Batch, InputSpec, load_batches, sample_count, source_label
 from ...errors import InputError
 from ..graph.positions import position_limit
 from ..runtime import decode
@@ -24,9 +24,9 @@ from ..runtime.verify import check_input_shapes, fixed_dim, index_bounds, make_i
 
 @dataclass(frozen=True)
 class CalibData:
-    """How calibration inputs are read (`calibration.load_batches`)."""
+    """How calibration inputs are read (`calibration.load_batches`); `batch_size` None: `batch_size_for`."""
 
-    batch_size: int = 16
+    batch_size: int | None = None
     tokenizer: str | None = None
     max_length: int = 128
 
@@ -34,11 +34,13 @@ class CalibData:
 class DataOptions(Protocol):
     """How calibration inputs are read, and how many synthetic ones are made: `ReplaceOptions`, `SliceOptions`."""
 
-    batch_size: int
     tokenizer: str | None
     max_length: int
     samples: int  # of synthetic data
     input_shapes: dict  # of synthetic data
+
+    @property
+    def batch_size(self) -> int | None: ...  # None: `batch_size_for`
 
 
 def run_time_inputs(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -72,6 +74,35 @@ def refuse_scalar_inputs(model: onnx.ModelProto, name: str, verb: str) -> None:
         )
 
 
+def fixed_batch(model: onnx.ModelProto) -> tuple[str, int] | None:
+    """(input, size) of the first run-time input whose axis 0, the batch, the model fixes; None where none does."""
+    for name, value in run_time_inputs(model).items():
+        dims = value.type.tensor_type.shape.dim
+        if dims and (size := fixed_dim(dims[0])) is not None:
+            return name, size
+    return None
+
+
+def batch_size_for(model: onnx.ModelProto, requested: int | None, name: str = "model") -> tuple[int, str | None]:
+    """(the batch size to read calibration data in, a note saying where it came from or None).
+
+    `requested` where given; else the size the model fixes its batch axis to (`fixed_batch`), else
+    `DEFAULT_BATCH_SIZE`. A requested size other than the one the model fixes is refused (`InputError`),
+    naming the flag and the size that works."""
+    fixed = fixed_batch(model)
+    if fixed is None:
+        return (DEFAULT_BATCH_SIZE if requested is None else requested), None
+    given, size = fixed
+    if requested is None:
+        return size, f"calibration data read in batches of {size}, the batch {name} fixes (input {given}, axis 0)"
+    if requested != size:
+        raise InputError(
+            f"--batch-size {requested}: {name} fixes the batch (axis 0 of input {given}) to {size}; "
+            f"pass --batch-size {size}, or leave it out and the model's batch is taken"
+        )
+    return requested, None
+
+
 def synthetic_batches(
     model: onnx.ModelProto, samples: int = 64, batch_size: int = 16, seed: int = 0, input_shapes: dict | None = None
 ) -> list[Batch]:
@@ -96,16 +127,27 @@ def load(source, model: onnx.ModelProto, options: DataOptions, seed: int, minimu
     """Calibration batches from `source` (`calibration.load_batches`, at least `minimum` samples, or
     `"synthetic"`), shape-checked."""
     if isinstance(source, str) and source == "synthetic":
-        return synthetic_batches(model, options.samples, options.batch_size, seed, options.input_shapes)
+        size, _ = batch_size_for(model, options.batch_size)
+        return synthetic_batches(model, options.samples, size, seed, options.input_shapes)
     return load_fitting(source, model, options.batch_size, options.tokenizer, options.max_length, minimum)
 
 
 def load_fitting(
-    source, model: onnx.ModelProto, batch_size: int, tokenizer, max_length: int, minimum: int = MIN_SAMPLES
+    source, model: onnx.ModelProto, batch_size: int | None, tokenizer, max_length: int, minimum: int = MIN_SAMPLES
 ) -> list[Batch]:
-    """`calibration.load_batches` for `model`, each batch's shapes checked against the model's fixed dims."""
-    batches = load_batches(source, input_spec(model), batch_size, tokenizer, max_length, minimum)
+    """`calibration.load_batches` for `model` in batches of `batch_size` (None: `batch_size_for`), each batch's
+    shapes checked against the model's fixed dims; samples left over after the last batch the model's fixed
+    batch size fills are refused, saying how many to give."""
+    size, _ = batch_size_for(model, batch_size)
+    batches = load_batches(source, input_spec(model), size, tokenizer, max_length, minimum)
     file = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
+    fixed = fixed_batch(model)
+    counts = [sample_count([batch]) for batch in batches]
+    if fixed is not None and counts[-1] != fixed[1] and all(count == fixed[1] for count in counts[:-1]):
+        raise InputError(  # a remainder after the last whole batch
+            f"{file or 'calibration data: '}{sample_count(batches)} samples do not fill batches of {fixed[1]}, the "
+            f"batch the model fixes (input {fixed[0]}, axis 0): give a multiple of {fixed[1]} samples"
+        )
     for index, batch in enumerate(batches):
         check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"{file}calibration batch {index}, input")
     return decode.calibration_batches(model, batches, source_label(source))

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from ...calibration import Batch, longest_batch, source_label
 from ...core.progress import progress
 from ...errors import InputError, UnsupportedModelError
-from ...io import checked_model, in_memory_proto, load_ir, skeleton
-from ..graph.frontend import OnnxGraph
+from ...io import checked_model, load_ir, skeleton
+from ..graph.frontend import OnnxGraph, graph_values
+from ..graph.values import name_of
 from ..runtime import verify
 from ..runtime.verify import session
 from .data import CalibData, load_fitting
@@ -84,17 +86,39 @@ def captured(
 ) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
     """Each calibration batch of `data` (an .npz, a directory of .npy, text with a tokenizer, or batches:
     `calibration.load_batches`) with the values the graph gives it for each tensor of `names`, one batch
-    at a time (ONNX Runtime on the CPU, an in-memory copy with those tensors as outputs)."""
-    proto = in_memory_proto(ctx.model)
-    batches = load_fitting(data, proto, options.batch_size, options.tokenizer, options.max_length, minimum=1)
+    at a time: ONNX Runtime on the CPU runs `ctx`'s model with those tensors as outputs, as `verify.Runner`
+    runs a rewritten model (a large one from a temporary file whose weights are external data, which ONNX
+    Runtime maps: a weight computed when written is computed there slab by slab, and held by nothing else).
+    The model is left as it was: the outputs are added while its session is made, then removed."""
+    batches = load_fitting(data, skeleton(ctx.model), options.batch_size, options.tokenizer, options.max_length, 1)
     if not names:  # the data is read and checked all the same: a file the user names must be one
         return
     wanted = sorted(set(names))
-    outputs = {output.name for output in proto.graph.output}
-    for name in (n for n in wanted if n not in outputs):  # a graph pruned to what is wanted has them already
-        dtype = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(ctx.dtypes[name]))
-        proto.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype, None))
-    runner = Runner(proto)
-    check_runs(runner, batches, data)
-    for batch in progress(batches, "calibration statistics", enabled=False):
-        yield batch, runner.run(batch, wanted)
+    values = {value.name: value for value in graph_values(ctx.graph)}
+    with contextlib.ExitStack() as stack:
+        with _as_outputs(ctx, [values[name] for name in wanted]):
+            try:
+                runner = stack.enter_context(verify.Runner(ctx.model, skeleton(ctx.model)))
+            except UnsupportedModelError as e:
+                raise InputError(f"the model being calibrated: {e}") from e
+        check_runs(runner, batches, data)
+        for batch in progress(batches, "calibration statistics", enabled=False):
+            outputs = runner.run(batch)
+            yield batch, {name: outputs[name] for name in wanted}
+
+
+@contextlib.contextmanager
+def _as_outputs(ctx: OnnxGraph, values: list[ir.Value]) -> Iterator[None]:
+    """`values` are outputs of `ctx`'s graph (typed from `ctx.dtypes` where untyped) while the block runs."""
+    added = [value for value in values if not value.is_graph_output()]
+    untyped = [value for value in added if value.type is None]
+    for value in untyped:
+        value.type = ir.TensorType(ir.DataType.from_numpy(np.dtype(ctx.dtypes[name_of(value)])))
+    ctx.graph.outputs.extend(added)
+    try:
+        yield
+    finally:
+        for value in added:
+            ctx.graph.outputs.remove(value)
+        for value in untyped:
+            value.type = None

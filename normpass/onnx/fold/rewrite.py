@@ -145,16 +145,21 @@ class Rewriter:
 
     # --- constants, copy-on-write ---------------------------------------------------------------
 
-    def _replace_input(self, node: ir.Node, index: int, transform: str, make, change: str = "rewritten") -> None:
-        """Point `node.inputs[index]` at a new constant `make(old values)`, shared per transform (a large one,
-        which must keep its shape and dtype, is computed when written: `targets.derived_initializer`, which
-        refuses values that overflow, naming the old constant and `change`, e.g. "centred for ln")."""
+    def _replace_input(
+        self, node: ir.Node, index: int, transform: str, make, change: str = "rewritten", axis: int | None = None
+    ) -> None:
+        """Point `node.inputs[index]` at a new constant `make(old values)`, shared per transform (a large one is
+        computed when written, slab by slab where `make` acts on each fibre along `axis` alone:
+        `targets.derived_initializer`, which refuses values that overflow, naming the old constant and
+        `change`, e.g. "centred for ln")."""
         old = node.inputs[index]
         assert old is not None, f"{node.name}: input {index} is absent"  # the plan names present inputs only
         key = (name_of(old), transform)
         if key not in self._copies:
             name = self._unique(f"{old.name}.{transform.split(':')[0]}")
-            self._copies[key] = derived_initializer(self.ctx.graph, name, old, make, change, lazy=self.lazy_weights)
+            self._copies[key] = derived_initializer(
+                self.ctx.graph, name, old, make, change, lazy=self.lazy_weights, axis=axis
+            )
         set_input(node, index, self._copies[key])
 
     def centre_layer(self, centring: Centring, norms: list[str]) -> None:
@@ -181,27 +186,29 @@ class Rewriter:
         node: ir.Node = self.zmg.nodes[centring.node].ref
         if centring.input_index is not None:  # found by name: a node's model may list a subset of its inputs
             index = next(i for i, t in enumerate(node.inputs) if t is not None and t.name == centring.tensor)
-            self._replace_input(node, index, f"{tag}:{centring.axis}", lambda v: along(v, centring.axis), change)
+            self._replace_input(
+                node, index, f"{tag}:{centring.axis}", lambda v: along(v, centring.axis), change, centring.axis
+            )
         elif node.op_type == "Gemm":
             axis = 1 - attr(node, "transB", 0)
-            self._replace_input(node, 1, f"{tag}:{axis}", lambda v: along(v, axis), change)
+            self._replace_input(node, 1, f"{tag}:{axis}", lambda v: along(v, axis), change, axis)
             if input_at(node, 2) is not None:
                 self._replace_input(node, 2, f"{tag}:bias", lambda v: _bias_along(along, v, 2, 1), change)
         elif node.op_type == "MatMul":
-            self._replace_input(node, 1, f"{tag}:-1", lambda v: along(v, v.ndim - 1), change)
+            self._replace_input(node, 1, f"{tag}:-1", lambda v: along(v, v.ndim - 1), change, -1)
         elif node.op_type == "Conv":
-            self._replace_input(node, 1, f"{tag}:0", lambda v: along(v, 0), change)
+            self._replace_input(node, 1, f"{tag}:0", lambda v: along(v, 0), change, 0)
             if input_at(node, 2) is not None:
                 self._replace_input(node, 2, f"{tag}:0", lambda v: along(v, 0), change)
         elif node.op_type == "Gather":
-            self._replace_input(node, 0, f"{tag}:1", lambda v: along(v, 1), change)
+            self._replace_input(node, 0, f"{tag}:1", lambda v: along(v, 1), change, 1)
         elif node.op_type == "Mul":
             self._absorb_layer_scale(centring, along, tag, change)
         elif node.op_type == "Einsum":
             index = 0 if is_constant(node.inputs[0]) else 1
             assert centring.axis is not None  # a layer's centring is along an axis
             axis = einsum_weight_axis(attr(node, "equation"), index, centring.axis)
-            self._replace_input(node, index, f"{tag}:{axis}", lambda v: along(v, axis), change)
+            self._replace_input(node, index, f"{tag}:{axis}", lambda v: along(v, axis), change, axis)
         else:
             raise TypeError(f"no rule to map the output features of {node.op_type} {node.name}")
         self._note(name_of(node), f"weights {change}")
@@ -224,7 +231,7 @@ class Rewriter:
         scaling, scaled_change = f"scaled:{mul.name}", f"scaled by LayerScale {mul.name}"
         absorbed = bool(np.all(scale == 1))  # by an earlier pass (a fold before a rotation): only `along` is left
         if not absorbed:
-            self._replace_input(node, 1, scaling, lambda v: scaled(v, out_axis), scaled_change)
+            self._replace_input(node, 1, scaling, lambda v: scaled(v, out_axis), scaled_change, out_axis)
         if node.op_type != "MatMul" and input_at(node, 2) is not None and not absorbed:
             self._replace_input(node, 2, scaling, lambda v: (v * scale).astype(v.dtype), scaled_change)
         if add is not None:

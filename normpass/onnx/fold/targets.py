@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import onnx_ir as ir
@@ -32,6 +33,7 @@ from ..graph.constants import constant_values, is_constant
 from ..graph.frontend import SHAPE_READERS, OnnxGraph
 from ..graph.patterns import SKIP_BIAS_INPUT
 from ..graph.values import attr, input_at, is_initializer, name_of, readers
+from .derived import DerivedTensor, compatible
 
 LAZY_MIN_BYTES = 2**20  # derived weights at least this large are computed when written
 
@@ -291,19 +293,31 @@ def refuse_overflow(
 
 
 def derived_initializer(
-    graph: ir.Graph, name: str, source: ir.Value, make, change: str, migrated: bool = False, lazy: bool = True
+    graph: ir.Graph,
+    name: str,
+    source: ir.Value,
+    make,
+    change: str,
+    migrated: bool = False,
+    lazy: bool = True,
+    axis: int | None = None,
 ) -> ir.Value:
-    """A new initializer of `graph` holding `make(values of source)`, of the source's dtype and shape:
-    the source after `change` (e.g. "centred for ln"), refused where that overflows (`refuse_overflow`).
+    """A new initializer of `graph` holding `make(values of source)`: the source after `change` (e.g.
+    "centred for ln"), refused where that overflows (`refuse_overflow`).
 
-    A source initializer of at least `LAZY_MIN_BYTES` gives an `ir.LazyTensor`: computed from the
-    source (memory-mapped, or itself derived) each time it is written, and not held in between, so
-    a large model's changed weights are never all in memory (an overflow is then refused when the
-    model is written: the atomic write leaves nothing). Others are computed now, and all with `lazy` off
-    (a change of shape: slicing).
+    A source initializer of at least `LAZY_MIN_BYTES` is not computed now: with `axis` (`make` acts on each
+    fibre along it alone, and may change its size there: a cut) it gives a `derived.DerivedTensor`, computed
+    and written slab by slab from the source's slabs whenever it is written; without, where `lazy` (the
+    shape and dtype kept), an `ir.LazyTensor` computed whole each time it is written. Neither is held in
+    between, so a large model's changed weights are never all in memory (an overflow is then refused when
+    the model is written: the atomic write leaves nothing). Others are computed now.
     """
     what = f"initializer {name_of(source)} {change}"
     tensor = source.const_value if is_initializer(source) else None
+    if tensor is not None and tensor.nbytes >= LAZY_MIN_BYTES and axis is not None and compatible(tensor, axis):
+        check = partial(_checked_slab, what=what, migrated=migrated)
+        derived = DerivedTensor(tensor, make, axis, name, check)
+        return _register(graph, name, derived)
     if tensor is None or tensor.nbytes < LAZY_MIN_BYTES or not lazy:
         values = constant_values(source)
         return new_initializer(graph, name, refuse_overflow(make(values), [values], what, migrated))
@@ -318,8 +332,17 @@ def derived_initializer(
         return ir.Tensor(values, name=name)
 
     deferred = ir.LazyTensor(compute, dtype=tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name)
+    return _register(graph, name, deferred)
+
+
+def _checked_slab(values: np.ndarray, source: np.ndarray, what: str, migrated: bool) -> np.ndarray:
+    return refuse_overflow(values, [source], what, migrated)
+
+
+def _register(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
+    """A new initializer of `graph` holding `tensor` (computed when read)."""
     value = ir.Value(
-        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=deferred
+        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=tensor
     )
     graph.register_initializer(value)
     return value
@@ -376,6 +399,7 @@ def move_affine(
                 lambda w, axis=target.in_axis: migrate_affine(w, None, gamma, None, axis)[0],
                 "multiplied by a folded norm's γ",
                 migrated=True,
+                axis=target.in_axis,
             )
             set_input(linear, 1, scaled)
         new_bias = bias
@@ -494,6 +518,7 @@ def scale_writers(graph: ir.Graph, writers: list[LinearTarget], factors: np.ndar
             lambda w, axis=out_axis: scale_along(w.astype(np.float64), axis, factors).astype(w.dtype),
             "scaled along the residual stream",
             migrated=True,
+            axis=out_axis,
         )
         set_input(node, 1, scaled)
         if target.bias_node is not None and target.bias_index is not None:

@@ -18,6 +18,7 @@ with `RotateOptions.smooth` too, the outputs of the norms no rotation reached ar
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from ...core.orthogonal import KINDS, rotation_matrix
 from ...core.plan import FoldPlan
 from ...core.rotation import RotationPlan
 from ...errors import InputError
-from ..calibrate import CalibData
+from ..calibrate import CalibData, batch_size_for
 from ..fold import FoldOptions, FoldResult, ModelSource, fold_onnx
 from ..graph.export import export_model
 from ..graphsurgeon import from_graphsurgeon
@@ -153,6 +154,7 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         rotator.rotate_stream(stream, matrix, str(index))
     RemoveUnusedNodesPass()(rotator.ctx.model)
     keys = smoothing = None
+    notes = []
     # found before smoothing rewires the readers of norm outputs, applied after it
     online = None if options.online_block is None else find_online_sites(rotator.ctx, rotator.zmg, options.online_block)
     if options.calib is not None:
@@ -160,7 +162,10 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         if options.smooth is not None:
             smoothing = _smoothing(rotator, rotation, options.smooth)
         wanted = [site.keys for site in keys.sites] + [site.tensor for site in (smoothing.sites if smoothing else [])]
-        stats = feature_statistics(rotator.ctx, wanted, options.calib, options.calib_data)  # checked even if unused
+        size, note = batch_size_for(rotator.ctx.structure, options.calib_data.batch_size, name)
+        notes += [note] if note else []
+        data = dataclasses.replace(options.calib_data, batch_size=size)
+        stats = feature_statistics(rotator.ctx, wanted, options.calib, data)  # checked even if unused
         rotator.centre_keys(keys, stats)
         if smoothing is not None:
             rotator.smooth(smoothing, stats)
@@ -198,6 +203,7 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         seconds,
         modified=changed,
         emitted=folded.emitted,
+        notes=notes,
         rotation=rotation,
         matrices=matrices,
         keys=keys,

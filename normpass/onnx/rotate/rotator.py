@@ -111,6 +111,7 @@ class Rotator(Rewriter):
                 f"rotated:{label}:{'' if reader.scale is None else '*' + reader.scale}:{axis}",
                 lambda v, a=axis, g=gamma: rotate(v, a, matrix, g),
                 f"rotated back along their input features ({stream.name})",
+                axis,
             )
             moved = "" if reader.scale is None else f", γ of {reader.scale} absorbed"
             self._note(node.name, f"input features rotated back ({stream.name}){moved}")
@@ -153,6 +154,7 @@ class Rotator(Rewriter):
                     f"smoothed:{index}:{reader.axis}",
                     lambda v, a=reader.axis, s=scale: scale_along(v.astype(np.float64), a, s).astype(v.dtype),
                     change,
+                    reader.axis,
                 )
                 self._note(name_of(reader.node), f"input features scaled up by the smoothing of {site.norm}")
             if site.in_norm:
@@ -212,6 +214,7 @@ class Rotator(Rewriter):
                 f"online:{block}:{site.axis}",
                 lambda v, a=site.axis: _blocks_turned(v, matrix, a).astype(v.dtype),
                 f"rotated back in blocks of {block}",
+                site.axis,
             )
             self._note(site.name, f"reads its input rotated online in blocks of {block}; weight rows rotated back")
             plan.keep_fp32.append(inserted)

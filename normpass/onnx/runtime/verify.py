@@ -100,8 +100,11 @@ class Run:
     shapes: dict
     bools: str | None
     skipped: str | None = None  # why this run did not happen
+    step: str | None = None  # a KV-cache graph's step, e.g. "decode step: batch 2, 1 new token after 16"
 
     def sizes(self) -> str:
+        if self.step is not None:
+            return self.step
         return ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in self.shapes.items())
 
 
@@ -420,8 +423,9 @@ Model = onnx.ModelProto | ir.Model | Path
 
 def run_inputs(
     model: onnx.ModelProto, shapes: dict | None, seed: int, source: Model | None = None
-) -> list[tuple[dict[str, np.ndarray], str | None, bool]]:
-    """(feeds, boolean fill, whether the original must run on them) of each verification run.
+) -> list[tuple[dict[str, np.ndarray], str | None, bool, str | None]]:
+    """(feeds, boolean fill, whether the original must run on them, the decode step they are) of each
+    verification run.
 
     Without given shapes, a KV-cache graph (`decode.signature`) runs a prefill, a decode step (both required)
     and several new tokens after a past; any other model the runs of `verification_runs`, the first required.
@@ -434,6 +438,7 @@ def run_inputs(
                 decode.set_values(sig, make_inputs(model, decode.input_shapes(model, sig, *step), seed + i), step[2]),
                 None,
                 i < 2,
+                decode.describe(*step),
             )
             for i, step in enumerate(sig.steps(DEFAULT_DIM))
         ]
@@ -444,6 +449,7 @@ def run_inputs(
             ),
             bools,
             not dims,
+            None,
         )
         for i, (bools, dims) in enumerate(verification_runs(model))
     ]
@@ -519,7 +525,7 @@ def verify(
     done: list[tuple[dict, dict, dict]] = []
     runs: list[Run] = []
     with Runner(original, before) as reference_runner:
-        for feeds, bools, required in run_inputs(before, shapes, seed, original):
+        for feeds, bools, required, step in run_inputs(before, shapes, seed, original):
             run_shapes = {k: list(v.shape) for k, v in feeds.items()}
             if not required and bools is None and runs and run_shapes == runs[0].shapes:
                 runs.append(Run(run_shapes, bools, "the model has no dynamic dims"))
@@ -533,12 +539,11 @@ def verify(
                         f"{name}: the original model does not run on the verification inputs ({sizes}): "
                         f"{str(e).splitlines()[0][:200]}; give the input shapes the model expects"
                     ) from e
-                runs.append(
-                    Run(run_shapes, bools, f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}")
-                )
+                refused = f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}"
+                runs.append(Run(run_shapes, bools, refused, step))
                 continue
             done.append((feeds, reference, run_shapes))
-            runs.append(Run(run_shapes, bools))
+            runs.append(Run(run_shapes, bools, step=step))
     with Runner(rewritten, after) as candidate_runner:
         comparisons = [
             compare_outputs(reference, candidate_runner.run(feeds), run_shapes) for feeds, reference, run_shapes in done

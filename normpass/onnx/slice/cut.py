@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ...core.graph import NormInfo, ZeroMeanGraph
+from ...core.graph import NodeKind, NormInfo, ZeroMeanGraph
 from ...core.layers import Shortcut
 from ...core.pca import rms_rescale
 from ...core.rotation import Stream, gamma_of
@@ -238,8 +238,9 @@ class Slicer(Rotator):
         return changed
 
     def _narrow_followers(self, narrowed: list[tuple[ir.Value, int]], width: int, kept: int) -> None:
-        """What the cut narrows beyond the stream's own tensors: the outputs of elementwise ops and of RMS ops
-        (a decomposed RMSNorm's Pow and Mul, a fused op's output and sum) computed from a narrowed value, where
+        """What the cut narrows beyond the stream's own tensors: the outputs of elementwise ops (not the stream's
+        residual sums) and of RMS ops (a decomposed RMSNorm's Pow and Mul, a fused op's output and sum) computed
+        from a narrowed value, where
         their declared shape says `width` at its axis (counted from the end, as broadcasting aligns). Left at d,
         such a declaration contradicts what the node computes: ONNX Runtime warns and strict shape inference
         (normpass's own loader) refuses the model."""
@@ -251,6 +252,9 @@ class Slicer(Rotator):
                 outputs = FOLLOWING.get(node.op_type)
                 if outputs is None or (node.domain not in ("", "ai.onnx") and node.op_type not in SINGLE_OPS):
                     continue
+                known = self.zmg.nodes.get(name_of(node))
+                if known is not None and known.kind is NodeKind.RESIDUAL:  # a sum of the stream: its piece's own
+                    continue  # cut says its width (in a sequential fit's model that piece may still be whole)
                 for index in outputs or range(len(node.outputs)):
                     out = node.outputs[index] if index < len(node.outputs) else None
                     if out is not None and self._narrow(out, axis, width, kept):

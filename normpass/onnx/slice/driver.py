@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -50,8 +51,18 @@ from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
 from ...errors import InputError, InternalError
-from ...io import in_memory_proto
-from ..calibrate import CalibData, Runner, captured, input_spec, load, opened, reference_runner, refuse_scalar_inputs
+from ...io import in_memory_proto, skeleton, stored_like
+from ..calibrate import (
+    CalibData,
+    batch_size_for,
+    captured,
+    fixed_batch,
+    input_spec,
+    load,
+    opened,
+    reference_runner,
+    refuse_scalar_inputs,
+)
 from ..fold import FoldResult, ModelSource, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
@@ -59,6 +70,7 @@ from ..graph.frontend import graph_values
 from ..graphsurgeon import from_graphsurgeon
 from ..rotate import RotateOptions
 from ..rotate.rotator import plan_streams
+from ..runtime import verify
 from ..runtime.verify import check_input_shapes, checked
 from .cut import Slicer, slice_refusal
 from .recover import Recovery, recover
@@ -80,7 +92,7 @@ class SliceOptions:
     write_best: bool = False  # on a miss, write the largest ratio of the ladder that meets the budget
     split: tuple[float, float] = (0.75, 0.25)  # fitting, held out (with `holdout`: all fits)
     holdout: object = None  # held-out inputs from elsewhere (the calibration data's forms)
-    batch_size: int = 16
+    batch_size: int | None = None  # None: the batch the model fixes, else 16 (`calibrate.batch_size_for`)
     tokenizer: str | None = None
     max_length: int = 128
     mask_input: str | None = None  # default: the rank-2 input named *mask* (`calibration.find_mask_input`)
@@ -103,8 +115,10 @@ class SliceOptions:
         self.ratio = _number("ratio", self.ratio)
         if not 0 <= self.ratio < 1:
             raise InputError(f"ratio {self.ratio}: choose a share of the stream to remove, from 0 up to (not) 1")
-        for option in ("round_to", "batch_size", "max_length", "samples"):
+        for option in ("round_to", "max_length", "samples"):
             setattr(self, option, _whole(option, getattr(self, option)))
+        if self.batch_size is not None:  # None: the batch the model fixes, else 16 (`calibrate.batch_size_for`)
+            self.batch_size = _whole("batch_size", self.batch_size)
         self.seed = _whole("seed", self.seed, least=0)
         if self.basis not in BASES:
             raise InputError(
@@ -311,8 +325,9 @@ def _data(model: onnx.ModelProto, calibration, options: SliceOptions) -> tuple[l
         return load(calibration, model, options, options.seed, 1), load(
             options.holdout, model, options, options.seed + 1, 1
         )
-    whole = load(calibration, model, options, options.seed, 2)
-    fit, held = split_batches(whole, tuple(options.split), options.seed, options.batch_size)
+    every = load(calibration, model, options, options.seed, 2)
+    whole = fixed_batch(model) is not None  # a model that fixes its batch takes whole batches only
+    fit, held = split_batches(every, tuple(options.split), options.seed, options.batch_size, whole)
     return fit, held
 
 
@@ -371,8 +386,9 @@ def stream_covariances(
 
 
 def _plan(folded: FoldResult, name: str) -> tuple[Slicer, SlicePlan]:
-    """A `Slicer` over a fresh copy of the folded model, and the streams it finds."""
-    slicer, rotation = plan_streams(folded, folded.model, name, Slicer)
+    """A `Slicer` over a fresh copy of the folded model (its weights shared, none copied), and the streams it
+    finds."""
+    slicer, rotation = plan_streams(folded, folded.ir_model.clone(), name, Slicer)
     return slicer, SlicePlan.of(slicer, rotation)
 
 
@@ -447,7 +463,7 @@ def _cut(
         "normpass.sliced": f"{len(plan.sliceable)} of {len(plan.streams)} residual streams sliced ({widths}), "
         f"{sum(len(p) for p in pieces.values())} bases, {len(shortcuts)} shortcuts",
     }
-    return export_model(slicer.ctx.model, slicer.docs, metadata)
+    return stored_like(export_model(slicer.ctx.model, slicer.docs, metadata), folded.ir_model)
 
 
 def _in_graph_order(slicer: Slicer, pieces: dict[str, list[Stream]]) -> list[Stream]:
@@ -552,6 +568,8 @@ def slice_onnx(
     source, original = opened(from_graphsurgeon(model), name)  # a path is read lazily: `original` is its structure
     refuse_scalar_inputs(original, name, "slicing")
     check_input_shapes(original, options.input_shapes)
+    batch_size, batch_note = batch_size_for(original, options.batch_size, name)
+    options = dataclasses.replace(options, batch_size=batch_size)
     start = time.perf_counter()
     stage("fold")
     folded = fold_onnx(source, options.rotate_options().fold_options(), name)
@@ -578,11 +596,12 @@ def slice_onnx(
     cut, chosen = None, None
 
     def judged(model: ir.Model, ratio: float) -> Metrics:
-        candidate = Runner(in_memory_proto(model))
-        try:
-            outputs = [candidate.run(b, output_names) for b in held]
-        except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
-            raise _not_running(f"{name}: the model sliced at ratio {ratio:g}", e) from e
+        with verify.Runner(model, skeleton(model)) as candidate:  # a large model from a file, its weights mapped
+            try:
+                runs = [candidate.run(b) for b in held]
+            except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
+                raise _not_running(f"{name}: the model sliced at ratio {ratio:g}", e) from e
+        outputs = [{output: run[output] for output in output_names} for run in runs]
         return compare(references, outputs, masks)
 
     for ratio in options.ladder():
@@ -636,6 +655,7 @@ def slice_onnx(
         requested_ratio=options.ratio,
         budget=budget,
         basis=options.basis,
+        notes=[batch_note] if batch_note else [],
         whole=sorted(whole),
     )
     if chosen is None:
