@@ -1,6 +1,9 @@
 """`normpass slice MODEL -o OUT --calib DATA --ratio R [--recover SECONDS] [--budget cos=V] [--write-best]
 [--report R.json]`: fold, cut every provable residual stream to its principal subspace (SliceGPT), refit the
 cut layers on the calibration data for up to SECONDS (recovery), judge on held-out data, write.
+`normpass slice --torch package.module:factory -o OUT.onnx --calib DATA --ratio R [--recover-train SECONDS]`
+slices the PyTorch module's captured graph instead (`normpass.slice`), trains it toward the module for up to
+SECONDS per ratio, judges it, exports it to ONNX and checks the file in ONNX Runtime against it.
 
 Exit 1 and nothing written when the budget is missed (the report is written either way); `--write-best`
 writes the largest ratio of R, R − 0.05, … that meets it instead. At R = 0 the result is verified against
@@ -28,6 +31,7 @@ from .common import (
     split_fractions,
     verification_options,
 )
+from .fold import _factory_file
 from .progress import Heartbeat
 
 
@@ -69,6 +73,22 @@ def add_parser(sub) -> None:
         help="after the cut, refit each linear layer it changed, in order, by least squares on the fitting data so "
         "that it reproduces the unsliced model's output there, for up to SECONDS per ratio tried (default 0: none)",
     )
+    parser.add_argument(
+        "--torch",
+        metavar="PACKAGE.MODULE:FACTORY",
+        help="slice a PyTorch module instead of MODEL: FACTORY() returns (module, example_inputs); its torch.export "
+        "graph is cut (normpass.slice) and exported to ONNX (input dimensions dynamic where the module allows it)",
+    )
+    parser.add_argument(
+        "--recover-train",
+        default="0",
+        metavar="SECONDS",
+        help="with --torch: after the cut, train every parameter of the sliced graph toward the module on the "
+        "fitting data (label-free distillation) for up to SECONDS per ratio tried (default 0: none)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=1e-4, help="with --recover-train: AdamW's learning rate (default 1e-4)"
+    )
     add_data_arguments(
         parser, required=True, more_data=", or 'synthetic' (seeded random inputs, for demos and tests only)"
     )
@@ -95,11 +115,11 @@ def add_parser(sub) -> None:
     add_verification_arguments(parser)
 
 
-def _seconds(text: str) -> float:
+def _seconds(text: str, flag: str = "--recover") -> float:
     try:
         return float(text)
     except ValueError:
-        raise InputError(f"--recover {text!r}: give the seconds recovery may take, e.g. 300 (0: none)") from None
+        raise InputError(f"{flag} {text!r}: give the seconds recovery may take, e.g. 300 (0: none)") from None
 
 
 def summary(label: str, result: SliceResult, out) -> list[str]:
@@ -146,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         args,
         calibration_files("--calib", args.calib)
         | calibration_files("--holdout", args.holdout)
-        | calibration_files("--tokenizer", args.tokenizer),
+        | calibration_files("--tokenizer", args.tokenizer)
+        | (_factory_file(args.torch) if args.torch else {}),
     )
     if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
         raise InputError("--batch-size, --samples and --max-length must be at least 1")
@@ -156,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
         round_to=args.round_to,
         basis=args.basis,
         recover=_seconds(args.recover),
+        recover_train=_seconds(args.recover_train, "--recover-train"),
+        train_lr=args.lr,
         budget=",".join(args.budget) if args.budget else None,
         write_best=args.write_best,
         split=(fit, held),
@@ -175,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
     except InputError as e:  # the library's message starts with the option's name
         option, _, rest = str(e).partition(" ")
         raise InputError(f"--{option.replace('_', '-')} {rest}") from None
+    if args.torch:
+        from .slice_torch import run_torch
+
+        return run_torch(args, options, out)
+    if options.recover_train:
+        raise InputError("--recover-train trains a PyTorch module: give it with --torch (an ONNX file takes --recover)")
     model, label = model_source(args)
     try:
         with Heartbeat("slice"):

@@ -93,6 +93,8 @@ class SliceOptions:
     seed: int = 0  # of the split and of the verification inputs
     recover: float = 0.0  # seconds of recovery (`recover.py`: layer-wise refit on the fitting data) per ratio; 0: none
     recover_ridge: float | None = None  # its pull towards the cut (`core/refit.py`); None: validated per layer
+    recover_train: float = 0.0  # seconds of training toward the original per ratio (PyTorch modules only)
+    train_lr: float = 1e-4  # its learning rate (AdamW, every parameter of the sliced graph)
 
     def checked(self) -> Budget | None:
         """The budget, parsed; bad options refused (`InputError`) before any model is read."""
@@ -107,6 +109,10 @@ class SliceOptions:
             )
         if not (isinstance(self.recover, (int, float)) and 0 <= self.recover < math.inf):
             raise InputError(f"recover {self.recover}: give the seconds recovery may take (0: no recovery)")
+        if not (isinstance(self.recover_train, (int, float)) and 0 <= self.recover_train < math.inf):
+            raise InputError(f"recover_train {self.recover_train}: give the seconds training may take (0: none)")
+        if not (isinstance(self.train_lr, (int, float)) and 0 < self.train_lr < math.inf):
+            raise InputError(f"train_lr {self.train_lr}: give a positive learning rate, e.g. 1e-4")
         ridge = self.recover_ridge
         if ridge is not None and not (isinstance(ridge, (int, float)) and 0 < ridge < math.inf):
             raise InputError(f"recover_ridge {ridge}: give a positive number, or None to choose it per layer")
@@ -471,6 +477,11 @@ def slice_onnx(
     docstring). Raises `BudgetMissed` (its `.report`: what was tried) when the budget is missed."""
     options = options or SliceOptions()
     budget = options.checked()
+    if options.recover_train:
+        raise InputError(
+            "recover_train trains the sliced model, which needs its PyTorch module: give the module "
+            "(normpass.slice, or normpass slice --torch FACTORY); an ONNX file takes recover (the layer refit)"
+        )
     source, original = opened(from_graphsurgeon(model), name)  # a path is read lazily: `original` is its structure
     refuse_scalar_inputs(original, name, "slicing")
     check_input_shapes(original, options.input_shapes)
