@@ -85,7 +85,7 @@ def test_a_stream_a_nonlinearity_reads_stays_whole_with_the_reason():
     torch.manual_seed(0)
     module = NormThenReLU().eval()
     data = calibration(2, batches=2)
-    graph, report = normpass.slice(module, (torch.from_numpy(data[0]["input_ids"]),), data, SliceOptions(ratio=0.5))
+    _, report = normpass.slice(module, (torch.from_numpy(data[0]["input_ids"]),), data, SliceOptions(ratio=0.5))
     assert not report.slicing.sliceable and len(report.fold.plan.folded) == 1
     (reason,) = report.slicing.reasons.values()
     assert "relu" in reason and "not linear" in reason
