@@ -6,13 +6,17 @@ left; a per-layer least-squares refit (`onnx/slice/recover.py`) cannot restore w
 lost. Here the whole sliced graph is trained toward the original module instead, on the fitting batches
 only (the held-out ones stay untouched, for the judge):
 
-    L = mean over outputs ‖s − t‖² / ‖t‖²  +  mean over samples (1 − cos(s, t))
+    L = mean over outputs ‖s − t‖² / ‖t‖²  +  mean over samples (1 − cos(s, t))      (train_loss "mse")
+    L = mean over positions KL(softmax(t) ‖ softmax(s)), over the last axis           (train_loss "kl")
 
 s, t: the sliced graph's and the module's outputs (positions the attention mask drops excluded, as
-`distill` excludes them: `output_gap`). Every parameter of the sliced graph trains (its weights, the
-RMS ops' γ, `basis="layer"`'s shortcuts): AdamW at `train_lr`, warmed up over the first 5 % of the time
-and decayed on a cosine to 0 at `recover_train` seconds (`distill.learning_rate_scale`, on the share of
-the time spent). Shapes do not change: the trained graph runs exactly as fast as the untrained one.
+`distill` excludes them: `output_gap`). "kl" is for logits: it weighs each position's tokens by the
+original's probabilities, which is what perplexity sees; "mse" weighs every output value alike.
+
+Every parameter of the sliced graph trains (its weights, the RMS ops' γ, `basis="layer"`'s shortcuts):
+AdamW at `train_lr`, warmed up over the first 5 % of the time and decayed on a cosine to 0 at
+`recover_train` seconds (`distill.learning_rate_scale`, on the share of the time spent). Shapes do not
+change: the trained graph runs exactly as fast as the untrained one.
 
 Seeded (the batch order follows `seed`). Inside a `torch.distributed` process group (gloo on CPU) the
 graph trains under `DistributedDataParallel`, each process on its own batches; every process stops at
@@ -79,6 +83,25 @@ def _relative_error(student_out, teacher_out, mask: torch.Tensor | None) -> torc
     return torch.stack(terms).mean()
 
 
+def _divergence(student_out, teacher_out, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over outputs and positions of KL(softmax(t) ‖ softmax(s)) along the last axis."""
+    terms = []
+    for s, t in zip(_leaves(student_out), _leaves(teacher_out), strict=True):
+        kl = torch.nn.functional.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+        if mask is not None and kl.shape == mask.shape:
+            keep = (mask != 0).to(kl.dtype)
+            terms.append((kl * keep).sum() / keep.sum().clamp_min(1))
+        else:
+            terms.append(kl.mean())
+    return torch.stack(terms).mean()
+
+
+def _loss(kind: str, student_out, teacher_out, mask: torch.Tensor | None) -> torch.Tensor:
+    if kind == "kl":
+        return _divergence(student_out, teacher_out, mask)
+    return _relative_error(student_out, teacher_out, mask) + output_gap(student_out, teacher_out, mask)
+
+
 def _distributed():
     distributed = torch.distributed
     return distributed if distributed.is_available() and distributed.is_initialized() else None
@@ -125,7 +148,7 @@ def train_back(
                     targets[index] = teacher(**batch)
             mask = batch.get(mask_input) if mask_input else None
             out = model(**batch)
-            loss = _relative_error(out, targets[index], mask) + output_gap(out, targets[index], mask)
+            loss = _loss(options.train_loss, out, targets[index], mask)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -64,6 +64,7 @@ from .cut import Slicer, slice_refusal
 from .recover import Recovery, recover
 
 BASES = ("stream", "layer")  # one basis per stream; one per layer with shortcuts between them (SliceGPT's)
+TRAIN_LOSSES = ("mse", "kl")  # `torch/slice_train.py`
 LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last ratio above 0
 
 
@@ -95,6 +96,7 @@ class SliceOptions:
     recover_ridge: float | None = None  # its pull towards the cut (`core/refit.py`); None: validated per layer
     recover_train: float = 0.0  # seconds of training toward the original per ratio (PyTorch modules only)
     train_lr: float = 1e-4  # its learning rate (AdamW, every parameter of the sliced graph)
+    train_loss: str = "mse"  # "mse": relative squared error + cosine of the outputs; "kl": KL of their softmax
 
     def checked(self) -> Budget | None:
         """The budget, parsed; bad options refused (`InputError`) before any model is read."""
@@ -113,6 +115,8 @@ class SliceOptions:
             raise InputError(f"recover_train {self.recover_train}: give the seconds training may take (0: none)")
         if not (isinstance(self.train_lr, (int, float)) and 0 < self.train_lr < math.inf):
             raise InputError(f"train_lr {self.train_lr}: give a positive learning rate, e.g. 1e-4")
+        if self.train_loss not in TRAIN_LOSSES:
+            raise InputError(f"train_loss {self.train_loss!r}: choose 'mse' (any output) or 'kl' (logits)")
         ridge = self.recover_ridge
         if ridge is not None and not (isinstance(ridge, (int, float)) and 0 < ridge < math.inf):
             raise InputError(f"recover_ridge {ridge}: give a positive number, or None to choose it per layer")
