@@ -19,7 +19,15 @@ from ..core.replace import BudgetMissed
 from ..errors import InputError
 from ..io import calibration_files, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, TARGETS
-from ..onnx.slice.driver import BASES, DEFAULT_ROUND_TO, LADDER_STEP, SliceOptions, SliceResult, slice_onnx
+from ..onnx.slice.driver import (
+    BASES,
+    DEFAULT_ROUND_TO,
+    LADDER_STEP,
+    TRAIN_LOSSES,
+    SliceOptions,
+    SliceResult,
+    slice_onnx,
+)
 from .common import (
     add_budget_arguments,
     add_data_arguments,
@@ -88,6 +96,13 @@ def add_parser(sub) -> None:
     )
     parser.add_argument(
         "--lr", type=float, default=1e-4, help="with --recover-train: AdamW's learning rate (default 1e-4)"
+    )
+    parser.add_argument(
+        "--train-loss",
+        choices=TRAIN_LOSSES,
+        default="mse",
+        help="with --recover-train: mse (relative squared error and cosine of the outputs; any output, default) "
+        "or kl (KL divergence of the outputs' softmax: for logits, what perplexity sees)",
     )
     add_data_arguments(
         parser, required=True, more_data=", or 'synthetic' (seeded random inputs, for demos and tests only)"
@@ -179,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         recover=_seconds(args.recover),
         recover_train=_seconds(args.recover_train, "--recover-train"),
         train_lr=args.lr,
+        train_loss=args.train_loss,
         budget=",".join(args.budget) if args.budget else None,
         write_best=args.write_best,
         split=(fit, held),
