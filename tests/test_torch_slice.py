@@ -182,3 +182,51 @@ def test_cli_torch_budget_missed_writes_nothing_and_recover_is_refused(cli_files
     assert main([*args, "--ratio", "0.25", "--recover", "5"]) == 2
     err = capsys.readouterr().err
     assert "--recover-train" in err and len(err.strip().splitlines()) == 1
+
+
+# --- training over several processes -------------------------------------------------------------
+
+
+class Tiny(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(16, width), nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.outer(torch.tanh(self.inner(x)))
+
+
+def _train_in_one_process_of_two(rank: int, port: int, shards: list, out: str) -> None:
+    import torch.distributed as dist
+
+    from normpass.torch.slice_train import train_back
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        teacher, student = Tiny(32).eval(), torch.fx.symbolic_trace(Tiny(8).eval())
+        options = SliceOptions(recover_train=1.0, train_lr=1e-2, seed=rank)
+        training = train_back(teacher, student, shards[rank], None, options)
+        torch.save({"state": student.state_dict(), "training": training}, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_train_one_graph_under_ddp(tmp_path):
+    import socket
+
+    import torch.multiprocessing as torch_mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    gen = np.random.default_rng(20)
+    shards = [[{"x": gen.normal(size=(8, 16)).astype(np.float32)} for _ in range(4)] for _ in range(2)]
+    torch_mp.spawn(_train_in_one_process_of_two, (port, shards, str(tmp_path)), nprocs=2, join=True)
+    first, second = (torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in (0, 1))
+    assert first["training"].processes == second["training"].processes == 2
+    assert first["training"].steps == second["training"].steps > 1  # every process stops at the same step
+    assert first["training"].loss_last < first["training"].loss_first
+    for name, value in first["state"].items():  # gradients all-reduced, one schedule: the same weights on both
+        assert torch.equal(value, second["state"][name]), name

@@ -411,6 +411,11 @@ class Cutter:
             add.replace_all_uses_with(norm)
             self.graph.graph.erase_node(add)
         self.graph.graph.eliminate_dead_code()
+        read = {str(n.target) for n in self.graph.graph.nodes if n.op == "get_attr"}
+        for name, _ in [*self.graph.named_parameters(), *self.graph.named_buffers()]:
+            if name not in read:  # a constant the cut replaced or dropped: not a parameter of the result
+                owner, _, attr = name.rpartition(".")
+                delattr(self.graph.get_submodule(owner), attr)
         self.graph.delete_all_unused_submodules()
         self.graph.graph.lint()
         self.graph.recompile()

@@ -20,7 +20,7 @@ change: the trained graph runs exactly as fast as the untrained one.
 
 Seeded (the batch order follows `seed`). Inside a `torch.distributed` process group (gloo on CPU) the
 graph trains under `DistributedDataParallel`, each process on its own batches; every process stops at
-the same step (the first that any of them finds out of time).
+the same step and follows the same learning-rate schedule (both by the slowest process's clock).
 """
 
 from __future__ import annotations
@@ -130,11 +130,11 @@ def train_back(
     history: list[dict] = []
     try:
         while True:
-            elapsed = time.perf_counter() - started
-            stop = torch.tensor([1.0 if elapsed >= limit else 0.0])
-            if distributed is not None:
-                distributed.all_reduce(stop, op=distributed.ReduceOp.MAX)
-            if stop.item() > 0:
+            clock = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+            if distributed is not None:  # one clock for all: the same schedule and the same last step
+                distributed.all_reduce(clock, op=distributed.ReduceOp.MAX)
+            elapsed = float(clock.item())
+            if elapsed >= limit:
                 break
             scale = learning_rate_scale(int(SCHEDULE_STEPS * elapsed / limit), SCHEDULE_STEPS)
             for group in optimizer.param_groups:
