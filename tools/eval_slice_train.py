@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--refit-seconds", type=float, default=120.0, help="slice --recover's limit (0: skip)")
     parser.add_argument("--train-seconds", type=float, default=300.0, help="--recover-train's limit (0: skip)")
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--loss", choices=("mse", "kl"), default="kl")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=pathlib.Path)

@@ -95,7 +95,7 @@ def add_parser(sub) -> None:
         "fitting data (label-free distillation) for up to SECONDS per ratio tried (default 0: none)",
     )
     parser.add_argument(
-        "--lr", type=float, default=1e-4, help="with --recover-train: AdamW's learning rate (default 1e-4)"
+        "--lr", type=float, default=1e-5, help="with --recover-train: AdamW's learning rate (default 1e-5)"
     )
     parser.add_argument(
         "--train-loss",

@@ -95,7 +95,7 @@ class SliceOptions:
     recover: float = 0.0  # seconds of recovery (`recover.py`: layer-wise refit on the fitting data) per ratio; 0: none
     recover_ridge: float | None = None  # its pull towards the cut (`core/refit.py`); None: validated per layer
     recover_train: float = 0.0  # seconds of training toward the original per ratio (PyTorch modules only)
-    train_lr: float = 1e-4  # its learning rate (AdamW, every parameter of the sliced graph)
+    train_lr: float = 1e-5  # its learning rate (AdamW, every parameter; 1e-4 overfit IgLM, docs/slice.md)
     train_loss: str = "mse"  # "mse": relative squared error + cosine of the outputs; "kl": KL of their softmax
 
     def checked(self) -> Budget | None:
@@ -114,7 +114,7 @@ class SliceOptions:
         if not (isinstance(self.recover_train, (int, float)) and 0 <= self.recover_train < math.inf):
             raise InputError(f"recover_train {self.recover_train}: give the seconds training may take (0: none)")
         if not (isinstance(self.train_lr, (int, float)) and 0 < self.train_lr < math.inf):
-            raise InputError(f"train_lr {self.train_lr}: give a positive learning rate, e.g. 1e-4")
+            raise InputError(f"train_lr {self.train_lr}: give a positive learning rate, e.g. 1e-5")
         if self.train_loss not in TRAIN_LOSSES:
             raise InputError(f"train_loss {self.train_loss!r}: choose 'mse' (any output) or 'kl' (logits)")
         ridge = self.recover_ridge
