@@ -12,7 +12,10 @@ Public API:
 * PyTorch (the `torch` extra): `inspect(module, example_inputs)` → `FoldPlan`;
   `fold(module, example_inputs)` → `(folded module, TorchFoldReport)`;
   `fold_graph(module, example_inputs)` → `(folded torch.fx.GraphModule, TorchFoldReport)`, which also
-  makes the centrings inside a module's forward that `fold` declines. These import torch on first
+  makes the centrings inside a module's forward that `fold` declines; `slice(module, example_inputs,
+  calibration, SliceOptions(...))` → `(sliced torch.fx.GraphModule, TorchSliceReport)`, the ONNX
+  slice's proof, bases and cut on torch.export's graph, with `recover_train` seconds of training
+  toward the module. These import torch on first
   use only, so the ONNX path never loads it; without torch they raise `MissingExtraError` naming
   `normpass[torch]`.
 * Surrogates for the norms that do not fold exactly, under an accuracy budget:
@@ -52,6 +55,8 @@ TORCH_API = {
     "distill": "distill",
     "DistillOptions": "distill",
     "DistillReport": "distill",
+    "slice": "slice",
+    "TorchSliceReport": "slice",
 }
 
 
@@ -89,6 +94,7 @@ __all__ = [
     "SliceResult",
     "SmoothRemoval",
     "TorchFoldReport",
+    "TorchSliceReport",
     "UnsupportedModelError",
     "VerificationError",
     "apply_surrogates",
@@ -102,6 +108,7 @@ __all__ = [
     "replace",
     "replace_onnx",
     "rotate_onnx",
+    "slice",
     "slice_onnx",
     "smooth_removal",
 ]

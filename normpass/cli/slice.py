@@ -1,6 +1,9 @@
 """`normpass slice MODEL -o OUT --calib DATA --ratio R [--recover SECONDS] [--budget cos=V] [--write-best]
 [--report R.json]`: fold, cut every provable residual stream to its principal subspace (SliceGPT), refit the
 cut layers on the calibration data for up to SECONDS (recovery), judge on held-out data, write.
+`normpass slice --torch package.module:factory -o OUT.onnx --calib DATA --ratio R [--recover-train SECONDS]`
+slices the PyTorch module's captured graph instead (`normpass.slice`), trains it toward the module for up to
+SECONDS per ratio, judges it, exports it to ONNX and checks the file in ONNX Runtime against it.
 
 Exit 1 and nothing written when the budget is missed (the report is written either way); `--write-best`
 writes the largest ratio of R, R − 0.05, … that meets it instead. At R = 0 the result is verified against
@@ -17,7 +20,16 @@ from ..errors import InputError
 from ..genai import sliced_widths
 from ..io import calibration_files, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, TARGETS
-from ..onnx.slice.driver import BASES, DEFAULT_ROUND_TO, HEADS, LADDER_STEP, SliceOptions, SliceResult, slice_onnx
+from ..onnx.slice.driver import (
+    BASES,
+    DEFAULT_ROUND_TO,
+    HEADS,
+    LADDER_STEP,
+    TRAIN_LOSSES,
+    SliceOptions,
+    SliceResult,
+    slice_onnx,
+)
 from .common import (
     add_budget_arguments,
     add_data_arguments,
@@ -30,6 +42,7 @@ from .common import (
     split_fractions,
     verification_options,
 )
+from .fold import _factory_file
 from .progress import Heartbeat
 
 
@@ -79,6 +92,29 @@ def add_parser(sub) -> None:
         help="after the cut, refit each linear layer it changed, in order, by least squares on the fitting data so "
         "that it reproduces the unsliced model's output there, for up to SECONDS per ratio tried (default 0: none)",
     )
+    parser.add_argument(
+        "--torch",
+        metavar="PACKAGE.MODULE:FACTORY",
+        help="slice a PyTorch module instead of MODEL: FACTORY() returns (module, example_inputs); its torch.export "
+        "graph is cut (normpass.slice) and exported to ONNX (input dimensions dynamic where the module allows it)",
+    )
+    parser.add_argument(
+        "--recover-train",
+        default="0",
+        metavar="SECONDS",
+        help="with --torch: after the cut, train every parameter of the sliced graph toward the module on the "
+        "fitting data (label-free distillation) for up to SECONDS per ratio tried (default 0: none)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=1e-5, help="with --recover-train: AdamW's learning rate (default 1e-5)"
+    )
+    parser.add_argument(
+        "--train-loss",
+        choices=TRAIN_LOSSES,
+        default="mse",
+        help="with --recover-train: mse (relative squared error and cosine of the outputs; any output, default) "
+        "or kl (KL divergence of the outputs' softmax: for logits, what perplexity sees)",
+    )
     add_data_arguments(
         parser, required=True, more_data=", or 'synthetic' (seeded random inputs, for demos and tests only)"
     )
@@ -105,11 +141,11 @@ def add_parser(sub) -> None:
     add_verification_arguments(parser)
 
 
-def _seconds(text: str) -> float:
+def _seconds(text: str, flag: str = "--recover") -> float:
     try:
         return float(text)
     except ValueError:
-        raise InputError(f"--recover {text!r}: give the seconds recovery may take, e.g. 300 (0: none)") from None
+        raise InputError(f"{flag} {text!r}: give the seconds recovery may take, e.g. 300 (0: none)") from None
 
 
 def summary(label: str, result: SliceResult, out) -> list[str]:
@@ -151,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
         args,
         calibration_files("--calib", args.calib)
         | calibration_files("--holdout", args.holdout)
-        | calibration_files("--tokenizer", args.tokenizer),
+        | calibration_files("--tokenizer", args.tokenizer)
+        | (_factory_file(args.torch) if args.torch else {}),
     )
     check_sizes(args)
     fit, held = split_fractions(args.split, "FIT,HELD_OUT", "0.75,0.25")
@@ -161,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
         basis=args.basis,
         head=args.head,
         recover=_seconds(args.recover),
+        recover_train=_seconds(args.recover_train, "--recover-train"),
+        train_lr=args.lr,
+        train_loss=args.train_loss,
         budget=",".join(args.budget) if args.budget else None,
         write_best=args.write_best,
         split=(fit, held),
@@ -180,6 +220,12 @@ def run(args: argparse.Namespace) -> int:
     except InputError as e:  # the library's message starts with the option's name
         option, _, rest = str(e).partition(" ")
         raise InputError(f"--{option.replace('_', '-')} {rest}") from None
+    if args.torch:
+        from .slice_torch import run_torch
+
+        return run_torch(args, options, out)
+    if options.recover_train:
+        raise InputError("--recover-train trains a PyTorch module: give it with --torch (an ONNX file takes --recover)")
     model, label = model_source(args)
     try:
         with Heartbeat("slice"):

@@ -118,6 +118,8 @@ class _Reads:
             original = self.tg.capture.constants[constant]
             tensor = torch.as_tensor(value).to(dtype=original.dtype, device=original.device)
             name = f"normpass_{_fqn(constant).replace('.', '_')}_{next(counter)}"
+            while hasattr(self.gm, name):  # a graph rewritten before (a fold, then a slice) has such names
+                name = f"normpass_{_fqn(constant).replace('.', '_')}_{next(counter)}"
             if isinstance(original, torch.nn.Parameter):
                 self.gm.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=original.requires_grad))
             else:

@@ -77,6 +77,7 @@ from .recover import Recovery, recover
 
 BASES = ("stream", "layer")  # one basis per stream; one per layer with shortcuts between them (SliceGPT's)
 HEADS = ("full", "cut")  # the stream's end (final norm → head) left at full width (SliceGPT's default), or cut
+TRAIN_LOSSES = ("mse", "kl")  # `torch/slice_train.py`
 LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last ratio above 0
 
 
@@ -107,6 +108,9 @@ class SliceOptions:
     seed: int = 0  # of the split and of the verification inputs
     recover: float = 0.0  # seconds of recovery (`recover.py`: layer-wise refit on the fitting data) per ratio; 0: none
     recover_ridge: float | None = None  # its pull towards the cut (`core/refit.py`); None: validated per layer
+    recover_train: float = 0.0  # seconds of training toward the original per ratio (PyTorch modules only)
+    train_lr: float = 1e-5  # its learning rate (AdamW, every parameter; 1e-4 overfit IgLM, docs/slice.md)
+    train_loss: str = "mse"  # "mse": relative squared error + cosine of the outputs; "kl": KL of their softmax
 
     def checked(self) -> Budget | None:
         """The budget, parsed; bad options refused (`InputError` naming the field) before any model is read.
@@ -133,6 +137,14 @@ class SliceOptions:
         self.recover = _number("recover", self.recover)
         if not 0 <= self.recover < math.inf:
             raise InputError(f"recover {self.recover}: give the seconds recovery may take (0: no recovery)")
+        self.recover_train = _number("recover_train", self.recover_train)
+        if not 0 <= self.recover_train < math.inf:
+            raise InputError(f"recover_train {self.recover_train}: give the seconds training may take (0: none)")
+        self.train_lr = _number("train_lr", self.train_lr)
+        if not 0 < self.train_lr < math.inf:
+            raise InputError(f"train_lr {self.train_lr}: give a positive learning rate, e.g. 1e-5")
+        if self.train_loss not in TRAIN_LOSSES:
+            raise InputError(f"train_loss {self.train_loss!r}: choose 'mse' (any output) or 'kl' (logits)")
         ridge = self.recover_ridge
         ridge = self.recover_ridge = None if ridge is None else _number("recover_ridge", ridge)
         if ridge is not None and not 0 < ridge < math.inf:
@@ -565,6 +577,11 @@ def slice_onnx(
     docstring). Raises `BudgetMissed` (its `.report`: what was tried) when the budget is missed."""
     options = options or SliceOptions()
     budget = options.checked()
+    if options.recover_train:
+        raise InputError(
+            "recover_train trains the sliced model, which needs its PyTorch module: give the module "
+            "(normpass.slice, or normpass slice --torch FACTORY); an ONNX file takes recover (the layer refit)"
+        )
     source, original = opened(from_graphsurgeon(model), name)  # a path is read lazily: `original` is its structure
     refuse_scalar_inputs(original, name, "slicing")
     check_input_shapes(original, options.input_shapes)

@@ -1,0 +1,234 @@
+"""The PyTorch front end of the slice pass (`normpass.slice`, `normpass slice --torch`) and its training."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import normpass
+from normpass import InputError, SliceOptions, slice_onnx
+from normpass.cli.main import main
+from normpass.models import get
+from normpass.torch.api import to_onnx
+
+VOCAB, LENGTH = 128, 8
+
+
+def calibration(seed: int, batches: int = 6, size: int = 8) -> list[dict[str, np.ndarray]]:
+    gen = np.random.default_rng(seed)
+    return [{"input_ids": gen.integers(0, VOCAB, (size, LENGTH)).astype(np.int64)} for _ in range(batches)]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    module, inputs = get("gpt2").build_torch()
+    return module, tuple(inputs), to_onnx(module, tuple(inputs))
+
+
+def _ort(model, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("basis", ["stream", "layer"])
+def test_the_sliced_graph_equals_the_onnx_slice_of_its_export(gpt2, basis):
+    module, inputs, exported = gpt2
+    data, options = calibration(0), SliceOptions(ratio=0.25, basis=basis)
+    graph, report = normpass.slice(module, inputs, data, options)
+    result = slice_onnx(exported, data, SliceOptions(ratio=0.25, basis=basis))
+    assert report.chosen is not None and result.chosen is not None
+    assert list(report.chosen.kept.values()) == list(result.chosen.kept.values()) == [48]
+    assert report.shortcuts == result.shortcuts == (4 if basis == "layer" else 0)
+    for feeds in calibration(1, batches=2):
+        with torch.no_grad():
+            got = graph(torch.from_numpy(feeds["input_ids"])).numpy()
+        want = _ort(result.model, feeds)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert report.held_out.cos_min == pytest.approx(result.held_out.cos_min, abs=1e-6)
+
+
+def test_ratio_zero_is_verified_and_a_cut_leaves_k_columns_and_no_beta_add(gpt2):
+    module, inputs, _ = gpt2
+    _, rotated = normpass.slice(module, inputs, calibration(0), SliceOptions(ratio=0.0, basis="stream"))
+    assert rotated.comparison is not None and rotated.comparison.passed
+    graph, report = normpass.slice(module, inputs, calibration(0), SliceOptions(ratio=0.5, basis="stream"))
+    assert report.chosen.kept == {"rms_norm": 32}
+    norms = [n for n in graph.graph.nodes if n.target is torch.ops.aten.rms_norm.default]
+    assert len(norms) == 5 and all(n.args[1] == [32] for n in norms)
+    assert all(next(iter(n.users)).target is not torch.ops.aten.add.Tensor for n in norms)  # β moved into biases
+    readers = [n for n in graph.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    widths = sorted({tuple(getattr(graph, n.args[2].target).shape) for n in readers})
+    assert widths == [(32, 192), (32, 256), (64, 32), (256, 32)]  # c_attn, c_fc read 32; c_proj write 32
+    assert report.chosen.parameters < report.parameters
+    json.dumps(report.to_json())
+
+
+class NormThenReLU(nn.Module):
+    """A norm that folds (only it reads the embeddings) but whose output a ReLU reads: no rotation commutes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, input_ids):
+        return self.head(torch.relu(self.norm(self.embed(input_ids))))
+
+
+def test_a_stream_a_nonlinearity_reads_stays_whole_with_the_reason():
+    torch.manual_seed(0)
+    module = NormThenReLU().eval()
+    data = calibration(2, batches=2)
+    _, report = normpass.slice(module, (torch.from_numpy(data[0]["input_ids"]),), data, SliceOptions(ratio=0.5))
+    assert not report.slicing.sliceable and len(report.fold.plan.folded) == 1
+    (reason,) = report.slicing.reasons.values()
+    assert "relu" in reason and "not linear" in reason
+    assert report.held_out.cos_min > 1 - 1e-6  # nothing cut: the folded module
+
+
+def test_options_that_belong_to_the_other_front_end_are_refused(gpt2):
+    module, inputs, exported = gpt2
+    with pytest.raises(InputError, match="recover_train"):
+        normpass.slice(module, inputs, calibration(0), SliceOptions(recover=5))
+    with pytest.raises(InputError, match="PyTorch module"):
+        slice_onnx(exported, calibration(0), SliceOptions(recover_train=5))
+    with pytest.raises(InputError, match="recover_train"):
+        SliceOptions(recover_train=-1).checked()
+    with pytest.raises(InputError, match="head 'full'.*ONNX export"):
+        normpass.slice(module, inputs, calibration(0), SliceOptions(head="full"))
+
+
+def test_training_lowers_the_held_out_error_and_keeps_the_shapes(gpt2):
+    module, inputs, _ = gpt2
+    torch.set_num_threads(1)
+    data = calibration(3, batches=12, size=16)
+    options = SliceOptions(ratio=0.5, basis="stream", recover_train=4.0, train_lr=1e-3)
+    untrained, _ = normpass.slice(module, inputs, data, SliceOptions(ratio=0.5, basis="stream"))
+    graph, report = normpass.slice(module, inputs, data, options)
+    training = report.chosen.recovery
+    assert training.steps > 10 and training.seconds >= 4.0 and training.processes == 1
+    assert training.held_out_after.rel_max < training.held_out_before.rel_max
+    assert training.held_out_after == report.held_out
+    assert (
+        training.held_out_before
+        == normpass.slice(module, inputs, data, SliceOptions(ratio=0.5, basis="stream"))[1].held_out
+    )  # the same cut before training
+    shapes = {k: tuple(v.shape) for k, v in untrained.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in graph.state_dict().items()} == shapes
+    assert not any(p.requires_grad for p in graph.parameters())
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+FACTORY = """
+from normpass import models
+
+
+def make():
+    module, inputs = models.get("gpt2").build_torch()
+    return module, tuple(inputs)
+"""
+
+
+@pytest.fixture
+def cli_files(tmp_path, monkeypatch):
+    (tmp_path / "slice_factory.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gen = np.random.default_rng(0)
+    np.savez(tmp_path / "calib.npz", input_ids=gen.integers(0, VOCAB, (64, LENGTH)).astype(np.int64))
+    return tmp_path
+
+
+def test_cli_slices_trains_exports_and_checks_the_onnx_file(cli_files, capsys):
+    out, report = cli_files / "sliced.onnx", cli_files / "report.json"
+    code = main(
+        [
+            "slice",
+            "--torch",
+            "slice_factory:make",
+            "--calib",
+            str(cli_files / "calib.npz"),
+            "--ratio",
+            "0.25",
+            "--basis",
+            "stream",
+            "--recover-train",
+            "1",
+            "-o",
+            str(out),
+            "--report",
+            str(report),
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "64 → 48" in printed and "held out before it" in printed and "ONNX export max abs error" in printed
+    data = json.loads(report.read_text())
+    assert data["slice"]["training"]["steps"] >= 1 and data["output"] == str(out)
+    feeds = {"input_ids": np.random.default_rng(1).integers(0, VOCAB, (3, 5)).astype(np.int64)}
+    assert _ort(__import__("onnx").load(str(out)), feeds).shape == (3, 5, VOCAB)  # dynamic batch and length
+
+
+def test_cli_torch_budget_missed_writes_nothing_and_recover_is_refused(cli_files, capsys):
+    out = cli_files / "sliced.onnx"
+    args = ["slice", "--torch", "slice_factory:make", "--calib", str(cli_files / "calib.npz"), "-o", str(out)]
+    assert main([*args, "--ratio", "0.75", "--basis", "stream", "--budget", "cos=0.9999999"]) == 1
+    assert not out.exists()
+    capsys.readouterr()
+    assert main([*args, "--ratio", "0.25", "--recover", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "--recover-train" in err and len(err.strip().splitlines()) == 1
+
+
+# --- training over several processes -------------------------------------------------------------
+
+
+class Tiny(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(16, width), nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.outer(torch.tanh(self.inner(x)))
+
+
+def _train_in_one_process_of_two(rank: int, port: int, shards: list, out: str) -> None:
+    import torch.distributed as dist
+
+    from normpass.torch.slice_train import train_back
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        teacher, student = Tiny(32).eval(), torch.fx.symbolic_trace(Tiny(8).eval())
+        options = SliceOptions(recover_train=1.0, train_lr=1e-2, seed=rank)
+        training = train_back(teacher, student, shards[rank], None, options)
+        torch.save({"state": student.state_dict(), "training": training}, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_train_one_graph_under_ddp(tmp_path):
+    import socket
+
+    import torch.multiprocessing as torch_mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    gen = np.random.default_rng(20)
+    shards = [[{"x": gen.normal(size=(8, 16)).astype(np.float32)} for _ in range(4)] for _ in range(2)]
+    torch_mp.spawn(_train_in_one_process_of_two, (port, shards, str(tmp_path)), nprocs=2, join=True)
+    first, second = (torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in (0, 1))
+    assert first["training"].processes == second["training"].processes == 2
+    assert first["training"].steps == second["training"].steps > 1  # every process stops at the same step
+    assert first["training"].loss_last < first["training"].loss_first
+    for name, value in first["state"].items():  # gradients all-reduced, one schedule: the same weights on both
+        assert torch.equal(value, second["state"][name]), name
