@@ -100,7 +100,7 @@ def test_options_that_belong_to_the_other_front_end_are_refused(gpt2):
         slice_onnx(exported, calibration(0), SliceOptions(recover_train=5))
     with pytest.raises(InputError, match="recover_train"):
         SliceOptions(recover_train=-1).checked()
-    with pytest.raises(InputError, match="head 'full'.*ONNX export"):
+    with pytest.raises(InputError, match=r"head 'full'.*ONNX export"):
         normpass.slice(module, inputs, calibration(0), SliceOptions(head="full"))
 
 
