@@ -345,6 +345,44 @@ def test_fuzz_rotation_with_keys_centred_and_outputs_smoothed_computes_what_the_
     assert not failures, "\n".join(failures + ["replay one with: python tools/fuzz.py --rotate --replay SEED"])
 
 
+# Generated graphs with decomposed RMSNorms (Llama's spellings) that `check_rotate` and `check_slice` also take
+# through files with external data (`fuzzcheck.from_files`): norm outputs smoothed and keys centred (12), an
+# fp32 model whose fold folds two norms (49). tools/fuzz.py --rotate and --slice run the same checks over more.
+RMS_FILE_SEEDS = (12, 49)
+
+
+def test_fuzz_rotate_and_slice_read_external_data_leave_it_and_write_their_own_data_file():
+    cases = [graphgen.generate(seed) for seed in RMS_FILE_SEEDS]
+    assert all("rms" in case.used and fuzzcheck.from_files(case.seed) for case in cases)
+    failures = [
+        f"seed {case.seed}: {f}"
+        for case in cases
+        for f in fuzzcheck.check_rotate(case) + fuzzcheck.check_slice(case, (0.0,))
+    ]
+    assert not failures, "\n".join(failures)
+
+
+def test_fuzz_file_oracle_catches_a_data_file_named_for_no_run(monkeypatch):
+    """A writer that names the data file `OUT.data` (not `OUT.<8 hex>.data`, new for each run) is reported."""
+    from normpass import io
+
+    monkeypatch.setattr(io, "_data_name", lambda target: f"{target.name}.data")
+    failures = fuzzcheck.check_slice(graphgen.generate(RMS_FILE_SEEDS[0]), (0.0,))
+    assert [(f.kind, f.mode) for f in failures] == [("file-slice", "file")], failures
+    assert "['out.onnx.data']" in failures[0].detail
+
+
+def test_fuzz_slice_oracle_catches_a_declared_shape_onnx_runtime_contradicts():
+    """A value declared 3 wider than it is: ONNX Runtime's "Error merging shape info" is reported."""
+    case = graphgen.generate(RMS_FILE_SEEDS[0])
+    model = onnx.shape_inference.infer_shapes(case.model)
+    last = model.graph.value_info[0].type.tensor_type.shape.dim[-1]
+    last.dim_value += 3
+    assert fuzzcheck._shape_problems(case.model, fuzzcheck.run_all(case.model, case.feeds[:1])) == []
+    problems = fuzzcheck._shape_problems(model, fuzzcheck.run_all(case.model, case.feeds[:1]))
+    assert len(problems) == 1 and "Error merging shape info" in problems[0], problems
+
+
 # Generated graphs whose fold absorbs a LayerScale into the layer before it (a mutation that leaves the
 # layer's weight or bias unscaled fails these two of seeds 0–479, and no other).
 LAYER_SCALE_SEEDS = (21, 318)
