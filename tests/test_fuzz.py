@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from normpass import FoldOptions, fold_onnx, inspect_onnx
+from normpass import FoldOptions, RotateOptions, fold_onnx, inspect_onnx, rotate_onnx
 
 D = 8
 SHAPES = {2: (6, D), 3: (2, 3, D)}
@@ -347,8 +347,17 @@ def test_fuzz_rotation_with_keys_centred_and_outputs_smoothed_computes_what_the_
 
 # Generated graphs with decomposed RMSNorms (Llama's spellings) that `check_rotate` and `check_slice` also take
 # through files with external data (`fuzzcheck.from_files`): norm outputs smoothed and keys centred (12), an
-# fp32 model whose fold folds two norms (49). tools/fuzz.py --rotate and --slice run the same checks over more.
+# fp32 model whose fold folds two norms (49); and one whose stream, read by a γ-less decomposed RMSNorm inside
+# a model-local function, rotates (231). tools/fuzz.py --rotate and --slice run the same checks over more.
 RMS_FILE_SEEDS = (12, 49)
+RMS_ROTATED_SEED = 231
+
+
+def test_fuzz_a_stream_read_by_a_decomposed_rms_norm_rotates_to_what_the_original_computes():
+    case = graphgen.generate(RMS_ROTATED_SEED)
+    calibration = case.feeds[:1]
+    assert rotate_onnx(case.model, RotateOptions(calib=calibration, smooth=0.5, verify=False)).rotated == 1
+    assert fuzzcheck.check_rotate(case) == []
 
 
 def test_fuzz_rotate_and_slice_read_external_data_leave_it_and_write_their_own_data_file():
