@@ -20,6 +20,8 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
   and the division and cast back before γ), or as ONNX's own function body of
   `LayerNormalization` (opset ≥ 17: Flatten, moments variance, Reshape back); a norm sometimes
   inside a model-local function (its constants `Constant` nodes), called from the graph;
+* decomposed RMSNorms instead sometimes (a stream of their own): x / Sqrt(ReduceMean(x²) + ε) [⊙ γ] as
+  Llama's exports spell it (x² by Pow or Mul, Div or Reciprocal·Mul, fp16 through fp32 and back);
 * an `If` on a bool input whose branches read stream tensors through outer scope (nested
   sometimes, with a norm inside sometimes), or a `Loop` whose body does, its output added to the
   stream or returned;
@@ -34,8 +36,8 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
 * overridable initializers: some or all initializers also listed in `graph.input`.
 
 Spellings and functions are drawn from a random stream of their own, LayerScales from another, class-attention
-blocks from a third, `ArgMax` heads from a fourth (all seeded by the seed too), so every other draw, and with it
-the model of a seed without them, is what it was before they existed.
+blocks from a third, `ArgMax` heads from a fourth, decomposed RMSNorms from a fifth (all seeded by the seed
+too), so every other draw, and with it the model of a seed without them, is what it was before they existed.
 
 Feeds: several shapes when a dim is dynamic, both values of the bool input, and a feed set that
 overrides every overridable float initializer. Float inputs have a non-zero mean per feature, so
