@@ -51,11 +51,22 @@ generator's first feeds), so that keys are centred and norm outputs smoothed too
 off: the rotated model must compute what the original computes on the generator's feeds ("mismatch
 [rotate]"), keep its signature, leave the caller's model as it was, or be refused in one line.
 
+In a quarter of the seeds (`from_files(seed)`) `check_rotate` and `check_slice` (at ratio 0) also read the model
+from a file whose every float tensor is external data (the int64 shape operands stay inside: ONNX Runtime
+cannot load a model whose shape operands are external, "Cannot parse data from external tensors", and `slice`
+refuses such an input in one line), write the result to OUT, and check ("file-rotate",
+"file-slice") that the input files keep their bytes, that OUT's weights are in one `OUT.<8 hex digits>.data`
+(docs/contract.md; `io.EXTERNAL_MIN_BYTES` lowered to 64 bytes too, so that the generator's weights go there)
+and no other data file is left beside it, and that OUT passes the checker, loads in ONNX Runtime with no
+declared shape contradicting one it infers ("Error merging shape info"), and computes what the original
+computes on the generator's feeds.
+
 `check_slice(case)` (`tools/fuzz.py --slice`) checks `slice_onnx` at ratios 0 and 0.5, with one basis per
 stream and one per layer, with the generator's feeds that
 set no initializer as calibration and held-out data: at ratio 0 the result must compute what the original
 computes ("mismatch [slice]"); above it every sliced stream must be narrower, the model must keep its
 signature, pass the checker and give finite outputs wherever the original does ("structure [slice]");
+declare the output shapes ONNX Runtime computes and no value shape ONNX Runtime's inference contradicts;
 a refusal is a one-line `NormpassError`. The held-out figures it reports are recomputed here from both models'
 outputs ("figures [slice]"): the number of samples, the agreement of ids and of the float outputs' arg-max
 (`top1`), and a cosine claimed only where a float output exists.
@@ -64,20 +75,25 @@ outputs ("figures [slice]"): the number of samples, the agreement of ids and of 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io as text_io
 import os
+import re
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from conftest import check_structure
-from onnx import helper
+from onnx import helper, numpy_helper
+from onnx.external_data_helper import set_external_data
 
 from normpass import (
     FoldOptions,
@@ -103,6 +119,9 @@ MODES = {
     "no-verify": FoldOptions(verify=False),
     "onnx": FoldOptions(target="onnx"),
 }
+# The tensors of at least this many bytes normpass writes to OUT's data file in `_through_files` (its own
+# threshold, 1 KiB, is above every generated weight).
+EXTERNAL_MIN_BYTES = 64
 FILE_MODES = {"file": FoldOptions(), "file-no-verify": FoldOptions(verify=False)}  # `check_from_file`
 STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -230,8 +249,9 @@ def check_rotate(case) -> list[Failure]:
     mode, original = "rotate", case.model.SerializeToString()
     declared = {i.name for i in case.model.graph.input}
     calibration = [feeds for feeds in case.feeds if set(feeds) <= declared][:1]
+    options = RotateOptions(calib=calibration, smooth=0.5, verify=False)
     try:
-        result = rotate_onnx(case.model, RotateOptions(calib=calibration, smooth=0.5, verify=False))
+        result = rotate_onnx(case.model, options)
     except NormpassError as e:  # a refusal
         return _one_line(e, mode) + _restored(case.model, original, mode)
     except Exception as e:
@@ -240,22 +260,34 @@ def check_rotate(case) -> list[Failure]:
     smoothed = 0 if result.smoothing is None else len(result.smoothing.sites)
     keys = 0 if result.keys is None else len(result.keys.sites)
     note = f"{result.rotated} streams rotated, {keys} keys centred, {smoothed} outputs smoothed"
-    return failures + _compare(case, mode, result.model, run_all(case.model, case.feeds), note)
+    failures += _compare(case, mode, result.model, run_all(case.model, case.feeds), note)
+    if from_files(case.seed):
+        failures += _through_files(case, mode, lambda source: rotate_onnx(source, options))
+    return failures
 
 
 def check_slice(case, ratios: tuple[float, ...] = (0.0, 0.5)) -> list[Failure]:
     """Failures of the slicing of `case` at each of `ratios`, with either basis (the module docstring)."""
-    return [
+    failures = [
         failure for ratio in ratios for basis in ("stream", "layer") for failure in _check_slice(case, ratio, basis)
     ]
+    if 0.0 in ratios and from_files(case.seed):
+        calibration = _slice_calibration(case.model, case.feeds)
+        options = SliceOptions(ratio=0.0, round_to=2, holdout=calibration, verify=False)
+        failures += _through_files(case, "slice", lambda source: slice_onnx(source, calibration, options))
+    return failures
+
+
+def _slice_calibration(model: onnx.ModelProto, feed_sets) -> list[dict[str, np.ndarray]]:
+    """The feed sets that set no initializer (calibration and held-out data of the slicing)."""
+    inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
+    return [feeds for feeds in feed_sets if set(feeds) <= inputs]
 
 
 def _check_slice(case, ratio: float, basis: str) -> list[Failure]:
     """`check_slice` at one ratio and basis; `round_to` 2, so that D = 8 slices."""
     mode, original = f"slice-{basis}", case.model.SerializeToString()
-    initializers = {i.name for i in case.model.graph.initializer}
-    inputs = {i.name for i in case.model.graph.input} - initializers
-    calibration = [feeds for feeds in case.feeds if set(feeds) <= inputs]
+    calibration = _slice_calibration(case.model, case.feeds)
     options = SliceOptions(ratio=ratio, round_to=2, basis=basis, holdout=calibration, verify=False)
     try:
         result = slice_onnx(case.model, calibration, options)
@@ -280,6 +312,7 @@ def _check_slice(case, ratio: float, basis: str) -> list[Failure]:
         got = run_all(result.model, calibration)
     except Exception as e:
         return failures + [Failure("structure", mode, f"{describe(e)} ({note})")]
+    failures += [Failure("structure", mode, f"{problem} ({note})") for problem in _shape_problems(result.model, got)]
     for reference, candidate in zip(expected, got, strict=True):
         for name, value in reference.items():
             if np.isfinite(value).all() and not np.isfinite(candidate[name]).all():
@@ -560,6 +593,81 @@ def _stopped_by_a_signal(case, source: Path, directory: Path, expected, rng: np.
     elif out.read_bytes() != old or _data_files(directory, out.name):
         failures.append(Failure("file-signal", mode, f"the old output was changed ({err.strip()[:120]!r})"))
     return failures
+
+
+def from_files(seed: int) -> bool:
+    """Whether `check_rotate` and `check_slice` also go through files for this seed (a quarter of the seeds)."""
+    return bool(np.random.default_rng((seed, 6)).random() < 0.25)
+
+
+def _through_files(case, verb: str, transform) -> list[Failure]:
+    """`transform(path)` (rotate or slice) on `case.model` saved with every tensor external, its result written
+    to OUT: the checks of the module docstring, as failures "file-VERB"."""
+    mode, expected = f"file-{verb}", run_all(case.model, case.feeds)
+    with tempfile.TemporaryDirectory() as name:
+        directory = Path(name)
+        source, out = directory / "model.onnx", directory / "out.onnx"
+        copy = onnx.ModelProto.FromString(case.model.SerializeToString())
+        for tensor in copy.graph.initializer:
+            if tensor.data_type in FLOAT_TYPES:
+                set_external_data(tensor, "model.onnx.data")
+        onnx.save(copy, source)
+        before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
+        try:
+            result = transform(source)
+            with mock.patch.object(io, "EXTERNAL_MIN_BYTES", EXTERNAL_MIN_BYTES):
+                result.save(out)
+        except NormpassError as e:
+            return _one_line(e, mode)
+        except Exception as e:
+            return [Failure("exception", mode, describe(e))]
+        failures = []
+        if any(hashlib.sha256((directory / n).read_bytes()).hexdigest() != h for n, h in before.items()):
+            failures.append(Failure("mutated", mode, "normpass modified the input files"))
+        written = onnx.load(str(out))
+        data = sorted(p.name for p in _data_files(directory, out.name))
+        large = [t for t in written.graph.initializer if numpy_helper.to_array(t).nbytes >= EXTERNAL_MIN_BYTES]
+        wanted = 1 if large else 0
+        if len(data) != wanted or not all(re.fullmatch(r"out\.onnx\.[0-9a-f]{8}\.data", d) for d in data):
+            failures.append(Failure(mode, "file", f"OUT written with the data files {data}, not one OUT.<8 hex>.data"))
+        try:
+            check_structure(written)
+            failures += [Failure("structure", mode, p) for p in _shape_problems(out, run_all(written, case.feeds[:1]))]
+        except Exception as e:
+            return failures + [Failure("structure", mode, describe(e))]
+        return failures + _whole(case, out, expected, verb, f"{verb} of a model with external data")
+
+
+def _shape_problems(model: onnx.ModelProto | Path, outputs: list[dict[str, np.ndarray]]) -> list[str]:
+    """Declared shapes ONNX Runtime contradicts: a graph output's fixed dims that differ from the computed
+    `outputs`, and the "Error merging shape info" warnings ONNX Runtime logs (to fd 2) when its inference
+    contradicts a declared value shape while it loads `model`."""
+    problems = []
+    for value in (
+        onnx.load(str(model), load_external_data=False).graph.output if isinstance(model, Path) else model.graph.output
+    ):
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim]
+        for computed in outputs:
+            shape = computed[value.name].shape
+            if len(shape) != len(dims) or any(d is not None and d != n for d, n in zip(dims, shape, strict=False)):
+                problems.append(f"output {value.name} declared {dims}, computed {list(shape)}")
+                break
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 1  # warnings
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            source = str(model) if isinstance(model, Path) else model.SerializeToString()
+            ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        warnings = log.read().decode(errors="replace").splitlines()
+    merging = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in warnings if "Error merging shape info" in line]
+    return problems + [line[:240] for line in merging]
 
 
 def _signature_change(original: onnx.ModelProto, folded: onnx.ModelProto, mode: str) -> list[Failure]:

@@ -20,6 +20,8 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
   and the division and cast back before γ), or as ONNX's own function body of
   `LayerNormalization` (opset ≥ 17: Flatten, moments variance, Reshape back); a norm sometimes
   inside a model-local function (its constants `Constant` nodes), called from the graph;
+* decomposed RMSNorms instead sometimes (a stream of their own): x / Sqrt(ReduceMean(x²) + ε) [⊙ γ] as
+  Llama's exports spell it (x² by Pow or Mul, Div or Reciprocal·Mul, fp16 through fp32 and back);
 * an `If` on a bool input whose branches read stream tensors through outer scope (nested
   sometimes, with a norm inside sometimes), or a `Loop` whose body does, its output added to the
   stream or returned;
@@ -34,8 +36,8 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
 * overridable initializers: some or all initializers also listed in `graph.input`.
 
 Spellings and functions are drawn from a random stream of their own, LayerScales from another, class-attention
-blocks from a third, `ArgMax` heads from a fourth (all seeded by the seed too), so every other draw, and with it
-the model of a seed without them, is what it was before they existed.
+blocks from a third, `ArgMax` heads from a fourth, decomposed RMSNorms from a fifth (all seeded by the seed
+too), so every other draw, and with it the model of a seed without them, is what it was before they existed.
 
 Feeds: several shapes when a dim is dynamic, both values of the bool input, and a feed set that
 overrides every overridable float initializer. Float inputs have a non-zero mean per feature, so
@@ -70,6 +72,7 @@ FEATURES = (
     "layer_scale",
     "class_token",
     "ids",
+    "rms",
 )
 # The features the pinned campaign seeds were found with: `generate(seed, PINNED_FEATURES)` replays
 # the very model a regression test was written for (later features draw from a stream of their own).
@@ -78,6 +81,8 @@ PINNED_FEATURES = FEATURES[:9]
 FEATURES_BEFORE_LAYER_SCALE = FEATURES[: FEATURES.index("layer_scale")]
 # The features the slicing and LayerScale tests' seeds were chosen with (before `ArgMax` heads existed).
 FEATURES_BEFORE_IDS = FEATURES[: FEATURES.index("ids")]
+# The features the `ArgMax` heads' seeds were chosen with (before decomposed RMSNorms existed).
+FEATURES_BEFORE_RMS = FEATURES[: FEATURES.index("rms")]
 SPELLINGS = ("twice", "identity", "moments", "wide", "onnx")  # of a decomposed LayerNorm (see the module docstring)
 WIDER = {np.dtype(np.float16): np.float32, np.dtype(np.float32): np.float64}  # the "wide" spelling's inner type
 FUNCTION_DOMAIN = "fuzz.functions"
@@ -101,6 +106,7 @@ class Builder:
         self.spell = spell or np.random.default_rng(0)  # spellings and functions: a stream of their own
         self.scales = np.random.default_rng(0)  # LayerScales (top-level blocks only): another one
         self.classes = np.random.default_rng(0)  # class-attention blocks: a third
+        self.rms = np.random.default_rng(0)  # decomposed RMSNorms (subgraphs and functions too): a fifth
         self.prefix = ""
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
@@ -114,6 +120,7 @@ class Builder:
     def subgraph(self, kind: str) -> Builder:
         sub = Builder(self.rng, self.dtype, self.opset, self.features, self.seq, self.spell)
         sub.prefix, sub.used, sub.norms, sub.functions = f"{self.name(kind)}_", self.used, self.norms, self.functions
+        sub.rms = self.rms
         return sub
 
     def stream_info(self, name: str) -> onnx.ValueInfoProto:
@@ -198,7 +205,10 @@ class Builder:
         return self.node("ReduceMean", [x], axes=[-1], keepdims=1)
 
     def norm(self, x: str) -> str:
-        """A LayerNorm over the last axis, in one op (opset ≥ 17) or decomposed; inside a function sometimes."""
+        """A LayerNorm over the last axis, in one op (opset ≥ 17) or decomposed; inside a function sometimes; a
+        decomposed RMSNorm instead sometimes."""
+        if "rms" in self.features and self.rms.random() < 0.25:
+            return self.rms_norm(x)
         if "functions" in self.features and not self.prefix and self.spell.random() < 0.2:
             return self.function_norm(x)
         affine = ("random", "random", "centred", "unit", "none")[self.rng.integers(5)]
@@ -219,6 +229,34 @@ class Builder:
             y = self.node("LayerNormalization", [x, gamma] + ([beta] if beta else []), axis=-1, epsilon=eps)
         else:
             y = self.decomposed_norm(x, gamma, beta, eps, square_by_pow=self.chance(0.5))
+        self.norms.append(y)
+        return y
+
+    def rms_norm(self, x: str) -> str:
+        """x / Sqrt(ReduceMean(x²) + ε) [⊙ γ] as Llama's exports spell it: x² by Pow or Mul, the division a Div or a
+        Reciprocal then Mul, γ either operand or absent, fp16 cast to fp32 and back before γ sometimes (Llama's
+        `hidden_states.to(torch.float32)`). All its draws come from the stream of RMSNorms."""
+        self.used.add("rms")
+        draw = self.rms
+        wide = WIDER[self.dtype] if self.dtype == np.float16 and draw.random() < 0.5 else None
+        inner = np.dtype(wide or self.dtype)
+        t = self.node("Cast", [x], to=helper.np_dtype_to_tensor_dtype(inner)) if wide else x
+        if draw.random() < 0.5:
+            square = self.node("Pow", [t, self.const("two", np.array(2, inner))])
+        else:
+            square = self.node("Mul", [t, t])
+        eps = self.const("eps", np.array(draw.choice([1e-5, 1e-6]), inner))
+        root = self.node("Sqrt", [self.node("Add", [self.reduce_mean(square), eps])])
+        if draw.random() < 0.5:
+            y = self.node("Div", [t, root])
+        else:
+            inverse = self.node("Reciprocal", [root])
+            y = self.node("Mul", [t, inverse] if draw.random() < 0.5 else [inverse, t])
+        if wide:
+            y = self.node("Cast", [y], to=helper.np_dtype_to_tensor_dtype(self.dtype))
+        if draw.random() < 0.8:
+            gamma = self.const("g", (1 + 0.3 * draw.standard_normal(D)).astype(self.dtype))
+            y = self.node("Mul", [y, gamma] if draw.random() < 0.5 else [gamma, y])
         self.norms.append(y)
         return y
 
@@ -280,6 +318,7 @@ class Builder:
         self.used.add("functions")
         body = Builder(self.rng, self.dtype, self.opset, self.features, self.seq, self.spell)
         body.prefix, body.used, body.norms, body.constant_nodes = f"fn{len(self.functions)}_", self.used, [], True
+        body.rms = self.rms
         out = body.norm("t")
         name = f"Norm{len(self.functions)}"
         self.functions.append(
@@ -440,6 +479,7 @@ def generate(seed: int, features=FEATURES) -> Case:
     b = Builder(rng, dtype, opset, features, seq, np.random.default_rng((seed, 1)))
     b.scales = np.random.default_rng((seed, 2))
     b.classes = np.random.default_rng((seed, 3))
+    b.rms = np.random.default_rng((seed, 5))
     heads = np.random.default_rng((seed, 4))
     tensor_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     inputs, outputs = [], []

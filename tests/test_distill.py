@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 
 import numpy as np
 import onnx
@@ -21,6 +22,7 @@ from torch import nn
 
 import normpass
 from normpass import DistillOptions, models
+from normpass.cli import progress
 from normpass.cli.main import main
 from normpass.torch.surrogates import SmoothRemoval, SurrogateNorm
 
@@ -227,13 +229,23 @@ def test_cli_keeps_one_more_norm_per_round_then_writes_only_the_report_on_exit_1
         ),
     ],
 )
-def test_cli_refuses_bad_calibration_and_options_with_one_line(cli_files, capsys, args, message):
+def test_cli_refuses_bad_calibration_and_options_with_one_line(cli_files, capsys, monkeypatch, args, message):
+    """One error line, whatever progress lines a refusal found during the run follows (`progress.Heartbeat`
+    prints one every `INTERVAL` seconds where stderr is no terminal: here every 0.2 s, as a loaded machine
+    makes a run of 10 s)."""
+    monkeypatch.setattr(progress, "INTERVAL", 0.2)
     (cli_files / "empty.txt").write_text("")
     np.savez(cli_files / "few.npz", x=np.zeros((2, LENGTH), dtype=np.int64))
     args = [a.replace("{dir}", str(cli_files)) for a in args]
     assert _cli(*args, "-o", str(cli_files / "o.onnx")) == 2
-    err = capsys.readouterr().err
-    assert message in err and len(err.strip().splitlines()) == 1 and not (cli_files / "o.onnx").exists()
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if not HEARTBEAT.fullmatch(line)]
+    assert len(errors) == 1 and message in errors[0] and lines[-1] == errors[0]
+    assert not (cli_files / "o.onnx").exists()
+
+
+# `progress.Heartbeat`'s line: the verb, the time since it started (`progress.elapsed`), the last stage.
+HEARTBEAT = re.compile(r"normpass distill: (\d+ s|\d+ min \d\d s|\d+ h \d\d min): .+")
 
 
 def test_cli_refuses_an_onnx_model_and_says_to_give_the_module(cli_files, capsys):

@@ -776,12 +776,16 @@ def test_without_a_process_group_combine_leaves_the_sums_and_never_imports_torch
 # 731): judged by agreement, no cosine claimed, the figures recomputed by the oracle.
 SLICE_SEEDS = (12, 38, 83, 93, 318)
 SLICE_SEEDS_IDS = (318, 578, 731)
+# A generated graph whose sliced stream a decomposed RMSNorm (Llama's spelling: Pow, ReduceMean, Add ε, Sqrt,
+# Div or Reciprocal·Mul, γ) reads.
+SLICE_SEEDS_RMS = (807,)
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
 def test_fuzz_graphs_slice_exactly_at_ratio_zero_and_to_a_sound_model_above(ratio):
     cases = [graphgen.generate(seed, graphgen.FEATURES_BEFORE_IDS) for seed in SLICE_SEEDS]
-    cases += [graphgen.generate(seed) for seed in SLICE_SEEDS_IDS]
+    cases += [graphgen.generate(seed, graphgen.FEATURES_BEFORE_RMS) for seed in SLICE_SEEDS_IDS]
+    cases += [graphgen.generate(seed) for seed in SLICE_SEEDS_RMS]
     failures = [f"seed {case.seed}: {f}" for case in cases for f in fuzzcheck.check_slice(case, (ratio,))]
     assert not failures, "\n".join(failures)
 
@@ -795,6 +799,6 @@ def test_fuzz_oracle_catches_figures_claimed_from_no_data(monkeypatch):
         return floats_only(keep, candidates, masks)
 
     monkeypatch.setattr(driver, "compare", skipping_ids)
-    failures = fuzzcheck.check_slice(graphgen.generate(SLICE_SEEDS_IDS[1]), (0.5,))
+    failures = fuzzcheck.check_slice(graphgen.generate(SLICE_SEEDS_IDS[1], graphgen.FEATURES_BEFORE_RMS), (0.5,))
     assert failures and all(f.kind == "figures" for f in failures), failures
     assert any("top1 None reported" in f.detail for f in failures), failures

@@ -792,11 +792,11 @@ def match_rms_norm(node: ir.Node, ctx: MatchContext) -> tuple[NormType, NormMatc
 
     if not _is_square(node, is_x) or _is_deviation(source, ctx):
         return None
-    if any(_is_deviation(n.outputs[0], ctx) for v in _aliases([source], ctx, []) for n in ctx.readers(v)):
-        return None  # x² of a LayerNorm's moments variance
     nodes = [node]
     try:
         mean, axes = _mean_of(_aliases([node.outputs[0]], ctx, nodes), ctx, nodes)
+        if any(n.op_type == "Sub" for v in _aliases([mean.outputs[0]], ctx, []) for n in ctx.readers(v)):
+            return None  # E[x²] of a LayerNorm's moments variance E[x²] − E[x]² (x may be read by other norms too)
         divider, eps, outside, _ = _root_divide(_aliases([mean.outputs[0]], ctx, nodes), is_x, ctx, nodes)
     except NoMatch:
         return None
