@@ -55,7 +55,7 @@ from ..fold.targets import new_initializer
 from ..graph.constants import is_constant
 from ..graph.export import export_model
 from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph
-from ..graph.values import attr, input_at, name_of
+from ..graph.values import attr, input_at, input_dims, name_of
 from ..graphsurgeon import from_graphsurgeon
 from ..runtime.verify import structure
 from .features import CalibData, FeatureStats, feature_statistics
@@ -340,19 +340,13 @@ def merged_shapes(original: dict, folded: dict, input_dims: set[str]) -> dict:
     return merged | {t: s for t, s in original.items() if t not in folded}
 
 
-def _input_dims(graph: ir.Graph) -> set[str]:
-    """The names of the graph inputs' symbolic dims."""
-    dims = [d for value in graph.inputs if value.shape is not None for d in value.shape]
-    return {d.value for d in dims if isinstance(d, ir.SymbolicDim) and d.value}
-
-
 def plan_streams(
     folded: FoldResult, model: ir.Model | onnx.ModelProto, name: str, kind: type[R]
 ) -> tuple[R, RotationPlan]:
     """A rewriter of `kind` over `model` (the fold's result: an `ir.Model` is rewritten in place, a
     `ModelProto` copy is not) and the residual streams the proof finds in it."""
     ctx = load_graph(model, name)
-    ctx.shapes.update(merged_shapes(folded.shapes, ctx.shapes, _input_dims(ctx.graph)))
+    ctx.shapes.update(merged_shapes(folded.shapes, ctx.shapes, input_dims(ctx.graph)))
     zmg = build_zero_mean_graph(ctx)
     return kind(ctx, zmg, folded.emitted["rms_op"]), plan_rotation(zmg, partial(_reads, ctx))
 
