@@ -235,3 +235,38 @@ def registry_fold(registry_model):
         return cache[key]
 
     return fold
+
+
+@pytest.fixture(scope="session")
+def genai_folder(tmp_path_factory):
+    """`genai_folder(family)` → the seeded ONNX Runtime GenAI folder of `family` (`normpass.models.genai`), built by
+    the GenAI builder once per session; skips where onnxruntime-genai is not installed."""
+    pytest.importorskip("onnxruntime_genai", reason="the GenAI builder needs onnxruntime-genai (the genai extra)")
+    from normpass.models import genai
+
+    root = tmp_path_factory.mktemp("genai")
+    cache: dict[str, pathlib.Path] = {}
+
+    def folder(family: str) -> pathlib.Path:
+        if family not in cache:
+            cache[family] = genai.build_folder(family, root / family)
+        return cache[family]
+
+    return folder
+
+
+@pytest.fixture(scope="session")
+def with_past_export(tmp_path_factory):
+    """`with_past_export(family, exporter)` → (path, PyTorch model) of `family` exported with its KV cache as inputs
+    and outputs (`normpass.models.genai.export_with_past`), once per session."""
+    from normpass.models import genai
+
+    root = tmp_path_factory.mktemp("with_past")
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def export(family: str, exporter: str = "dynamo"):
+        if (family, exporter) not in cache:
+            cache[family, exporter] = genai.export_with_past(family, root / f"{family}.{exporter}.onnx", exporter)
+        return cache[family, exporter]
+
+    return export

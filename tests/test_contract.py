@@ -701,14 +701,35 @@ def test_duplicate_initializer_names_are_bad_input(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("declared", [["B", D // 2], ["B", D, 3]])
-def test_value_info_contradicting_the_computed_shapes_is_bad_input(tmp_path, capsys, declared):
+def test_value_info_contradicting_the_computed_shapes_is_dropped_with_a_warning(tmp_path, capsys, declared):
+    """A `value_info` is a hint ONNX Runtime ignores: one that contradicts its node is dropped, the shape
+    re-inferred (the proof reads the inferred one), one `warning:` line; the written model does not carry it."""
     model = ln_model()
+    reference = ort_outputs(model, {"x": X})[0]
     model.graph.value_info.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, declared))
     path = tmp_path / "vi.onnx"
     onnx.save(model, path)
+    out = tmp_path / "o.onnx"
+    code, stdout, err = cli(capsys, "fold", path, "-o", out)
+    assert code == 0 and "1 of 1 norms folded" in stdout, err
+    warned = [line for line in err.splitlines() if "warning:" in line and "value_info" in line]
+    assert len(warned) == 1 and "of h," in warned[0], err
+    assert computes_like(out, reference)
+    kept = [v.type.tensor_type for v in onnx.load(out).graph.value_info if v.name == "h"]
+    assert all(not t.HasField("shape") or [d.dim_value for d in t.shape.dim][1:] == [D] for t in kept), kept
+    code, _, err = cli(capsys, "inspect", path)
+    assert code == 0 and "value_info" in err
+
+
+def test_a_graph_output_contradicting_its_node_is_bad_input(tmp_path, capsys):
+    model = ln_model()
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", D, 3]))
+    path = tmp_path / "out.onnx"
+    onnx.save(model, path)
     for argv in (["fold", path, "-o", tmp_path / "o.onnx"], ["inspect", path]):
         line = refused(capsys, *argv)
-        assert "node h (Add)" in line and "value_info" in line, line
+        assert "graph output" in line and "(Add)" in line, line
 
 
 def decomposed_ln_model(absent: str) -> onnx.ModelProto:

@@ -27,7 +27,12 @@ def add_parser(sub) -> None:
         help="execution provider; cuda needs onnxruntime-gpu (inputs and outputs stay on the GPU)",
     )
     parser.add_argument("--batch", type=int, default=1, help="size of dynamic first axes (default 1)")
-    parser.add_argument("--seq", type=int, default=128, help="size of other dynamic axes (default 128)")
+    parser.add_argument(
+        "--seq",
+        type=int,
+        default=128,
+        help="size of other dynamic axes (default 128); for a KV-cache graph, the past of a one-token decode step",
+    )
     parser.add_argument(
         "--sweep", metavar="AXIS=N,N,...", help="time several points, e.g. seq=64,256,1024 or batch=1,4"
     )

@@ -1,4 +1,5 @@
-"""What the verbs share: where the model comes from (a file or a built-in registry model)."""
+"""What the verbs share: where the model comes from (a file, an ONNX Runtime GenAI folder or a built-in registry
+model) and where it goes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import onnx
 
+from .. import genai
+from ..calibration import TEXT_SUFFIXES
 from ..core.graph import ZeroMeanGraph
 from ..core.plan import FoldPlan
 from ..errors import InputError
@@ -18,7 +21,10 @@ from ..onnx.runtime.verify import parse_input_shapes
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="path of an .onnx model")
+    parser.add_argument(
+        "model", nargs="?", help="path of an .onnx model, or of a folder ONNX Runtime GenAI's builder wrote"
+    )
+    parser.set_defaults(genai=None)
     parser.add_argument(
         "--builtin", metavar="NAME", help="use a built-in model from the registry (e.g. gpt2) instead of a file"
     )
@@ -152,13 +158,41 @@ def checked_paths(
     args: argparse.Namespace, other_inputs: dict[str, Path] | None = None
 ) -> tuple[Path, dict[str, Path]]:
     """The `-o` path, and the files the inputs read (the model's and `other_inputs`), after `io.check_paths`."""
+    folder = open_genai_folder(args)
     inputs = model_files("the input model", args.model) | (other_inputs or {})
-    return check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"], inputs
+    if folder is None:
+        return check_paths(inputs, {"-o": args.output, "--report": args.report})["-o"], inputs
+    check_paths(inputs, {"--report": args.report})
+    return genai.check_output(folder, args.output), inputs
 
 
-def save_result(result, out: Path, inputs: dict[str, Path], label: str, report: str | None) -> None:
-    """Write a pass's model to `out` (never over a file `inputs` reads) and, if asked, its JSON report."""
-    save_onnx_atomic(result.ir_model, out, keep=inputs.values())
+def open_genai_folder(args: argparse.Namespace) -> genai.Folder | None:
+    """Where MODEL is an ONNX Runtime GenAI folder: the folder (also `args.genai`); MODEL then names its decoder,
+    and calibration text without `--tokenizer` is read with the folder's `tokenizer.json`."""
+    if args.genai is None and genai.is_folder(args.model):
+        args.genai = genai.open_folder(args.model)
+        args.model = str(args.genai.model)
+        text = [getattr(args, "calib", None), getattr(args, "holdout", None)]
+        if getattr(args, "tokenizer", "") is None and any(Path(t).suffix.lower() in TEXT_SUFFIXES for t in text if t):
+            args.tokenizer = str(args.genai.tokenizer) if args.genai.tokenizer else None
+    return args.genai
+
+
+def save_result(
+    result,
+    out: Path,
+    inputs: dict[str, Path],
+    label: str,
+    report: str | None,
+    folder: genai.Folder | None = None,
+    widths: dict[int, int] | None = None,
+) -> None:
+    """Write a pass's model to `out` (never over a file `inputs` reads), or the GenAI folder `out` for one read
+    from `folder` (`widths`: a stream's width → the width it was cut to), and, if asked, its JSON report."""
+    if folder is None:
+        save_onnx_atomic(result.ir_model, out, keep=inputs.values())
+    else:
+        genai.write_folder(folder, result.ir_model, out, widths)
     if report:
         data = {"model": label, "output": str(out), **result.report()}
         write_text_atomic(json.dumps(data, indent=2) + "\n", report)
@@ -169,6 +203,7 @@ def model_source(args: argparse.Namespace) -> tuple[str | onnx.ModelProto, str]:
     if (args.model is None) == (args.builtin is None):
         raise InputError("give exactly one of MODEL (an .onnx path) or --builtin NAME")
     if args.model is not None:
+        open_genai_folder(args)
         return str(args.model), str(args.model)
     try:
         from .. import models as builtin_models

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     )
     model, label = model_source(args)
     result = fold_onnx(model, options, name=label)
-    save_result(result, out, inputs, label, args.report)
+    save_result(result, out, inputs, label, args.report, args.genai)
     optimized = result.emitted.get("ort_optimizer")
     extra = f"; after ORT's {optimized['model_type']} optimizer" if optimized else ""
     hint = replace_hint(result.plan, command_model(args))

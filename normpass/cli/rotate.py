@@ -170,6 +170,6 @@ def run(args: argparse.Namespace) -> int:
     model, label = model_source(args)
     with Heartbeat("rotate") if args.calib else contextlib.nullcontext():
         result = rotate_onnx(model, options, name=label)
-    save_result(result, out, inputs, label, args.report)
+    save_result(result, out, inputs, label, args.report, args.genai)
     print("\n".join(summary(label, result, out)))
     return 0

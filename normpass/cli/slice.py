@@ -183,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         if args.report:
             write_text_atomic(json.dumps({"model": label, **e.report.to_json()}, indent=2) + "\n", args.report)
         raise
-    save_result(result, out, inputs, label, args.report)
+    kept = result.chosen.kept if result.chosen is not None else {}
+    widths = {s.width: kept[s.name] for s in result.slicing.sliceable if s.width and s.name in kept}
+    save_result(result, out, inputs, label, args.report, args.genai, widths)
     print("\n".join(summary(label, result, out)))
     return 0

@@ -27,6 +27,7 @@ reason they are not rewritten.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,8 +112,9 @@ class OnnxGraph:
         return imports.get("", imports.get("ai.onnx", 1))
 
 
-def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[str, np.dtype]]:
-    """Shapes (int, symbolic str or None dims) and dtypes of every tensor inference can reach.
+def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[str, np.dtype], list[str]]:
+    """Shapes (int, symbolic str or None dims) and dtypes of every tensor inference can reach, and the names
+    of the `value_info` declarations dropped because they contradict what their node computes.
 
     `model` may hold initializers without their data (`io.skeleton`): only their types are read.
     """
@@ -133,7 +135,8 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
             graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     shapes: dict[str, tuple | None] = {}
     dtypes: dict[str, np.dtype] = {}
-    _read_types(_infer(light), shapes, dtypes)
+    strict, dropped = _drop_contradicted(light)
+    _read_types(_infer(light, strict), shapes, dtypes)
     if any(out and out not in shapes for node in light.graph.node for out in node.output):
         _read_types(_infer_at_latest_opset(light), shapes, dtypes, only_missing=True)
     if not _has_contrib_ops(light) and _unresolved_reshapes(light, shapes):
@@ -141,7 +144,7 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple | None], dict[
     for init in model.graph.initializer:
         shapes[init.name] = tuple(init.dims)
         dtypes[init.name] = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-    return shapes, dtypes
+    return shapes, dtypes, dropped
 
 
 def _read_types(inferred: onnx.ModelProto | None, shapes: dict, dtypes: dict, only_missing: bool = False) -> None:
@@ -289,37 +292,65 @@ def _has_contrib_ops(model: onnx.ModelProto) -> bool:
     return False
 
 
-def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
-    """ONNX shape inference, or ONNX Runtime's symbolic one where the graph has contrib ops (which
-    ONNX's does not know); best effort: unknown shapes make the analysis decline. A declared type
-    or shape (`value_info`, a graph output) that contradicts what a node computes is refused
-    (`InputError`): the analysis would otherwise trust it."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
-    except Exception as e:  # strict mode fails on every node it cannot infer; only contradictions are refused
-        _refuse_contradictions(e)
-        inferred = None
+def _infer(light: onnx.ModelProto, strict: onnx.ModelProto | None) -> onnx.ModelProto:
+    """ONNX Runtime's symbolic shape inference where the graph has contrib ops (which ONNX's does not know),
+    else `strict` (ONNX's strict inference, where it succeeded) or ONNX's; best effort: unknown shapes make
+    the analysis decline."""
     if _has_contrib_ops(light):
         symbolic = _symbolic_inference(light)
         if symbolic is not None:
             return symbolic
-    if inferred is not None:
-        return inferred
+    if strict is not None:
+        return strict
     try:
         return onnx.shape_inference.infer_shapes(light, data_prop=True)
     except Exception:
         return light
 
 
-def _refuse_contradictions(error: Exception) -> None:
+def _drop_contradicted(light: onnx.ModelProto) -> tuple[onnx.ModelProto | None, list[str]]:
+    """Remove from `light` every `value_info` declaration that contradicts what its node computes; return
+    ONNX's strict inference of what is left (None where it fails) and the names removed.
+
+    A `value_info` is a hint (ONNX Runtime ignores it: GenAI's builder declares a rank-0 shape for a
+    1-element constant, and the model runs), so a contradicted one is dropped and the shape re-inferred;
+    the analysis never reads it. A graph output's declared type or shape is the model's interface: one that
+    contradicts its node is refused (`InputError`). ONNX's strict inference names the node, not the
+    tensor: the declarations of that node's outputs are dropped, and inference runs again.
+    """
+    dropped: list[str] = []
+    outputs = {o.name for o in light.graph.output}
+    producers = {n.name: n for n in light.graph.node if n.name}
+    while True:
+        try:
+            return onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True), dropped
+        except Exception as e:  # strict mode fails on every node it cannot infer; only contradictions count
+            where = _contradiction(e)
+        if where is None:
+            return None, dropped
+        node_name, where_text = where
+        node = producers.get(node_name)
+        declared = [v for v in light.graph.value_info if node is not None and v.name in node.output]
+        if not declared or any(v.name in outputs for v in declared):
+            raise InputError(
+                f"the declared type or shape of a graph output contradicts what its node computes: "
+                f"{where_text}; correct or remove the declaration"
+            )
+        for info in declared:
+            light.graph.value_info.remove(info)
+            dropped.append(info.name)
+
+
+def _contradiction(error: Exception) -> tuple[str, str] | None:
+    """(node name, `node NAME (OP): what differs`) of the first contradiction ONNX's strict inference
+    reports in `error`, or None where it reports none."""
     for line in str(error).splitlines():
         if "existing shape differ" in line or "differs from existing" in line:
             found = re.search(r"op_type:([^,]*), node name: ([^)]*)\): \[\w+\] (.*)", line)
-            where = f"node {found[2]} ({found[1]}): {found[3]}" if found else line.strip()
-            raise InputError(
-                f"the declared type or shape of a tensor (value_info or a graph output) contradicts what "
-                f"its node computes: {where}; correct or remove the declaration"
-            ) from error
+            if found:
+                return found[2], f"node {found[2]} ({found[1]}): {found[3]}"
+            return "", line.strip()
+    return None
 
 
 def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: Path | None = None) -> OnnxGraph:
@@ -355,14 +386,34 @@ def load_graph(model: onnx.ModelProto | ir.Model, name: str = "model", source: P
             taken.add(fresh)
         seen.add(node.name)
     try:
-        shapes, dtypes = infer_shapes(structure)
+        shapes, dtypes, dropped = infer_shapes(structure)
     except InputError as e:
         raise InputError(f"{name}: {e}") from e
+    if dropped:
+        _forget_declarations(model, structure, dropped)
+        warnings.warn(
+            f"{name}: dropped the declared shape (value_info) of {', '.join(dropped)}, which contradicts what "
+            "its node computes (ONNX Runtime ignores it); the shape is inferred instead",
+            stacklevel=2,
+        )
     for node in graph:
         value = attr(node, "value") if node.op_type == "Constant" else None
         if isinstance(value, ir.TensorProtocol):
             shapes.setdefault(name_of(node.outputs[0]), tuple(value.shape.numpy()))
     return OnnxGraph(model, structure, shapes, dtypes, name, body_holders(graph), source, kept)
+
+
+def _forget_declarations(model: ir.Model, structure: onnx.ModelProto, names: list[str]) -> None:
+    """Clear the declared type and shape of the tensors `names` in `model` (the written model does not carry
+    them) and in its skeleton `structure`."""
+    doomed = set(names)
+    for node in model.graph:
+        for value in node.outputs:
+            if value.name in doomed:
+                value.shape = None
+    kept = [v for v in structure.graph.value_info if v.name not in doomed]
+    del structure.graph.value_info[:]
+    structure.graph.value_info.extend(kept)
 
 
 # --- model-local functions ---------------------------------------------------------------------

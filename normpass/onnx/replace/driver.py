@@ -66,7 +66,7 @@ from ..fold.driver import FoldOptions, FoldResult, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.frontend import build_zero_mean_graph, load_graph
 from ..graph.positions import position_limit
-from ..runtime import verify
+from ..runtime import decode, verify
 from ..runtime.verify import check_input_shapes, fixed_dim, index_bounds, make_inputs, session
 from .surrogates import Emitter, export_model, light_model, norm_cost, norm_spec, open_graph, width_of
 
@@ -83,7 +83,8 @@ def run_time_inputs(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
 
 
 def input_spec(model: onnx.ModelProto) -> InputSpec:
-    """Graph inputs that are not initializers (dtype, rank), and the tables integer inputs index."""
+    """Graph inputs that are not initializers (dtype, rank), and the tables integer inputs index; a KV-cache
+    graph's cache, mask and positions may be left out (`decode.calibration_batches` fills them in)."""
     inputs: dict[str, tuple[np.dtype | None, int | None]] = {
         name: (
             np.dtype(onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)),
@@ -92,7 +93,8 @@ def input_spec(model: onnx.ModelProto) -> InputSpec:
         for name, value in run_time_inputs(model).items()
     }
     limit = position_limit(ir.from_proto(model))
-    return InputSpec(inputs, index_bounds(model), positions=None if limit is None else limit.rows)
+    optional = decode.leaves_out(decode.signature(model))
+    return InputSpec(inputs, index_bounds(model), optional, None if limit is None else limit.rows)
 
 
 def refuse_scalar_inputs(model: onnx.ModelProto, name: str, verb: str) -> None:
@@ -121,7 +123,8 @@ def synthetic_batches(
 ) -> list[Batch]:
     """Seeded random inputs (randn floats, in-range indices, all-ones masks). Tests and demos only."""
     batches = []
-    names = input_spec(model).names
+    spec = input_spec(model)
+    names = [name for name in spec.names if name not in spec.optional]
     for index, start in enumerate(range(0, samples, batch_size)):
         size = min(batch_size, samples - start)
         shapes = dict(input_shapes or {})
@@ -132,7 +135,7 @@ def synthetic_batches(
                 shapes[name] = tuple(fixed_dim(d) or (size if axis == 0 else 16) for axis, d in enumerate(dims))
             shapes[name] = (size,) + tuple(shapes[name][1:])
         batches.append(make_inputs(model, shapes, seed=seed * 100003 + index))
-    return batches
+    return decode.calibration_batches(model, [{k: b[k] for k in names} for b in batches], "synthetic")
 
 
 class DataOptions(Protocol):
@@ -161,7 +164,7 @@ def load_fitting(
     file = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
     for index, batch in enumerate(batches):
         check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"{file}calibration batch {index}, input")
-    return batches
+    return decode.calibration_batches(model, batches, source_label(source))
 
 
 def check_runs(runner: Runner | verify.Runner, batches: list[Batch], source) -> None:

@@ -53,6 +53,7 @@ import onnxruntime as ort
 from ... import __version__
 from ...errors import InputError, VerificationError
 from ...io import write_text_atomic
+from . import decode
 from .verify import compare_outputs, fixed_dim, make_inputs, ort_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -99,7 +100,11 @@ class Candidate:
 
 
 def point_shapes(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
-    """Input shapes at a point: fixed dims kept, dynamic axis 0 → `batch`, other dynamic axes → `seq`."""
+    """Input shapes at a point: fixed dims kept, dynamic axis 0 → `batch`, other dynamic axes → `seq`; for a
+    KV-cache graph (`decode.signature`) a decode step: one new token after a past of `seq` tokens."""
+    sig = decode.signature(model)
+    if sig is not None:
+        return decode.input_shapes(model, sig, batch, 1, seq)
     initializers = {i.name for i in model.graph.initializer}
     shapes = {}
     for graph_input in model.graph.input:
@@ -111,7 +116,9 @@ def point_shapes(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, tupl
 
 
 def make_feeds(model: onnx.ModelProto, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
-    return make_inputs(model, point_shapes(model, batch, seq), seed)
+    feeds = make_inputs(model, point_shapes(model, batch, seq), seed)
+    sig = decode.signature(model)
+    return feeds if sig is None else decode.set_values(sig, feeds, seq)
 
 
 def open_session(

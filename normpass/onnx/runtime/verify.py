@@ -49,6 +49,7 @@ from ...io import (
     skeleton,
     to_proto,
 )
+from . import decode
 from .precision import bf16_as_fp32, uses_bf16
 
 if TYPE_CHECKING:
@@ -216,13 +217,15 @@ def fixed_dim(dim: onnx.TensorShapeProto.Dimension) -> int | None:
 
 
 def check_input_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], where: str = "input shape") -> None:
-    """Refuse shapes for inputs the model lacks, or that disagree with its declared rank or fixed dims."""
+    """Refuse shapes for inputs the model lacks, or that disagree with its declared rank or fixed dims; a size
+    below 1 except a KV-cache graph's past length (0: an empty cache)."""
     declared = {i.name: i.type.tensor_type for i in model.graph.input}
+    empty_caches = decode.zero_allowed(model) if any(0 in shape for shape in shapes.values()) else {}
     total = 0
     for name, shape in shapes.items():
         if name not in declared:
             raise InputError(f"{where} {name}: the model has no input {name!r} (its inputs: {', '.join(declared)})")
-        if any(d < 1 for d in shape):
+        if any(d < 1 for axis, d in enumerate(shape) if axis != empty_caches.get(name)):
             raise InputError(f"{where} {name}: {list(shape)} has a dimension < 1; every dimension must be positive")
         tensor_type = declared[name]
         if tensor_type.HasField("shape"):
@@ -413,6 +416,37 @@ def verification_runs(model: onnx.ModelProto) -> list[tuple[str | None, tuple[in
 Model = onnx.ModelProto | ir.Model | Path
 
 
+def run_inputs(
+    model: onnx.ModelProto, shapes: dict | None, seed: int, source: Model | None = None
+) -> list[tuple[dict[str, np.ndarray], str | None, bool]]:
+    """(feeds, boolean fill, whether the original must run on them) of each verification run.
+
+    Without given shapes, a KV-cache graph (`decode.signature`) runs a prefill, a decode step (both required)
+    and several new tokens after a past; any other model the runs of `verification_runs`, the first required.
+    """
+    config = decode.read_config(source) if isinstance(source, (str, Path)) else None
+    sig = decode.signature(model, config) if not shapes else None
+    if sig is not None:
+        return [
+            (
+                decode.set_values(sig, make_inputs(model, decode.input_shapes(model, sig, *step), seed + i), step[2]),
+                None,
+                i < 2,
+            )
+            for i, step in enumerate(sig.steps(DEFAULT_DIM))
+        ]
+    return [
+        (
+            make_inputs(
+                model, None if dims else shapes, seed + i, bools or "true", dims or (DEFAULT_BATCH, DEFAULT_DIM)
+            ),
+            bools,
+            not dims,
+        )
+        for i, (bools, dims) in enumerate(verification_runs(model))
+    ]
+
+
 def structure(model: Model) -> onnx.ModelProto:
     """What verification reads of `model` besides running it: a proto of its graph, without large weights."""
     if isinstance(model, onnx.ModelProto):
@@ -483,18 +517,15 @@ def verify(
     done: list[tuple[dict, dict, dict]] = []
     runs: list[Run] = []
     with Runner(original, before) as reference_runner:
-        for index, (bools, dims) in enumerate(verification_runs(before)):
-            feeds = make_inputs(
-                before, None if dims else shapes, seed + index, bools or "true", dims or (DEFAULT_BATCH, DEFAULT_DIM)
-            )
+        for feeds, bools, required in run_inputs(before, shapes, seed, original):
             run_shapes = {k: list(v.shape) for k, v in feeds.items()}
-            if dims and bools is None and run_shapes == runs[0].shapes:
+            if not required and bools is None and runs and run_shapes == runs[0].shapes:
                 runs.append(Run(run_shapes, bools, "the model has no dynamic dims"))
                 continue
             try:
                 reference = reference_runner.run(feeds)
             except Exception as e:  # the original need not accept other sizes than the given ones; say so instead
-                if not dims:
+                if required:
                     sizes = ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in run_shapes.items())
                     raise InputsRejectedError(
                         f"{name}: the original model does not run on the verification inputs ({sizes}): "
