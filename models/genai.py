@@ -27,7 +27,18 @@ from typing import Any
 
 from .registry import _quiet
 
-__all__ = ["FAMILIES", "WITH_PAST", "build_folder", "checkpoint", "export_with_past", "prompts", "tokenizer_json"]
+__all__ = [
+    "FAMILIES",
+    "WITH_PAST",
+    "build_folder",
+    "checkpoint",
+    "export_with_past",
+    "greedy_genai",
+    "greedy_ort",
+    "prompt_ids",
+    "prompts",
+    "tokenizer_json",
+]
 
 _DATA = pathlib.Path(__file__).parent / "data"
 _SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -202,13 +213,13 @@ def build_folder(family: str, directory: str | pathlib.Path, seed: int = 0, prec
 def _gpt2() -> Any:
     from transformers import GPT2Config
 
-    return GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
+    return GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=384, n_positions=64, bos_token_id=1, eos_token_id=2)
 
 
 def _llama_small() -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(**{**_common(64, 2, 4, 2, 128), "max_position_embeddings": 64})
+    return LlamaConfig(**{**_common(64, 2, 4, 2, 384), "max_position_embeddings": 64})
 
 
 WITH_PAST: dict[str, Callable[[], Any]] = {"gpt2": _gpt2, "llama": _llama_small}
@@ -286,3 +297,52 @@ def export_with_past(
                 opset_version=17,
             )
     return out, model
+
+
+def prompt_ids(tokenizer: str | pathlib.Path) -> list[list[int]]:
+    """The test prompts (``prompts()``) as token ids of ``tokenizer`` (a ``tokenizer.json``)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    return [tok.encode(text).ids for text in prompts()]
+
+
+def greedy_genai(folder: str | pathlib.Path, prompt: list[int], steps: int) -> list[int]:
+    """The tokens ONNX Runtime GenAI generates greedily from ``prompt`` in ``folder`` (prompt included)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)]
+
+
+def greedy_ort(path: str | pathlib.Path, prompt: list[int], steps: int) -> list[int]:
+    """The tokens a plain ONNX Runtime decode loop generates greedily from ``prompt`` with the with-past model at
+    ``path``: a prefill on an empty cache, then one token at a time, ``present.*`` fed back as
+    ``past_key_values.*``."""
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    caches = {i.name: i for i in session.get_inputs() if i.name.startswith("past_key_values.")}
+    outputs = [o.name for o in session.get_outputs()]
+    past = {name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for name, i in caches.items()}
+    tokens, new = list(prompt), list(prompt)
+    for _ in range(steps):
+        feeds = {
+            "input_ids": np.asarray([new], np.int64),
+            "attention_mask": np.ones((1, len(tokens)), np.int64),
+            **past,
+        }
+        got = dict(zip(outputs, session.run(outputs, feeds), strict=True))
+        new = [int(np.argmax(got["logits"][0, -1]))]
+        tokens += new
+        past = {name: got[name.replace("past_key_values.", "present.")] for name in caches}
+    return tokens

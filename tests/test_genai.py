@@ -1,0 +1,120 @@
+"""ONNX Runtime GenAI folders in and out (`normpass/genai.py`), and greedy generation token for token: fold,
+rotate and slice at ratio 0 generate what the original generates, in onnxruntime-genai (builder folders) and in
+a plain ONNX Runtime decode loop (torch.onnx with-past exports)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from normpass.cli.main import main
+from normpass.models import genai as seeded
+
+STEPS = 8
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def listing(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture
+def phi(genai_folder, tmp_path):
+    """A copy of the seeded Phi folder with an extra file and a subfolder the builder did not write."""
+    folder = tmp_path / "phi"
+    shutil.copytree(genai_folder("phi"), folder)
+    (folder / "README.txt").write_text("a file the user keeps beside the model\n")
+    (folder / "extra").mkdir()
+    (folder / "extra" / "notes.txt").write_text("and one in a subfolder\n")
+    return folder
+
+
+def test_a_rotated_folder_carries_every_file_and_generates_the_same_tokens(phi, capsys, tmp_path):
+    before = listing(phi)
+    out = tmp_path / "rotated"
+    code, stdout, err = cli(capsys, "rotate", phi, "-o", out)
+    assert code == 0 and f"wrote {out}" in stdout, err
+    assert listing(phi) == before  # the input is never modified
+    written = listing(out)
+    assert set(written) == set(before)
+    for name in ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "README.txt"):
+        assert written[name] == before[name], name  # config unchanged: the rotation changes nothing it says
+    assert written["model.onnx"] != before["model.onnx"] and "model.onnx.data" in written
+    assert (out / "extra" / "notes.txt").read_text() == "and one in a subfolder\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".normpass-")]  # no temporary folder left
+    for prompt in seeded.prompt_ids(phi / "tokenizer.json"):
+        assert seeded.greedy_genai(out, prompt, STEPS) == seeded.greedy_genai(phi, prompt, STEPS)
+
+
+@pytest.mark.parametrize(("family", "verb"), [("phi", "fold"), ("llama", "rotate"), ("llama", "slice")])
+def test_exact_rewrites_of_a_folder_generate_the_same_tokens(genai_folder, capsys, tmp_path, family, verb):
+    folder = genai_folder(family)
+    out = tmp_path / verb
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(seeded.prompts() * 4))
+    extra = ["--ratio", "0", "--calib", calib] if verb == "slice" else []  # text: the folder's own tokenizer
+    code, _, err = cli(capsys, verb, folder, "-o", out, *extra)
+    assert code == 0, err
+    assert listing(out)["genai_config.json"] == listing(folder)["genai_config.json"]
+    prompts = seeded.prompt_ids(folder / "tokenizer.json")
+    generated = [seeded.greedy_genai(out, prompt, STEPS) for prompt in prompts]
+    assert generated == [seeded.greedy_genai(folder, prompt, STEPS) for prompt in prompts]
+    assert len({tuple(g[len(p) :]) for g, p in zip(generated, prompts, strict=True)}) > 1  # prompts matter
+
+
+def test_a_sliced_folder_says_its_width_and_generates(genai_folder, capsys, tmp_path):
+    folder = genai_folder("llama")
+    out = tmp_path / "sliced"
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(seeded.prompts() * 6))
+    code, stdout, err = cli(capsys, "slice", folder, "-o", out, "--ratio", "0.25", "--round-to", "8", "--calib", calib)
+    assert code == 0 and "64 → 48" in stdout, err
+    config, original = (json.loads((f / "genai_config.json").read_text()) for f in (out, folder))
+    assert config["model"]["decoder"].pop("hidden_size") == 48
+    assert original["model"]["decoder"].pop("hidden_size") == 64
+    assert config == original  # nothing else changes
+    prompt = seeded.prompt_ids(folder / "tokenizer.json")[0]
+    assert len(seeded.greedy_genai(out, prompt, STEPS)) == len(prompt) + STEPS
+
+
+def test_folder_outputs_and_inputs_that_are_refused(genai_folder, capsys, tmp_path):
+    folder = genai_folder("llama")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    cases = [
+        (["rotate", folder, "-o", taken], "not empty"),
+        (["rotate", folder, "-o", folder / "inside"], "inside the input folder"),
+        (["rotate", tmp_path, "-o", tmp_path / "o"], "genai_config.json"),
+    ]
+    for argv, words in cases:
+        code, _, err = cli(capsys, *argv)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert (taken / "keep.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli(capsys, "rotate", folder, "-o", empty)[0] == 0  # an empty folder is taken
+    assert (empty / "model.onnx").is_file()
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_with_past_exports_generate_the_same_tokens_in_a_plain_ort_loop(
+    with_past_export, genai_folder, capsys, tmp_path, family, exporter
+):
+    path, _ = with_past_export(family, exporter)
+    prompts = seeded.prompt_ids(genai_folder("llama") / "tokenizer.json")
+    reference = [seeded.greedy_ort(path, prompt, STEPS) for prompt in prompts]
+    for verb, extra in (("fold", []), ("rotate", []), ("slice", ["--ratio", "0", "--calib", "synthetic"])):
+        out = tmp_path / f"{verb}.onnx"
+        code, _, err = cli(capsys, verb, path, "-o", out, *extra)
+        assert code == 0, err
+        assert [seeded.greedy_ort(out, prompt, STEPS) for prompt in prompts] == reference, verb
