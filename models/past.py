@@ -5,19 +5,17 @@ Each family is its ``transformers`` causal LM at a tiny seeded config (d = 64, 2
 model's (N(0, 0.08²)). ``export(family, path, exporter)`` writes it with either torch exporter: the graph
 takes ``input_ids`` [batch, sequence], ``attention_mask`` [batch, past + sequence] and
 ``past_key_values.<layer>.key|value`` [batch, kv heads, past, head size], and returns ``logits`` and
-``present.<layer>.key|value`` (Optimum's names). ``greedy(path, prompt, steps)`` decodes greedily in
-plain ONNX Runtime (no normpass code): a prefill with an empty cache, then one token per step, the
-cache fed back; it is what "token-identical" is checked against.
+``present.<layer>.key|value`` (Optimum's names), which ``genai.greedy_ort`` decodes greedily in plain ONNX
+Runtime. ``genai.export_with_past`` makes GPT-2 and Llama the same way for the decode tests; this module holds
+the families of the decode table (``tools/decode_families.py``).
 """
 
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .forms import torchscript_export
@@ -58,7 +56,15 @@ FAMILIES = {
     "gpt2": Family(
         "GPT2Config",
         "GPT2LMHeadModel",
-        {"vocab_size": VOCAB, "n_embd": WIDTH, "n_layer": LAYERS, "n_head": HEADS, "n_positions": 128},
+        {
+            "vocab_size": VOCAB,
+            "n_embd": WIDTH,
+            "n_layer": LAYERS,
+            "n_head": HEADS,
+            "n_positions": 128,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
     ),
     "opt": Family(
         "OPTConfig",
@@ -128,8 +134,8 @@ def export(
         axes |= {name: {0: "batch", 2: "past_sequence"} for name in past}
         axes |= {name: {0: "batch", 2: "total_sequence"} for name in present} | {"logits": {0: "batch", 1: "sequence"}}
         return torchscript_export(_WithPast(model).eval(), example, path, inputs, outputs, axes)
-    auto = torch.export.Dim.AUTO
-    shapes = ({0: auto, 1: auto}, {0: auto, 1: auto}, tuple({0: auto, 2: auto} for _ in past))
+    batch, new, cached, total = (torch.export.Dim(n) for n in ("batch", "sequence", "past_sequence", "total_sequence"))
+    shapes = ({0: batch, 1: new}, {0: batch, 1: total}, tuple({0: batch, 2: cached} for _ in past))
     with _quiet(), torch.no_grad():
         torch.onnx.export(
             _WithPast(model).eval(),
@@ -156,31 +162,3 @@ def decode_shapes(model, batch: int = 1, new: int = 3, past: int = 5) -> dict[st
         else:  # input_ids, position_ids
             shapes[graph_input.name] = [batch, new]
     return shapes
-
-
-def greedy(path: str | pathlib.Path, prompt: Sequence[int], steps: int) -> list[int]:
-    """Greedy decoding of a with-past graph in plain ONNX Runtime: the tokens after `prompt`."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    inputs = {i.name: i for i in session.get_inputs()}
-    past_names = [name for name in inputs if name.startswith("past_key_values")]
-    feeds: dict[str, np.ndarray] = {}
-    for name in past_names:  # an empty cache: the prefill
-        shape = inputs[name].shape
-        feeds[name] = np.zeros((1, shape[1], 0, shape[3]), np.float32)
-    tokens, total = list(prompt), len(prompt)
-    new = np.asarray([tokens], np.int64)
-    produced = []
-    for _ in range(steps):
-        feeds |= {"input_ids": new, "attention_mask": np.ones((1, total), np.int64)}
-        if "position_ids" in inputs:
-            feeds["position_ids"] = np.arange(total - new.shape[1], total, dtype=np.int64)[None]
-        logits, *present = session.run(None, feeds)
-        token = int(np.argmax(logits[0, -1]))
-        produced.append(token)
-        feeds |= dict(zip(past_names, present, strict=True))
-        new, total = np.asarray([[token]], np.int64), total + 1
-    return produced
