@@ -66,6 +66,16 @@ def test_qwen3_per_head_norms_are_refused_for_the_same_reason_by_both_exporters(
     }
 
 
+def test_a_stream_the_fold_had_to_centre_is_refused_for_the_mean(exported):
+    """BLOOM's embedding norm writes γ ⊙ x̂ + β into the stream, so the fold centres the stream before every norm."""
+    found = streams(exported("bloom", "torchscript"))
+    assert found and not any(s.rotatable for s in found)
+    assert all("the mean of the stream over its hidden axis (as the centring" in s.reason for s in found), [
+        s.reason for s in found
+    ]
+    assert all("nothing to do" in s.reason for s in found)
+
+
 def test_unoptimized_dynamo_gpt_neox_rotates_on_the_ort_target_and_decodes_the_same_tokens(exported, tmp_path):
     """The β Add the fold leaves after the final norm keeps its shape (it was "Add …beta has an unknown shape")."""
     source = exported("gpt-neox", "dynamo", optimize=False)

@@ -134,8 +134,9 @@ def _verb(verb: str, model: pathlib.Path, work: pathlib.Path, prompts: list[list
         calib = ["--calib", str(SENTENCES), "--max-length", "32"] if model.is_dir() else ["--calib", "synthetic"]
         argv += ["--ratio", verb.split()[1], *calib, "--samples", "32"]
     code, line = _cli(argv)
-    if code != 0:
-        return Outcome(f"exit {code}", line.split(": ", 1)[-1], code)
+    if code != 0:  # the reason, without the run's folder or the warnings reported beside it
+        reason = line.split(" (also reported:")[0].replace(f"{work}{os.sep}", "").split("error: ", 1)[-1]
+        return Outcome(f"exit {code}", reason, code)
     data = json.loads(report.read_text())
     outcome = Outcome("", None, 0, max_abs_error=data.get("max_abs_error"))
     if verb == "fold":

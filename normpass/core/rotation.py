@@ -48,7 +48,7 @@ import numpy as np
 from .algebra import is_uniform
 from .graph import NormInfo, NormType, Shift, ZeroMeanGraph, ZNode
 from .plan import Blocker, Centring
-from .rules import Centered, Concat, NormRule, Regroup, Select, ShapeOnly, ShiftInvariant, regroup_axis
+from .rules import Centered, Concat, NormRule, Reduce, Regroup, Select, ShapeOnly, ShiftInvariant, regroup_axis
 
 State = tuple[str, int]  # (tensor, axis)
 Reads = Callable[[ZNode, int, int], bool]  # (node, input index, axis): a linear layer contracting over it?
@@ -346,8 +346,13 @@ def _breaks(node: ZNode, axis: int) -> str | None:
         return f"{node.op} {node.name} concatenates along the hidden axis"
     if isinstance(rule, Select) and (rule.axes is None or axis in rule.axes):
         return f"{node.op} {node.name} slices along the hidden axis, or along axes known only at run time"
-    if isinstance(rule, Centered):
-        return f"{node.op} {node.name} subtracts the mean, which a rotation does not keep"
+    if isinstance(rule, Centered) or (isinstance(rule, Reduce) and rule.axes is not None and axis in rule.axes):
+        return (
+            f"{node.op} {node.name} {'subtracts' if isinstance(rule, Centered) else 'takes'} the mean of the stream "
+            "over its hidden axis (as the centring x − mean(x) does that the fold inserts where the stream is not "
+            "zero-mean: a norm writes γ ⊙ x̂ + β into it, as BLOOM's embedding norm does), and a rotation does not "
+            "keep the mean; nothing to do: the stream is left as it is"
+        )
     return None
 
 
