@@ -39,10 +39,9 @@ from normpass.core.analysis import Cutter, FirstUnsafe, Prover, ShiftChecker, St
 from normpass.core.graph import NormType
 from normpass.core.plan import FoldPlan, Insertion, NormDecision
 from normpass.io import in_memory_proto
-from normpass.onnx.fold.driver import open_graph
 from normpass.onnx.fold.rewrite import Rewriter
 from normpass.onnx.graph.export import export_model
-from normpass.onnx.graph.frontend import build_zero_mean_graph
+from normpass.onnx.graph.frontend import build_zero_mean_graph, open_graph
 
 from .reference import run_unoptimized
 

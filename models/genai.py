@@ -76,7 +76,8 @@ def _llama(vocab: int) -> Any:
 def _phi3(vocab: int) -> Any:
     from transformers import Phi3Config
 
-    return Phi3Config(**_common(64, 2, 4, 4, vocab), original_max_position_embeddings=128)  # no LongRoPE scaling
+    # the builder takes a Phi-3 whose context is its original one (no LongRoPE) for Phi-3 mini
+    return Phi3Config(**_common(64, 2, 4, 4, vocab), original_max_position_embeddings=128)
 
 
 def _qwen2(vocab: int) -> Any:

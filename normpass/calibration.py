@@ -532,11 +532,65 @@ def split_batches(
     return tuple(make(order[bounds[i] : bounds[i + 1]]) for i in range(len(fractions)))
 
 
-def find_mask_input(spec: InputSpec, name: str | None = None) -> str | None:
-    """The attention-mask input: `name` if given, else the rank-2 input whose name contains 'mask'."""
+def find_mask_input(spec: InputSpec, name: str | None = None, batches: list[Batch] | None = None) -> str | None:
+    """The attention-mask input: `name` if given, else the rank-2 input whose name contains 'mask'.
+
+    A mask marks each token kept (non-zero) or padding (0), so its values in `batches` must be 0 or 1:
+    a `name` whose data holds other values (token ids, an additive mask of 0 and −∞) is refused, and a
+    found input whose data does so is not taken as a mask. An input indexing a table (`index_bounds`:
+    token ids) is never a mask."""
     if name is not None:
         if name not in spec.inputs:
             raise InputError(f"mask input {name!r} is not a model input ({', '.join(spec.inputs)})")
+        seen = _non_binary(batches or [], name)
+        if name in spec.index_bounds or seen is not None:
+            what = "indexes a table (token ids)" if name in spec.index_bounds else f"holds {seen!r}"
+            raise InputError(
+                f"mask input {name!r} {what}: a mask is 1 for each token kept and 0 for padding; name the "
+                "attention-mask input, or none"
+            )
         return name
-    found = [n for n, (_, rank) in spec.inputs.items() if "mask" in n.lower() and rank in (2, None)]
-    return found[0] if len(found) == 1 else None
+    found = [
+        n
+        for n, (_, rank) in spec.inputs.items()
+        if "mask" in n.lower() and rank in (2, None) and n not in spec.index_bounds
+    ]
+    return found[0] if len(found) == 1 and _non_binary(batches or [], found[0]) is None else None
+
+
+def _non_binary(batches: list[Batch], name: str) -> float | int | None:
+    """A value of input `name` in `batches` other than 0 and 1, or None."""
+    for batch in batches:
+        values = np.asarray(batch[name]) if name in batch else np.zeros(0)
+        odd = values[(values != 0) & (values != 1)]
+        if odd.size:
+            return odd.ravel()[0].item()
+    return None
+
+
+def distinct_holdout(calibration, holdout) -> None:
+    """Refuse held-out data that is the calibration data's own file (the same path, a link to it, or a copy
+    of the same bytes): the data that decides must be apart from the data that judges."""
+    if not isinstance(calibration, (str, os.PathLike)) or not isinstance(holdout, (str, os.PathLike)):
+        return
+    fit, held = Path(calibration), Path(holdout)
+    if not (fit.exists() and held.exists()):
+        return
+    if fit.samefile(held) or (fit.is_file() and held.is_file() and _same_bytes(fit, held)):
+        raise InputError(
+            f"held-out data {str(held)!r} is the calibration data {str(fit)!r}: judging a model on the data that "
+            "fitted it claims what it does not know; give held-out data apart from it, or leave --holdout out "
+            "to split the calibration data"
+        )
+
+
+def _same_bytes(a: Path, b: Path, chunk: int = 1 << 20) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True

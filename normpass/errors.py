@@ -41,6 +41,13 @@ class VerificationError(NormpassError):
     exit_code = 1
 
 
+class InternalError(NormpassError):
+    """normpass's own rewrite is at fault, whatever the input (a bug): one line naming what failed, exit 3
+    as for any unexpected error (`cli/guard.py`), with nothing for the user to change but the report."""
+
+    exit_code = 3
+
+
 class MissingExtraError(InputError, ImportError):
     """A feature needs an optional dependency that is not installed; the message names the extra.
 

@@ -16,6 +16,12 @@ The folder is written as a temporary folder beside `OUT_DIR` and renamed into pl
 absent or complete. An existing `OUT_DIR` must be an empty folder: normpass replaces files, never folders,
 and never removes a user's files. The calibration text of a folder is tokenized with its own
 `tokenizer.json` unless `--tokenizer` names another.
+
+From Python, the passes take the decoder's path and `write_folder` writes their model as a folder::
+
+    folder = open_folder("phi-2")
+    result = rotate_onnx(str(folder.model))
+    write_folder(folder, result.ir_model, Path("phi-2-rotated"))
 """
 
 from __future__ import annotations
@@ -114,6 +120,12 @@ def updated_config(config: dict, widths: dict[int, int] | None) -> dict | None:
     return changed
 
 
+def sliced_widths(result) -> dict[int, int]:
+    """A slice result's streams as {width: width kept} (`write_folder`'s `widths`); {} where nothing was chosen."""
+    kept = result.chosen.kept if result.chosen is not None else {}
+    return {s.width: kept[s.name] for s in result.slicing.sliceable if s.width and s.name in kept}
+
+
 def write_folder(folder: Folder, model: ir.Model, out: Path, widths: dict[int, int] | None = None) -> None:
     """Write the GenAI folder `out`: `folder`'s files with `model` as its decoder (see the module docstring);
     `widths` maps a residual stream's width to the width it was cut to."""
@@ -135,7 +147,8 @@ def write_folder(folder: Folder, model: ir.Model, out: Path, widths: dict[int, i
             (tmp / CONFIG).write_text(json.dumps(changed, indent=4) + "\n")
         external = io.keeps_external_data(model) or len(skipped) > 1
         io.save_ir(tmp / folder.filename, model, f"{folder.filename}.data", external=external)
-        os.chmod(tmp, 0o777 & ~_umask())
+        mode = io._default_mode()  # mkdtemp's 0700 is for secrets: a plain folder's mode, searchable where readable
+        os.chmod(tmp, mode | (mode & 0o444) >> 2)
         with io.signals_deferred():
             if target.is_dir():
                 target.rmdir()  # empty (checked): the rename needs its name free
@@ -148,9 +161,3 @@ def write_folder(folder: Folder, model: ir.Model, out: Path, widths: dict[int, i
         if tmp is not None:
             with io.signals_deferred():
                 shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -10,7 +10,9 @@
 * "mutated": the caller's model was modified;
 * "signature": the folded model's inputs or outputs differ (names, element types, ranks);
 * "rejected": the folded model fails on feeds the original accepts;
-* "mismatch": an output differs beyond its dtype's tolerance — a silently wrong model.
+* "mismatch": an output differs beyond its dtype's tolerance — a silently wrong model. Ids (an `ArgMax`
+  head's int64 output) must be equal, except where the original's two largest logits there are within the
+  dtype's tolerance of each other (a tie the rounding may break either way).
 
 Both models run in ONNX Runtime with graph optimizations off, on the generator's feeds (both
 values of the bool input, a second shape for dynamic dims, overrides of overridable
@@ -54,7 +56,9 @@ stream and one per layer, with the generator's feeds that
 set no initializer as calibration and held-out data: at ratio 0 the result must compute what the original
 computes ("mismatch [slice]"); above it every sliced stream must be narrower, the model must keep its
 signature, pass the checker and give finite outputs wherever the original does ("structure [slice]");
-a refusal is a one-line `NormpassError`.
+a refusal is a one-line `NormpassError`. The held-out figures it reports are recomputed here from both models'
+outputs ("figures [slice]"): the number of samples, the agreement of ids and of the float outputs' arg-max
+(`top1`), and a cosine claimed only where a float output exists.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from conftest import check_structure
+from onnx import helper
 
 from normpass import (
     FoldOptions,
@@ -91,6 +96,7 @@ from normpass import (
 from normpass.cli.main import main
 
 # Relative tolerance (max |a − b| / max |a| per output) by dtype: a fold may only change rounding.
+FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
 TOLERANCE = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 1e-4, np.dtype(np.float16): 1e-2}
 MODES = {
     "default": FoldOptions(),
@@ -122,6 +128,33 @@ def run_all(model: onnx.ModelProto, feed_sets) -> list[dict[str, np.ndarray]]:
     sess = session(model)
     names = [o.name for o in sess.get_outputs()]
     return [dict(zip(names, sess.run(names, feeds), strict=False)) for feeds in feed_sets]
+
+
+def _argmax_inputs(model: onnx.ModelProto) -> dict[str, str]:
+    """Graph output made by an `ArgMax` → the tensor it reads (its logits)."""
+    outputs = {o.name for o in model.graph.output}
+    return {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "ArgMax" and n.output[0] in outputs}
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """A copy of `model` that also returns the tensors `names` (of the model's float dtype)."""
+    copy = onnx.ModelProto.FromString(model.SerializeToString())
+    elem_type = next(i.data_type for i in copy.graph.initializer if i.data_type in FLOAT_TYPES)
+    copy.graph.output.extend(helper.make_tensor_value_info(name, elem_type, None) for name in names)
+    return copy
+
+
+def _ids_error(reference: np.ndarray, candidate: np.ndarray, logits: np.ndarray | None) -> float:
+    """The share of ids that differ where the original's logits (if known) have no tie within their dtype's
+    tolerance: 0 when every difference is such a tie."""
+    if reference.shape != candidate.shape:
+        return float("inf")
+    differ = reference != candidate
+    if logits is not None and differ.any():
+        top = np.sort(logits.astype(np.float64), axis=-1)
+        gap = top[..., -1] - top[..., -2]
+        differ &= gap > TOLERANCE[logits.dtype] * max(float(np.abs(logits).max()), 1e-30)
+    return float(differ.mean()) if differ.size else 0.0
 
 
 def relative_error(reference: np.ndarray, candidate: np.ndarray) -> float:
@@ -251,7 +284,36 @@ def _check_slice(case, ratio: float, basis: str) -> list[Failure]:
         for name, value in reference.items():
             if np.isfinite(value).all() and not np.isfinite(candidate[name]).all():
                 failures.append(Failure("structure", mode, f"output {name} is not finite ({note})"))
-    return failures
+    return failures + [Failure("figures", mode, f"{problem} ({note})") for problem in _figures(result, expected, got)]
+
+
+def _figures(result, expected, got) -> list[str]:
+    """What the held-out figures `slice_onnx` reports get wrong, recomputed from both models' outputs on the
+    held-out feeds: samples (not samples × outputs), the agreement of ids and of float outputs' arg-max over
+    their last axis, and a cosine claimed exactly where a float output exists."""
+    held = result.held_out
+    if held is None:
+        return ["no held-out figures"]
+    samples = sum(max((v.shape[0] for v in outputs.values() if v.ndim), default=1) for outputs in expected)
+    agree, positions, floats = 0, 0, False
+    for reference, candidate in zip(expected, got, strict=True):
+        for name, value in reference.items():
+            if value.dtype.kind in "iub":
+                agree, positions = agree + int((value == candidate[name]).sum()), positions + value.size
+            elif value.dtype.kind == "f":
+                floats = True
+                if value.ndim >= 2 and value.shape[-1] > 1:
+                    same = value.argmax(-1) == candidate[name].argmax(-1)
+                    agree, positions = agree + int(same.sum()), positions + same.size
+    top1 = agree / positions if positions else None
+    problems = []
+    if held.samples != samples:
+        problems.append(f"held out: {held.samples} samples reported, {samples} judged")
+    if (top1 is None) != (held.top1 is None) or (top1 is not None and abs(top1 - held.top1) > 1e-9):
+        problems.append(f"held out: top1 {held.top1} reported, {top1} recomputed")
+    if floats != (held.cos_min is not None):
+        problems.append(f"held out: cosine {held.cos_min} reported for {'some' if floats else 'no'} float output")
+    return problems
 
 
 def _check_mode(case, mode: str, options: FoldOptions, expected) -> list[Failure]:
@@ -275,9 +337,16 @@ def _compare(case, mode: str, folded: onnx.ModelProto, expected, note: str) -> l
         got = dict(zip(runnable, run_all(folded, [case.feeds[i] for i in runnable]), strict=False))
     except Exception as e:
         return failures + [Failure("rejected", mode, describe(e))]
+    heads = _argmax_inputs(case.model)
+    logits = run_all(_with_outputs(case.model, list(heads.values())), case.feeds) if heads else None
     worst: tuple[float, str | None, int | None] = (0.0, None, None)
     for index, candidate in got.items():
         for name, value in expected[index].items():
+            if value.dtype.kind in "iu":
+                error = _ids_error(value, candidate[name], None if logits is None else logits[index][heads[name]])
+                if error and error > worst[0]:
+                    worst = (error, name, index)
+                continue
             error = relative_error(value, candidate[name])
             if error > TOLERANCE[value.dtype] and error > worst[0]:
                 worst = (error, name, index)
@@ -526,12 +595,12 @@ def _seeded_surrogates(bench, seed: int, kinds: tuple[str, ...] = REPLACE_KINDS)
 def emitted_both_ways(prepared, surrogates: list) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
     """`surrogates` on `prepared` (`normpass.onnx.replace.driver.prepare`) as `replace` emits them (`emit_all`: γ
     and biases carried along the stream), one norm at a time (nothing carried), and the first's emissions."""
-    from normpass.onnx.replace.surrogates import Emitter, export_model, open_graph
+    from normpass.onnx.replace.surrogates import Emitter, export_model, working_graph
 
     bench = prepared.bench
     ctx, emitter, emissions = bench.build(surrogates)
     carried = export_model(ctx, prepared.folded, emitter.docs, {})
-    alone_ctx = open_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
+    alone_ctx = working_graph(bench.base, bench.shapes, bench.name, bench.dtypes)
     alone = Emitter(alone_ctx, bench.rms_op)
     for name, surrogate in surrogates:
         alone.emit(alone.norms[name], surrogate)
@@ -540,7 +609,8 @@ def emitted_both_ways(prepared, surrogates: list) -> tuple[onnx.ModelProto, onnx
 
 def check_replace(case) -> list[Failure]:
     """Failures of the surrogate emission on `case` (the module docstring); [] when all is well."""
-    from normpass.onnx.replace.driver import Runner, prepare
+    from normpass.onnx.calibrate import Runner
+    from normpass.onnx.replace.driver import prepare
 
     mode = "replace"
     options = ReplaceOptions(kind="auto", all_norms=True, samples=8, budget="cos=0.01", check=0.0)
@@ -563,8 +633,9 @@ def check_replace(case) -> list[Failure]:
         for batch in prepared.search.splits.batches["test"][:2]:
             want, got = Runner(plain).run(batch), Runner(carried).run(batch)
             for name, value in want.items():
-                error = relative_error(value, got[name])
-                if error > TOLERANCE[value.dtype]:
+                ids = value.dtype.kind in "iu"
+                error = _ids_error(value, got[name], None) if ids else relative_error(value, got[name])
+                if error > (0.0 if ids else TOLERANCE[value.dtype]):
                     carried_what = f"{streams} γ and {biases} biases carried, kinds {'/'.join(sorted(set(kinds)))}"
                     failures.append(
                         Failure("mismatch", mode, f"output {name}: relative error {error:.3g} ({carried_what})")

@@ -26,15 +26,16 @@ A model is a residual stream h of shape [batch, seq, D] (batch symbolic, seq sym
 * XCiT's class-attention block, where the sequence length is fixed: h + w ⊙ cat(proj(n1[:, :1]), n1[:, 1:])
   along the tokens (w a per-feature LayerScale sometimes, with a zero entry sometimes), then
   cat(norm2(h[:, :r]), h[:, r:]), r = 1 mostly (the class row alone), 2 sometimes;
-* exits: the final stream, a norm, an LM head (tied to the embedding table sometimes), and
-  extra graph outputs at random points;
+* exits: the final stream, a norm, an LM head (tied to the embedding table sometimes) or the ids of its
+  arg-max (an `ArgMax` head, int64: what classifiers and greedy decoders export), and extra graph outputs at
+  random points;
 * one float dtype per model (fp32 mostly, fp16, fp64), an opset in 13–23 with ops valid for it,
   an IR version from the opset's minimum to 10 (opset 23 needs IR 11);
 * overridable initializers: some or all initializers also listed in `graph.input`.
 
 Spellings and functions are drawn from a random stream of their own, LayerScales from another, class-attention
-blocks from a third (all seeded by the seed too), so every other draw, and with it the model of a seed without
-them, is what it was before they existed.
+blocks from a third, `ArgMax` heads from a fourth (all seeded by the seed too), so every other draw, and with it
+the model of a seed without them, is what it was before they existed.
 
 Feeds: several shapes when a dim is dynamic, both values of the bool input, and a feed set that
 overrides every overridable float initializer. Float inputs have a non-zero mean per feature, so
@@ -68,12 +69,15 @@ FEATURES = (
     "functions",
     "layer_scale",
     "class_token",
+    "ids",
 )
 # The features the pinned campaign seeds were found with: `generate(seed, PINNED_FEATURES)` replays
 # the very model a regression test was written for (later features draw from a stream of their own).
 PINNED_FEATURES = FEATURES[:9]
 # The features the surrogate and rotation tests' seeds were chosen with (before LayerScales existed).
 FEATURES_BEFORE_LAYER_SCALE = FEATURES[: FEATURES.index("layer_scale")]
+# The features the slicing and LayerScale tests' seeds were chosen with (before `ArgMax` heads existed).
+FEATURES_BEFORE_IDS = FEATURES[: FEATURES.index("ids")]
 SPELLINGS = ("twice", "identity", "moments", "wide", "onnx")  # of a decomposed LayerNorm (see the module docstring)
 WIDER = {np.dtype(np.float16): np.float32, np.dtype(np.float32): np.float64}  # the "wide" spelling's inner type
 FUNCTION_DOMAIN = "fuzz.functions"
@@ -436,6 +440,7 @@ def generate(seed: int, features=FEATURES) -> Case:
     b = Builder(rng, dtype, opset, features, seq, np.random.default_rng((seed, 1)))
     b.scales = np.random.default_rng((seed, 2))
     b.classes = np.random.default_rng((seed, 3))
+    heads = np.random.default_rng((seed, 4))
     tensor_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     inputs, outputs = [], []
 
@@ -490,6 +495,9 @@ def generate(seed: int, features=FEATURES) -> Case:
         else:
             h = b.linear(h, VOCAB)
         width = VOCAB
+        if "ids" in features and heads.random() < 0.3:  # the ids are the output, the logits are not
+            b.used.add("ids")
+            h = b.node("ArgMax", [h], axis=-1, keepdims=0)
     outputs.append(h)
     if "subgraph" in b.used:  # an If reads the bool input
         inputs.append(helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, []))
@@ -499,7 +507,9 @@ def generate(seed: int, features=FEATURES) -> Case:
         helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in b.inits if i.name in overridable
     ]
     out_infos = [
-        helper.make_tensor_value_info(o, tensor_type, ["batch", seq, width if o == h else D])
+        helper.make_tensor_value_info(o, onnx.TensorProto.INT64, ["batch", seq])
+        if o == h and "ids" in b.used
+        else helper.make_tensor_value_info(o, tensor_type, ["batch", seq, width if o == h else D])
         for o in dict.fromkeys(outputs)
     ]
     graph = helper.make_graph(b.nodes, f"fuzz{seed}", inputs, out_infos, initializer=b.inits)

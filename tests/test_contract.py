@@ -344,9 +344,9 @@ def test_inspect_json_is_pure_json_when_a_library_prints_warnings(tmp_path, caps
 
     infer = frontend._infer
 
-    def chatty_infer(light):
+    def chatty_infer(*args):
         print("[W] a library's warning on stdout")
-        return infer(light)
+        return infer(*args)
 
     monkeypatch.setattr(frontend, "_infer", chatty_infer)
     path = tmp_path / "bf16.onnx"

@@ -37,8 +37,8 @@ def model_file(tmp_path):
     return path
 
 
-def good_npz(path: Path, count: int = 16) -> Path:
-    np.savez(path, x=randn(rng(1), count, D))
+def good_npz(path: Path, count: int = 16, seed: int = 1) -> Path:
+    np.savez(path, x=randn(rng(seed), count, D))
     return path
 
 
@@ -229,10 +229,24 @@ def test_replace_refuses_a_split_that_cannot_be_judged(tmp_path, capsys, model_f
 
 
 def test_a_test_split_of_zero_is_fine_with_held_out_data(tmp_path, capsys, model_file):
-    calib, holdout = good_npz(tmp_path / "calib.npz"), good_npz(tmp_path / "holdout.npz")
+    calib, holdout = good_npz(tmp_path / "calib.npz"), good_npz(tmp_path / "holdout.npz", seed=2)
     args = ["--split", "0.5,0.5,0", "--holdout", holdout, "-o", tmp_path / "o.onnx"]
     code, out, err = cli(capsys, "replace", model_file, "--calib", calib, *args)
     assert code == 0 and "test (16 samples)" in out, err
+
+
+@pytest.mark.parametrize("verb", ["replace", "distill"])
+def test_held_out_data_that_is_the_calibration_file_or_a_copy_is_refused(
+    tmp_path, capsys, model_file, torch_factory, verb
+):
+    """The data that decides must be apart from the data that judges (`calibration.distinct_holdout`)."""
+    calib = good_npz(tmp_path / "calib.npz")
+    copy = good_npz(tmp_path / "copy.npz")  # the same bytes
+    model = ["--torch", torch_factory] if verb == "distill" else [model_file]
+    for holdout in (calib, copy):
+        line = refused(capsys, verb, *model, "--calib", calib, "--holdout", holdout, "-o", tmp_path / "o.onnx")
+        assert f"held-out data '{holdout}' is the calibration data" in line, line
+    assert not (tmp_path / "o.onnx").exists()
 
 
 # --- 4. a report redirected over a file ----------------------------------------------------------------

@@ -4,13 +4,17 @@ single `--input-shape`."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
+from conftest import build
 
 from normpass.cli.main import main
 from normpass.onnx.runtime import decode
 from normpass.onnx.runtime.bench import make_feeds
+from normpass.onnx.runtime.verify import make_inputs
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:
@@ -41,19 +45,29 @@ def test_the_relations_of_a_builder_graph_are_read_from_it(genai_folder):
     assert [step[0] for step in sig.steps(16) if step[1] > 1 and step[2] > 0] == [1]  # GQA: batch 1 then
 
 
-def test_a_model_without_a_cache_has_no_decode_signature(registry_export):
-    assert decode.signature(structure(registry_export("gpt2"))) is None
+def test_a_model_without_a_cache_has_no_decode_signature():
+    without = """<ir_version: 10, opset_import: ["" : 17]>
+        g (int64[B, S] input_ids, int64[B, S] attention_mask, float[B, S, 4] {name}) => (float[B, S, 4] y) {{
+          y = Identity({name})
+        }}"""
+    assert decode.signature(build(without.format(name="hidden"))) is None  # no input says past
+    assert decode.signature(build(without.format(name="past"))) is None  # its only dynamic axis is the new tokens
 
 
 @pytest.mark.parametrize("family", ["phi", "llama"])
 def test_rotate_verifies_a_prefill_and_a_decode_step_of_a_genai_folder(genai_folder, capsys, tmp_path, family):
     model = genai_folder(family) / "model.onnx"
-    code, out, err = cli(capsys, "rotate", model, "-o", tmp_path / "r.onnx")
+    report = tmp_path / "report.json"
+    code, out, err = cli(capsys, "rotate", model, "-o", tmp_path / "r.onnx", "--report", report)
     assert code == 0, err
-    kv = "2x4x{}x32" if family == "phi" else "2x2x{}x16"
-    assert f"past_key_values.0.key {kv.format(0)}" in out  # the prefill: an empty past
-    assert f"input_ids 2x1, attention_mask 2x17, past_key_values.0.key {kv.format(16)}" in out  # a decode step
     assert "1 of 1 residual streams rotated" in out
+    assert "3 runs: prefill: batch 2, 16 new tokens, empty past; decode step: batch 2, 1 new token after 16" in out
+    runs = json.loads(report.read_text())["verification_runs"]
+    kv = [2, 4, 0, 32] if family == "phi" else [2, 2, 0, 16]
+    assert runs[0]["shapes"]["past_key_values.0.key"] == kv and runs[0]["shapes"]["attention_mask"] == [2, 16]
+    assert runs[1]["shapes"]["past_key_values.1.value"] == kv[:2] + [16] + kv[3:]
+    assert runs[1]["shapes"]["input_ids"] == [2, 1] and runs[1]["shapes"]["attention_mask"] == [2, 17]
+    assert runs[2]["shapes"]["input_ids"] == [1, 5] and runs[2]["skipped"] is None  # GQA: batch 1
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
@@ -61,7 +75,7 @@ def test_with_past_exports_verify_without_input_shapes(with_past_export, capsys,
     path, _ = with_past_export("gpt2", exporter)
     code, out, err = cli(capsys, "rotate", path, "-o", tmp_path / "r.onnx")
     assert code == 0, err
-    assert "past_key_values.0.key 2x4x0x16" in out and "attention_mask 2x17" in out
+    assert "empty past; decode step: batch 2, 1 new token after 16; batch 3, 5 new tokens after 3)" in out
 
 
 def test_slice_calibrates_a_genai_folder_on_text_prefills(genai_folder, capsys, tmp_path):
@@ -108,11 +122,47 @@ def test_a_past_with_several_new_tokens_at_batch_above_one_is_bad_input(genai_fo
 
 
 def test_bench_times_a_decode_step(genai_folder, capsys, tmp_path):
-    model = genai_folder("llama") / "model.onnx"
-    rotated = tmp_path / "r.onnx"
-    assert cli(capsys, "rotate", model, "-o", rotated)[0] == 0
-    code, _, err = cli(capsys, "bench", model, rotated, "--seq", "12", "--repeats", "2", "--warmup", "0")
-    assert code == 0, err
+    folder = genai_folder("llama")
+    model = folder / "model.onnx"
+    rotated = tmp_path / "rotated"
+    assert cli(capsys, "rotate", folder, "-o", rotated)[0] == 0
+    code, _, err = cli(capsys, "bench", folder, rotated, "--seq", "12", "--repeats", "2", "--warmup", "0")
+    assert code == 0, err  # folders: their decoders
     feeds = make_feeds(structure(model), 1, 12)
     assert feeds["input_ids"].shape == (1, 1) and feeds["attention_mask"].shape == (1, 13)
     assert feeds["past_key_values.0.key"].shape == (1, 2, 12, 16)
+
+
+def test_positions_and_the_lengths_attention_takes_as_inputs_count_from_the_past():
+    """position_ids run past … past + new − 1; seqlens_k is total − 1 per row, total_sequence_length the total."""
+    model = build(
+        """<ir_version: 10, opset_import: ["" : 17]>
+        g (int64[B, S] input_ids, int64[B, S] position_ids, int64[B, T] attention_mask, float[B, 2, P, 4] past_0,
+           int32[B] seqlens_k, int32[1] total_sequence_length) => (float[B, 2, P, 4] present_0) {
+          present_0 = Identity(past_0)
+        }"""
+    )
+    sig = decode.signature(model)
+    assert sig is not None and not sig.gqa
+    assert (sig.positions, sig.seqlens, sig.total_length, sig.past, sig.total) == (
+        "position_ids",
+        "seqlens_k",
+        "total_sequence_length",
+        "P",
+        "T",
+    )
+    shapes = decode.input_shapes(model, sig, 2, 3, 5)
+    assert shapes == {
+        "input_ids": (2, 3),
+        "position_ids": (2, 3),
+        "attention_mask": (2, 8),
+        "past_0": (2, 2, 5, 4),
+        "seqlens_k": (2,),
+        "total_sequence_length": (1,),
+    }
+    feeds = decode.set_values(sig, make_inputs(model, shapes, 0), 5)
+    assert feeds["position_ids"].tolist() == [[5, 6, 7]] * 2 and feeds["attention_mask"].all()
+    assert feeds["seqlens_k"].tolist() == [7, 7] and feeds["total_sequence_length"].tolist() == [8]
+    prefill = decode.prefill(model, sig, {"input_ids": np.ones((1, 4), np.int64)})
+    assert prefill["past_0"].shape == (1, 2, 0, 4) and prefill["position_ids"].tolist() == [[0, 1, 2, 3]]
+    assert prefill["attention_mask"].shape == (1, 4)

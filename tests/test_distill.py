@@ -242,3 +242,18 @@ def test_cli_refuses_an_onnx_model_and_says_to_give_the_module(cli_files, capsys
     assert main(["distill", str(model), "--calib", str(cli_files / "calib.npz"), "-o", str(cli_files / "o.onnx")]) == 2
     err = capsys.readouterr().err
     assert "--torch package.module:factory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_output_gap_leaves_ids_out_and_the_budget_judges_them():
+    """Ids have no gradient and no cosine: the training gap is over the float outputs alone (0 without
+    one), and the judge compares the ids by agreement."""
+    from normpass.core.budget import compare
+    from normpass.torch.distill import output_gap
+
+    logits = torch.randn(2, 3, 5)
+    ids, other = logits.argmax(-1), (-logits).argmax(-1)
+    assert float(output_gap((logits, ids), (logits, other), None)) == pytest.approx(0.0, abs=1e-6)
+    assert float(output_gap((ids,), (other,), None)) == 0.0
+    assert float(output_gap((-logits, ids), (logits, ids), None)) == pytest.approx(2.0)
+    metrics = compare([{"ids": ids.numpy()}], [{"ids": other.numpy()}])
+    assert metrics.top1 == 0.0 and metrics.cos_min is None

@@ -352,7 +352,7 @@ LAYER_SCALE_SEEDS = (21, 318)
 
 def test_fuzz_layer_scales_are_absorbed_exactly_by_the_fold_the_surrogates_and_the_rotation():
     checks = {"fold": fuzzcheck.check, "replace": fuzzcheck.check_replace, "rotate": fuzzcheck.check_rotate}
-    cases = [graphgen.generate(seed) for seed in LAYER_SCALE_SEEDS]
+    cases = [graphgen.generate(seed, graphgen.FEATURES_BEFORE_IDS) for seed in LAYER_SCALE_SEEDS]
     assert all("layer_scale" in case.used for case in cases)
     failures = [f"seed {case.seed} {name}: {f}" for case in cases for name, run in checks.items() for f in run(case)]
     assert not failures, "\n".join(failures)

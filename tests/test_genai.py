@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from normpass import SliceOptions, SlicePass, genai, io, rotate_onnx
 from normpass.cli.main import main
 from normpass.models import genai as seeded
 
@@ -118,3 +119,36 @@ def test_with_past_exports_generate_the_same_tokens_in_a_plain_ort_loop(
         code, _, err = cli(capsys, verb, path, "-o", out, *extra)
         assert code == 0, err
         assert [seeded.greedy_ort(out, prompt, STEPS) for prompt in prompts] == reference, verb
+
+
+def test_the_python_api_and_slice_pass_write_folders(genai_folder, tmp_path):
+    folder = genai.open_folder(genai_folder("llama"))
+    prompt = seeded.prompt_ids(folder.tokenizer)[1]
+    rotated = rotate_onnx(str(folder.model))
+    genai.write_folder(folder, rotated.ir_model, tmp_path / "rotated")
+    assert seeded.greedy_genai(tmp_path / "rotated", prompt, STEPS) == seeded.greedy_genai(folder.path, prompt, STEPS)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(seeded.prompts() * 6))
+    slicer = SlicePass(str(calib), SliceOptions(ratio=0.25, round_to=8, tokenizer=str(folder.tokenizer)))
+    sliced = slicer(io.load_ir(folder.model))
+    assert slicer.result is not None and genai.sliced_widths(slicer.result) == {64: 48}
+    genai.write_folder(folder, sliced.model, tmp_path / "sliced", genai.sliced_widths(slicer.result))
+    assert json.loads((tmp_path / "sliced" / "genai_config.json").read_text())["model"]["decoder"]["hidden_size"] == 48
+    assert len(seeded.greedy_genai(tmp_path / "sliced", prompt, STEPS)) == len(prompt) + STEPS
+
+
+def test_replace_and_viz_read_a_folders_decoder_and_never_overwrite_its_files(genai_folder, capsys, tmp_path):
+    folder = genai_folder("phi")
+    before = listing(folder)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(seeded.prompts() * 6))
+    for argv in (
+        ["replace", folder, "--calib", calib, "-o", folder / "model.onnx"],
+        ["viz", folder, "-o", folder / "model.onnx.data", "--format", "html"],
+        ["inspect", folder, "--graph", folder / "model.onnx"],
+    ):
+        code, _, err = cli(capsys, *argv)
+        assert code == 2 and "must not overwrite" in err, err
+    assert listing(folder) == before
+    code, out, err = cli(capsys, "replace", folder, "--calib", calib, "-o", tmp_path / "r.onnx")  # its tokenizer
+    assert code == 0 and "3 of 3 norms folded exactly" in out, err

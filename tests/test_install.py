@@ -7,6 +7,7 @@ there; it needs the wheel's path in `NORMPASS_WHEEL` (`.ci/run` builds the wheel
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -67,6 +68,54 @@ def test_the_cli_without_torch_folds_onnx_and_refuses_torch_input_in_one_line(tm
         assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
         assert run.stderr.startswith("normpass fold: error: ") and extra in run.stderr
     assert not (tmp_path / "torch.onnx").exists()
+
+
+ONNX_VERBS = """
+import sys
+from pathlib import Path
+from normpass.cli.main import main
+model, out = sys.argv[1], Path(sys.argv[2])
+for verb, *flags in (
+    ["inspect"], ["fold"], ["rotate"], ["slice", "--calib", "synthetic", "--ratio", "0.25"],
+    ["replace", "--calib", "synthetic"], ["viz"],
+):
+    written = [] if verb == "inspect" else ["-o", str(out / (verb + (".html" if verb == "viz" else ".onnx")))]
+    assert main([verb, model, *flags, *written]) == 0, verb
+print(sorted(name for name in sys.modules if name.split(".")[0] == "torch"))
+"""
+
+
+def contrib_model(path: Path) -> Path:
+    """x → MatMul → FastGelu (an ONNX Runtime contrib op: shapes from ORT's symbolic inference) → LayerNorm."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = [
+        numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.ones(8, np.float32), "gamma"),
+        numpy_helper.from_array(np.zeros(8, np.float32), "beta"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("FastGelu", ["h"], ["a"], domain="com.microsoft"),
+        helper.make_node("LayerNormalization", ["a", "gamma", "beta"], ["y"], axis=-1),
+    ]
+    ends = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 4, 8]) for name in ("x", "y")]
+    graph = helper.make_graph(nodes, "contrib", ends[:1], ends[1:], weights)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))
+    return path
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed: nothing imports it")
+def test_the_onnx_verbs_do_not_import_torch_where_it_is_installed(tmp_path):
+    """Every ONNX verb in one process, on a model whose shapes need ONNX Runtime's symbolic inference (whose
+    package, `onnxruntime.tools`, imports torch): torch is never imported, so no call pays for it."""
+    model = contrib_model(tmp_path / "contrib.onnx")
+    run = subprocess.run([sys.executable, "-c", ONNX_VERBS, str(model), str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
 
 
 WHEEL = os.environ.get("NORMPASS_WHEEL")

@@ -18,7 +18,7 @@ from conftest import assert_equivalent, build, check_structure, randn, rng, run_
 from test_patterns import beta, gamma, header
 
 from normpass import RotateOptions, rotate_onnx
-from normpass.onnx.replace.driver import synthetic_batches
+from normpass.onnx.calibrate import synthetic_batches
 
 D, T, H = 8, 5, 2  # width, tokens, heads (of D // H features each)
 

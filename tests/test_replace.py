@@ -31,7 +31,8 @@ from normpass.cli.main import main
 from normpass.core.cost import CPU_COST
 from normpass.core.replace import BudgetMissed, ReplaceOptions
 from normpass.errors import InputError
-from normpass.onnx.replace.driver import input_spec, replace_onnx
+from normpass.onnx.calibrate import input_spec
+from normpass.onnx.replace.driver import replace_onnx
 from normpass.onnx.runtime.verify import make_inputs
 
 FAST = dict(orders=("input",), samples=48, batch_size=8)
@@ -592,3 +593,27 @@ def test_text_for_a_model_without_token_inputs_is_refused(gen, tmp_path, capsys)
     calib = _write(tmp_path / "calib.txt", "\n".join(f"sentence {i}." for i in range(20)))
     assert _replace_text(path, calib, _tokenizer(tmp_path / "tok.json"), tmp_path / "o.onnx") == 2
     assert "has no input named input_ids" in capsys.readouterr().err
+
+
+def test_replace_loads_a_model_as_fold_does(bert, monkeypatch):
+    """`open_graph`, fold's loader: a path is read twice (the original's graph and checks, then the fold), an
+    onnx-graphsurgeon Graph is taken as `fold_onnx` takes it, and both give what the ModelProto gives."""
+    gs = pytest.importorskip("onnx_graphsurgeon", reason="pip install -e '.[graphsurgeon]'")
+    path, _ = bert
+    model = onnx.load(str(path))  # the module's copy may have been saved with external data by another test
+    reads = []
+    read = io._ir_load
+    monkeypatch.setattr(io, "_ir_load", lambda p: reads.append(p) or read(p))
+    options = ReplaceOptions(kind="rms", budget="cos=0.999", **FAST)
+    from_path = replace_onnx(path, "synthetic", options, name="bert")
+    assert [str(p) for p in reads] == [str(path)] * 2
+    from_graph = replace_onnx(gs.import_onnx(model), "synthetic", options, name="bert")
+
+    def decisions(result):
+        return [(n["name"], n["decision"], n.get("surrogate")) for n in result.report.to_json()["norms"]]
+
+    assert decisions(from_graph) == decisions(from_path) and from_path.replaced >= 1
+    feeds = make_inputs(model, {}, seed=1)
+    want = run_ort(from_path.model, feeds)
+    for name, got in run_ort(from_graph.model, feeds).items():
+        np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-6)

@@ -22,7 +22,8 @@ from normpass.core.orthogonal import hadamard, random_orthogonal, rotation_matri
 from normpass.models import get
 from normpass.models.reference import entry_feeds, rewrite_error
 from normpass.onnx.graph import frontend
-from normpass.onnx.rotate.driver import inspect_rotation, merged_shapes
+from normpass.onnx.rotate.driver import inspect_rotation
+from normpass.onnx.rotate.rotator import merged_shapes
 from normpass.onnx.runtime.verify import make_inputs
 
 D, S, V = 12, 4, 10  # 12: a Paley Hadamard order

@@ -19,7 +19,7 @@ from test_patterns import beta, gamma, header
 
 from normpass import RotateOptions, rotate_onnx
 from normpass.errors import InputError
-from normpass.onnx.replace.driver import synthetic_batches
+from normpass.onnx.calibrate import synthetic_batches
 from normpass.onnx.rotate.smooth import smoothing_scale
 
 D, T, F = 8, 5, 16  # width, tokens, MLP width

@@ -208,7 +208,8 @@ def test_onnx_pre_ln_writers_biases_go_along_the_stream(gen, case):
 def test_onnx_norm_free_vit_takes_the_writers_biases_off_the_stream(registry_export, form):
     """The registry's pre-LN ViT with every norm an affine surrogate: the residual writers' bias Adds
     leave the stream, and the model computes what the surrogates emitted one at a time compute."""
-    from normpass.onnx.replace.driver import Runner, prepare
+    from normpass.onnx.calibrate import Runner
+    from normpass.onnx.replace.driver import prepare
 
     model = onnx.load(str(registry_export("vit", form)))
     options = ReplaceOptions(kind="affine", all_norms=True, samples=8, budget="cos=0.01", check=0.0)

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import build, check_structure, initializers, op_counts, randn, run_ort
+from conftest import build, check_structure, initializers, op_counts, randn, rng, run_ort
 
 from normpass.core.analysis import prove, safe_centrings
 from normpass.core.budget import Budget, Metrics, compare
@@ -32,9 +32,10 @@ from normpass.core.surrogates import (
     least_squares,
     relative_error,
 )
+from normpass.errors import InputError
+from normpass.onnx.calibrate import Runner
 from normpass.onnx.graph.frontend import build_zero_mean_graph, load_graph
-from normpass.onnx.replace.driver import Runner
-from normpass.onnx.replace.surrogates import Emitter, export_model, light_model, open_graph
+from normpass.onnx.replace.surrogates import Emitter, export_model, light_model, working_graph
 
 D = 8
 
@@ -164,14 +165,57 @@ def test_budget_parse_and_usage():
 
 
 def test_compare_is_per_sample_and_masks_tokens():
-    ref = {"y": np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)}
-    got = {"y": np.array([[1.0, 0.0], [1.0, 1.0]], dtype=np.float32)}
+    ref = {"y": np.array([[1.0, -1.0], [-1.0, 1.0]], dtype=np.float32)}
+    got = {"y": np.array([[1.0, -1.0], [0.0, 1.0]], dtype=np.float32)}
     metrics = compare([ref], [got])
     assert metrics.cos_min == pytest.approx(1 / math.sqrt(2)) and metrics.samples == 2
-    assert metrics.top1 == 0.5
+    assert metrics.top1 == 1.0 and metrics.measures == {"y": "cosine"}
     tokens = {"h": np.ones((1, 2, 3), np.float32)}
     bad = {"h": np.concatenate([np.ones((1, 1, 3)), -np.ones((1, 1, 3))], 1).astype(np.float32)}
     assert compare([tokens], [bad], [np.array([[1, 0]])]).cos_min == pytest.approx(1.0)
+
+
+def test_outputs_of_one_sign_are_compared_centred_so_a_shift_shows():
+    """A 0–1 map whose values all move by 0.15: its plain cosine stays near 1, its centred one does not."""
+    gen = rng(3)
+    smooth = 0.5 + 0.2 * np.sin(np.linspace(0, 3, 64))  # values in [0.3, 0.7]
+    maps = np.stack([smooth + 0.02 * randn(gen, 64) for _ in range(4)]).astype(np.float32)
+    moved = np.clip(maps + 0.15 * np.linspace(-1, 1, 64), 0, 1).astype(np.float32)  # tilted by ±0.15
+    plain = (maps * moved).sum(1) / np.linalg.norm(maps, axis=1) / np.linalg.norm(moved, axis=1)
+    assert plain.min() > 0.97  # what the plain cosine would claim
+    metrics = compare([{"map": maps}], [{"map": moved}])
+    assert metrics.measures == {"map": "centred cosine (values of one sign)"}
+    centred = [np.corrcoef(a, b)[0, 1] for a, b in zip(maps, moved, strict=True)]
+    assert metrics.cos_min == pytest.approx(min(centred)) and metrics.cos_min < 0.9
+    assert metrics.rel_max == pytest.approx((np.abs(maps - moved).max(1) / maps.max(1)).max())
+    assert "centred cosine (values of one sign): map" in metrics.describe()
+    assert compare([{"map": maps}], [{"map": maps}]).cos_min == pytest.approx(1.0)
+    flat = np.full((2, 8), 0.5, np.float32)  # a constant sample has no shape to correlate: its plain cosine
+    assert compare([{"p": flat}], [{"p": flat * 1.01}]).cos_min == pytest.approx(1.0)
+
+
+def test_ids_are_compared_by_agreement_and_claim_no_cosine():
+    ids = np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int64)
+    got = np.array([[1, 2, 0, 4], [5, 0, 0, 0]], np.int64)
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]])
+    metrics = compare([{"ids": ids}], [{"ids": got}], [mask])
+    assert metrics.top1 == pytest.approx(3 / 5)  # padding is no position
+    assert (metrics.cos_min, metrics.cos_mean, metrics.rel_max) == (None, None, None) and metrics.samples == 2
+    assert metrics.describe() == "top1 0.6000, by ids (agreement): ids"
+    for budget, judged in (("top1=0.5", True), ("cos=0.99", False), ("top1=0.9,rel=0.1", False)):
+        parsed = Budget.parse(budget)
+        if judged:
+            parsed.refuse_unjudgeable(metrics, "m")
+            assert parsed.holds(metrics)
+            continue
+        with pytest.raises(InputError, match=r"give no figure for (cos|rel).*budget them with top1=V"):
+            parsed.refuse_unjudgeable(metrics, "m")
+        assert not parsed.holds(metrics)  # a term without a figure is never met
+
+
+def test_samples_are_counted_once_whatever_the_number_of_outputs():
+    outputs = {name: np.ones((3, 4), np.float32) * i for i, name in enumerate("abcde", 1)}
+    assert compare([outputs, outputs], [outputs, outputs]).samples == 6
 
 
 # --- emission ------------------------------------------------------------------------------------
@@ -438,7 +482,7 @@ def test_light_model_runs_like_the_full_one(gen):
     w["W1"] = randn(gen, D, D)  # 64 elements: make it "large" with a small limit
     model = build(BLOCK, **w)
     ctx = load_graph(model)
-    light, feeds = light_model(open_graph(model, ctx.shapes), model, {"x": np.float32}, {}, limit=16)
+    light, feeds = light_model(working_graph(model, ctx.shapes), model, {"x": np.float32}, {}, limit=16)
     assert "W1" in feeds and "W1" not in {i.name for i in light.graph.initializer}
     inputs = _feeds(gen, "a", "r", "h")
     got = Runner(light, feeds).run(inputs)
@@ -461,7 +505,7 @@ def test_light_models_sharing_a_cache_take_each_trial_s_own_migrated_weights(gen
     inputs = {n: randn(gen, 2, 5, width) for n in ("a", "r")}
     x = inputs["a"].astype(np.float64) @ w["W1"] + w["b1"] + inputs["r"]
     for scale in (1.5, 0.5):
-        working = open_graph(model, ctx.shapes, dtypes=ctx.dtypes)
+        working = working_graph(model, ctx.shapes, dtypes=ctx.dtypes)
         emitter = Emitter(working)
         surrogate = Surrogate("affine", np.full(width, scale), np.zeros(width))
         emitter.emit(emitter.norms["y"], surrogate)

@@ -104,9 +104,9 @@ from onnxruntime.quantization import (
 
 from normpass import models as builtin_models
 from normpass.models import minilm, registry, text, thirdparty
+from normpass.onnx.calibrate import CalibData
 from normpass.onnx.fold.driver import FoldOptions, fold_onnx
 from normpass.onnx.rotate.driver import RotateOptions, rotate_onnx
-from normpass.onnx.rotate.features import CalibData
 from normpass.onnx.rotate.online import DEFAULT_BLOCK
 from normpass.onnx.rotate.online import METADATA_KEY as KEEP_FP32
 from normpass.onnx.rotate.smooth import DEFAULT_ALPHA

@@ -101,8 +101,7 @@ MODELS: dict[str, Callable[[int], onnx.ModelProto]] = {"chain": pre_ln_chain, "s
 def analyse(model: onnx.ModelProto) -> tuple:
     """The zero-mean graph and fold plan, as `normpass viz` makes them."""
     from normpass.core.analysis import plan as make_plan
-    from normpass.onnx.fold.driver import open_graph
-    from normpass.onnx.graph.frontend import build_zero_mean_graph
+    from normpass.onnx.graph.frontend import build_zero_mean_graph, open_graph
 
     zmg = build_zero_mean_graph(open_graph(model, "synthetic"))
     return zmg, make_plan(zmg, True)

@@ -43,7 +43,7 @@ import onnxruntime as ort
 from normpass import BudgetMissed, ReplaceOptions, __version__, replace_onnx
 from normpass.calibration import collate, tokenize
 from normpass.models import text
-from normpass.onnx.replace.driver import Runner, input_spec
+from normpass.onnx.calibrate import Runner, input_spec
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "validation": {"split": (0.5, 0.25, 0.25), "check": 0.0},  # the pass before the back-off

@@ -163,6 +163,7 @@ def evaluate(name: str, args: argparse.Namespace, cache: pathlib.Path, results: 
                 "relative_error_max": held.rel_max,
                 "top1_agree": held.top1,
                 "samples": held.samples,
+                "measures": held.measures,  # how each output was compared (`core.budget.compare`)
                 "slice_s": round(seconds, 1),
             }
             if recovery is not None:

@@ -46,7 +46,8 @@ from normpass import BudgetMissed, ReplaceOptions, __version__, replace_onnx
 from normpass.calibration import collate, tokenize
 from normpass.core.budget import compare
 from normpass.models import text
-from normpass.onnx.replace.driver import Runner, input_spec, prepare
+from normpass.onnx.calibrate import Runner, input_spec
+from normpass.onnx.replace.driver import prepare
 
 
 def _embeddings(outputs: list[dict]) -> np.ndarray:

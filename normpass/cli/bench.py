@@ -12,14 +12,17 @@ import argparse
 import json
 import math
 
+from .. import genai
 from ..errors import InputError, VerificationError
 from ..io import check_paths, load_onnx, model_files, replacing, write_text_atomic
 
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("bench", help="time an optimized model against its original in ONNX Runtime")
-    parser.add_argument("original", help="the baseline .onnx model")
-    parser.add_argument("optimized", help="the .onnx model to compare with it (e.g. the output of normpass fold)")
+    parser.add_argument("original", help="the baseline .onnx model (or GenAI folder: its decoder)")
+    parser.add_argument(
+        "optimized", help="the .onnx model (or GenAI folder) to compare with it (e.g. the output of normpass fold)"
+    )
     parser.add_argument(
         "--provider",
         choices=("cpu", "cuda"),
@@ -81,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     ):
         if not least <= value < math.inf:  # NaN fails too
             raise InputError(f"{option} {value}: give a number of at least {least}")
+    args.original, args.optimized = (
+        str(genai.open_folder(path).model) if genai.is_folder(path) else path
+        for path in (args.original, args.optimized)
+    )
     inputs = model_files("ORIGINAL", args.original) | model_files("OPTIMIZED", args.optimized)
     outputs = list(check_paths(inputs, {"--json": args.json, "--csv": args.csv, "--plot": args.plot}).values())
     for path in (args.original, args.optimized):

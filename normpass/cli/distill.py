@@ -13,7 +13,7 @@ import argparse
 import collections
 import json
 
-from ..core.budget import Budget
+from ..core.budget import Budget, Metrics
 from ..core.replace import BudgetMissed
 from ..errors import InputError, VerificationError
 from ..io import calibration_files, check_paths, save_onnx_atomic, write_text_atomic
@@ -193,8 +193,8 @@ def run(args: argparse.Namespace) -> int:
     test = data["test"]
     print(
         f"{label}: {data['exact']} of {data['total']} norms folded exactly, {data['replaced']} replaced by trained "
-        f"{data['kind']} surrogates, {len(data['kept'])} kept; test ({test['samples']} samples): cos min "
-        f"{test['cos_min']:.6f}, mean {test['cos_mean']:.6f}; budget {options.budget}; {data['steps']} steps; "
+        f"{data['kind']} surrogates, {len(data['kept'])} kept; test ({test['samples']} samples): "
+        f"{Metrics.from_json(test).describe()}; budget {options.budget}; {data['steps']} steps; "
         f"ONNX norm ops left: {', '.join(f'{op}×{n}' for op, n in ops.items()) or 'none'} "
         f"({comparison.describe()}); wrote {out}"
     )

@@ -54,7 +54,7 @@ from ..onnx.rotate.keys import KeyPlan
 from ..onnx.rotate.online import OnlinePlan
 from ..onnx.rotate.smooth import SmoothPlan
 from ..onnx.slice.driver import SliceOptions, SlicePlan, inspect_slice
-from .common import add_decision_arguments, add_model_arguments, fold_decisions_of, model_source
+from .common import add_decision_arguments, add_model_arguments, fold_decisions_of, model_source, open_genai_folder
 
 PARAMETER_NAMES = {"weight", "bias", "gamma", "beta", "scale"}
 HEADER = ("block", "norm", "op", "decision", "why")
@@ -227,6 +227,7 @@ def render_slice(plan: SlicePlan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    open_genai_folder(args)  # a folder stands for its decoder, whose files --graph must not overwrite
     graph_out = check_paths(model_files("the input model", args.model), {"--graph": args.graph}).get("--graph")
     if graph_out is not None and graph_out.suffix.lower() not in GRAPH_FORMATS:
         raise InputError(f"{graph_out}: --graph writes .graphml or .json; choose a path with one of those suffixes")

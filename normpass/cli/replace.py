@@ -13,13 +13,21 @@ import argparse
 import json
 import sys
 
+from ..core.budget import Metrics
 from ..core.replace import ORDERS, POLICIES, BudgetMissed, ReplaceOptions
 from ..core.surrogates import KINDS
 from ..errors import InputError
 from ..io import calibration_files, check_paths, model_files, save_onnx_atomic, write_text_atomic
 from ..onnx.fold.rewrite import RMS_OPS
 from ..onnx.replace.driver import replace_onnx
-from .common import add_budget_arguments, add_data_arguments, add_model_arguments, model_source, split_fractions
+from .common import (
+    add_budget_arguments,
+    add_data_arguments,
+    add_model_arguments,
+    model_source,
+    open_genai_folder,
+    split_fractions,
+)
 from .progress import Heartbeat
 
 
@@ -150,6 +158,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    open_genai_folder(args)  # a folder stands for its decoder, whose files -o must not overwrite
     inputs = (
         model_files("the input model", args.model)
         | calibration_files("--calib", args.calib)
@@ -208,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{label}: {report['exact']} of {report['total']} norms folded exactly, {report['replaced']} replaced by "
         f"surrogates{fallback}, {report['kept']} kept; test "
-        f"({test['samples']} samples): cos min {test['cos_min']:.6f}, rel max {test['rel_max']:.3g}; "
+        f"({test['samples']} samples): {Metrics.from_json(test).describe(mean=False)}; "
         f"budget {options.budget}; wrote {out}"
     )
     for norm in report["norms"]:

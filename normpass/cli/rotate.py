@@ -13,9 +13,9 @@ import contextlib
 
 from ..core.orthogonal import KINDS
 from ..io import calibration_files
+from ..onnx.calibrate import CalibData
 from ..onnx.fold.driver import PROVIDERS, TARGETS
 from ..onnx.rotate.driver import RotateOptions, RotateResult, rotate_onnx
-from ..onnx.rotate.features import CalibData
 from ..onnx.rotate.online import DEFAULT_BLOCK
 from ..onnx.rotate.online import METADATA_KEY as KEEP_FP32
 from ..onnx.rotate.smooth import DEFAULT_ALPHA

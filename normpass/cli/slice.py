@@ -14,6 +14,7 @@ import json
 
 from ..core.replace import BudgetMissed
 from ..errors import InputError
+from ..genai import sliced_widths
 from ..io import calibration_files, write_text_atomic
 from ..onnx.fold.driver import PROVIDERS, TARGETS
 from ..onnx.slice.driver import BASES, DEFAULT_ROUND_TO, LADDER_STEP, SliceOptions, SliceResult, slice_onnx
@@ -108,12 +109,7 @@ def summary(label: str, result: SliceResult, out) -> list[str]:
     kept = {} if result.chosen is None else result.chosen.kept
     widths = ", ".join(f"{s.width} → {kept[s.name]}" for s in result.slicing.sliceable)
     held = result.held_out
-    figures = (
-        ""
-        if held is None
-        else f"; held out ({held.samples} samples): cos min {held.cos_min:.6f}, mean {held.cos_mean:.6f}, "
-        f"rel max {held.rel_max:.3g}"
-    )
+    figures = "" if held is None else f"; held out ({held.samples} samples): {held.describe()}"
     budget = "" if result.budget is None else f"; budget {result.budget}"
     check = "" if result.comparison is None else f" ({result.comparison.describe()})"
     sliced = "" if result.chosen is None else f"; {result.chosen.parameters} of {result.parameters} parameters"
@@ -124,7 +120,7 @@ def summary(label: str, result: SliceResult, out) -> list[str]:
         figures += f"; {recovery.describe()}"
         before = recovery.held_out_before
         if before is not None:
-            figures += f" (held out before it: cos min {before.cos_min:.6f}, mean {before.cos_mean:.6f})"
+            figures += f" (held out before it: {before.describe()})"
     lines = [
         f"{label}: {len(result.slicing.sliceable)} of {len(result.slicing.streams)} residual streams sliced at "
         f"ratio {result.ratio:g}{' (' + widths + layers + sliced + ')' if widths else ''}{check}{figures}{budget}; "
@@ -148,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
         | calibration_files("--holdout", args.holdout)
         | calibration_files("--tokenizer", args.tokenizer),
     )
-    if args.batch_size < 1 or args.samples < 1 or args.max_length < 1:
-        raise InputError("--batch-size, --samples and --max-length must be at least 1")
     fit, held = split_fractions(args.split, "FIT,HELD_OUT", "0.75,0.25")
     options = SliceOptions(
         ratio=args.ratio,
@@ -183,8 +177,6 @@ def run(args: argparse.Namespace) -> int:
         if args.report:
             write_text_atomic(json.dumps({"model": label, **e.report.to_json()}, indent=2) + "\n", args.report)
         raise
-    kept = result.chosen.kept if result.chosen is not None else {}
-    widths = {s.width: kept[s.name] for s in result.slicing.sliceable if s.width and s.name in kept}
-    save_result(result, out, inputs, label, args.report, args.genai, widths)
+    save_result(result, out, inputs, label, args.report, args.genai, sliced_widths(result))
     print("\n".join(summary(label, result, out)))
     return 0

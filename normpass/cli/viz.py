@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..io import check_paths, model_files, write_text_atomic
-from .common import add_decision_arguments, add_model_arguments, fold_decisions_of, model_source
+from .common import add_decision_arguments, add_model_arguments, fold_decisions_of, model_source, open_genai_folder
 
 FORMATS = ("html", "svg", "dot")  # normpass.viz.FORMATS, named here so that other commands start without networkx
 
@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..viz import render
 
+    open_genai_folder(args)  # a folder stands for its decoder, whose files -o must not overwrite
     out = check_paths(model_files("the input model", args.model), {"-o": args.output})["-o"]
     fmt = args.format or out.suffix.lstrip(".").lower()
     if fmt not in FORMATS:

@@ -248,6 +248,7 @@ class Search:
         self.epsilons = {n.name: n.epsilon for n in bench.norms}
         self.splits = splits
         self.budget, self.options = budget, options
+        budget.refuse_unjudgeable(self.judge("test", splits.references["test"]), "the test split")
         self.margin = options.margin
         self._stats: collections.OrderedDict = collections.OrderedDict()
         self._stats_bytes = 0
@@ -610,11 +611,6 @@ class Frame:
         return self.exact - set(replaced)
 
 
-def _figures(m: Metrics) -> str:
-    text = f"cos min {m.cos_min:.6f}, rel max {m.rel_max:.3g}"
-    return text + (f", top1 {m.top1:.4f}" if m.top1 is not None else "")
-
-
 Build = Callable[[list[tuple[str, Surrogate]]], tuple[object, list[dict[str, np.ndarray]], dict[str, Emission], dict]]
 
 
@@ -651,7 +647,7 @@ def conclude(
     if not passed:
         best_text = (
             f"the largest selection on the way that meets it there replaces {len(best)} "
-            f"({search.evaluate(best, 'test').cos_min:.6f} cos min); write it with --write-best "
+            f"({search.evaluate(best, 'test').describe(mean=False)}); write it with --write-best "
             "(ReplaceOptions.write_best)"
             if best
             else "no selection on the way with a surrogate meets it there (--write-best would write the exact "
@@ -659,8 +655,9 @@ def conclude(
         )
         raise BudgetMissed(
             report,
-            f"{frame.name}: the replaced model misses the budget {budget} on the test split ({_figures(test)}; "
-            f"selection: {_figures(selection.chosen.metrics)}); nothing written; {best_text}. Give more "
+            f"{frame.name}: the replaced model misses the budget {budget} on the test split "
+            f"({test.describe(mean=False)}; selection: {selection.chosen.metrics.describe(mean=False)}); nothing "
+            f"written; {best_text}. Give more "
             "calibration data, a smaller margin or a looser budget",
             model,
         )

@@ -249,10 +249,13 @@ def _leaves(output) -> list[torch.Tensor]:
 
 
 def output_gap(student_out, teacher_out, mask: torch.Tensor | None) -> torch.Tensor:
-    """Mean over samples and outputs of 1 − cos(f_s, f_t), each output flattened per sample
-    (positions the mask drops zeroed)."""
+    """Mean over samples and float outputs of 1 − cos(f_s, f_t), each output flattened per sample
+    (positions the mask drops zeroed). Integer outputs (ids) have no gradient: they are left out here and
+    judged by the budget's agreement (`core/budget.compare`); with none left the gap is 0."""
     gaps = []
     for s, t in zip(_leaves(student_out), _leaves(teacher_out), strict=True):
+        if not s.is_floating_point():
+            continue
         if mask is not None and s.dim() >= 2 and s.shape[:2] == mask.shape:
             keep = (mask != 0).reshape(*mask.shape, *([1] * (s.dim() - 2))).to(s.dtype)
             s, t = s * keep, t * keep
@@ -261,7 +264,7 @@ def output_gap(student_out, teacher_out, mask: torch.Tensor | None) -> torch.Ten
             t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1),
         )
         gaps.append(1 - torch.nn.functional.cosine_similarity(s, t, dim=1, eps=1e-12))
-    return torch.cat(gaps).mean()
+    return torch.cat(gaps).mean() if gaps else torch.zeros(())
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -373,7 +376,7 @@ class Trainer:
                     metrics = self.judge(student)
                     usage = self.budget.usage(metrics)
                     holds = usage <= o.margin
-                    figure = f"decide cos min {metrics.cos_min:.4f} mean {metrics.cos_mean:.4f}"
+                    figure = f"decide {metrics.describe()}"
                     record.history.append(
                         {"step": step + 1, "loss": round(float(loss.detach()), 6), "decide": metrics.to_json()}
                     )
@@ -528,8 +531,8 @@ def distill(
         raise BudgetMissed(
             report,
             f"{p.frame.name}: the distilled student misses the budget {budget} on the test split "
-            f"(cos min {test.cos_min:.6f}, {len(surrogates)} norms replaced, decide split: cos min "
-            f"{decide.cos_min:.6f}); nothing written. Give more calibration data, more steps or rounds, "
+            f"({test.describe(mean=False)}; {len(surrogates)} norms replaced; decide split: "
+            f"{decide.describe(mean=False)}); nothing written. Give more calibration data, more steps or rounds, "
             "or keep more norms",
             final,
         )

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..calibration import Batch, InputSpec, check_indices, find_mask_input, load_batches
+from ..calibration import Batch, InputSpec, check_indices, distinct_holdout, find_mask_input, load_batches
 from ..core.analysis import ShiftChecker, safe_centrings
 from ..core.cost import CPU_COST, Emission
 from ..core.graph import NormInfo, NormType
@@ -499,12 +499,14 @@ def prepare(module: nn.Module, calibration, options: ReplaceOptions | None = Non
     _arguments(module, (), None)  # an nn.Module in eval mode
     started = time.perf_counter()
 
+    distinct_holdout(calibration, options.holdout)
     batches = load(calibration, module, options)
     holdout = None if options.holdout is None else load(options.holdout, module, options)
     splits = split_roles(batches, holdout, options)
     example = _tensors(splits.batches["fit"][0])
     spec = input_spec(module)
-    mask_input = find_mask_input(InputSpec({k: v for k, v in spec.inputs.items() if k in example}), options.mask_input)
+    masked = InputSpec({k: v for k, v in spec.inputs.items() if k in example})
+    mask_input = find_mask_input(masked, options.mask_input, batches + (holdout or []))
     b = base(module, example, options, name)
     bounds = {
         call.args["indices"]: int(b.tg.capture.shapes[call.args["weight"]][0])

@@ -46,13 +46,13 @@ from ... import __version__
 from ...core.analysis import plan as make_plan
 from ...core.graph import ZeroMeanGraph
 from ...core.plan import FoldPlan
-from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
-from ...io import checked_model, in_memory_proto, interface, load_ir, save_onnx_atomic
+from ...errors import InputError, UnsupportedModelError
+from ...io import checked_model, in_memory_proto, interface, save_onnx_atomic
 from ..graph.export import export_model
-from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph
+from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph, open_graph
 from ..graphsurgeon import from_graphsurgeon, to_graphsurgeon
 from ..runtime.ortopt import OrtOptimizer, optimize, ordering_note
-from ..runtime.verify import Comparison, Model, check_input_shapes, check_signature, verify
+from ..runtime.verify import Comparison, Model, check_input_shapes, checked
 from .fuse import fuse_skip_rms, ort_fuses_into_skip_layer_norm
 from .matmul import gemms_to_matmuls
 from .rewrite import RMS_OPS, Rewriter
@@ -191,14 +191,6 @@ def _to_rms_opset(ctx: OnnxGraph) -> OnnxGraph:
         ) from e
     converted.ir_version = max(ctx.model.ir_version, RMS_IR_VERSION)
     return load_graph(converted, ctx.name, ctx.source)
-
-
-def open_graph(model: onnx.ModelProto | str | os.PathLike, name: str = "model") -> OnnxGraph:
-    """The graph of `model`: a path is loaded lazily (external weights stay on disk), a ModelProto is
-    wrapped, not copied."""
-    if isinstance(model, (str, os.PathLike)):
-        return load_graph(load_ir(model), name, Path(model))
-    return load_graph(checked_model(model, name), name)
 
 
 def inspect_onnx(model: ModelSource, insert_centering: bool = True, name: str = "model") -> FoldPlan:
@@ -351,49 +343,6 @@ def _fold(ctx: OnnxGraph, original: Model, options: FoldOptions, name: str, opti
         notes=[note] if note else [],
         shapes=ctx.shapes,
     )
-
-
-def checked(
-    original,
-    rewritten: ir.Model,
-    before: onnx.ModelProto,
-    options,
-    name: str,
-    done: str,
-    verb: tuple,
-    seconds: dict,
-    modified: bool = True,
-) -> Comparison | None:
-    """`rewritten`'s signature checked against `before` (the original's structure) and, with `options.verify`,
-    its outputs against `original`'s (`verify.verify`, with `options.input_shapes` and `options.seed`).
-
-    `done` says what the rewrite did ("3 of 5 norms folded"), `verb` names it ("fold", "folded"). Raises
-    `VerificationError` on a mismatch, `UnsupportedModelError` where the result cannot run; records
-    `seconds["verify"]`. A model left as it was (`modified` false) that does not take the verification
-    inputs has nothing to verify: None.
-    """
-    if not options.verify:
-        check_signature(before, interface(rewritten), name)  # verify() checks it first
-        return None
-    start = time.perf_counter()
-    try:
-        comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
-    except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
-        raise
-    except UnsupportedModelError as e:
-        if isinstance(e, InputsRejectedError) and not modified:
-            return None
-        wrapper = InputsRejectedError if isinstance(e, InputsRejectedError) else UnsupportedModelError
-        raise wrapper(
-            f"{name}: {done}, but the result could not be verified ({e}); nothing written; "
-            f"{verb[0]} without verification to write it unverified"
-        ) from e
-    seconds["verify"] = time.perf_counter() - start
-    if not comparison.passed:
-        raise VerificationError(
-            f"{name}: {verb[1]} model does not match the original: {comparison.failures()}; nothing written"
-        )
-    return comparison
 
 
 def _is_half(ctx, zmg, fold_plan: FoldPlan) -> bool:

@@ -26,11 +26,16 @@ reason they are not rewritten.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -58,13 +63,16 @@ from ...core.rules import (
     Take,
 )
 from ...errors import InputError, UnsupportedModelError
-from ...io import LIGHT_INITIALIZER_LIMIT, skeleton
+from ...io import LIGHT_INITIALIZER_LIMIT, checked_model, load_ir, skeleton
 from .constants import constant_values, is_constant, unit_slice
 from .patterns import MatchContext, NormMatch, match_decomposed, match_single_op, norm_info
 from .values import attr, bodies, input_at, is_initializer, name_of, shape_axes
 
 SHAPE_READERS = ("Shape", "Size", "EyeLike", "RandomNormalLike", "RandomUniformLike")  # read no values
 FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+ORT_SYMBOLIC_MODULE = "onnxruntime.tools.symbolic_shape_infer"
+SYMBOLIC_MODULE = "normpass._ort_symbolic_shape_infer"  # the same file, run without `onnxruntime.tools`
 
 
 @dataclass
@@ -186,6 +194,27 @@ def _unresolved_reshapes(model: onnx.ModelProto, shapes: dict) -> bool:
     return False
 
 
+@functools.cache
+def _symbolic_shape_inference() -> Any:
+    """ONNX Runtime's `SymbolicShapeInference`, its module run from its file: importing it by name first runs
+    `onnxruntime/tools/__init__.py`, which imports torch where torch is installed (seconds, for an export
+    helper normpass never uses). By name where it is imported already, or ONNX Runtime keeps it elsewhere."""
+    loaded = sys.modules.get(ORT_SYMBOLIC_MODULE)
+    if loaded is not None:
+        return loaded.SymbolicShapeInference
+    found = importlib.util.find_spec("onnxruntime")  # a top-level name: found, not imported
+    path = Path(found.origin).parent / "tools" / "symbolic_shape_infer.py" if found and found.origin else None
+    spec = importlib.util.spec_from_file_location(SYMBOLIC_MODULE, path) if path and path.is_file() else None
+    if spec is None or spec.loader is None:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        return SymbolicShapeInference
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[SYMBOLIC_MODULE] = module
+    spec.loader.exec_module(module)
+    return module.SymbolicShapeInference
+
+
 def _symbolic_inference(light: onnx.ModelProto) -> onnx.ModelProto | None:
     """ONNX Runtime's symbolic shape inference, or None where it fails (best effort).
 
@@ -194,13 +223,11 @@ def _symbolic_inference(light: onnx.ModelProto) -> onnx.ModelProto | None:
     dynamo exporter writes unless its optimizer folds them away), leaving every shape after an ONNX Runtime
     op unknown.
     """
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
     copy = onnx.ModelProto()
     copy.CopyFrom(light)
     _constants_as_tensors(copy.graph)
     try:
-        return SymbolicShapeInference.infer_shapes(copy, auto_merge=True, guess_output_rank=True)
+        return _symbolic_shape_inference().infer_shapes(copy, auto_merge=True, guess_output_rank=True)
     except Exception:
         return None
 
@@ -414,6 +441,15 @@ def _forget_declarations(model: ir.Model, structure: onnx.ModelProto, names: lis
     kept = [v for v in structure.graph.value_info if v.name not in doomed]
     del structure.graph.value_info[:]
     structure.graph.value_info.extend(kept)
+
+
+def open_graph(model: onnx.ModelProto | str | os.PathLike, name: str = "model") -> OnnxGraph:
+    """The graph of `model`, as `fold`, `rotate`, `replace`, `inspect` and `viz` load it: a path is loaded
+    lazily (`io.load_ir`: external weights stay on disk, mapped when read), a ModelProto checked
+    (`io.checked_model`) and wrapped, not copied."""
+    if isinstance(model, (str, os.PathLike)):
+        return load_graph(load_ir(model), name, Path(model))
+    return load_graph(checked_model(model, name), name)
 
 
 # --- model-local functions ---------------------------------------------------------------------

@@ -120,7 +120,7 @@ def norm_cost(norm: NormInfo, fused_adds: int = 0, provider: str | None = None) 
 # --- working graphs -----------------------------------------------------------------------------
 
 
-def open_graph(model: onnx.ModelProto, shapes: dict, name: str = "model", dtypes: dict | None = None) -> OnnxGraph:
+def working_graph(model: onnx.ModelProto, shapes: dict, name: str = "model", dtypes: dict | None = None) -> OnnxGraph:
     """A disposable working graph of `model` (node names must already be unique), with known shapes
     and dtypes (`model`'s tensors are shared, never written; it is the graph's structure as loaded)."""
     working = ir.from_proto(model)

@@ -23,7 +23,7 @@ with the node and the reason:
 * every tensor from the bias `Add` to the scores and from the scores to the Softmax has that one
   reader (besides `Shape`s) and is no graph output: nothing else sees the change.
 
-`rotate --calib` applies it after the rotation (`rotate.Rotator.centre_keys`): the new bias is a new
+`rotate --calib` applies it after the rotation (`rotator.Rotator.centre_keys`): the new bias is a new
 initializer (a bias shared with another layer keeps its values there).
 """
 

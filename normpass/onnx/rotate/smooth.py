@@ -15,7 +15,7 @@ all-MiniLM-L6-v2 under dynamic INT8 the held-out worst sentence goes from cosine
 
 Sites (`find_sites`): the output y of every norm (one op or a matched pattern; after the fold the RMS
 ops it emitted) that at least one linear layer reads along y's last axis with a constant weight
-(`rotate.reader_weight`: `MatMul`, `Gemm`, `Conv`), except
+(`rotator.reader_weight`: `MatMul`, `Gemm`, `Conv`), except
 
 * a norm on a rotated stream: the rotation has already spread its features' outliers evenly, and on
   DINOv2-S smoothing the rotated model raised its error under static INT8;
@@ -131,7 +131,7 @@ def _feature_constant(value: ir.Value | None, width: int) -> bool:
 
 def find_sites(ctx: OnnxGraph, zmg: ZeroMeanGraph, rotated: set[str], reader_weight, alpha: float) -> SmoothPlan:
     """Which norm outputs smooth, and how (see the module docstring). `reader_weight(ctx, node, index, axis)`
-    names a linear layer's weight input and its input-feature axis (`rotate.reader_weight`)."""
+    names a linear layer's weight input and its input-feature axis (`rotator.reader_weight`)."""
     plan = SmoothPlan([], alpha=alpha)
     for norm in zmg.norms:
         match = norm.ref

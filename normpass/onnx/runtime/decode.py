@@ -71,6 +71,15 @@ class DecodeSignature:
         return [(2, new, 0), (2, 1, new), (1 if self.gqa else 3, 5, 3)]
 
 
+def describe(batch: int, new: int, past: int) -> str:
+    """A step in words: "prefill: batch 2, 16 new tokens, empty past", "decode step: batch 2, 1 new token after
+    16", "batch 1, 5 new tokens after 3"."""
+    tokens = f"{new} new token{'s' if new != 1 else ''}"
+    if past == 0:
+        return f"prefill: batch {batch}, {tokens}, empty past"
+    return f"{'decode step: ' if new == 1 else ''}batch {batch}, {tokens} after {past}"
+
+
 def _dims(value: onnx.ValueInfoProto) -> list[str | int | None]:
     return [
         d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)

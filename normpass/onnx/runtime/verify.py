@@ -28,6 +28,7 @@ no weights.
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,9 +37,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError
+from ...errors import InputError, InputsRejectedError, UnsupportedModelError, VerificationError, WeightOverflowError
 from ...io import (
     in_memory_proto,
+    interface,
     ir_weight_bytes,
     keeps_external_data,
     maps_weights,
@@ -98,8 +100,11 @@ class Run:
     shapes: dict
     bools: str | None
     skipped: str | None = None  # why this run did not happen
+    step: str | None = None  # a KV-cache graph's step, e.g. "decode step: batch 2, 1 new token after 16"
 
     def sizes(self) -> str:
+        if self.step is not None:
+            return self.step
         return ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in self.shapes.items())
 
 
@@ -418,8 +423,9 @@ Model = onnx.ModelProto | ir.Model | Path
 
 def run_inputs(
     model: onnx.ModelProto, shapes: dict | None, seed: int, source: Model | None = None
-) -> list[tuple[dict[str, np.ndarray], str | None, bool]]:
-    """(feeds, boolean fill, whether the original must run on them) of each verification run.
+) -> list[tuple[dict[str, np.ndarray], str | None, bool, str | None]]:
+    """(feeds, boolean fill, whether the original must run on them, the decode step they are) of each
+    verification run.
 
     Without given shapes, a KV-cache graph (`decode.signature`) runs a prefill, a decode step (both required)
     and several new tokens after a past; any other model the runs of `verification_runs`, the first required.
@@ -432,6 +438,7 @@ def run_inputs(
                 decode.set_values(sig, make_inputs(model, decode.input_shapes(model, sig, *step), seed + i), step[2]),
                 None,
                 i < 2,
+                decode.describe(*step),
             )
             for i, step in enumerate(sig.steps(DEFAULT_DIM))
         ]
@@ -442,6 +449,7 @@ def run_inputs(
             ),
             bools,
             not dims,
+            None,
         )
         for i, (bools, dims) in enumerate(verification_runs(model))
     ]
@@ -517,7 +525,7 @@ def verify(
     done: list[tuple[dict, dict, dict]] = []
     runs: list[Run] = []
     with Runner(original, before) as reference_runner:
-        for feeds, bools, required in run_inputs(before, shapes, seed, original):
+        for feeds, bools, required, step in run_inputs(before, shapes, seed, original):
             run_shapes = {k: list(v.shape) for k, v in feeds.items()}
             if not required and bools is None and runs and run_shapes == runs[0].shapes:
                 runs.append(Run(run_shapes, bools, "the model has no dynamic dims"))
@@ -531,12 +539,11 @@ def verify(
                         f"{name}: the original model does not run on the verification inputs ({sizes}): "
                         f"{str(e).splitlines()[0][:200]}; give the input shapes the model expects"
                     ) from e
-                runs.append(
-                    Run(run_shapes, bools, f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}")
-                )
+                refused = f"the original model rejects these sizes: {str(e).splitlines()[0][:120]}"
+                runs.append(Run(run_shapes, bools, refused, step))
                 continue
             done.append((feeds, reference, run_shapes))
-            runs.append(Run(run_shapes, bools))
+            runs.append(Run(run_shapes, bools, step=step))
     with Runner(rewritten, after) as candidate_runner:
         comparisons = [
             compare_outputs(reference, candidate_runner.run(feeds), run_shapes) for feeds, reference, run_shapes in done
@@ -546,3 +553,46 @@ def verify(
         for results in zip(*(c.outputs for c in comparisons), strict=False)
     ]
     return Comparison(tuple(worst), comparisons[0].input_shapes, tuple(runs))
+
+
+def checked(
+    original,
+    rewritten: ir.Model,
+    before: onnx.ModelProto,
+    options,
+    name: str,
+    done: str,
+    verb: tuple,
+    seconds: dict,
+    modified: bool = True,
+) -> Comparison | None:
+    """`rewritten`'s signature checked against `before` (the original's structure) and, with `options.verify`,
+    its outputs against `original`'s (`verify.verify`, with `options.input_shapes` and `options.seed`).
+
+    `done` says what the rewrite did ("3 of 5 norms folded"), `verb` names it ("fold", "folded"). Raises
+    `VerificationError` on a mismatch, `UnsupportedModelError` where the result cannot run; records
+    `seconds["verify"]`. A model left as it was (`modified` false) that does not take the verification
+    inputs has nothing to verify: None.
+    """
+    if not options.verify:
+        check_signature(before, interface(rewritten), name)  # verify() checks it first
+        return None
+    start = time.perf_counter()
+    try:
+        comparison = verify(original, rewritten, options.input_shapes, options.seed, name, before)
+    except WeightOverflowError:  # a large weight, computed as verification writes the model: not a run failure
+        raise
+    except UnsupportedModelError as e:
+        if isinstance(e, InputsRejectedError) and not modified:
+            return None
+        wrapper = InputsRejectedError if isinstance(e, InputsRejectedError) else UnsupportedModelError
+        raise wrapper(
+            f"{name}: {done}, but the result could not be verified ({e}); nothing written; "
+            f"{verb[0]} without verification to write it unverified"
+        ) from e
+    seconds["verify"] = time.perf_counter() - start
+    if not comparison.passed:
+        raise VerificationError(
+            f"{name}: {verb[1]} model does not match the original: {comparison.failures()}; nothing written"
+        )
+    return comparison

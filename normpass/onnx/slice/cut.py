@@ -1,7 +1,7 @@
 """Cut a proven residual stream of a folded ONNX graph to its first k principal directions (in place).
 
 A stream the rotation proof accepts (`core/rotation.py`) is rotated by the rotation's own rewriter
-(`rotate/driver.Rotator.rotate_stream`) with a d×k matrix Q_k instead of a square Q: every writer's
+(`rotate/rotator.Rotator.rotate_stream`) with a d×k matrix Q_k instead of a square Q: every writer's
 output features `W → W·Q_k` (biases `b·Q_k`, embedding and position tables and class tokens row-wise,
 LayerScales absorbed first), every reader's input features `W → Q_kᵀ·diag(γ)·W`. What is left for this
 module (DESIGN §2c, `core/pca.py`):
@@ -34,11 +34,19 @@ from ..fold.targets import new_initializer, set_input
 from ..graph.constants import constant_values
 from ..graph.frontend import OnnxGraph, graph_values
 from ..graph.values import input_at, name_of, take_over
-from ..rotate.driver import Rotator, reader_weight
+from ..rotate.rotator import Rotator, reader_weight
 
 LAYOUT_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Slice", "Gather", "Expand")
 SINGLE_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization")
 RESHAPING = {"Reshape": 1, "Expand": 1}  # op → the input holding its target shape
+# op → the outputs whose shape follows a narrowed input's (empty: all): elementwise ops, and the RMS ops'
+# normalized output (and a Skip op's sum, output 3); their statistics (outputs 1, 2) keep 1 on the axis
+ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Abs", "Cast", "CastLike", "Identity")
+FOLLOWING: dict[str, tuple[int, ...]] = {op: () for op in ELEMENTWISE} | {
+    "SimplifiedLayerNormalization": (0,),
+    "RMSNormalization": (0,),
+    "SkipSimplifiedLayerNormalization": (0, 3),
+}
 
 
 def slice_refusal(zmg: ZeroMeanGraph, stream: Stream) -> str | None:
@@ -198,23 +206,84 @@ class Slicer(Rotator):
         self._note(name_of(add), note)
 
     def _cut_shapes(self, stream: Stream, width: int, kept: int, label: str) -> None:
+        """Every value the cut narrows says k: the stream's tensors, and what is computed from them elementwise
+        (`_narrow_followers`); every target shape inside the stream that names d names k."""
         axes = dict(stream.states)
         values = {value.name: value for value in graph_values(self.ctx.graph)}
+        narrowed = []
         for tensor, axis in stream.states:
             value = values.get(tensor)
-            if value is None or value.shape is None or axis >= len(value.shape) or value.shape[axis] != width:
-                continue
-            value.shape = ir.Shape([kept if i == axis else d for i, d in enumerate(value.shape)])
-        for tensor, axis in stream.states:
-            known = self.ctx.shapes.get(tensor)
-            if known is not None and axis < len(known) and known[axis] == width:
-                self.ctx.shapes[tensor] = tuple(kept if i == axis else d for i, d in enumerate(known))
+            shape = None if value is None else value.shape or self.ctx.shapes.get(tensor)
+            if value is not None and shape is not None and self._narrow(value, axis - len(shape), width, kept):
+                narrowed.append((value, axis - len(shape)))
+        self._narrow_followers(narrowed, width, kept)
         for node in list(self.ctx.graph):
             position = RESHAPING.get(node.op_type)
             out = node.outputs[0].name if node.outputs else None
             if position is not None and out in axes and position < len(node.inputs):
                 rank = len(self.ctx.shapes.get(out) or ())
                 self._retarget(node, position, axes[out] - rank, width, kept, label)
+
+    def _narrow(self, value: ir.Value, axis: int, width: int, kept: int) -> bool:
+        """Declared (value_info) and inferred shape of `value` say `kept` at `axis` (negative: from the end) where
+        they said `width`; whether either did."""
+        known, shape = self.ctx.shapes.get(name_of(value)), value.shape
+        changed = False
+        if known is not None and -len(known) <= axis < 0 and known[axis] == width:
+            self.ctx.shapes[name_of(value)] = _with(known, axis, kept)
+            changed = True
+        if shape is not None and -len(shape) <= axis < 0 and shape[axis] == width:
+            value.shape = ir.Shape(_with(tuple(shape), axis, kept))
+            changed = True
+        return changed
+
+    def _narrow_followers(self, narrowed: list[tuple[ir.Value, int]], width: int, kept: int) -> None:
+        """What the cut narrows beyond the stream's own tensors: the outputs of elementwise ops and of RMS ops
+        (a decomposed RMSNorm's Pow and Mul, a fused op's output and sum) computed from a narrowed value, where
+        their declared shape says `width` at its axis (counted from the end, as broadcasting aligns). Left at d,
+        such a declaration contradicts what the node computes: ONNX Runtime warns and strict shape inference
+        (normpass's own loader) refuses the model."""
+        pending = list(narrowed)
+        while pending:
+            value, axis = pending.pop()
+            for use in value.uses():
+                node = use.node
+                outputs = FOLLOWING.get(node.op_type)
+                if outputs is None or (node.domain not in ("", "ai.onnx") and node.op_type not in SINGLE_OPS):
+                    continue
+                for index in outputs or range(len(node.outputs)):
+                    out = node.outputs[index] if index < len(node.outputs) else None
+                    if out is not None and self._narrow(out, axis, width, kept):
+                        pending.append((out, axis))
+
+    def pin_width(self, piece: Stream, width: int, label: str) -> None:
+        """Name `width` on the stream's axis of every target shape of `piece` computed at run time (a `Reshape`
+        or `Expand` whose target is no constant): Mul by a mask, Add `width` there. Such a target reads the
+        `Shape` of another tensor of the stream — OPT's TorchScript export restores [batch, seq, d] after its
+        MLP from the shape taken before it flattened the stream, in another piece. Once every piece has the
+        same width that shape is right; in the sequential fit's models (`driver.sequential_covariances`),
+        where the earlier pieces are cut to k and the later ones whole, it is not."""
+        axes = dict(piece.states)
+        for node in list(self.ctx.graph):
+            position = RESHAPING.get(node.op_type)
+            out = node.outputs[0].name if node.outputs else None
+            if position is None or out not in axes or position >= len(node.inputs):
+                continue
+            target, rank = node.inputs[position], len(self.ctx.shapes.get(out) or ())
+            if target is None or not rank or constant_values(target) is not None:
+                continue
+            keep = np.ones(rank, np.int64)
+            keep[axes[out]] = 0
+            masked = self._new_value(f"{name_of(target)}.masked", np.dtype(np.int64))
+            pinned = self._new_value(f"{name_of(target)}.pinned", np.dtype(np.int64))
+            graph, name = self.ctx.graph, self._unique(f"{name_of(node)}.pinned")
+            inputs = [new_initializer(graph, self._unique(f"{name}.mask"), keep)]
+            mask = ir.node("Mul", [target, *inputs], outputs=[masked], name=self._unique(f"{name}.mask"))
+            inputs = [new_initializer(graph, self._unique(f"{name}.width"), (1 - keep) * width)]
+            add = ir.node("Add", [masked, *inputs], outputs=[pinned], name=name)
+            graph.insert_before(node, [mask, add])
+            node.replace_input_with(position, pinned)
+            self._note(name_of(node), f"target shape names {width} features on the stream's axis ({label})")
 
     def _retarget(self, node: ir.Node, position: int, at: int, width: int, kept: int, label: str) -> None:
         """Where the target shape of `node` (its input `position`) names `width` at `at` (counted from the end),
@@ -275,6 +344,13 @@ def _length(ctx: OnnxGraph, value: ir.Value | None) -> int | None:
     """The static length of a 1-D tensor, or None."""
     shape = None if value is None else ctx.shapes.get(name_of(value))
     return shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
+
+
+def _with(shape: tuple, axis: int, size) -> tuple:
+    """`shape` with entry `axis` (negative: from the end) replaced by `size`."""
+    dims = list(shape)
+    dims[axis] = size
+    return tuple(dims)
 
 
 def _named(at: int, kept: int):

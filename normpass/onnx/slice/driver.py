@@ -2,7 +2,7 @@
 
 `slice_onnx(model, calibration, SliceOptions(ratio=R))` (docs/slice.md, DESIGN §2c):
 
-1. **Fold and prove**, as `rotate` does (`rotate/driver.plan_streams`): every provable LayerNorm becomes
+1. **Fold and prove**, as `rotate` does (`rotate/rotator.plan_streams`): every provable LayerNorm becomes
    an RMS op with its affine moved into the next layers, and each residual stream read only by such ops
    and by linear layers is found, with every writer and reader. The others stay whole, with the reason
    (`SlicePlan`; `normpass inspect --slice`).
@@ -25,7 +25,7 @@
    that misses it is refused (`BudgetMissed`, its report attached), unless `write_best`, which tries
    R, R − 0.05, … (above 0) and keeps the largest that meets it. At R = 0 (k = d: a rotation into the
    principal basis) the result must equal the original within the dtype's tolerance and is verified as
-   every rewrite is (`fold.driver.checked`); at R > 0 slicing is not exact, and the budget on held-out
+   every rewrite is (`runtime.verify.checked`); at R > 0 slicing is not exact, and the budget on held-out
    data is its verification, not a tolerance: the report says which applied.
 """
 
@@ -41,7 +41,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ... import __version__
-from ...calibration import Batch, find_mask_input, split_batches
+from ...calibration import Batch, distinct_holdout, find_mask_input, split_batches
 from ...core.budget import Budget, Metrics, compare
 from ...core.layers import Shortcut, layer_pieces
 from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis, sliced_width
@@ -49,17 +49,17 @@ from ...core.progress import stage
 from ...core.replace import BudgetMissed, ReplaceReport
 from ...core.rotation import RotationPlan, Stream
 from ...core.stats import token_rows
-from ...errors import InputError, UnsupportedModelError
+from ...errors import InputError, InternalError
 from ...io import in_memory_proto
-from ..fold.driver import FoldResult, ModelSource, checked, fold_onnx
+from ..calibrate import CalibData, Runner, captured, input_spec, load, opened, reference_runner, refuse_scalar_inputs
+from ..fold import FoldResult, ModelSource, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.export import export_model
 from ..graph.frontend import graph_values
 from ..graphsurgeon import from_graphsurgeon
-from ..replace.driver import Runner, input_spec, load, opened, reference_runner, refuse_scalar_inputs
-from ..rotate.driver import RotateOptions, plan_streams
-from ..rotate.features import CalibData, captured
-from ..runtime.verify import check_input_shapes
+from ..rotate import RotateOptions
+from ..rotate.rotator import plan_streams
+from ..runtime.verify import check_input_shapes, checked
 from .cut import Slicer, slice_refusal
 from .recover import Recovery, recover
 
@@ -95,26 +95,35 @@ class SliceOptions:
     recover_ridge: float | None = None  # its pull towards the cut (`core/refit.py`); None: validated per layer
 
     def checked(self) -> Budget | None:
-        """The budget, parsed; bad options refused (`InputError`) before any model is read."""
-        if not (isinstance(self.ratio, (int, float)) and 0 <= self.ratio < 1):
+        """The budget, parsed; bad options refused (`InputError` naming the field) before any model is read.
+        Numbers are checked as the command line parses them (a NumPy scalar is a number; a bool is not)
+        and stored as Python's own, so that the report is plain JSON."""
+        self.ratio = _number("ratio", self.ratio)
+        if not 0 <= self.ratio < 1:
             raise InputError(f"ratio {self.ratio}: choose a share of the stream to remove, from 0 up to (not) 1")
-        if self.round_to < 1:
-            raise InputError(f"round_to {self.round_to}: choose a whole number of at least 1 (16 by default)")
+        for option in ("round_to", "batch_size", "max_length", "samples"):
+            setattr(self, option, _whole(option, getattr(self, option)))
+        self.seed = _whole("seed", self.seed, least=0)
         if self.basis not in BASES:
             raise InputError(
                 f"basis {self.basis!r}: choose 'stream' (one per residual stream) or 'layer' (one per norm, "
                 "with k×k shortcuts on the residual path, as SliceGPT)"
             )
-        if not (isinstance(self.recover, (int, float)) and 0 <= self.recover < math.inf):
+        self.recover = _number("recover", self.recover)
+        if not 0 <= self.recover < math.inf:
             raise InputError(f"recover {self.recover}: give the seconds recovery may take (0: no recovery)")
         ridge = self.recover_ridge
-        if ridge is not None and not (isinstance(ridge, (int, float)) and 0 < ridge < math.inf):
+        ridge = self.recover_ridge = None if ridge is None else _number("recover_ridge", ridge)
+        if ridge is not None and not 0 < ridge < math.inf:
             raise InputError(f"recover_ridge {ridge}: give a positive number, or None to choose it per layer")
-        if len(self.split) != 2 or min(self.split) < 0 or (self.holdout is None and min(self.split) <= 0):
-            raise InputError(f"split {tuple(self.split)}: give two positive fractions FIT,HELD_OUT, e.g. 0.75,0.25")
-        budget = (
-            None if self.budget is None else Budget.parse(self.budget) if isinstance(self.budget, str) else self.budget
-        )
+        if not isinstance(self.split, (tuple, list)) or len(self.split) != 2:
+            raise InputError(f"split {self.split!r}: give two fractions FIT,HELD_OUT, e.g. 0.75,0.25")
+        self.split = (_number("split", self.split[0]), _number("split", self.split[1]))
+        if min(self.split) < 0 or (self.holdout is None and min(self.split) <= 0):
+            raise InputError(f"split {self.split}: give two positive fractions FIT,HELD_OUT, e.g. 0.75,0.25")
+        if not (self.budget is None or isinstance(self.budget, (Budget, str, list, tuple))):
+            raise InputError(f"budget {self.budget!r}: give it as text, e.g. 'cos=0.99,rel=0.05', or a Budget")
+        budget = self.budget if self.budget is None or isinstance(self.budget, Budget) else Budget.parse(self.budget)
         if self.write_best and budget is None:
             raise InputError("write_best writes the largest ratio that meets a budget: give one (e.g. cos=0.99)")
         self.rotate_options().fold_options()
@@ -140,6 +149,22 @@ class SliceOptions:
         steps = math.floor(self.ratio / LADDER_STEP + 1e-9)
         ratios = [round(self.ratio - i * LADDER_STEP, 6) for i in range(steps + 1)]
         return [r for r in ratios if r > 0] or [self.ratio]
+
+
+def _number(option: str, value) -> float:
+    """`value` as a Python float: an int, a float or a NumPy scalar of either; else `InputError` naming `option`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InputError(f"{option} {value!r}: give a number")
+    if not math.isfinite(value):
+        raise InputError(f"{option} {value!r}: give a finite number")
+    return float(value)
+
+
+def _whole(option: str, value, least: int = 1) -> int:
+    """`value` as a Python int of at least `least`: an int or a NumPy integer; else `InputError` naming `option`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < least:
+        raise InputError(f"{option} {value!r}: choose a whole number of at least {least}")
+    return int(value)
 
 
 @dataclass
@@ -271,6 +296,7 @@ VERIFIED_BY_BUDGET = (
 def _data(model: onnx.ModelProto, calibration, options: SliceOptions) -> tuple[list[Batch], list[Batch]]:
     """(fitting, held-out) batches: a seeded split of `calibration`, or all of it and `options.holdout`."""
     if options.holdout is not None:
+        distinct_holdout(calibration, options.holdout)
         return load(calibration, model, options, options.seed, 1), load(
             options.holdout, model, options, options.seed + 1, 1
         )
@@ -365,12 +391,15 @@ def _cut_pieces(
     slicer, plan = _plan(folded, name)
     pieces, shortcuts = _pieces(slicer, plan, options.basis)
     columns: dict[str, np.ndarray] = {}  # piece → Q_k; a piece left whole: I
+    mixed = bool(bases) and any(p.name not in bases for found in pieces.values() for p in found)  # a sequential fit
     for stream, found in pieces.items():
         for piece in found:
             whole = np.eye(piece.width or 0)
             columns[piece.name] = bases[piece.name].vectors[:, : kept[stream]] if piece.name in bases else whole
             if piece.name in bases:
                 slicer.cut_stream(piece, columns[piece.name], piece.name)
+            if mixed:
+                slicer.pin_width(piece, columns[piece.name].shape[1], piece.name)
     renamed = {}
     for shortcut in shortcuts:
         if shortcut.source in bases or shortcut.target in bases:  # between two whole pieces: the identity
@@ -440,14 +469,34 @@ def sequential_covariances(
         except InputError as e:  # the unsliced model ran on this data (the first piece): the cut is at fault
             if not bases:
                 raise
-            raise UnsupportedModelError(
-                f"{name}: the model sliced before {piece.name}, to fit its basis, does not run; nothing written; "
-                f"slicing missed something this model computes from the hidden size: report it ({e})"
-            ) from e
+            raise _not_running(f"{name}: the model sliced before {piece.name}, to fit its basis,", e) from e
         covariance = fitted[piece.name]
         combine([covariance])
         covariances[piece.name], bases[piece.name] = covariance, eigenbasis(covariance)
     return covariances
+
+
+def _not_running(what: str, error: Exception) -> InternalError:
+    """The original ran on this data and the model the cut made of it does not: the cut is at fault (exit 3).
+    The runtime's own error is quoted, not the advice on data that came with it."""
+    cause = error.__cause__ if isinstance(error, InputError) and error.__cause__ is not None else error
+    return InternalError(
+        f"{what} does not run ({str(cause).splitlines()[0]}); nothing written; a bug in normpass: slicing "
+        "missed something this model computes from the hidden size (report it with the model's op types)"
+    )
+
+
+def _refuse_no_cut(plan: SlicePlan, options: SliceOptions, name: str) -> None:
+    """Refuse a ratio above 0 that keeps every column of every stream: k, a multiple of `round_to` of at most d,
+    is d itself when `round_to` is d or more, or when the ratio removes less than half a multiple."""
+    widths = sorted({s.width or 0 for s in plan.sliceable})
+    if options.ratio == 0 or not widths or any(sliced_width(w, options.ratio, options.round_to) < w for w in widths):
+        return
+    raise InputError(
+        f"{name}: ratio {options.ratio:g} with round_to {options.round_to} keeps all {'/'.join(map(str, widths))} "
+        "columns of every stream (k is a multiple of round_to, at most d), so nothing would be sliced; choose a "
+        "smaller round_to or a larger ratio (ratio 0 rotates only)"
+    )
 
 
 def _parameters(model: ir.Model) -> int:
@@ -478,11 +527,12 @@ def slice_onnx(
     stage("fold")
     folded = fold_onnx(source, options.rotate_options().fold_options(), name)
     slicer, plan = _plan(folded, name)
+    _refuse_no_cut(plan, options, name)
     seconds = {"fold": time.perf_counter() - start}
 
     start = time.perf_counter()
     fit, held = _data(original, calibration, options)
-    mask_input = find_mask_input(input_spec(original), options.mask_input)
+    mask_input = find_mask_input(input_spec(original), options.mask_input, fit + held)
     pieces, shortcuts = _pieces(slicer, plan, options.basis)
     every_piece = [piece for found in pieces.values() for piece in found]
     one_pass: dict[str, Covariance] = {}  # on the unsliced model: the bases of `basis="stream"`, and of any at k = d
@@ -492,6 +542,8 @@ def slice_onnx(
     masks = [b.get(mask_input) if mask_input else None for b in held]
     with reference_runner(source, original) as reference:
         references = [reference.run(b) for b in held]
+    if budget is not None:
+        budget.refuse_unjudgeable(compare(references, references, masks), f"{name}: the held-out data")
     output_names = [o.name for o in original.graph.output]
     tried: list[Trial] = []
     cut, chosen = None, None
@@ -501,10 +553,7 @@ def slice_onnx(
         try:
             outputs = [candidate.run(b, output_names) for b in held]
         except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only
-            raise UnsupportedModelError(
-                f"{name}: the model sliced at ratio {ratio:g} does not run ({str(e).splitlines()[0]}); nothing "
-                "written; slicing missed something this model computes from the hidden size: report it"
-            ) from e
+            raise _not_running(f"{name}: the model sliced at ratio {ratio:g}", e) from e
         return compare(references, outputs, masks)
 
     for ratio in options.ladder():
@@ -564,7 +613,7 @@ def slice_onnx(
         raise BudgetMissed(
             ReplaceReport({"output": None, **result.report()}),
             f"{name}: sliced at ratio {tried[-1].ratio:g}, the model misses the budget {budget} on {last.samples} "
-            f"held-out samples (cos min {last.cos_min:.6f}, rel max {last.rel_max:.3g}); nothing written; "
+            f"held-out samples ({last.describe(mean=False)}); nothing written; "
             + ("no ratio tried meets it" if options.write_best else "try a smaller ratio, or --write-best"),
             cut,
         )

@@ -43,9 +43,9 @@ from ...core.progress import stage
 from ...core.refit import NormalEquations, combine
 from ...core.stats import token_rows
 from ...io import in_memory_proto
+from ..calibrate import Runner
 from ..fold.targets import new_initializer
 from ..graph.values import attr, input_at, is_initializer
-from ..replace.driver import Runner
 
 
 @dataclass(frozen=True)
