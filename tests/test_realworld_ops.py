@@ -786,6 +786,6 @@ m (float[2,4,8] x, float[8] g) => (float z) {
   z = Add(y, one)
 }"""
     )
-    shapes, _ = infer_shapes(model)
+    shapes, _, _ = infer_shapes(model)
     assert shapes["y"] == (8, 8) and shapes["z"] == (8, 8)
     assert model.graph.node[0].attribute[0].name == "value_ints"  # the model itself is not changed
