@@ -92,12 +92,49 @@ def _mistral(vocab: int) -> Any:
     return MistralConfig(**_common(64, 2, 4, 2, vocab))
 
 
+def _qwen3(vocab: int) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_common(64, 2, 4, 2, vocab), head_dim=16)
+
+
+def _gemma(vocab: int) -> Any:
+    from transformers import GemmaConfig
+
+    return GemmaConfig(**_common(64, 2, 4, 2, vocab), head_dim=16)
+
+
+def _gemma2(vocab: int) -> Any:
+    from transformers import Gemma2Config
+
+    return Gemma2Config(**_common(64, 2, 4, 2, vocab), head_dim=16, sliding_window=8)  # GenAI's cache must hold it
+
+
+def _olmo(vocab: int) -> Any:
+    from transformers import OlmoConfig
+
+    return OlmoConfig(**_common(64, 2, 4, 2, vocab))
+
+
+def _nemotron(vocab: int) -> Any:
+    """Head size 32: half of it rotary (Nemotron's partial rotary factor), whose half-width GroupQueryAttention
+    needs a multiple of 8."""
+    from transformers import NemotronConfig
+
+    return NemotronConfig(**_common(64, 2, 2, 2, vocab), head_dim=32)
+
+
 FAMILIES: dict[str, Callable[[int], Any]] = {
     "phi": _phi,
     "llama": _llama,
     "phi3": _phi3,
     "qwen2": _qwen2,
     "mistral": _mistral,
+    "qwen3": _qwen3,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+    "olmo": _olmo,
+    "nemotron": _nemotron,
 }
 
 

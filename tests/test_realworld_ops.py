@@ -10,6 +10,7 @@ from conftest import assert_equivalent, build, check_structure, initializers, pr
 
 from normpass import FoldOptions, fold_onnx, inspect_onnx
 from normpass.onnx.graph.constants import constant_values, is_constant
+from normpass.onnx.graph.frontend import infer_shapes
 
 OPSET = '<ir_version: 10, opset_import: ["" : 17]>'
 
@@ -768,3 +769,23 @@ def test_resize_to_sizes_that_copy_the_inputs_own_dims_keeps_those_axes(gen):
     assert_equivalent(model, result.model)
     resized_last = _stream_model(gen, op.replace("Slice(s, three, four)", "Slice(s, two, three)"), "2,4,9,6", **ints)
     assert _fold(resized_last).folded == 0  # the last entry copies axis 2's size: the normalized axis is resized
+
+
+def test_shapes_through_onnx_runtime_ops_after_a_constant_given_as_ints():
+    """ONNX Runtime's symbolic inference reads a `Constant`'s `value` tensor only and failed on the whole model at a
+    `value_ints` (as unoptimized dynamo exports write them): every shape after an ONNX Runtime op was lost."""
+    model = onnx.parser.parse_model(
+        OPSET
+        + """
+m (float[2,4,8] x, float[8] g) => (float z) {
+  s = Constant<value_ints=[8, 8]>()
+  one = Constant<value_float=1.0>()
+  r = Reshape(x, s)
+  t = Mul(r, one)
+  y = SimplifiedLayerNormalization<axis=-1>(t, g)
+  z = Add(y, one)
+}"""
+    )
+    shapes, _, _ = infer_shapes(model)
+    assert shapes["y"] == (8, 8) and shapes["z"] == (8, 8)
+    assert model.graph.node[0].attribute[0].name == "value_ints"  # the model itself is not changed

@@ -21,6 +21,7 @@ from normpass.core.algebra import rotate
 from normpass.core.orthogonal import hadamard, random_orthogonal, rotation_matrix
 from normpass.models import get
 from normpass.models.reference import entry_feeds, rewrite_error
+from normpass.onnx.graph import frontend
 from normpass.onnx.rotate.driver import inspect_rotation
 from normpass.onnx.rotate.rotator import merged_shapes
 from normpass.onnx.runtime.verify import make_inputs
@@ -338,6 +339,20 @@ def test_tied_weights_with_a_gamma_to_absorb_are_untied_consistently():
     assert np.allclose(values[gather.input[0]], table @ q, atol=1e-6)
     assert np.allclose(values[head.input[1]], (table * final_gamma) @ q, atol=1e-6)  # the head absorbed γ
     assert np.all(values[producer(result.model, "nf").input[1]] == 1)
+
+
+def test_a_beta_add_keeps_its_shape_where_onnx_runtimes_inference_fails(monkeypatch):
+    """The fold's RMS op (ONNX Runtime's `SimplifiedLayerNormalization`) and the β Add after it get the
+    replaced norm's shape: where ONNX Runtime's symbolic inference fails on a model (it does on the unoptimized
+    dynamo exports of GPT-NeoX and Falcon with past), ONNX's cannot find it again, and the stream was refused
+    ("Add nf.beta has an unknown shape")."""
+    monkeypatch.setattr(frontend, "_symbolic_inference", lambda light: None)
+    model = stream_model(rng(2))
+    result = rotated(model)
+    assert the_stream(result).rotatable, the_stream(result).reason
+    declared = {i.name: i for i in result.model.graph.value_info}
+    rms = declared["nf.rms"].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in rms] == ["B", S, D]
 
 
 def test_merged_shapes_take_static_dims_and_drop_foreign_symbols():

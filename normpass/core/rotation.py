@@ -31,6 +31,11 @@ LayerNorm (it subtracts the mean, which a rotation does not keep), a centring, a
 the hidden axis or along axes known only at run time, a concatenation along it, a norm that keeps β.
 Every norm the closure reaches belongs to that stream (`Stream.norms`, refused ones too), so each norm
 is in one stream at most.
+
+Two refusals are named by what the model does, not by where the closure first fails: a norm after a
+block that adds γ ⊙ RMSNorm(x) to the stream (Gemma-2's sandwich norms: no rotation commutes with that
+γ), and a norm over each head of a projection's features (Qwen-3's query and key norms, `_per_head`),
+which is on no residual stream at all and is refused the same way whichever exporter wrote it.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import numpy as np
 from .algebra import is_uniform
 from .graph import NormInfo, NormType, Shift, ZeroMeanGraph, ZNode
 from .plan import Blocker, Centring
-from .rules import Centered, Concat, NormRule, Select, ShapeOnly, ShiftInvariant
+from .rules import Centered, Concat, NormRule, Reduce, Regroup, Select, ShapeOnly, ShiftInvariant, regroup_axis
 
 State = tuple[str, int]  # (tensor, axis)
 Reads = Callable[[ZNode, int, int], bool]  # (node, input index, axis): a linear layer contracting over it?
@@ -217,7 +222,7 @@ class _Closure:
             norm = node.rule.norm
             why = self._norm(norm, state)
             if why is None and gamma_tag(self.zmg, norm) != tag:
-                why = f"{tensor} is reached with a γ other than that of {norm.name}"
+                why = _gamma_writer(norm, tensor, tag)
             if why is not None:
                 self._block(state, node.name, why)
                 return
@@ -288,6 +293,47 @@ class _Closure:
                 self._add((out, out_axis), tag, node.name, state)
 
 
+def _gamma_writer(norm: NormInfo, tensor: str, tag: str | None) -> str:
+    """Why `norm`, whose γ is not uniform, cannot write `tensor` of a stream that carries `tag` (another norm's γ,
+    or none)."""
+    if tag is None:
+        return (
+            f"{norm.op} {norm.name} writes the stream ({tensor}) with its own γ: a norm after a block (Gemma-2's "
+            "sandwich norms) adds γ ⊙ RMSNorm(x) to the residual stream, and no rotation commutes with a per-feature "
+            "γ there, so this stream cannot be rotated or sliced: the model is left as it is"
+        )
+    return f"{tensor} is reached with a γ other than that of {norm.name}"
+
+
+def _per_head(zmg: ZeroMeanGraph, norm: NormInfo) -> Blocker | None:
+    """The refusal of a norm over each head of a wider feature axis, or None.
+
+    Qwen-3's and OLMo-2's query and key norms normalize each head alone: the projection's d features are
+    reshaped into d/h groups of h and each group is normalized. The reshape next to the norm (producing its
+    input, through float casts) does not keep the normalized axis, so no residual stream reaches the norm,
+    and a rotation of a head would meet the rotary embedding and the attention scores, which do not commute
+    with it. Refused here by what it is, whichever exporter wrote the graph.
+    """
+    node = zmg.producer_of(norm.input)
+    while node is not None and node.op in ("Cast", "Identity"):
+        node = zmg.producer_of(node.inputs[0])
+    if node is None or not isinstance(node.rule, Regroup) or norm.axis is None:
+        return None
+    width = _dim(zmg, (norm.input, norm.axis))
+    features = (zmg.shape(node.inputs[0]) or (None,))[-1]
+    if not isinstance(width, int) or not isinstance(features, int) or features <= width or features % width:
+        return None
+    if regroup_axis(zmg.shape(node.inputs[0]), zmg.shape(node.outputs[0]), len(zmg.shape(node.inputs[0]) or ()) - 1):
+        return None
+    reason = (
+        f"{norm.op} {norm.name} normalizes each head on its own ({node.op} {node.name} splits {features} features "
+        f"into {features // width} groups of {width}: per-head query/key norms, as in Qwen-3): it is on no residual "
+        "stream, and a rotation of a head would not commute with the rotary embedding and attention that read it; "
+        "nothing to do: it is left as it is, and the residual stream rotates and slices without it"
+    )
+    return Blocker(node.name, reason, (norm.name, node.name), norm.input, norm.axis)
+
+
 def _dim(zmg: ZeroMeanGraph, state: State):
     shape = zmg.shape(state[0])
     return None if shape is None or state[1] >= len(shape) else shape[state[1]]
@@ -300,8 +346,13 @@ def _breaks(node: ZNode, axis: int) -> str | None:
         return f"{node.op} {node.name} concatenates along the hidden axis"
     if isinstance(rule, Select) and (rule.axes is None or axis in rule.axes):
         return f"{node.op} {node.name} slices along the hidden axis, or along axes known only at run time"
-    if isinstance(rule, Centered):
-        return f"{node.op} {node.name} subtracts the mean, which a rotation does not keep"
+    if isinstance(rule, Centered) or (isinstance(rule, Reduce) and rule.axes is not None and axis in rule.axes):
+        return (
+            f"{node.op} {node.name} {'subtracts' if isinstance(rule, Centered) else 'takes'} the mean of the stream "
+            "over its hidden axis (as the centring x − mean(x) does that the fold inserts where the stream is not "
+            "zero-mean: a norm writes γ ⊙ x̂ + β into it, as BLOOM's embedding norm does), and a rotation does not "
+            "keep the mean; nothing to do: the stream is left as it is"
+        )
     return None
 
 
@@ -326,6 +377,11 @@ def plan_rotation(zmg: ZeroMeanGraph, reads: Reads) -> RotationPlan:
     seen: set[str] = set()
     for norm in zmg.norms:
         if norm.name in seen or norm.axis is None:
+            continue
+        head = _per_head(zmg, norm)
+        if head is not None:
+            streams.append(Stream(norm.name, None, [norm.name], blocker=head))
+            seen.add(norm.name)
             continue
         stream = _Closure(zmg, reads, norm, norm.axis).run()
         seen.update(stream.norms)

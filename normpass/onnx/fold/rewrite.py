@@ -37,7 +37,7 @@ from ...core.plan import Centring, FoldPlan, Insertion
 from ..graph.constants import constant_values, is_constant
 from ..graph.frontend import OnnxGraph, einsum_weight_axis, graph_values
 from ..graph.patterns import SKIP_BIAS_INPUT
-from ..graph.values import attr, input_at, is_initializer, name_of, take_over
+from ..graph.values import attr, input_at, input_dims, is_initializer, name_of, take_over
 from .targets import AffinePlan, Namer, affine_plan, derived_initializer, move_affine, new_initializer, set_input
 
 RMS_OPS = ("simplified", "onnx", "decomposed")
@@ -295,8 +295,20 @@ class Rewriter:
         for use in uses:
             use.node.replace_input_with(use.idx, centred)
 
-    def _new_value(self, name: str, dtype: np.dtype | None) -> ir.Value:
-        return new_value(self._unique, name, dtype)
+    def _new_value(self, name: str, dtype: np.dtype | None, shape: ir.Shape | None = None) -> ir.Value:
+        value = new_value(self._unique, name, dtype)
+        value.shape = shape
+        return value
+
+    def _known_shape(self, value: ir.Value) -> ir.Shape | None:
+        """`value`'s shape as the analysis knew it (static sizes and the graph inputs' named dimensions), for a
+        tensor that replaces it: the outputs of an RMS op from ONNX Runtime's domain and of a β Add after one,
+        whose shapes ONNX's inference cannot find again (ONNX Runtime's may fail on the model), keep it."""
+        shape = self.ctx.shape_of(value)
+        if shape is None:
+            return None
+        named = input_dims(self.ctx.graph)
+        return ir.Shape([d if isinstance(d, int) or d in named else None for d in shape])
 
     # --- norms ----------------------------------------------------------------------------------
 
@@ -373,8 +385,8 @@ class Rewriter:
             width = self._width(norm)
             assert width is not None  # the proof read the input's shape
             scale = np.ones(width, dtype=dtype)
-        out = self._new_value(y.name, self._dtype(y))
-        rms_out = out if beta is None else self._new_value(f"{y.name}.rms", self._dtype(y))
+        out = self._new_value(y.name, self._dtype(y), self._known_shape(y))
+        rms_out = out if beta is None else self._new_value(f"{y.name}.rms", self._dtype(y), self._known_shape(y))
         doc = f"LayerNorm {norm.name} folded into an RMSNorm (input proven zero-mean); {note}"
         scale_const = new_initializer(
             self.ctx.graph, self._unique(f"{norm.name}.rms_scale"), np.asarray(scale, dtype=dtype)

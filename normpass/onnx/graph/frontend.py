@@ -216,11 +216,49 @@ def _symbolic_shape_inference() -> Any:
 
 
 def _symbolic_inference(light: onnx.ModelProto) -> onnx.ModelProto | None:
-    """ONNX Runtime's symbolic shape inference, or None where it fails (best effort)."""
+    """ONNX Runtime's symbolic shape inference, or None where it fails (best effort).
+
+    It runs on a copy whose `Constant` nodes hold their value as a tensor: it reads a constant's `value`
+    attribute only, and fails on the whole model at the first `value_ints` or `value_float` (which the
+    dynamo exporter writes unless its optimizer folds them away), leaving every shape after an ONNX Runtime
+    op unknown.
+    """
+    copy = onnx.ModelProto()
+    copy.CopyFrom(light)
+    _constants_as_tensors(copy.graph)
     try:
-        return _symbolic_shape_inference().infer_shapes(light, auto_merge=True, guess_output_rank=True)
+        return _symbolic_shape_inference().infer_shapes(copy, auto_merge=True, guess_output_rank=True)
     except Exception:
         return None
+
+
+CONSTANT_TYPES = {
+    "value_float": onnx.TensorProto.FLOAT,
+    "value_floats": onnx.TensorProto.FLOAT,
+    "value_int": onnx.TensorProto.INT64,
+    "value_ints": onnx.TensorProto.INT64,
+    "value_string": onnx.TensorProto.STRING,
+    "value_strings": onnx.TensorProto.STRING,
+}  # a `Constant`'s attribute → the tensor it means: a scalar, or a vector for the plural
+
+
+def _constants_as_tensors(graph: onnx.GraphProto) -> None:
+    """Rewrite, in place and in every body, each `Constant` given by `value_<type>(s)` as the same `value` tensor."""
+    for node in graph.node:
+        for attribute in node.attribute:
+            for body in [attribute.g, *attribute.graphs]:
+                _constants_as_tensors(body)
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
+            continue
+        attribute = node.attribute[0]
+        if attribute.name not in CONSTANT_TYPES:
+            continue
+        value = onnx.helper.get_attribute_value(attribute)
+        values = value if attribute.name.endswith("s") else [value]
+        dims = [len(values)] if attribute.name.endswith("s") else []
+        tensor = onnx.helper.make_tensor("value", CONSTANT_TYPES[attribute.name], dims, values)
+        del node.attribute[:]
+        node.attribute.append(onnx.helper.make_attribute("value", tensor))
 
 
 def _take_better_shapes(inferred: onnx.ModelProto | None, shapes: dict, named: set[str]) -> None:

@@ -62,6 +62,12 @@ def take_over(old: ir.Value, new: ir.Value) -> None:
     old.name, new.name = None, old.name
 
 
+def input_dims(graph: ir.Graph) -> set[str]:
+    """The names of the graph inputs' symbolic dims."""
+    dims = [d for value in graph.inputs if value.shape is not None for d in value.shape]
+    return {d.value for d in dims if isinstance(d, ir.SymbolicDim) and d.value}
+
+
 def shape_axes(node: ir.Node, rank: int) -> list[int]:
     """The axes a `Shape` node with its `start` and `end` reports of a tensor of rank `rank`."""
     return list(range(rank))[attr(node, "start", 0) : attr(node, "end", rank)]

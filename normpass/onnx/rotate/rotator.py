@@ -39,7 +39,7 @@ from ..fold.rewrite import Rewriter
 from ..fold.targets import new_initializer
 from ..graph.constants import is_constant
 from ..graph.frontend import OnnxGraph, build_zero_mean_graph, load_graph
-from ..graph.values import attr, input_at, name_of
+from ..graph.values import attr, input_at, input_dims, name_of
 from .features import FeatureStats
 from .keys import KeyPlan
 from .online import SUFFIX, OnlinePlan
@@ -256,18 +256,12 @@ def merged_shapes(original: dict, folded: dict, input_dims: set[str]) -> dict:
     return merged | {t: s for t, s in original.items() if t not in folded}
 
 
-def _input_dims(graph: ir.Graph) -> set[str]:
-    """The names of the graph inputs' symbolic dims."""
-    dims = [d for value in graph.inputs if value.shape is not None for d in value.shape]
-    return {d.value for d in dims if isinstance(d, ir.SymbolicDim) and d.value}
-
-
 def plan_streams(
     folded: FoldResult, model: ir.Model | onnx.ModelProto, name: str, kind: type[R]
 ) -> tuple[R, RotationPlan]:
     """A rewriter of `kind` over `model` (the fold's result: an `ir.Model` is rewritten in place, a
     `ModelProto` copy is not) and the residual streams the proof finds in it."""
     ctx = load_graph(model, name)
-    ctx.shapes.update(merged_shapes(folded.shapes, ctx.shapes, _input_dims(ctx.graph)))
+    ctx.shapes.update(merged_shapes(folded.shapes, ctx.shapes, input_dims(ctx.graph)))
     zmg = build_zero_mean_graph(ctx)
     return kind(ctx, zmg, folded.emitted["rms_op"]), plan_rotation(zmg, partial(_reads, ctx))
