@@ -157,3 +157,16 @@ def test_the_wheel_alone_installs_without_torch_and_folds_an_onnx_file(tmp_path)
     assert run.returncode == 2 and run.stderr.strip().endswith(TORCH_EXTRA), run.stderr
     run = subprocess.run([str(python), "-c", "import normpass; normpass.fold"], capture_output=True, text=True)
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].endswith(TORCH_EXTRA), run.stderr
+
+
+def test_every_package_of_the_source_tree_is_in_the_wheel_list():
+    """pyproject.toml names the packages the wheel takes; a package folder missing there installs without it
+    (the wheel's CLI then fails to import it)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(root).parts) for init in (root / "normpass").rglob("__init__.py")} | {
+        "normpass.models"
+    }
+    assert found == listed
