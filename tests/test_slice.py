@@ -32,6 +32,7 @@ from normpass.cli import progress as cli_progress
 from normpass.cli.main import main
 from normpass.core import pca
 from normpass.core.pca import Covariance, eigenbasis, rms_rescale, sliced_width
+from normpass.core.replace import BudgetMissed
 from normpass.errors import InputError, InternalError
 from normpass.models import get
 from normpass.models.reference import entry_feeds
@@ -802,3 +803,25 @@ def test_fuzz_oracle_catches_figures_claimed_from_no_data(monkeypatch):
     failures = fuzzcheck.check_slice(graphgen.generate(SLICE_SEEDS_IDS[1], graphgen.FEATURES_BEFORE_RMS), (0.5,))
     assert failures and all(f.kind == "figures" for f in failures), failures
     assert any("top1 None reported" in f.detail for f in failures), failures
+
+
+@pytest.mark.parametrize("basis, budget", [("layer", None), ("stream", "cos=1.0")])
+def test_each_pieces_eigendecomposition_is_computed_once(gpt2, monkeypatch, basis, budget):
+    """One `eigh` per piece: the sequential fit's bases are the cut's, and the one-pass bases serve every ratio
+    of the ladder (an unmeetable budget with `write_best` tries R = 0.5, 0.45, … on one set of sums)."""
+    model, feeds = gpt2
+    calls = []
+    eigh = np.linalg.eigh
+
+    def counted(matrix):
+        calls.append(hash(matrix.tobytes()))
+        return eigh(matrix)
+
+    monkeypatch.setattr(np.linalg, "eigh", counted)
+    options = SliceOptions(ratio=0.5, basis=basis, budget=budget, write_best=bool(budget), round_to=8)
+    try:
+        report = slice_onnx(model, feeds, options, name="gpt2").slice_report()
+    except BudgetMissed as missed:
+        report = missed.report.data["slice"]
+    assert len(report["tried"]) >= (2 if budget else 1)
+    assert calls and len(calls) == len(set(calls))  # no sum decomposed twice

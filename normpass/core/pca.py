@@ -41,6 +41,7 @@ class Covariance:
     width: int
     sum: np.ndarray = field(init=False, repr=False)
     tokens: int = 0
+    basis: Basis | None = field(default=None, init=False, repr=False, compare=False)  # `eigenbasis`'s, of this sum
 
     def __post_init__(self) -> None:
         self.sum = np.zeros((self.width, self.width), dtype=np.float64)
@@ -53,6 +54,7 @@ class Covariance:
         units = rows[keep] / lengths[keep, None]
         self.sum += units.T @ units
         self.tokens += len(units)
+        self.basis = None
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,16 @@ class Basis:
 
 def eigenbasis(covariance: Covariance) -> Basis:
     """The eigendecomposition of the sum (float64, symmetric), eigenvalues descending; each eigenvector's
-    largest entry positive, so that equal sums give equal bases wherever they were computed."""
-    symmetric = (covariance.sum + covariance.sum.T) / 2
+    largest entry positive, so that equal sums give equal bases wherever they were computed. Computed once
+    per sum: it is kept on the accumulator until `add` or `combine` changes the sum (at width 4096 one
+    decomposition takes seconds, and the sequential fit and the cut both ask for each piece's)."""
+    if covariance.basis is None:
+        covariance.basis = _decomposed(covariance.sum)
+    return covariance.basis
+
+
+def _decomposed(total: np.ndarray) -> Basis:
+    symmetric = (total + total.T) / 2
     values, vectors = np.linalg.eigh(symmetric)
     order = np.argsort(values)[::-1]
     values, vectors = values[order], vectors[:, order]
@@ -86,6 +96,7 @@ def combine(covariances: list[Covariance]) -> None:
         summed = summed_over_processes(np.append(covariance.sum.ravel(), float(covariance.tokens)))
         covariance.sum = summed[:-1].reshape(covariance.width, covariance.width).copy()
         covariance.tokens = round(summed[-1])
+        covariance.basis = None
 
 
 def summed_over_processes(values: np.ndarray) -> np.ndarray:
