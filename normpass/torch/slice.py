@@ -114,14 +114,7 @@ class TorchSliceReport:
 
     def to_json(self) -> dict:
         kept = {} if self.chosen is None else self.chosen.kept
-        plan = self.slicing.to_json()
-        for entry in plan["streams"]:
-            if entry["stream"] in kept:
-                pieces = self.pieces.get(entry["stream"], [entry["stream"]])
-                entry["kept"] = kept[entry["stream"]]
-                entry["energy_kept"] = min(self.bases[p].energy_kept(kept[entry["stream"]]) for p in pieces)
-                entry["calibration_tokens"] = sum(self.tokens.get(p, 0) for p in pieces)
-                entry["bases"] = pieces
+        plan = self.slicing.cut_json(kept, self.pieces, self.bases, self.tokens)
         chosen = self.chosen
         return {
             "frontend": "pytorch",

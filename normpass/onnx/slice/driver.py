@@ -230,6 +230,22 @@ class SlicePlan:
             )
         return {"streams": streams, "total": len(self.streams), "sliceable": len(self.sliceable)}
 
+    def cut_json(self, kept: dict[str, int], pieces: dict[str, list[str]], bases: dict, tokens: dict) -> dict:
+        """`to_json` with, per stream cut to `kept[stream]` columns, the energy its worst basis keeps (pieces
+        left whole have no basis and keep all), the calibration tokens and its pieces' names: both front
+        ends' reports."""
+        plan = self.to_json()
+        for entry in plan["streams"]:
+            name = entry["stream"]
+            if name in kept and entry["hidden_size"]:
+                named = pieces.get(name, [name])
+                cut = [p for p in named if p in bases]
+                entry["kept"] = kept[name]
+                entry["energy_kept"] = min(bases[p].energy_kept(kept[name]) for p in cut) if cut else 1.0
+                entry["calibration_tokens"] = sum(tokens.get(p, 0) for p in named)
+                entry["bases"] = named
+        return plan
+
 
 @dataclass(frozen=True)
 class Trial:
@@ -283,16 +299,7 @@ class SliceResult(FoldResult):
     def slice_report(self) -> dict:
         """The slicing's own part of the report (also what a refusal reports)."""
         kept = {} if self.chosen is None else self.chosen.kept
-        plan = self.slicing.to_json()
-        for entry in plan["streams"]:
-            name = entry["stream"]
-            if name in kept and entry["hidden_size"]:
-                pieces = self.pieces.get(name, [name])
-                entry["kept"] = kept[name]
-                cut = [p for p in pieces if p in self.bases]  # the worst basis; pieces left whole keep all energy
-                entry["energy_kept"] = min(self.bases[p].energy_kept(kept[name]) for p in cut) if cut else 1.0
-                entry["calibration_tokens"] = sum(self.tokens.get(p, 0) for p in pieces)
-                entry["bases"] = pieces
+        plan = self.slicing.cut_json(kept, self.pieces, self.bases, self.tokens)
         exact = bool(kept) and all(kept[s.name] == s.width for s in self.slicing.sliceable)
         return {
             "requested_ratio": self.requested_ratio,
