@@ -122,3 +122,22 @@ def test_a_fold_that_fails_verification_raises_and_hands_nothing_back(registry_m
         causes.append(error)
         error = error.__cause__
     assert any(isinstance(e, VerificationError) for e in causes)
+
+
+@pytest.mark.parametrize("folded_before", [False, True])
+def test_a_model_with_external_data_keeps_it_through_the_pass(registry_model, tmp_path, folded_before):
+    """A model read with its weights in a data file is marked to be written so again (`io.keeps_external_data`):
+    the pass's result keeps the mark, folded or returned as a clone, so `io.save_ir` writes a data file."""
+    from normpass import io
+
+    proto = onnx.ModelProto()
+    proto.CopyFrom(registry_model("gpt2"))  # saving with external data changes the proto it saves
+    if folded_before:  # nothing left to fold: the pass returns a clone of its input
+        proto = fold_onnx(proto).model
+    onnx.save(proto, tmp_path / "in.onnx", save_as_external_data=True, location="in.onnx.data", size_threshold=0)
+    model = io.load_ir(tmp_path / "in.onnx")
+    result = FoldPass()(model)
+    assert result.modified != folded_before
+    assert io.keeps_external_data(result.model)
+    io.save_ir(tmp_path / "out.onnx", result.model)
+    assert (tmp_path / "out.onnx.data").stat().st_size > 0
