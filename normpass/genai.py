@@ -9,8 +9,12 @@ a folder reads its decoder; given `-o OUT_DIR` it writes a folder that ONNX Runt
 * the rewritten decoder under the name the config gives, its weights (where the original had external data,
   or the model may exceed 2 GB) in `<filename>.data` beside it, as the builder names them;
 * `genai_config.json` copied byte for byte unless the rewrite changes what it says: slicing cuts the residual
-  stream, whose width is `model.decoder.hidden_size` (head sizes and counts stay, and GenAI reads the
-  width only for models fed embeddings), so a sliced folder's config gives the width kept.
+  stream, whose width is `model.decoder.hidden_size` (head sizes and counts stay). ONNX Runtime GenAI sizes
+  two tensors with it: the `inputs_embeds` it feeds a decoder whose embedding is a model of its own, and the
+  `hidden_states` a decoder gives out (the builder's `include_hidden_states`: the final norm's output); the
+  builder's decoders take `input_ids` and give `logits`, so it reads neither. A sliced folder's config gives
+  the width at the stream's end, which the final norm and the head read (and where `hidden_states` come
+  from): the width kept, or the full width where `--head full` leaves the end whole.
 
 The folder is written as a temporary folder beside `OUT_DIR` and renamed into place, so `OUT_DIR` is either
 absent or complete. An existing `OUT_DIR` must be an empty folder: normpass replaces files, never folders,
@@ -109,8 +113,8 @@ def check_output(folder: Folder, out: str | os.PathLike) -> Path:
 
 
 def updated_config(config: dict, widths: dict[int, int] | None) -> dict | None:
-    """`config` with the decoder's `hidden_size` d set to `widths[d]` (a stream of width d cut to it), or None
-    where nothing changes."""
+    """`config` with the decoder's `hidden_size` d set to `widths[d]` (a stream of width d cut to it at its end),
+    or None where nothing changes."""
     decoder = config.get("model", {}).get("decoder", {})
     width = (widths or {}).get(decoder.get("hidden_size"))
     if width is None or width == decoder["hidden_size"]:
@@ -121,14 +125,21 @@ def updated_config(config: dict, widths: dict[int, int] | None) -> dict | None:
 
 
 def sliced_widths(result) -> dict[int, int]:
-    """A slice result's streams as {width: width kept} (`write_folder`'s `widths`); {} where nothing was chosen."""
+    """A slice result's streams as {width: width at the stream's end} (`write_folder`'s `widths`): the width
+    kept, or the stream's own where its end (final norm and head) was left whole (`SliceOptions.head` "full");
+    {} where nothing was chosen."""
     kept = result.chosen.kept if result.chosen is not None else {}
-    return {s.width: kept[s.name] for s in result.slicing.sliceable if s.width and s.name in kept}
+    whole = set(result.whole)
+    return {
+        s.width: s.width if whole & set(result.pieces.get(s.name, ())) else kept[s.name]
+        for s in result.slicing.sliceable
+        if s.width and s.name in kept
+    }
 
 
 def write_folder(folder: Folder, model: ir.Model, out: Path, widths: dict[int, int] | None = None) -> None:
     """Write the GenAI folder `out`: `folder`'s files with `model` as its decoder (see the module docstring);
-    `widths` maps a residual stream's width to the width it was cut to."""
+    `widths` maps a residual stream's width to the width it was cut to at its end (`sliced_widths`)."""
     target = out.resolve()
     tmp = None
     try:

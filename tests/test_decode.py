@@ -5,9 +5,11 @@ single `--input-shape`."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from conftest import build
 
@@ -43,6 +45,69 @@ def test_the_relations_of_a_builder_graph_are_read_from_it(genai_folder):
     shapes = decode.input_shapes(model, sig, 2, 1, 7)
     assert shapes["attention_mask"] == (2, 8) and shapes["past_key_values.1.value"] == (2, 2, 7, 16)
     assert [step[0] for step in sig.steps(16) if step[1] > 1 and step[2] > 0] == [1]  # GQA: batch 1 then
+
+
+def test_qwen3s_head_size_is_read_through_its_per_head_norms(genai_folder):
+    """Its query and key reach GroupQueryAttention through per-head norms; the value comes from the packed
+    projection's Split, whose sizes say 2 KV heads of 16 (no genai_config.json read: the graph says it)."""
+    sig = decode.signature(structure(genai_folder("qwen3") / "model.onnx"))
+    assert sig is not None and sig.fixed == {"kv_cache_dim": 16} and sig.past == "past_sequence_length"
+
+
+def test_gemma2s_sliding_window_cache_is_given_its_window(genai_folder):
+    """Layer 0's cache is a buffer ONNX Runtime takes at the window's capacity or more (8: `past_sliding_length`),
+    the mask telling what is filled; layer 1's is the past. Both a prefill and a decode step run."""
+    path = genai_folder("gemma2") / "model.onnx"
+    model = structure(path)
+    sig = decode.signature(model)
+    assert sig is not None and sig.past == "past_sequence_length"
+    assert sig.fixed == {"kv_cache_dim": 16, "past_sliding_length": 8}
+    assert decode.zero_allowed(model) == {f"past_key_values.1.{kind}": 2 for kind in ("key", "value")}
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch, new, past in sig.steps(16):
+        shapes = decode.input_shapes(model, sig, batch, new, past)
+        assert shapes["past_key_values.0.key"] == (batch, 2, 8, 16)
+        assert shapes["past_key_values.1.key"] == (batch, 2, past, 16)
+        logits = session.run(["logits"], decode.set_values(sig, make_inputs(model, shapes, 0), past))[0]
+        assert logits.shape == (batch, new, 384) and np.isfinite(logits).all()
+
+
+def _hide_the_head_size(folder, out):
+    """A copy of the GenAI folder `folder` whose packed projection reaches GroupQueryAttention through a Mul by 1:
+    the graph no longer shows the head size; its genai_config.json does."""
+    shutil.copytree(folder, out)
+    model = onnx.load(str(out / "model.onnx"))
+    one = onnx.numpy_helper.from_array(np.ones((), np.float32), "one")
+    model.graph.initializer.append(one)
+    for node in [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]:
+        hidden = node.input[0] + "/times_one"
+        index = list(model.graph.node).index(node)
+        model.graph.node.insert(index, onnx.helper.make_node("Mul", [node.input[0], "one"], [hidden]))
+        node.input[0] = hidden
+    (out / "model.onnx.data").unlink()
+    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    return out / "model.onnx"
+
+
+def test_a_head_size_only_the_folders_config_gives(genai_folder, capsys, tmp_path):
+    model = _hide_the_head_size(genai_folder("llama"), tmp_path / "llama")
+    config = json.loads((tmp_path / "llama" / "genai_config.json").read_text())
+    assert decode.signature(structure(model)) is None
+    sig = decode.signature(structure(model), config)
+    assert sig is not None and sig.fixed == {"kv_cache_dim": 16}
+    text = tmp_path / "calib.txt"
+    text.write_text("\n".join(f"the model reads sentence number {i} of the calibration text" for i in range(24)))
+    options = ("--ratio", "0.25", "--round-to", "8", "--calib", text, "--max-length", "16")
+    code, out, err = cli(capsys, "slice", tmp_path / "llama", *options, "-o", tmp_path / "sliced")
+    assert code == 0 and "64 → 48" in out, err  # the folder: its config
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(model, alone / "model.onnx")
+    shutil.copy(model.with_name("model.onnx.data"), alone / "model.onnx.data")
+    tokenizer = ("--tokenizer", tmp_path / "llama" / "tokenizer.json")
+    code, _, err = cli(capsys, "slice", alone / "model.onnx", *options, *tokenizer, "-o", tmp_path / "s.onnx")
+    assert code == 2 and "head size (kv_cache_dim)" in err and "genai_config.json" in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_a_model_without_a_cache_has_no_decode_signature():

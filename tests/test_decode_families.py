@@ -113,6 +113,15 @@ def test_a_row_runs_every_verb_and_checks_the_tokens(tmp_path):
     assert "\n1. proven foldable, kept as a LayerNorm" in text
 
 
+def test_a_verb_with_nothing_to_do_says_so_and_why(genai_folder, tmp_path):
+    """Gemma-2's folder calibrates (its sliding-window cache sized), and its cell says plainly that nothing was
+    sliced, the reason in its note, instead of held-out figures of an uncut model."""
+    outcome = decode_families._verb("slice 0.25", genai_folder("gemma2"), tmp_path, [], [])
+    assert outcome.exit == 0 and outcome.text == "nothing to slice: 0/1 streams can be sliced"
+    assert outcome.reason is not None and "with its own γ" in outcome.reason
+    assert outcome.figures == {"streams": 1, "changed": 0}
+
+
 def test_a_row_that_breaks_the_contract_is_reported():
     row = decode_families.Row("llama", "dynamo")
     row.outcomes["rotate"] = decode_families.Outcome("1/1 streams rotated", exit=0, tokens_identical=False)

@@ -86,6 +86,49 @@ def test_a_sliced_folder_says_its_width_and_generates(genai_folder, capsys, tmp_
     assert len(seeded.greedy_genai(out, prompt, STEPS)) == len(prompt) + STEPS
 
 
+def test_a_folder_sliced_with_its_head_whole_says_the_width_its_head_reads(genai_folder, capsys, tmp_path):
+    """`--head full`: the layers run 48 wide, the final norm and the head read 64 (the width of the hidden states
+    GenAI would take out of the decoder), so genai_config.json stays as it was."""
+    folder = genai_folder("llama")
+    out = tmp_path / "sliced"
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(seeded.prompts() * 6))
+    argv = ["slice", folder, "-o", out, "--ratio", "0.25", "--round-to", "8", "--head", "full", "--calib", calib]
+    code, stdout, err = cli(capsys, *argv)
+    assert code == 0 and "64 → 48" in stdout, err
+    assert listing(out)["genai_config.json"] == listing(folder)["genai_config.json"]
+    prompt = seeded.prompt_ids(folder / "tokenizer.json")[0]
+    assert len(seeded.greedy_genai(out, prompt, STEPS)) == len(prompt) + STEPS
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_qwen3_and_gemma2_folders_slice(genai_folder, capsys, tmp_path, family):
+    """Qwen-3 (per-head q/k norms between GroupQueryAttention and its projection) and Gemma-2 (a sliding-window
+    cache beside the past) calibrate on text: Qwen-3's residual stream is sliced, Gemma-2's is refused for its
+    sandwich norms (exit 0, nothing cut, the reason said); at ratio 0 both generate the original's tokens."""
+    folder = genai_folder(family)
+    calib, holdout = tmp_path / "calib.txt", tmp_path / "holdout.txt"
+    calib.write_text("\n".join(seeded.prompts() * 6))
+    holdout.write_text("\n".join(f"{p} and then some more" for p in seeded.prompts() * 2))
+    sliced = "1 of 5 residual streams sliced" if family == "qwen3" else "0 of 1 residual streams sliced"
+    code, stdout, err = cli(capsys, "slice", folder, "-o", tmp_path / "exact", "--ratio", "0", "--calib", calib)
+    assert code == 0 and sliced in stdout, err
+    prompts = seeded.prompt_ids(folder / "tokenizer.json")
+    generated = [seeded.greedy_genai(tmp_path / "exact", prompt, STEPS) for prompt in prompts]
+    assert generated == [seeded.greedy_genai(folder, prompt, STEPS) for prompt in prompts]
+    out = tmp_path / "cut"
+    argv = ["slice", folder, "-o", out, "--ratio", "0.25", "--calib", calib, "--holdout", holdout]
+    code, stdout, err = cli(capsys, *argv)
+    assert code == 0 and sliced in stdout, err
+    config = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+    if family == "qwen3":
+        assert "64 → 48" in stdout and config["hidden_size"] == 48
+        assert len(seeded.greedy_genai(out, prompts[0], STEPS)) == len(prompts[0]) + STEPS
+    else:
+        assert "with its own γ: a norm after a block (Gemma-2's sandwich norms)" in stdout
+        assert listing(out)["genai_config.json"] == listing(folder)["genai_config.json"]
+
+
 def test_folder_outputs_and_inputs_that_are_refused(genai_folder, capsys, tmp_path):
     folder = genai_folder("llama")
     taken = tmp_path / "taken"

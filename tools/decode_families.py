@@ -150,12 +150,16 @@ def _verb(verb: str, model: pathlib.Path, work: pathlib.Path, prompts: list[list
         refused = [s["reason"] for s in streams if not s.get("rotatable", s.get("sliceable"))]
         outcome.reason = refused[0] if refused and not done else None
         outcome.figures = {"streams": len(streams), "changed": len(done)}
-        outcome.text = f"{len(done)}/{len(streams)} streams " + ("rotated" if verb == "rotate" else "sliced")
+        did = "rotated" if verb == "rotate" else "sliced"
+        outcome.text = f"{len(done)}/{len(streams)} streams {did}"
+        if not done:  # the reason is the note; held-out figures of an uncut stream say nothing
+            outcome.text = f"nothing to {verb.split()[0]}: 0/{len(streams)} streams can be {did}"
         if verb == "slice 0.25":
-            held = data["slice"]["held_out"]
-            widths = ", ".join(f"{s['hidden_size']}→{s['kept']}" for s in done)
-            outcome.text += f" ({widths}); held out: cos ≥ {held['cos_min']:.3f}, top-1 {held['top1']:.2f}"
-            outcome.figures |= {"held_out": held, "widths": widths}
+            if done:
+                held = data["slice"]["held_out"]
+                widths = ", ".join(f"{s['hidden_size']}→{s['kept']}" for s in done)
+                outcome.text += f" ({widths}); held out: cos ≥ {held['cos_min']:.3f}, top-1 {held['top1']:.2f}"
+                outcome.figures |= {"held_out": held, "widths": widths}
             return outcome
     if verb in EXACT:
         outcome.tokens_identical = [_generate(target, p) for p in prompts] == original

@@ -24,11 +24,14 @@ from ..runtime.verify import check_input_shapes, fixed_dim, index_bounds, make_i
 
 @dataclass(frozen=True)
 class CalibData:
-    """How calibration inputs are read (`calibration.load_batches`); `batch_size` None: `batch_size_for`."""
+    """How calibration inputs are read (`calibration.load_batches`); `batch_size` None: `batch_size_for`;
+    `config`: the ONNX Runtime GenAI config beside the model (`decode.read_config`), for the sizes of a KV-cache
+    graph's empty cache that its graph does not show."""
 
     batch_size: int | None = None
     tokenizer: str | None = None
     max_length: int = 128
+    config: dict | None = None
 
 
 class DataOptions(Protocol):
@@ -60,7 +63,7 @@ def input_spec(model: onnx.ModelProto) -> InputSpec:
         for name, value in run_time_inputs(model).items()
     }
     limit = position_limit(ir.from_proto(model))
-    optional = decode.leaves_out(decode.signature(model))
+    optional = decode.leaves_out(decode.signature(model, sized=False))
     return InputSpec(inputs, index_bounds(model), optional, None if limit is None else limit.rows)
 
 
@@ -104,9 +107,15 @@ def batch_size_for(model: onnx.ModelProto, requested: int | None, name: str = "m
 
 
 def synthetic_batches(
-    model: onnx.ModelProto, samples: int = 64, batch_size: int = 16, seed: int = 0, input_shapes: dict | None = None
+    model: onnx.ModelProto,
+    samples: int = 64,
+    batch_size: int = 16,
+    seed: int = 0,
+    input_shapes: dict | None = None,
+    config: dict | None = None,
 ) -> list[Batch]:
-    """Seeded random inputs (randn floats, in-range indices, all-ones masks). Tests and demos only."""
+    """Seeded random inputs (randn floats, in-range indices, all-ones masks; a KV-cache graph's prefills,
+    `config` as `CalibData.config`). Tests and demos only."""
     batches = []
     spec = input_spec(model)
     names = [name for name in spec.names if name not in spec.optional]
@@ -120,24 +129,38 @@ def synthetic_batches(
                 shapes[name] = tuple(fixed_dim(d) or (size if axis == 0 else 16) for axis, d in enumerate(dims))
             shapes[name] = (size,) + tuple(shapes[name][1:])
         batches.append(make_inputs(model, shapes, seed=seed * 100003 + index))
-    return decode.calibration_batches(model, [{k: b[k] for k in names} for b in batches], "synthetic")
+    return decode.calibration_batches(model, [{k: b[k] for k in names} for b in batches], "synthetic", config)
 
 
-def load(source, model: onnx.ModelProto, options: DataOptions, seed: int, minimum: int = MIN_SAMPLES) -> list[Batch]:
+def load(
+    source,
+    model: onnx.ModelProto,
+    options: DataOptions,
+    seed: int,
+    minimum: int = MIN_SAMPLES,
+    config: dict | None = None,
+) -> list[Batch]:
     """Calibration batches from `source` (`calibration.load_batches`, at least `minimum` samples, or
-    `"synthetic"`), shape-checked."""
+    `"synthetic"`), shape-checked; `config` as `CalibData.config`."""
     if isinstance(source, str) and source == "synthetic":
         size, _ = batch_size_for(model, options.batch_size)
-        return synthetic_batches(model, options.samples, size, seed, options.input_shapes)
-    return load_fitting(source, model, options.batch_size, options.tokenizer, options.max_length, minimum)
+        return synthetic_batches(model, options.samples, size, seed, options.input_shapes, config)
+    return load_fitting(source, model, options.batch_size, options.tokenizer, options.max_length, minimum, config)
 
 
 def load_fitting(
-    source, model: onnx.ModelProto, batch_size: int | None, tokenizer, max_length: int, minimum: int = MIN_SAMPLES
+    source,
+    model: onnx.ModelProto,
+    batch_size: int | None,
+    tokenizer,
+    max_length: int,
+    minimum: int = MIN_SAMPLES,
+    config: dict | None = None,
 ) -> list[Batch]:
     """`calibration.load_batches` for `model` in batches of `batch_size` (None: `batch_size_for`), each batch's
     shapes checked against the model's fixed dims; samples left over after the last batch the model's fixed
-    batch size fills are refused, saying how many to give."""
+    batch size fills are refused, saying how many to give; a KV-cache graph's batches completed into prefills
+    (`decode.calibration_batches`, `config` as `CalibData.config`)."""
     size, _ = batch_size_for(model, batch_size)
     batches = load_batches(source, input_spec(model), size, tokenizer, max_length, minimum)
     file = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
@@ -150,4 +173,4 @@ def load_fitting(
         )
     for index, batch in enumerate(batches):
         check_input_shapes(model, {k: v.shape for k, v in batch.items()}, f"{file}calibration batch {index}, input")
-    return decode.calibration_batches(model, batches, source_label(source))
+    return decode.calibration_batches(model, batches, source_label(source), config)

@@ -90,7 +90,9 @@ def captured(
     runs a rewritten model (a large one from a temporary file whose weights are external data, which ONNX
     Runtime maps: a weight computed when written is computed there slab by slab, and held by nothing else).
     The model is left as it was: the outputs are added while its session is made, then removed."""
-    batches = load_fitting(data, skeleton(ctx.model), options.batch_size, options.tokenizer, options.max_length, 1)
+    batches = load_fitting(
+        data, skeleton(ctx.model), options.batch_size, options.tokenizer, options.max_length, 1, options.config
+    )
     if not names:  # the data is read and checked all the same: a file the user names must be one
         return
     wanted = sorted(set(names))

@@ -70,6 +70,7 @@ from ..fold import FoldOptions, FoldResult, ModelSource, fold_onnx
 from ..graph.constants import constant_values
 from ..graph.frontend import build_zero_mean_graph, load_graph, open_graph
 from ..graphsurgeon import from_graphsurgeon
+from ..runtime import decode
 from ..runtime.verify import check_input_shapes, fixed_dim
 from .surrogates import Emitter, export_model, light_model, norm_cost, norm_spec, width_of, working_graph
 
@@ -215,8 +216,11 @@ def prepare(model: ModelSource, calibration, options: ReplaceOptions | None = No
     started = time.perf_counter()
 
     distinct_holdout(calibration, options.holdout)
-    batches = load(calibration, structure, options, options.seed)
-    holdout = None if options.holdout is None else load(options.holdout, structure, options, options.seed + 1)
+    config = decode.read_config(source)  # a GenAI folder's decoder: sizes its graph may not show
+    batches = load(calibration, structure, options, options.seed, config=config)
+    holdout = None
+    if options.holdout is not None:
+        holdout = load(options.holdout, structure, options, options.seed + 1, config=config)
     splits = split_roles(batches, holdout, options)
     mask_input = find_mask_input(input_spec(structure), options.mask_input, batches + (holdout or []))
 

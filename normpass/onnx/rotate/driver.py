@@ -36,6 +36,7 @@ from ..calibrate import CalibData, batch_size_for
 from ..fold import FoldOptions, FoldResult, ModelSource, fold_onnx
 from ..graph.export import export_model
 from ..graphsurgeon import from_graphsurgeon
+from ..runtime import decode
 from ..runtime.verify import checked, structure
 from .features import feature_statistics
 from .keys import KeyPlan, find_sites
@@ -164,7 +165,8 @@ def rotate_onnx(model: ModelSource, options: RotateOptions | None = None, name: 
         wanted = [site.keys for site in keys.sites] + [site.tensor for site in (smoothing.sites if smoothing else [])]
         size, note = batch_size_for(rotator.ctx.structure, options.calib_data.batch_size, name)
         notes += [note] if note else []
-        data = dataclasses.replace(options.calib_data, batch_size=size)
+        config = options.calib_data.config or decode.read_config(model)  # a GenAI folder's decoder
+        data = dataclasses.replace(options.calib_data, batch_size=size, config=config)
         stats = feature_statistics(rotator.ctx, wanted, options.calib, data)  # checked even if unused
         rotator.centre_keys(keys, stats)
         if smoothing is not None:

@@ -10,9 +10,14 @@ dynamic dimension cannot feed it (past ≠ total − new), so the relations are 
 * **past**: the dynamic axis of the cache inputs that is not the batch;
 * **total** = past + new: axis 1 of the attention mask, where its name is neither of those (a mask over the new
   tokens only shares new's name);
-* the cache's other dynamic dimensions (GenAI's builder names the head size `kv_cache_dim`): from ONNX Runtime
-  GenAI's `genai_config.json` (`head_size`) where it is given, else from `GroupQueryAttention`'s packed
-  projection, whose width is (num_heads + 2·kv_num_heads)·head size.
+* the cache's head size where it is a dynamic dimension (GenAI's builder names it `kv_cache_dim`): from
+  `GroupQueryAttention`'s inputs, where the graph shows their widths: a packed query-key-value projection is
+  (num_heads + 2·kv_num_heads)·head size wide, a separate value kv_num_heads·head size (a key or query read
+  through per-head norms, as Qwen-3's, is reshaped back to its width); else from ONNX Runtime GenAI's
+  `genai_config.json` beside the model (`head_size`);
+* a sliding-window cache (`GroupQueryAttention` with `sliding_window_cache` 1: Gemma-2's local layers, whose
+  past is `past_sliding_length`): a buffer of fixed capacity that must hold the window (`local_window_size`);
+  the mask says how much of it is filled, so it is given the window's length at every step.
 
 Values: the mask is all ones over past + new; `position_ids` count from past (`past … past + new − 1`);
 `seqlens_k` (total − 1 per row) and `total_sequence_length`, where a graph takes them as inputs. A prefill has an
@@ -24,6 +29,7 @@ runs at batch 1.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,7 +123,7 @@ def signature(model: onnx.ModelProto, config: dict | None = None, sized: bool = 
     spans = _dims(mask)[1] if mask is not None and len(_dims(mask)) == 2 else None
     total = spans if isinstance(spans, str) and spans not in (new, batch) else None
     gqa = any(node.op_type == GQA for node in model.graph.node)
-    fixed = _head_sizes(model, past_names, config)
+    fixed = _head_sizes(model, past_names, config) | _window_capacities(model, past_names)
     past = past_names - set(fixed) - (set() if sized else _last_axis_only(model, past_names))
     if len(past) != 1 or new is None or new in past_names:
         return None
@@ -138,13 +144,13 @@ def signature(model: onnx.ModelProto, config: dict | None = None, sized: bool = 
 
 
 def _head_sizes(model: onnx.ModelProto, names: set[str], config: dict | None) -> dict[str, int]:
-    """The cache's dynamic dimensions that hold the head size (GenAI's `kv_cache_dim`): from the config's
-    `head_size`, else from GroupQueryAttention's packed projection. Only names other than the past are meant:
-    one dynamic name per cache axis other than batch and past is the head size."""
+    """The cache's dynamic dimensions that hold the head size (GenAI's `kv_cache_dim`): from the graph
+    (`_gqa_head_size`), else from the config's `head_size`. Only names other than the past are meant: one
+    dynamic name per cache axis other than batch and past is the head size."""
     last = _last_axis_only(model, names)
     if not last:
         return {}
-    head = (config or {}).get("model", {}).get("decoder", {}).get("head_size") or _gqa_head_size(model)
+    head = _gqa_head_size(model) or (config or {}).get("model", {}).get("decoder", {}).get("head_size")
     return {name: int(head) for name in last} if head else {}
 
 
@@ -158,40 +164,101 @@ def _last_axis_only(model: onnx.ModelProto, names: set[str]) -> set[str]:
     return {name for name, at in axes.items() if at == {3}}
 
 
+def _attributes(node: onnx.NodeProto) -> dict[str, int]:
+    return {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+
+
+def _window_capacities(model: onnx.ModelProto, names: set[str]) -> dict[str, int]:
+    """The past dimensions of `names` that only sliding-window caches use (axis 2 of the caches a
+    GroupQueryAttention with `sliding_window_cache` 1 reads), each sized to the largest window reading it:
+    ONNX Runtime takes such a cache at a capacity of the window or more, the mask telling what is filled."""
+    dims = {v.name: _dims(v) for v in run_time_inputs(model)}
+    windows: dict[str, int] = {}
+    unbounded: set[str] = set()
+    for node in model.graph.node:
+        if node.op_type != GQA:
+            continue
+        attrs = _attributes(node)
+        window = attrs.get("local_window_size", -1) if attrs.get("sliding_window_cache") == 1 else -1
+        for cache in node.input[3:5]:
+            shape = dims.get(cache)
+            name = shape[2] if shape is not None and len(shape) == 4 else None
+            if not isinstance(name, str) or name not in names:
+                continue
+            if window > 0:
+                windows[name] = max(windows.get(name, 0), window)
+            else:
+                unbounded.add(name)
+    return {name: size for name, size in windows.items() if name not in unbounded}
+
+
 def _gqa_head_size(model: onnx.ModelProto) -> int | None:
-    """Head size from the first GroupQueryAttention with a packed query-key-value input: its width, read from
-    the projection's weight (through an `Add` of a bias), over num_heads + 2·kv_num_heads."""
+    """Head size from the first GroupQueryAttention whose inputs' widths the graph shows (`_width`): a packed
+    query-key-value input over num_heads + 2·kv_num_heads, else its value, key or query input over its
+    head count."""
     producers = {out: node for node in model.graph.node for out in node.output}
     weights = {v.name: _dims(v) for v in model.graph.input if all(isinstance(d, int) for d in _dims(v))}
     weights.update({i.name: list(i.dims) for i in model.graph.initializer})  # a weight may be an input of a copy
+    constants = _small_integers(model)
     for node in model.graph.node:
-        if node.op_type != GQA or (len(node.input) > 1 and node.input[1]):
+        if node.op_type != GQA:
             continue
-        heads = {a.name: a.i for a in node.attribute if a.name in ("num_heads", "kv_num_heads")}
-        width = _projection_width(node.input[0], producers, weights)
-        if width and len(heads) == 2 and width % (heads["num_heads"] + 2 * heads["kv_num_heads"]) == 0:
-            return width // (heads["num_heads"] + 2 * heads["kv_num_heads"])
+        attrs = _attributes(node)
+        if "num_heads" not in attrs or "kv_num_heads" not in attrs:
+            continue
+        heads, kv = attrs["num_heads"], attrs["kv_num_heads"]
+        packed = len(node.input) < 2 or not node.input[1]
+        for index, count in [(0, heads + 2 * kv)] if packed else [(2, kv), (1, kv), (0, heads)]:
+            width = _width(node.input[index], producers, weights, constants)
+            if width and count and width % count == 0:
+                return width // count
     return None
 
 
-def _projection_width(tensor: str, producers: dict, weights: dict) -> int | None:
+def _small_integers(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """The values of the graph's small integer constants held in the model (a `Split`'s sizes, a `Reshape`'s
+    shape): initializers with their data inline, and `Constant` nodes."""
+    found: dict[str, list[int]] = {}
+    tensors = [(i.name, i) for i in model.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL]
+    tensors += [
+        (node.output[0], a.t)
+        for node in model.graph.node
+        if node.op_type == "Constant"
+        for a in node.attribute
+        if a.name == "value"
+    ]
+    for name, tensor in tensors:
+        if tensor.data_type == onnx.TensorProto.INT64 and len(tensor.dims) <= 1 and int(np.prod(tensor.dims)) <= 8:
+            found[name] = [int(v) for v in onnx.numpy_helper.to_array(tensor).reshape(-1)]
+    return found
+
+
+def _width(tensor: str, producers: dict, weights: dict, constants: dict, depth: int = 6) -> int | None:
+    """The last-axis width of `tensor` where the graph shows it: a projection's weight (through an `Add` of a
+    bias, a `Cast`), a `Split` along the last axis with its sizes, a `Reshape` to a shape whose last entry is
+    given; None otherwise."""
     node = producers.get(tensor)
-    for _ in range(4):
-        if node is None:
-            return None
-        if node.op_type in ("MatMul", "Gemm", "MatMulNBits") and node.input[1] in weights:
-            dims = weights[node.input[1]]
-            if node.op_type == "MatMulNBits":
-                return next((a.i for a in node.attribute if a.name == "N"), None)
-            transposed = any(a.name == "transB" and a.i for a in node.attribute)
-            return dims[0] if transposed else dims[-1]
-        if node.op_type == "Add":
-            bias = next((i for i in node.input if i in weights), None)
-            if bias is not None:
-                return weights[bias][-1]
-            node = producers.get(node.input[0])
-            continue
-        node = producers.get(node.input[0]) if node.op_type in ("Cast", "Identity") else None
+    if node is None or depth == 0:
+        return None
+    if node.op_type in ("MatMul", "Gemm", "MatMulNBits") and node.input[1] in weights:
+        if node.op_type == "MatMulNBits":
+            return next((a.i for a in node.attribute if a.name == "N"), None)
+        dims = weights[node.input[1]]
+        transposed = any(a.name == "transB" and a.i for a in node.attribute)
+        return dims[0] if transposed else dims[-1]
+    if node.op_type == "Add":
+        bias = next((i for i in node.input if i in weights), None)
+        if bias is not None:
+            return weights[bias][-1]
+    if node.op_type == "Split" and _attributes(node).get("axis", 0) == -1:
+        sizes = constants.get(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        sizes = sizes or next((list(a.ints) for a in node.attribute if a.name == "split"), None)
+        return sizes[list(node.output).index(tensor)] if sizes and len(sizes) == len(node.output) else None
+    if node.op_type == "Reshape":
+        shape = constants.get(node.input[1])
+        return shape[-1] if shape and shape[-1] > 0 else None
+    if node.op_type in ("Add", "Cast", "Identity"):
+        return _width(node.input[0], producers, weights, constants, depth - 1)
     return None
 
 
@@ -248,9 +315,10 @@ def leaves_out(sig: DecodeSignature | None) -> frozenset[str]:
     return frozenset(name for name in made if name)
 
 
-def read_config(model_path: str | Path | None) -> dict | None:
-    """The `genai_config.json` beside `model_path` whose decoder reads that file, or None."""
-    if model_path is None:
+def read_config(model_path: object) -> dict | None:
+    """The `genai_config.json` beside `model_path` whose decoder reads that file, or None (also where the model
+    is not a path: an in-memory model has no folder)."""
+    if not isinstance(model_path, (str, os.PathLike)):
         return None
     path = Path(model_path)
     config = path.parent / "genai_config.json"
@@ -265,18 +333,19 @@ def read_config(model_path: str | Path | None) -> dict | None:
 
 
 def calibration_batches(
-    model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], where: str
+    model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], where: str, config: dict | None = None
 ) -> list[dict[str, np.ndarray]]:
     """Calibration `batches` for `model`: as they are for a graph without a cache; for a KV-cache graph each
-    completed into a prefill (`prefill`), after refusing a batch GroupQueryAttention cannot take (a past with
-    more than one new token at a batch above 1) as bad input naming the constraint."""
-    sig = signature(model)
+    completed into a prefill (`prefill`; `config`: the GenAI config beside the model, for a size the graph does
+    not show), after refusing a batch GroupQueryAttention cannot take (a past with more than one new token at a
+    batch above 1) as bad input naming the constraint."""
+    sig = signature(model, config)
     if sig is None:
+        _refuse_unsized(model, batches, where)
         return batches
     for index, batch in enumerate(batches):
         rows, new = batch[sig.tokens].shape
-        past = next((batch[c].shape for c in sig.caches if c in batch), None)
-        past_length = _past_length(model, sig, past)
+        past_length = _past_length(model, sig, batch)
         if sig.gqa and past_length and new > 1 and rows > 1:
             raise InputError(
                 f"{where}: calibration batch {index} has a past of {past_length} tokens and {new} new tokens at batch "
@@ -286,17 +355,34 @@ def calibration_batches(
     return [prefill(model, sig, batch) if not any(c in batch for c in sig.caches) else batch for batch in batches]
 
 
-def _past_length(model: onnx.ModelProto, sig: DecodeSignature, shape: tuple | None) -> int:
-    if shape is None:
-        return 0
-    cache = next(v for v in run_time_inputs(model) if v.name == sig.caches[0])
-    axis = _dims(cache).index(sig.past)
-    return int(shape[axis])
+def _refuse_unsized(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], where: str) -> None:
+    """Refuse batches without a cache for a KV-cache graph whose cache has a head size nothing gives."""
+    sig = signature(model, sized=False)
+    if sig is None or all(any(c in batch for c in sig.caches) for batch in batches):
+        return
+    caches = [v for v in run_time_inputs(model) if v.name in sig.caches]
+    unsized = sorted({d for v in caches for d in _dims(v)[3:] if isinstance(d, str)})
+    raise InputError(
+        f"{where}: the model's cache ({sig.caches[0]}, …) has a head size ({', '.join(unsized)}) that "
+        "neither its GroupQueryAttention's inputs nor a genai_config.json beside the model give (model.decoder."
+        "head_size), so an empty cache cannot be made; give the past_key_values in an .npz (a past of length 0 is "
+        "fine), or keep the model in its GenAI folder"
+    )
+
+
+def _past_axes(model: onnx.ModelProto, sig: DecodeSignature) -> dict[str, int]:
+    """Per cache input whose past is the signature's (not a sliding window's buffer), the axis of that past."""
+    caches = [v for v in run_time_inputs(model) if v.name in sig.caches]
+    return {v.name: _dims(v).index(sig.past) for v in caches if sig.past in _dims(v)}
+
+
+def _past_length(model: onnx.ModelProto, sig: DecodeSignature, batch: dict[str, np.ndarray]) -> int:
+    """The past length of `batch`'s cache, 0 where it gives none."""
+    given = [(name, axis) for name, axis in _past_axes(model, sig).items() if name in batch]
+    return int(batch[given[0][0]].shape[given[0][1]]) if given else 0
 
 
 def zero_allowed(model: onnx.ModelProto) -> dict[str, int]:
     """Per cache input of a KV-cache graph, the axis of its past: a length of 0 there is an empty cache."""
     sig = signature(model, sized=False)
-    if sig is None:
-        return {}
-    return {v.name: _dims(v).index(sig.past) for v in run_time_inputs(model) if v.name in sig.caches}
+    return {} if sig is None else _past_axes(model, sig)

@@ -430,8 +430,7 @@ def run_inputs(
     Without given shapes, a KV-cache graph (`decode.signature`) runs a prefill, a decode step (both required)
     and several new tokens after a past; any other model the runs of `verification_runs`, the first required.
     """
-    config = decode.read_config(source) if isinstance(source, (str, Path)) else None
-    sig = decode.signature(model, config) if not shapes else None
+    sig = decode.signature(model, decode.read_config(source)) if not shapes else None
     if sig is not None:
         return [
             (

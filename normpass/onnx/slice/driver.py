@@ -70,7 +70,7 @@ from ..graph.frontend import graph_values
 from ..graphsurgeon import from_graphsurgeon
 from ..rotate import RotateOptions
 from ..rotate.rotator import plan_streams
-from ..runtime import verify
+from ..runtime import decode, verify
 from ..runtime.verify import check_input_shapes, checked
 from .cut import Slicer, slice_refusal
 from .recover import Recovery, recover
@@ -337,14 +337,17 @@ VERIFIED_BY_BUDGET = (
 # --- data and bases ------------------------------------------------------------------------------
 
 
-def _data(model: onnx.ModelProto, calibration, options: SliceOptions) -> tuple[list[Batch], list[Batch]]:
-    """(fitting, held-out) batches: a seeded split of `calibration`, or all of it and `options.holdout`."""
+def _data(
+    model: onnx.ModelProto, calibration, options: SliceOptions, config: dict | None
+) -> tuple[list[Batch], list[Batch]]:
+    """(fitting, held-out) batches: a seeded split of `calibration`, or all of it and `options.holdout`;
+    `config`: the GenAI config beside the model (`decode.read_config`)."""
     if options.holdout is not None:
         distinct_holdout(calibration, options.holdout)
-        return load(calibration, model, options, options.seed, 1), load(
-            options.holdout, model, options, options.seed + 1, 1
+        return load(calibration, model, options, options.seed, 1, config), load(
+            options.holdout, model, options, options.seed + 1, 1, config
         )
-    every = load(calibration, model, options, options.seed, 2)
+    every = load(calibration, model, options, options.seed, 2, config)
     whole = fixed_batch(model) is not None  # a model that fixes its batch takes whole batches only
     fit, held = split_batches(every, tuple(options.split), options.seed, options.batch_size, whole)
     return fit, held
@@ -602,7 +605,7 @@ def slice_onnx(
     seconds = {"fold": time.perf_counter() - start}
 
     start = time.perf_counter()
-    fit, held = _data(original, calibration, options)
+    fit, held = _data(original, calibration, options, decode.read_config(source))
     mask_input = find_mask_input(input_spec(original), options.mask_input, fit + held)
     pieces, shortcuts, whole = _pieces(slicer, plan, options)
     every_piece = [piece for found in pieces.values() for piece in found if piece.name not in whole]
