@@ -57,3 +57,8 @@ def test_each_format_computes_the_matmul_within_4_bit_rounding():
         found = run_ort(eval_decode.four_bit(model, symmetric=symmetric, accuracy_level=level), {"x": x})["y"]
         relative = np.linalg.norm(found - exact) / np.linalg.norm(exact)
         assert 1e-4 < relative < 0.2, (symmetric, level, relative)  # quantized, not exact, not garbage
+
+
+def test_the_block_size_is_a_keyword_too():
+    node = nbits(eval_decode.four_bit(one_matmul(k=256), block_size=128))
+    assert attributes(node)["block_size"] == 128

@@ -201,17 +201,17 @@ def gemm_as_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def four_bit(
-    model: onnx.ModelProto, *, symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL
+    model: onnx.ModelProto, *, symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL, block_size: int = BLOCK
 ) -> onnx.ModelProto:
-    """Every MatMul with a constant weight as `MatMulNBits` (ORT's RTN quantizer, 4 bits, blocks of 32 along the
-    input dimension). The defaults are the format ONNX Runtime GenAI's builder serves on CPU: `symmetric` (each
-    block is `scale · q`, q in −8 … 7, no zero point) and `accuracy_level` 4 (MatMulNBits quantizes its
-    activations blockwise to int8 at run time and multiplies int8 by int4; 0 computes in fp32 from dequantized
-    weights). `symmetric=False` gives each block a zero point (`scale · (q − z)`, q in 0 … 15)."""
+    """Every MatMul with a constant weight as `MatMulNBits` (ORT's RTN quantizer, 4 bits, blocks of `block_size`
+    along the input dimension). The defaults are the format ONNX Runtime GenAI's builder serves on CPU: block 32,
+    `symmetric` (each block is `scale · q`, q in −8 … 7, no zero point) and `accuracy_level` 4 (MatMulNBits
+    quantizes its activations blockwise to int8 at run time and multiplies int8 by int4; 0 computes in fp32 from
+    dequantized weights). `symmetric=False` gives each block a zero point (`scale · (q − z)`, q in 0 … 15)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     quantizer = MatMulNBitsQuantizer(
-        gemm_as_matmul(model), bits=4, block_size=BLOCK, is_symmetric=symmetric, accuracy_level=accuracy_level
+        gemm_as_matmul(model), bits=4, block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level
     )
     quantizer.process()
     return quantizer.model.model
