@@ -206,9 +206,9 @@ def interleaved(runs: dict[str, object], prompt: np.ndarray, tokens: int, rounds
 
 
 def records(report: dict) -> dict:
-    """The report's measurements as records of docs/results/README.md's schema: one per loop, `median_ms` the
-    ms per token at decode, `baseline` "builder" (the builder's folder as written), with the prefill and the
-    bytes read per token beside."""
+    """The report's measurements as records of docs/results/README.md's schema: one per loop and model,
+    `median_ms` the ms per token at decode, `baseline` "builder" (a seeded shape: the builder's folder as
+    written) or "export" (IgLM: its with-past export), with the prefill and the bytes read per token beside."""
     found = []
     for key, variants in report["results"].items():
         loop, model = key.split("-", 1)
@@ -218,11 +218,11 @@ def records(report: dict) -> dict:
                 "device": report["machine"]["cpu"],
                 "provider": {"genai": "cpu-genai", "ort": "cpu"}[loop],
                 "dtype": "fp32",
-                "model": f"{model}-shape",
+                "model": f"{model}-shape" if model in PHI else model,
                 "batch": 1,
                 "seq": report["prompt_tokens"],
                 "decoded": report["decoded_tokens"],
-                "baseline": "builder",
+                "baseline": "builder" if model in PHI else "export",
                 "baseline_ms": base["ms_per_token"],
                 "baseline_prefill_ms": base["prefill_ms"],
                 "variants": {
