@@ -330,6 +330,13 @@ ROWS = (
                     "the same in a plain ORT loop",
                 ),
                 Decode(
+                    "cpu-2026-11-28/records-decode-int4-1layer.json",
+                    "cpu-genai",
+                    ("4bit", "4bit-asym-level0", "rotate+4bit"),
+                    "one layer of that shape in onnxruntime-genai (13.4 M parameters: the fixed cost per token is "
+                    "under its 4-bit token's)",
+                ),
+                Decode(
                     "cpu-2026-11-28/records-decode-int4-iglm.json",
                     "cpu",
                     ("slice-0.25", "rotate+4bit", "slice-0.25+rotate+4bit"),
