@@ -1,5 +1,5 @@
-"""Where a decode step's time goes, fp32 against 4-bit (issue 43, item 9): why `MatMulNBits` weights read at
-0.16× the bytes decode at only about 0.45× the time.
+"""Where a decode step's time goes, fp32 against 4-bit (issue 43, item 9): why `MatMulNBits` weights, read at
+0.16× the bytes, decode at 0.24–0.45× the time (accuracy level 4 to 0).
 
 Two measurements, both ONNX Runtime's CPU provider (the kernels onnxruntime-genai runs):
 
@@ -16,7 +16,7 @@ Two measurements, both ONNX Runtime's CPU provider (the kernels onnxruntime-gena
 * **profile**: ORT's per-op profile (`enable_profiling`) of decode steps of the models given (a plain ORT loop,
   as `tools/bench_decode.OrtRun`: a prompt's prefill, then single-token steps), summed per op type and
   divided by the number of steps, with the step's wall time beside: what is MatMul, what is attention, norms
-  and the rest, and what is neither (the run's own overhead: wall time minus the ops' time).
+  and the rest, and what is neither (the session run's own work: its time minus the ops' time).
 
     python tools/profile_decode.py --folders CACHE/variants/phi-1024x8/{original,4bit,4bit-asym-level0} \\
         --json docs/results/cpu-2026-11-28/decode-profile.json
