@@ -330,6 +330,12 @@ ROWS = (
                     "the same in a plain ORT loop",
                 ),
                 Decode(
+                    "cpu-2026-11-28/records-decode-int4-2.json",
+                    "cpu-genai",
+                    ("slice-0.25", "4bit", "4bit-asym-level0", "rotate+4bit", "slice-0.25+rotate+4bit"),
+                    "a second run of five of those folders (9 rounds)",
+                ),
+                Decode(
                     "cpu-2026-11-28/records-decode-int4-1536.json",
                     "cpu-genai",
                     ("slice-0.25", "4bit", "4bit-asym-level0", "rotate+4bit", "slice-0.25+rotate+4bit"),
