@@ -7,15 +7,18 @@ per token** at decode (greedy, each step one token with the growing KV cache), w
 measured in the same rounds. Beside each, the **bytes read per token** ratio: the bytes of the weights every
 decode step reads (every initializer but the tables a `Gather` reads one row of), the bound at decode.
 
-* `genai`: a seeded GenAI folder built by the builder (`models/genai.py`, `-p fp32 -e cpu`) of a Phi shape,
-  d = 1024 × 8 layers, 16 heads, MLP 4096, a 256-word vocabulary (101 M parameters), run by
-  `onnxruntime_genai` (CPU). Variants: the original; `slice` at each ratio (`slice_onnx` on the folder's
-  `model.onnx`, calibrated on 16 sequences of 33 tokens of the folder's sentences, each a decode step of 32
-  tokens after its first — past of one token, batch 1; the basis and head as `--basis`, `--head` say);
-  `4bit` (ORT's `MatMulNBitsQuantizer`, block 32, asymmetric — the builder's int4 format — of every MatMul,
-  `tools/eval_decode.four_bit`); `rotate+4bit`; `slice-R+4bit` and `slice-R+rotate+4bit`. A variant is a
-  copy of the folder with its `model.onnx` (and external data) replaced; `genai_config.json` is unchanged (it
-  names head sizes and counts, not the stream's width).
+* `genai`: a seeded GenAI folder built by the builder (`models/genai.py`, `-p fp32 -e cpu`) of a Phi shape
+  (`PHI`): `phi-1024x8`, d = 1024 × 8 layers, 16 heads, MLP 4096, a 256-word vocabulary (101 M parameters);
+  `phi-1536x8` (24 heads, MLP 6144: 227 M); `phi-1024x1` (one layer: with `phi-1024x8` it splits a token's
+  time into a per-layer and a fixed part), run by `onnxruntime_genai` (CPU). Variants: the original; `slice`
+  at each ratio (`slice_onnx` on the folder's `model.onnx`, calibrated on 16 sequences of 33 tokens of the
+  folder's sentences, each a decode step of 32 tokens after its first — past of one token, batch 1; the basis
+  and head as `--basis`, `--head` say); `4bit` (ORT's `MatMulNBitsQuantizer` of every MatMul,
+  `tools/eval_decode.four_bit`, in the builder's CPU int4 format: block 32, symmetric, accuracy level 4 —
+  int8 activations); `4bit-asym-level0` (block 32, asymmetric, accuracy level 0 — fp32 compute — the format of
+  the previous records); `rotate+4bit`; `slice-R+4bit` and `slice-R+rotate+4bit`. A variant is a copy of the
+  folder with its `model.onnx` (and external data) replaced; `genai_config.json` is unchanged (it names head
+  sizes and counts, not the stream's width).
 * `ort`: the same folders' `model.onnx` in a plain ONNX Runtime loop (inputs fed, `present.*` fed back as
   `past_key_values.*`), and IgLM's with-past export (`tools/eval_decode.py`; d = 512 × 4 layers, 12.9 M
   parameters) with the same variants, calibrated on 16 sequences sampled from IgLM (the builder builds no
@@ -47,28 +50,34 @@ from normpass import RotateOptions, SliceOptions, rotate_onnx, slice_onnx
 from normpass.onnx.runtime import bench
 
 RATIOS = (0.1, 0.2, 0.25, 0.3)
-SHAPE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "intermediate_size": 4096}
+PHI = {
+    "phi-1024x8": {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "intermediate_size": 4096},
+    "phi-1536x8": {"hidden_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 24, "intermediate_size": 6144},
+    "phi-1024x1": {"hidden_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 16, "intermediate_size": 4096},
+}
 
 
 # --- folders ---------------------------------------------------------------------------------------
 
 
-def build_phi(root: pathlib.Path) -> pathlib.Path:
-    """The seeded Phi shape (`SHAPE`) as a GenAI folder, built once under `root`."""
+def build_phi(root: pathlib.Path, name: str) -> pathlib.Path:
+    """The seeded Phi shape `PHI[name]` as a GenAI folder, built once under `root`."""
     from models import genai
 
     out = root / "model"
     if (out / "genai_config.json").is_file():
         return out
+    shape = PHI[name]
 
     def config(vocab: int):
         from transformers import PhiConfig
 
-        common = genai._common(SHAPE["hidden_size"], SHAPE["num_hidden_layers"], 16, 16, vocab)
-        return PhiConfig(**(common | SHAPE | {"max_position_embeddings": 512}))
+        heads = shape["num_attention_heads"]
+        common = genai._common(shape["hidden_size"], shape["num_hidden_layers"], heads, heads, vocab)
+        return PhiConfig(**(common | shape | {"max_position_embeddings": 512}))
 
-    genai.FAMILIES["phi-1024x8"] = config
-    ckpt = genai.checkpoint("phi-1024x8", root / "ckpt")
+    genai.FAMILIES[name] = config
+    ckpt = genai.checkpoint(name, root / "ckpt")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out)]
     subprocess.run([*cmd, "-p", "fp32", "-e", "cpu", "-c", str(root / "cache")], check=True, capture_output=True)
     return out
@@ -112,9 +121,10 @@ def prompts(folder: pathlib.Path, count: int, length: int) -> list[np.ndarray]:
 
 
 class GenAIRun:
-    """One folder in onnxruntime_genai: prefill a prompt, then decode `tokens` greedily."""
+    """One folder in onnxruntime_genai (its own thread settings): prefill a prompt, then decode `tokens`
+    greedily."""
 
-    def __init__(self, folder: pathlib.Path, threads: int):
+    def __init__(self, folder: pathlib.Path):
         import onnxruntime_genai as og
 
         self.og = og
@@ -197,9 +207,9 @@ def interleaved(runs: dict[str, object], prompt: np.ndarray, tokens: int, rounds
 
 
 def records(report: dict) -> dict:
-    """The report's measurements as records of docs/results/README.md's schema: one per loop, `median_ms` the
-    ms per token at decode, `baseline` "builder" (the builder's folder as written), with the prefill and the
-    bytes read per token beside."""
+    """The report's measurements as records of docs/results/README.md's schema: one per loop and model,
+    `median_ms` the ms per token at decode, `baseline` "builder" (a seeded shape: the builder's folder as
+    written) or "export" (IgLM: its with-past export), with the prefill and the bytes read per token beside."""
     found = []
     for key, variants in report["results"].items():
         loop, model = key.split("-", 1)
@@ -209,11 +219,11 @@ def records(report: dict) -> dict:
                 "device": report["machine"]["cpu"],
                 "provider": {"genai": "cpu-genai", "ort": "cpu"}[loop],
                 "dtype": "fp32",
-                "model": f"{model}-shape",
+                "model": f"{model}-shape" if model in PHI else model,
                 "batch": 1,
                 "seq": report["prompt_tokens"],
                 "decoded": report["decoded_tokens"],
-                "baseline": "builder",
+                "baseline": "builder" if model in PHI else "export",
                 "baseline_ms": base["ms_per_token"],
                 "baseline_prefill_ms": base["prefill_ms"],
                 "variants": {
@@ -231,7 +241,8 @@ def records(report: dict) -> dict:
                 },
             }
         )
-    return {"command": report["command"], "load": report["machine"].get("load_after"), "records": found}
+    load = report["machine"].get("load_after")
+    return {"command": report["command"], "load": load, "four_bit": report["four_bit"], "records": found}
 
 
 # --- variants -------------------------------------------------------------------------------------
@@ -241,6 +252,7 @@ def variants(original: onnx.ModelProto, calibration: list[dict], shapes: dict, a
     """`original` and its variants (the module docstring), by label; `calibration`: decode steps to slice on."""
     rotate = RotateOptions(provider="cpu", input_shapes=shapes)
     found = {"original": original, "4bit": eval_decode.four_bit(original)}
+    found["4bit-asym-level0"] = eval_decode.four_bit(original, symmetric=False, accuracy_level=0)
     found["rotate+4bit"] = eval_decode.four_bit(rotate_onnx(original, rotate, name).model)
     for ratio in args.ratios:
         options = SliceOptions(
@@ -265,10 +277,12 @@ def reused(where: pathlib.Path) -> dict[str, pathlib.Path]:
     return {"original": found.pop("original"), **found}
 
 
-def phi(cache: pathlib.Path, args, reuse: pathlib.Path | None = None) -> tuple[dict, np.ndarray, int, pathlib.Path]:
-    """The seeded Phi folder's variants (or the folders of `reuse`), a prompt from its sentences, its head size,
-    the folder."""
-    folder = build_phi(cache / "phi-1024x8")
+def phi(
+    name: str, cache: pathlib.Path, args, reuse: pathlib.Path | None = None
+) -> tuple[dict, np.ndarray, int, pathlib.Path]:
+    """The seeded Phi folder `name`'s variants (or the folders of `reuse`), a prompt from its sentences, its head
+    size, the folder."""
+    folder = build_phi(cache / name, name)
     head_size = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
     if reuse is not None:
         return reused(reuse), prompts(folder, 1, args.prompt)[0], head_size, folder
@@ -280,7 +294,7 @@ def phi(cache: pathlib.Path, args, reuse: pathlib.Path | None = None) -> tuple[d
     return variants(original, calibration, shapes, args, "phi"), prompts(folder, 1, args.prompt)[0], head_size, folder
 
 
-def iglm(cache: pathlib.Path, args, reuse: pathlib.Path | None = None) -> tuple[dict, np.ndarray, int, None]:
+def iglm(name: str, cache: pathlib.Path, args, reuse: pathlib.Path | None = None) -> tuple[dict, np.ndarray, int, None]:
     """IgLM's with-past export and its variants (calibrated on 16 sequences sampled with seed 1), the first
     tokens of a sequence sampled with seed 2 as the prompt."""
     import eval_slice
@@ -303,20 +317,25 @@ def iglm(cache: pathlib.Path, args, reuse: pathlib.Path | None = None) -> tuple[
     return variants(original, calibration, shapes, args, "iglm"), prompt, 0, None
 
 
-MODELS = {"phi-1024x8": phi, "iglm": iglm}
+MODELS = {**dict.fromkeys(PHI, phi), "iglm": iglm}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
-    parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=["phi-1024x8", "iglm"])
+    parser.add_argument("--ratios", type=float, nargs="*", default=list(RATIOS), help="none: no sliced variants")
     parser.add_argument("--quantized-ratios", type=float, nargs="*", default=[0.25])
     parser.add_argument("--basis", choices=("layer", "stream"), default="stream")
     parser.add_argument("--head", choices=("cut", "full"), default="cut")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per run")
-    parser.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0: ORT's default)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="the plain ORT loop's intra-op threads (0: ORT's default; GenAI keeps its own)",
+    )
     parser.add_argument("--loops", nargs="+", choices=("genai", "ort"), default=["genai", "ort"])
     parser.add_argument("--cache", type=pathlib.Path, help="keep folders here (default: a temp dir)")
     parser.add_argument(
@@ -336,8 +355,9 @@ def main() -> None:
     report: dict = {
         "machine": bench.machine() | {"onnxruntime_genai": og.__version__, "load_before": load},
         "command": "python tools/bench_decode.py " + " ".join(sys.argv[1:]),
+        "four_bit": {"block_size": eval_decode.BLOCK, "symmetric": True, "accuracy_level": eval_decode.ACCURACY_LEVEL},
         "shapes": {
-            "phi-1024x8": f"seeded Phi (GenAI builder, fp32): {SHAPE}, vocabulary 256",
+            **{name: f"seeded Phi (GenAI builder, fp32): {shape}, vocabulary 256" for name, shape in PHI.items()},
             "iglm": "IgLM (iglm 0.1.0), with-past torch.onnx export (dynamo), fp32; no GenAI folder (the builder "
             "builds no GPT-2)",
         },
@@ -360,9 +380,9 @@ def main() -> None:
         for model in args.models:
             where = cache / "variants" / model
             if args.reuse:
-                folders, prompt, head_size, folder = MODELS[model](cache, args, reuse=where)
+                folders, prompt, head_size, folder = MODELS[model](model, cache, args, reuse=where)
             else:
-                found_variants, prompt, head_size, folder = MODELS[model](cache, args)
+                found_variants, prompt, head_size, folder = MODELS[model](model, cache, args)
                 folders = {n: save_folder(folder, m, where / n) for n, m in found_variants.items()}
                 del found_variants
             if args.only:
@@ -373,7 +393,7 @@ def main() -> None:
             loops = [loop for loop in args.loops if folder is not None or loop == "ort"]
             for loop in loops:
                 if loop == "genai":
-                    runs: dict = {n: GenAIRun(f, args.threads) for n, f in folders.items()}
+                    runs: dict = {n: GenAIRun(f) for n, f in folders.items()}
                 else:
                     runs = {n: OrtRun(f / "model.onnx", args.threads, head_size) for n, f in folders.items()}
                 found = interleaved(runs, prompt, args.tokens, args.rounds)

@@ -15,8 +15,9 @@ that is judged here. Each held-out sequence is run with an empty past (its prefi
 
 Variants: `slice` at each ratio with the head cut and left at full width (`--head`), each without and with
 recovery (`--recover SECONDS`); `fold` and `rotate` (exact, checked), each then quantized to 4 bits per weight
-(ONNX Runtime's `MatMulNBitsQuantizer`, block 32, asymmetric: the builder's int4 format, every MatMul; the
-export's `Gemm`s are first written as the `MatMul` + `Add` they compute), and the sliced models quantized too.
+(ONNX Runtime's `MatMulNBitsQuantizer`, block 32, symmetric, accuracy level 4: the builder's CPU int4 format,
+every MatMul; the export's `Gemm`s are first written as the `MatMul` + `Add` they compute), and the sliced models
+quantized too.
 
     python tools/eval_decode.py --json docs/results/cpu-2026-11-28/decode-quality-iglm.json
 """
@@ -45,6 +46,7 @@ RATIOS = (0.1, 0.2, 0.3)
 HEADS = ("cut", "full")
 LENGTH = 120
 BLOCK = 32
+ACCURACY_LEVEL = 4  # the builder's on CPU: int8 activations in MatMulNBits
 
 
 # --- the model and its data -----------------------------------------------------------------------
@@ -198,11 +200,19 @@ def gemm_as_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def four_bit(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Every MatMul with a constant weight as `MatMulNBits` (4 bits, block 32, asymmetric, ORT's RTN quantizer)."""
+def four_bit(
+    model: onnx.ModelProto, *, symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL, block_size: int = BLOCK
+) -> onnx.ModelProto:
+    """Every MatMul with a constant weight as `MatMulNBits` (ORT's RTN quantizer, 4 bits, blocks of `block_size`
+    along the input dimension). The defaults are the format ONNX Runtime GenAI's builder serves on CPU: block 32,
+    `symmetric` (each block is `scale · q`, q in −8 … 7, no zero point) and `accuracy_level` 4 (MatMulNBits
+    quantizes its activations blockwise to int8 at run time and multiplies int8 by int4; 0 computes in fp32 from
+    dequantized weights). `symmetric=False` gives each block a zero point (`scale · (q − z)`, q in 0 … 15)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    quantizer = MatMulNBitsQuantizer(gemm_as_matmul(model), bits=4, block_size=BLOCK, is_symmetric=False)
+    quantizer = MatMulNBitsQuantizer(
+        gemm_as_matmul(model), bits=4, block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level
+    )
     quantizer.process()
     return quantizer.model.model
 
