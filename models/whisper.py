@@ -14,15 +14,19 @@ CTranslate2's own converter (``ctranslate2.converters.transformers.WhisperLoader
 * ``layer_norm/gamma|beta`` are a LayerNorm's weight and bias; ``position_encodings/encodings`` the position
   table; ``decoder/projection/weight`` an alias of the token table (the tied ``proj_out``).
 
-Every variable of the file is used exactly once or is a configuration scalar checked against what the mapping
-assumes (pre-norm, GELU, no ALiBi, embeddings unscaled); the k biases must be zero; ``load_state_dict`` is
-strict. fp16 → fp32 is exact.
+Every variable of the file is read, or is a configuration scalar checked against what the mapping assumes
+(pre-norm, GELU, no ALiBi, embeddings unscaled) or the head counts, or the alignment heads (timestamps only); a
+variable left unread is an error, the k biases must be zero, ``load_state_dict`` is strict. fp16 → fp32 is
+exact.
 
 ``export_decoder(model, path)`` writes the decoder with its self-attention KV cache (torch.onnx, dynamo):
 inputs ``input_ids`` [batch, sequence], ``encoder_hidden_states`` [batch, 1500, d] and
 ``past_key_values.<layer>.key|value`` [batch, heads, past, head size]; outputs ``logits`` and
 ``present.<layer>.key|value``. The cross-attention's keys and values are computed from
-``encoder_hidden_states`` in each call (they read the encoder's stream, not the decoder's).
+``encoder_hidden_states`` in each call (they read the encoder's stream, not the decoder's). The position
+table is looked up as an embedding (``Gather``): ``transformers`` indexes it (``weight[position_ids]``), which
+the dynamo exporter writes as a ``GatherND`` that normpass does not read as a table lookup: it then centres the
+lookup's output instead of the table, and that inserted centring keeps the stream from rotating.
 """
 
 from __future__ import annotations
@@ -73,7 +77,9 @@ class _Mapping:
     variable left unread is found."""
 
     def __init__(self, ct2: ct2_format.CT2Model):
-        self.ct2, self.state, self.read = ct2, {}, set()  # type: ignore[var-annotated]
+        self.ct2 = ct2
+        self.state: dict[str, np.ndarray] = {}
+        self.read: set[str] = set()
 
     def take(self, name: str) -> np.ndarray:
         self.read.add(self.ct2.aliases.get(name, name))
