@@ -215,9 +215,9 @@ def _position_table() -> Any:
     import torch
 
     class PositionTable(torch.nn.Embedding):
-        """Whisper's position table looked up as an embedding: ``weight[position_ids]``, which the exporter
-        writes as a ``GatherND`` (normpass reads a table lookup as a ``Gather``), written as the ``Gather`` of
-        ``torch.nn.functional.embedding`` (the same rows)."""
+        """Whisper's position table, its rows looked up with ``torch.nn.functional.embedding`` (an ONNX
+        ``Gather``) where ``transformers`` indexes ``weight[position_ids]`` (a ``GatherND``, which normpass
+        does not read as a table lookup): the same rows."""
 
         def forward(self, input_ids, cache_length=0, position_ids=None):
             return torch.nn.functional.embedding(position_ids, self.weight)
