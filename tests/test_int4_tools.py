@@ -62,8 +62,8 @@ def test_the_tied_head_is_quantized_only_once_its_transpose_is_a_constant():
 
 def test_groups_and_one_group_at_a_time():
     exact = eval_int4.quantizable(tied_decoder())
-    kinds = eval_int4.groups(exact, INNER, VOCAB)
-    assert kinds == {"attention": "attention", "up": "mlp", "down": "mlp", "head": "head"}
+    kinds = eval_int4.groups(exact, INNER, VOCAB, D)
+    assert kinds == {"attention": "out", "up": "mlp", "down": "mlp", "head": "head"}
     assert quantized_names(eval_int4.quantize(exact, "sym-4", 32, ["up", "down"])) == {"up", "down"}
 
 

@@ -42,9 +42,11 @@ import eval_decode
 import eval_slice
 
 from normpass import RotateOptions, SliceOptions, fold_onnx, rotate_onnx, slice_onnx
+from normpass.onnx.rotate.online import METADATA_KEY as KEEP_FP32
 from normpass.onnx.runtime import bench
 
 GROUPS = ("attention", "mlp", "head")
+PARTS = ("qkv", "out")  # attention's two projections, each alone
 FORMATS = {"asym-0": (False, 0), "sym-0": (True, 0), "sym-4": (True, 4)}  # is_symmetric, accuracy_level
 BOOTSTRAP = 2000
 
@@ -79,16 +81,21 @@ def quantizable(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def groups(model: onnx.ModelProto, inner: int, vocab: int) -> dict[str, str]:
+def groups(model: onnx.ModelProto, inner: int, vocab: int, width: int) -> dict[str, str]:
     """Each MatMul with a constant weight of a GPT-2 (after `quantizable`) by group: the head writes the
-    vocabulary, the MLP's projections read or write its inner width, the others are attention's."""
+    vocabulary, the MLP's projections read or write its inner width, the others are attention's: `qkv`
+    writes three times its width, `out` the others. MatMuls named in the model's `normpass.keep_fp32`
+    metadata (online rotations) are no group: a quantizer leaves them in floating point."""
     weights = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    kept = next((p.value for p in model.metadata_props if p.key == KEEP_FP32), "").split(",")
     found = {}
     for node in model.graph.node:
         shape = weights.get(node.input[1]) if node.op_type == "MatMul" else None
-        if shape is None or len(shape) != 2:
+        if shape is None or len(shape) != 2 or node.name in kept:
             continue
-        found[node.name] = "head" if shape[1] == vocab else "mlp" if inner in shape else "attention"
+        found[node.name] = (
+            "head" if shape[1] == vocab else "mlp" if inner in shape else "qkv" if shape[1] == 3 * width else "out"
+        )
     return found
 
 
@@ -196,6 +203,8 @@ def main() -> None:
     parser.add_argument("--forms", nargs="+", choices=list(FORMATS), default=list(FORMATS))
     parser.add_argument("--algorithms", nargs="*", choices=("gptq", "hqq"), default=["gptq", "hqq"])
     parser.add_argument("--slice", type=float, nargs="*", default=[0.2], help="sliced (+ rotated) + 4-bit")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="of main's six")
+    parser.add_argument("--online-block", type=int, default=64, help="stage 6's online rotation")
     parser.add_argument("--cache", type=pathlib.Path, help="keep the export here (default: a temp dir)")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
@@ -250,11 +259,12 @@ def main() -> None:
         def measure(label: str, model: onnx.ModelProto, forms: list[str], blocks: list[int], sets: list[str]):
             """`model` in fp32, then quantized in each format and block size, each set of weights in turn."""
             exact = quantizable(model)
-            kinds = groups(exact, inner, len(vocab))
+            kinds = groups(exact, inner, len(vocab), torch_model.config.n_embd)
             chosen = {
-                "all": None,
+                "all": list(kinds),
                 "all but head": [n for n, g in kinds.items() if g != "head"],
-                **{g: [n for n, k in kinds.items() if k == g] for g in GROUPS},
+                "attention": [n for n, g in kinds.items() if g in PARTS],
+                **{g: [n for n, k in kinds.items() if k == g] for g in (*GROUPS[1:], *PARTS)},
             }
             record({"model": label, "quantized": "none", **judged(per_sequence(exact, held_out), base, tokens)})
             for form in forms:
@@ -276,28 +286,29 @@ def main() -> None:
             "rotate-hadamard-0": rotated(original),
             "rotate-orthogonal-0": rotated(original, "orthogonal"),
         }
-        exact = {label: measure(label, m, main_forms, [32], every_set) for label, m in models.items()}
+        for label, model in models.items() if 1 in args.stages else ():
+            measure(label, model, main_forms, [32], every_set)
         # 2. the rotation's seed
-        for kind in ("hadamard", "orthogonal"):
+        for kind in ("hadamard", "orthogonal") if 2 in args.stages else ():
             for seed in range(1, args.seeds):
                 turned = rotated(original, kind, seed)
                 measure(f"rotate-{kind}-{seed}", turned, main_forms, [32], ["all", "all but head"])
         # 3. the other formats and block sizes
-        for label in ("original", "fold", "rotate-hadamard-0"):
+        for label in ("original", "fold", "rotate-hadamard-0") if 3 in args.stages else ():
             others = [f for f in args.forms if f not in main_forms]
             measure(label, models[label], others, [32], ["all", "all but head"])
             measure(label, models[label], args.forms, [b for b in args.blocks if b != 32], ["all", "all but head"])
         # 4. calibrated (GPTQ, on the calibration sequences' prefills) and HQQ
         prefills = [eval_decode.prefill_feeds(s, original) for s in calibration]
-        for algorithm in args.algorithms:
+        for algorithm in args.algorithms if 4 in args.stages else ():
             form = "asym-0" if algorithm == "hqq" else "sym-4"
             for label in ("original", "rotate-hadamard-0"):
                 point = {"model": label, "quantized": "all", "format": form, "block": 32, "algorithm": algorithm}
-                quantized = quantize(exact[label], form, 32, None, algorithm, prefills)
+                quantized = quantize(quantizable(models[label]), form, 32, None, algorithm, prefills)
                 record(point | judged(per_sequence(quantized, held_out), base, tokens))
         # 5. sliced, sliced and rotated
         calib = [eval_decode.calibration_feeds(s, original, eval_decode.session(original)) for s in calibration]
-        for ratio in args.slice:
+        for ratio in args.slice if 5 in args.stages else ():
             options = SliceOptions(
                 ratio=ratio,
                 holdout=calib[: max(2, len(calib) // 8)],
@@ -306,8 +317,17 @@ def main() -> None:
                 input_shapes=shapes,
             )
             sliced = slice_onnx(original, calib, options, "iglm").model
+            onnx.save(sliced, str(cache / f"iglm-slice-{ratio}.onnx"))
             measure(f"slice-{ratio}", sliced, main_forms, [32], ["all", "all but head"])
             measure(f"slice-{ratio}+rotate-hadamard-0", rotated(sliced), main_forms, [32], ["all", "all but head"])
+
+        # 6. attention's two projections apart; the MLP's down projections reading their input rotated online
+        for label in ("original", "fold", "rotate-hadamard-0") if 6 in args.stages else ():
+            measure(label, models[label], main_forms, [32], list(PARTS))
+        if 6 in args.stages:
+            options = RotateOptions(provider="cpu", input_shapes=shapes, online_block=args.online_block)
+            online = rotate_onnx(original, options, "iglm").model
+            measure(f"rotate-hadamard-0+online-{args.online_block}", online, main_forms, [32], ["all", "all but head"])
 
 
 if __name__ == "__main__":
