@@ -86,8 +86,13 @@ def test_the_gap_is_the_perplexity_ratio_and_its_spread_brackets_it():
     worse = base + tokens * np.log(1.1) + rng(0).normal(scale=0.5, size=40)
     worse -= worse.mean() - base.mean() - tokens * np.log(1.1)  # exactly 10 % over on the whole
     top = np.zeros((40, tokens + 1), dtype=np.int64)
-    found = eval_int4.judged((worse, top), (base, top), tokens)
+    logp = np.log(np.full((40, tokens, 4), 0.25))
+    found = eval_int4.judged((worse, top, logp), (base, top, logp), tokens)
     assert abs(found["gap"] - 0.1) < 1e-12
     low, high = found["gap_p5_p95"]
     assert low < 0.1 < high and high - low < 0.05
     assert found["top1_agree"] == 1.0
+    assert abs(found["kl"]) < 1e-12
+    sharper = np.log(np.array([0.5, 0.5 / 3, 0.5 / 3, 0.5 / 3]))  # KL(uniform ‖ sharper) = ¼·ln ½ + ¾·ln 1.5
+    found = eval_int4.judged((worse, top, np.broadcast_to(sharper, logp.shape)), (base, top, logp), tokens)
+    assert abs(found["kl"] - (0.25 * np.log(0.5) + 0.75 * np.log(1.5))) < 1e-12

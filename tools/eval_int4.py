@@ -158,17 +158,19 @@ class _Reader:
 # --- judging ----------------------------------------------------------------------------------------
 
 
-def per_sequence(model: onnx.ModelProto, sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Each sequence's negative log-likelihood of its next tokens (summed) and its logits' argmax."""
+def per_sequence(model: onnx.ModelProto, sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each sequence's negative log-likelihood of its next tokens (summed), its logits' argmax, and the
+    log-probabilities of its next tokens ([sequences, positions, vocabulary])."""
     run = eval_decode.session(model)
-    nll, top = [], []
+    nll, top, logps = [], [], []
     for s in sequences:
         logits = run.run(["logits"], eval_decode.prefill_feeds(s, model))[0][0].astype(np.float64)
         shifted = logits[:-1] - logits[:-1].max(-1, keepdims=True)
         logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
         nll.append(-logp[np.arange(len(logp)), s[0, 1:]].sum())
         top.append(logits.argmax(-1))
-    return np.array(nll), np.stack(top)
+        logps.append(logp)
+    return np.array(nll), np.stack(top), np.stack(logps)
 
 
 def gap(nll: np.ndarray, base: np.ndarray, tokens: int) -> float:
@@ -176,9 +178,10 @@ def gap(nll: np.ndarray, base: np.ndarray, tokens: int) -> float:
     return float(np.exp((nll.sum() - base.sum()) / (tokens * len(nll))) - 1)
 
 
-def judged(found: tuple[np.ndarray, np.ndarray], base: tuple[np.ndarray, np.ndarray], tokens: int) -> dict:
-    """The gap to the reference, its spread (bootstrap over sequences, paired; each half), the agreement."""
-    nll, top = found
+def judged(found: tuple, base: tuple, tokens: int) -> dict:
+    """The gap to the reference, its spread (bootstrap over sequences, paired; each half), the agreement, and
+    the mean KL divergence from the reference's next-token distribution to this one (nats per prediction)."""
+    nll, top, logp = found
     draws = np.random.default_rng(0).integers(0, len(nll), size=(BOOTSTRAP, len(nll)))
     spread = [gap(nll[d], base[0][d], tokens) for d in draws]
     half = len(nll) // 2
@@ -188,6 +191,7 @@ def judged(found: tuple[np.ndarray, np.ndarray], base: tuple[np.ndarray, np.ndar
         "gap_p5_p95": [float(np.percentile(spread, 5)), float(np.percentile(spread, 95))],
         "gap_halves": [gap(nll[:half], base[0][:half], tokens), gap(nll[half:], base[0][half:], tokens)],
         "top1_agree": float((top == base[1]).mean()),
+        "kl": float((np.exp(base[2]) * (base[2] - logp)).sum(-1).mean()),
     }
 
 
@@ -203,7 +207,7 @@ def main() -> None:
     parser.add_argument("--forms", nargs="+", choices=list(FORMATS), default=list(FORMATS))
     parser.add_argument("--algorithms", nargs="*", choices=("gptq", "hqq"), default=["gptq", "hqq"])
     parser.add_argument("--slice", type=float, nargs="*", default=[0.2], help="sliced (+ rotated) + 4-bit")
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="of main's six")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="of main's 1-7")
     parser.add_argument("--online-block", type=int, default=64, help="stage 6's online rotation")
     parser.add_argument("--cache", type=pathlib.Path, help="keep the export here (default: a temp dir)")
     parser.add_argument("--json", type=pathlib.Path)
@@ -325,9 +329,12 @@ def main() -> None:
         for label in ("original", "fold", "rotate-hadamard-0") if 6 in args.stages else ():
             measure(label, models[label], main_forms, [32], list(PARTS))
         if 6 in args.stages:
-            options = RotateOptions(provider="cpu", input_shapes=shapes, online_block=args.online_block)
-            online = rotate_onnx(original, options, "iglm").model
+            turning = RotateOptions(provider="cpu", input_shapes=shapes, online_block=args.online_block)
+            online = rotate_onnx(original, turning, "iglm").model
             measure(f"rotate-hadamard-0+online-{args.online_block}", online, main_forms, [32], ["all", "all but head"])
+        # 7. the KL divergence beside the gap, block 32 and 128
+        for label in ("original", "fold", "rotate-hadamard-0") if 7 in args.stages else ():
+            measure(label, models[label], main_forms, [32, 128], ["all"])
 
 
 if __name__ == "__main__":
