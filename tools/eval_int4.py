@@ -18,7 +18,11 @@ effects, each on the same held-out sequences:
 
 The gap is the held-out perplexity over the fp32 original's, minus one. Its spread: the 5th and 95th
 percentiles of the same ratio over sequences resampled with replacement (paired: each resample judges the
-fp32 and the 4-bit model on the same sequences), and the gap on each half of the held-out sequences.
+fp32 and the 4-bit model on the same sequences), and the gap on each half of the held-out sequences. Beside
+it, the mean KL divergence from the original's next-token distribution (nats per prediction), which unlike
+the gap cannot fall below zero by chance. `main` runs seven stages (`--stages`): which weights carry the gap;
+the rotation's seed; the other formats and block 128; GPTQ and HQQ; sliced and sliced + rotated; attention's
+two projections apart and online rotation; the KL divergence at block 32 and 128.
 
     python tools/eval_int4.py --json docs/results/cpu-2026-11-28/int4-quality-iglm.json
 """
