@@ -227,6 +227,36 @@ def test_cli_torch_budget_missed_writes_nothing_and_recover_is_refused(cli_files
     assert "--recover-train" in err and len(err.strip().splitlines()) == 1
 
 
+WHOLE = """
+import torch
+from torch import nn
+
+
+class NormThenReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(128, 32), nn.LayerNorm(32), nn.Linear(32, 8)
+
+    def forward(self, input_ids):
+        return self.head(torch.relu(self.norm(self.embed(input_ids))))
+
+
+def make():
+    torch.manual_seed(0)
+    return NormThenReLU().eval(), (torch.zeros(2, 8, dtype=torch.long),)
+"""
+
+
+def test_cli_torch_with_no_stream_to_cut_says_so_in_its_summary(cli_files, capsys):
+    (cli_files / "whole_factory.py").write_text(WHOLE)
+    out = cli_files / "whole.onnx"
+    args = ["slice", "--torch", "whole_factory:make", "--calib", str(cli_files / "calib.npz"), "-o", str(out)]
+    assert main([*args, "--ratio", "0.25"]) == 0 and out.exists()  # the folded module, nothing cut
+    printed = capsys.readouterr().out
+    assert "0 of 1 residual streams sliced at ratio 0.25 (" in printed and "(;" not in printed
+    assert "left whole: the stream of" in printed and "relu" in printed
+
+
 # --- training over several processes -------------------------------------------------------------
 
 
