@@ -76,7 +76,7 @@ def sliced_torch(calibration: list[dict], width: int) -> onnx.ModelProto:
     module = dinov2_focus.build_torch()
     example = (torch.from_numpy(np.concatenate([c["input_image"] for c in calibration[:2]])),)
     batch_only = ({0: torch.export.Dim.AUTO},)
-    options = SliceOptions(ratio=1 - width / HIDDEN, round_to=1, basis="stream", holdout=calibration[:1])
+    options = SliceOptions(ratio=1 - width / HIDDEN, round_to=1, basis="stream", holdout=calibration[:8])
     graph, _ = normpass.slice(module, example, calibration, options, dynamic_shapes=batch_only)
     return to_onnx(graph, example, batch_only)
 
