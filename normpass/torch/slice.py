@@ -12,8 +12,9 @@ module, with k-column weights (trainable parameters: `torch/slice_train.py` trai
    `aten.rms_norm` norms, γ kept in each and β as an `add` after it.
 2. **Prove** (`core/rotation.plan_rotation`, the rotation's proof): a linear layer contracting the
    stream's last axis with a constant weight (`aten.linear`, `addmm`, `mm`: `LinearParams.in_axis`) is
-   a reader. A stream stays whole, with the reason, where one of its norms is not an `aten.rms_norm`
-   call with a constant γ.
+   a reader, and so is a convolution, plain or transposed, of groups 1 contracting it as its channel
+   axis 1 (a dense-prediction head reading the patch tokens as a map: `read_weight`). A stream stays
+   whole, with the reason, where one of its norms is not an `aten.rms_norm` call with a constant γ.
 3. **Bases** (`core/pca.py`, `core/layers.py`): Σ uᵀu over the unit-length tokens where the stream's
    RMS ops read it, over the fitting batches (float64, combined across processes), with `basis="layer"`
    fitted in sequence on the graph cut before each piece, as the ONNX front end fits them.
@@ -59,7 +60,7 @@ from ..core.stats import token_rows
 from ..errors import InputError, UnsupportedModelError, VerificationError
 from ..onnx.slice.driver import SliceOptions, SlicePlan, Trial
 from .api import TorchFoldReport, _arguments, _compare, _outputs, auto_dynamic_shapes, fold_graph
-from .capture import capture
+from .capture import Ref, capture
 from .fx import NormSite, TorchGraph, build_zero_mean_graph, to_numpy
 from .graph_rewrite import _Reads
 from .replace import _run, _tensors, input_spec, load
@@ -81,6 +82,7 @@ LAYOUT = {  # ops that move rows of a tensor about without changing them: β add
     ATEN.dropout.default,
     ATEN.contiguous.default,
 }
+CONVOLUTIONS = {"convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
 RESHAPING = {ATEN.view.default, ATEN._unsafe_view.default, ATEN.reshape.default, ATEN.expand.default}
 
 
@@ -158,17 +160,42 @@ class Folded:
         return site.call.node
 
 
+@dataclass(frozen=True)
+class ReadWeight:
+    """What a reader contracts the stream with: its constant weight, the weight's input-feature axis, and the
+    axis of its data input it contracts (None: the last)."""
+
+    weight: str
+    in_axis: int
+    data_axis: int | None = None
+
+
+def read_weight(tg: TorchGraph, node: ZNode) -> ReadWeight | None:
+    """A general linear op whose weight has an input-feature axis (`LinearParams.in_axis`), contracting its
+    data input's last axis; or a convolution, plain or transposed, with groups 1 and a constant weight,
+    contracting the channel axis 1 (weight [C_out, C_in, k…] or, transposed, [C_in, C_out, k…]), as the
+    ONNX front end reads `Conv` and `ConvTranspose`."""
+    call = getattr(node.ref, "call", None)
+    if call is not None and call.op in CONVOLUTIONS:
+        weight = call.args.get("weight")
+        if call.args.get("groups", 1) != 1 or not isinstance(weight, Ref) or weight not in tg.capture.constants:
+            return None
+        transposed = call.op.startswith("conv_transpose") or call.args.get("transposed")
+        return ReadWeight(weight, 0 if transposed else 1, 1)
+    linear = getattr(node.ref, "linear", None)
+    return None if linear is None or linear.in_axis is None else ReadWeight(linear.weight, linear.in_axis)
+
+
 def _reader(tg: TorchGraph):
     """The rotation proof's question to this front end: does `node` contract input `index` along `axis`
-    with a constant weight? A general linear op whose weight has an input-feature axis, on its data
-    input's last axis."""
+    with a constant weight (`read_weight`)?"""
 
     def reads(node: ZNode, index: int, axis: int) -> bool:
-        linear = getattr(node.ref, "linear", None)
-        if linear is None or linear.in_axis is None or index != 0:
-            return False
+        found = read_weight(tg, node)
         shape = tg.zmg.shape(node.inputs[0])
-        return shape is not None and axis == len(shape) - 1
+        if found is None or index != 0 or shape is None:
+            return False
+        return axis == (len(shape) - 1 if found.data_axis is None else found.data_axis)
 
     return reads
 
@@ -257,8 +284,9 @@ def _carried_betas(f: Folded, stream: Stream) -> dict[str, list]:
     for name in list(by_add):
         users = _row_users(nodes[name])
         readers = {f.fx_node(r.node) for r in by_add[name]}
-        if not by_add[name] or any(u.name not in readers for u in users):
-            del by_add[name]  # something else reads the sum: β stays a writer
+        convolution = any(getattr(read_weight(f.tg, f.tg.zmg.nodes[r.node]), "data_axis", None) for r in by_add[name])
+        if not by_add[name] or convolution or any(u.name not in readers for u in users):
+            del by_add[name]  # something else reads the sum, or a convolution (β is no bias at its borders): a writer
     return by_add
 
 
@@ -318,10 +346,11 @@ class Cutter:
                     continue
                 self.reads.set(node, tensor, rotate(values, axis, basis, inverse))
         for reader in stream.readers:
-            linear = tg.zmg.nodes[reader.node].ref.linear
+            read = read_weight(tg, tg.zmg.nodes[reader.node])
+            assert read is not None  # the proof's readers are `read_weight`'s
             gamma = None if reader.scale is None else gammas[reader.scale]
-            values = self.reads.get(reader.node, linear.weight)
-            self.reads.set(reader.node, linear.weight, rotate(values, linear.in_axis, basis, gamma))
+            values = self.reads.get(reader.node, read.weight)
+            self.reads.set(reader.node, read.weight, rotate(values, read.in_axis, basis, gamma))
         gamma_factor, eps_factor = rms_rescale(width, kept)
         for name in stream.norms:
             self._rescale(tg.zmg.norm_by_name(name), name in stream.moved_gamma, kept, gamma_factor, eps_factor)
