@@ -158,7 +158,7 @@ def test_lora_trains_a_low_rank_update_of_each_matrix_and_hidden_states_train_to
     data = calibration(3, batches=12, size=16)
     untrained, _ = normpass.slice(module, inputs, data, SliceOptions(ratio=0.5, basis="stream"))
     options = SliceOptions(
-        ratio=0.5, basis="stream", recover_train=3.0, train_lr=1e-2, train_params="lora", train_rank=2, train_hidden=1
+        ratio=0.5, basis="stream", recover_train=3.0, train_lr=1e-3, train_params="lora", train_rank=2, train_hidden=1
     )
     graph, report = normpass.slice(module, inputs, data, options)
     training = report.chosen.recovery

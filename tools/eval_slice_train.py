@@ -7,8 +7,11 @@ the ONNX front end's, `tests/test_torch_slice.py`):
 * **none**: `normpass.slice(module, …, SliceOptions(ratio=R))`, no recovery;
 * **refit**: `slice_onnx(export, …, SliceOptions(ratio=R, recover=S))`, the layer-wise least-squares refit on
   the ONNX export (`slice --recover`);
-* **trained**: `normpass.slice(module, …, SliceOptions(ratio=R, recover_train=T))`, the whole sliced graph
-  trained toward the module on the calibration sequences for T seconds (`slice --torch --recover-train`).
+* **trained**: the whole sliced graph trained toward the module on the calibration sequences for T seconds,
+  as `normpass.slice(module, …, SliceOptions(ratio=R, recover_train=T, …))` trains it (`slice --torch
+  --recover-train`): `train_back` on a copy of the **none** graph, the same fitting batches, the same stream
+  states and folded graph (the report's), so that every training variant starts from one cut and the bases
+  are fitted once per ratio.
 
 Models (real weights, nothing downloaded):
 
@@ -22,13 +25,15 @@ Models (real weights, nothing downloaded):
     python tools/eval_slice_train.py --models iglm --ratios 0.1 0.2 0.3 0.4 --refit-seconds 3600 \
         --train-seconds 300 --variants full:1e-5:0 --json docs/results/cpu-2026-11-28/slice-train-iglm.json
 
-Each `--variants` entry is one training per ratio (PARAMS:LR:HIDDEN[:RANK]: every parameter or LoRA of that
-rank, the learning rate, the hidden-state loss's weight); none gives the curve without training.
+Each `--variants` entry is one training per ratio (PARAMS:LR:HIDDEN[:RANK[:SECONDS]]: every parameter or LoRA
+of that rank, the learning rate, the hidden-state loss's weight, its own time limit); none gives the curve
+without training.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import pathlib
 import sys
@@ -45,9 +50,11 @@ import eval_slice
 
 import normpass
 from normpass.cli.progress import Heartbeat
+from normpass.core.budget import compare
 from normpass.models.forms import torchscript_export
 from normpass.onnx.runtime import bench
 from normpass.onnx.slice import SliceOptions, slice_onnx
+from normpass.torch.slice_train import train_back
 
 
 def perplexity(logits: list[np.ndarray], sequences: list[np.ndarray]) -> float:
@@ -109,6 +116,7 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
     calibration = [{"input_ids": s} for s in fit]
     holdout = [{"input_ids": s} for s in judged]
     example = (torch.from_numpy(fit[0]),)
+    reference = _torch_logits(module, judged)
     overlap = {s.tobytes() for s in fit} & {s.tobytes() for s in judged}
     assert not overlap, f"{len(overlap)} held-out sequences are also fitting sequences"
     points: list[dict] = []
@@ -119,7 +127,7 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
         "training)",
         "judged": f"{args.judged} sequences of {length} tokens sampled from IgLM, seed 2 (never seen by a decision)",
         "disjoint": "no held-out sequence is a fitting sequence (checked)",
-        "original_perplexity": perplexity(_torch_logits(module, judged), judged),
+        "original_perplexity": perplexity(reference, judged),
         "points": points,
     }
     results.append(entry)
@@ -128,7 +136,7 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
         options = dict(ratio=ratio, basis=args.basis, holdout=holdout, batch_size=args.batch_size, seed=0)
         point: dict = {"ratio": ratio, "basis": args.basis, "load": {"start": _load()}}
         start = time.perf_counter()
-        graph, report = normpass.slice(module, example, calibration, SliceOptions(**options))
+        graph, report = normpass.slice(module, example, calibration, SliceOptions(**options))  # no recovery
         point["kept"] = report.chosen.kept
         point["none"] = _figures(report.held_out, _torch_logits(graph, judged), judged) | {
             "slice_seconds": round(time.perf_counter() - start, 1)
@@ -150,22 +158,29 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
                 "complete": recovery.complete,
             }
             point["load"]["after_refit"] = _load()
+        batches = _fitting(module, calibration, SliceOptions(**options))
         for variant in args.variants:
-            params, lr, hidden, rank = _variant(variant)
+            params, lr, hidden, rank, seconds = _variant(variant, args.train_seconds)
             trained_options = SliceOptions(
                 **options,
-                recover_train=args.train_seconds,
+                recover_train=seconds,
                 train_lr=lr,
                 train_loss=args.loss,
                 train_params=params,
                 train_rank=rank,
                 train_hidden=hidden,
             )
-            graph, report = normpass.slice(module, example, calibration, trained_options)
-            training = report.chosen.recovery
-            point.setdefault("trained", {})[variant] = _figures(
-                report.held_out, _torch_logits(graph, judged), judged
-            ) | {
+            trained_options.checked()
+            student = copy.deepcopy(graph)
+            try:
+                training = train_back(module, student, batches, None, trained_options, report.states, report.folded)
+            except Exception as error:  # recorded, and the other variants still run
+                point.setdefault("trained", {})[variant] = {"error": repr(error)}
+                print(f"iglm R={ratio:.2f} {variant}: {error!r}", flush=True)
+                continue
+            logits = _torch_logits(student, judged)
+            metrics = compare([{"logits": r} for r in reference], [{"logits": x} for x in logits], [None] * len(logits))
+            point.setdefault("trained", {})[variant] = _figures(metrics, logits, judged) | {
                 "seconds": round(training.seconds, 1),
                 "steps": training.steps,
                 "params": params,
@@ -183,17 +198,28 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
         points.append(point)
         save()
         figures = [("none", point["none"])] + ([("refit", point["refit"])] if "refit" in point else [])
-        figures += list(point.get("trained", {}).items())
+        figures += [(k, f) for k, f in point.get("trained", {}).items() if "error" not in f]
         line = ", ".join(f"{kind} ppl {f['perplexity']:.4f} top1 {f['top1_agree']:.4f}" for kind, f in figures)
         print(f"iglm R={ratio:.2f} k={point['kept']}: {line}", flush=True)
 
 
-def _variant(text: str) -> tuple[str, float, float, int]:
-    """PARAMS:LR:HIDDEN[:RANK], e.g. full:1e-5:0 or lora:1e-4:0:8."""
+def _fitting(module, calibration, options: SliceOptions) -> list:
+    """The fitting batches `normpass.slice` fits the bases on and trains on (`torch/slice._data`)."""
+    from normpass.torch.slice import _data
+
+    options.checked()
+    return _data(module, calibration, options)[0]
+
+
+def _variant(text: str, seconds: float) -> tuple[str, float, float, int, float]:
+    """PARAMS:LR:HIDDEN[:RANK[:SECONDS]], e.g. full:1e-5:0, lora:1e-4:0:8 or full:1e-5:0:8:900."""
     parts = text.split(":")
-    if len(parts) not in (3, 4) or parts[0] not in ("full", "lora"):
-        raise SystemExit(f"--variants {text!r}: give PARAMS:LR:HIDDEN[:RANK], e.g. full:1e-5:0 or lora:1e-4:0:8")
-    return parts[0], float(parts[1]), float(parts[2]), int(parts[3]) if len(parts) == 4 else 8
+    if not 3 <= len(parts) <= 5 or parts[0] not in ("full", "lora"):
+        raise SystemExit(
+            f"--variants {text!r}: give PARAMS:LR:HIDDEN[:RANK[:SECONDS]], e.g. full:1e-5:0 or lora:1e-4:0:8"
+        )
+    rank = int(parts[3]) if len(parts) > 3 else 8
+    return parts[0], float(parts[1]), float(parts[2]), rank, float(parts[4]) if len(parts) > 4 else seconds
 
 
 def minilm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], save) -> None:
@@ -231,8 +257,8 @@ def main() -> None:
         "--variants",
         nargs="*",
         default=["full:1e-5:0"],
-        help="trainings per ratio, each PARAMS:LR:HIDDEN[:RANK] (full|lora, learning rate, hidden-state weight, "
-        "LoRA rank; default full:1e-5:0)",
+        help="trainings per ratio, each PARAMS:LR:HIDDEN[:RANK[:SECONDS]] (full|lora, learning rate, hidden-state "
+        "weight, LoRA rank (8), time limit (--train-seconds); default full:1e-5:0)",
     )
     parser.add_argument("--loss", choices=("mse", "kl"), default="kl")
     parser.add_argument("--threads", type=int, default=1)

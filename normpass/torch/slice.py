@@ -104,6 +104,8 @@ class TorchSliceReport:
     comparison: object = None  # at R = 0: the check against the module
     seconds: dict[str, float] = field(default_factory=dict)
     bases: dict[str, Basis] = field(default_factory=dict, repr=False)
+    folded: fx.GraphModule | None = field(default=None, repr=False)  # the folded graph the cut started from
+    states: list[StreamState] = field(default_factory=list, repr=False)  # the last cut's (`stream_states`)
 
     @property
     def ratio(self) -> float:
@@ -638,6 +640,8 @@ def slice(
         basis=options.basis,
         seconds=seconds,
         bases=bases,
+        folded=f.graph,
+        states=stream_states(f, bases, tried[-1].kept),
     )
     if chosen is None:
         last = tried[-1].held_out

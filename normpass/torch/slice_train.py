@@ -41,6 +41,7 @@ process's clock).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from collections.abc import Iterator
@@ -253,8 +254,8 @@ def train_back(
     reference: fx.GraphModule | None = None,
 ) -> Training:
     """Train `student` (in place) toward `teacher` on `batches` for `options.recover_train` seconds; with
-    `options.train_hidden`, also its `states` toward `reference`'s (the folded graph, its nodes named as
-    the student's) projected on each state's basis."""
+    `options.train_hidden`, also its `states` toward those of `reference` (the folded graph the cut started
+    from, its nodes named as the student's) projected on each state's basis."""
     torch.manual_seed(options.seed)
     rng = np.random.default_rng(options.seed)
     data = [_tensors(b) for b in batches]
@@ -269,10 +270,11 @@ def train_back(
     reading: contextlib.AbstractContextManager[dict[str, torch.Tensor]] = contextlib.nullcontext({})
     if states:
         assert reference is not None, "hidden states need the folded graph they are read from"
+        reference = copy.deepcopy(reference)  # a copy: the captured graph's own checks its inputs' form
         reading = tapped(reference, names)
-    with (
-        trainable(student, options.train_params, options.train_rank) as parameters,
+    with (  # taps first: a graph recompiled while parametrized calls itself (`trainable` changes its class)
         tapped(student, names) as found,
+        trainable(student, options.train_params, options.train_rank) as parameters,
         reading as theirs,
     ):
         distributed = _distributed()
