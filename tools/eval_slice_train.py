@@ -136,11 +136,20 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
         options = dict(ratio=ratio, basis=args.basis, holdout=holdout, batch_size=args.batch_size, seed=0)
         point: dict = {"ratio": ratio, "basis": args.basis, "load": {"start": _load()}}
         start = time.perf_counter()
-        graph, report = normpass.slice(module, example, calibration, SliceOptions(**options))  # no recovery
-        point["kept"] = report.chosen.kept
-        point["none"] = _figures(report.held_out, _torch_logits(graph, judged), judged) | {
-            "slice_seconds": round(time.perf_counter() - start, 1)
-        }
+        if args.none_from == "onnx":  # the same cut (tests/test_torch_slice.py), faster: no training follows
+            assert not args.variants, "--none-from onnx: the trainings need the PyTorch cut"
+            cut = slice_onnx(exported, calibration, SliceOptions(**options, provider="cpu", verify=False))
+            assert cut.chosen is not None
+            point["kept"], point["none_from"] = cut.chosen.kept, "onnx"
+            point["none"] = _figures(cut.held_out, _onnx_logits(cut.model, judged), judged) | {
+                "slice_seconds": round(time.perf_counter() - start, 1)
+            }
+        else:
+            graph, report = normpass.slice(module, example, calibration, SliceOptions(**options))  # no recovery
+            point["kept"] = report.chosen.kept
+            point["none"] = _figures(report.held_out, _torch_logits(graph, judged), judged) | {
+                "slice_seconds": round(time.perf_counter() - start, 1)
+            }
         if args.refit_seconds:
             start = time.perf_counter()
             result = slice_onnx(
@@ -261,6 +270,12 @@ def main() -> None:
         "weight, LoRA rank (8), time limit (--train-seconds); default full:1e-5:0)",
     )
     parser.add_argument("--loss", choices=("mse", "kl"), default="kl")
+    parser.add_argument(
+        "--none-from",
+        choices=("torch", "onnx"),
+        default="torch",
+        help="where the unrecovered cut is made: normpass.slice (default) or slice_onnx on the export (the same cut)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
