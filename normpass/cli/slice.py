@@ -26,6 +26,7 @@ from ..onnx.slice.driver import (
     HEADS,
     LADDER_STEP,
     TRAIN_LOSSES,
+    TRAIN_PARAMS,
     SliceOptions,
     SliceResult,
     slice_onnx,
@@ -115,6 +116,24 @@ def add_parser(sub) -> None:
         help="with --recover-train: mse (relative squared error and cosine of the outputs; any output, default) "
         "or kl (KL divergence of the outputs' softmax: for logits, what perplexity sees)",
     )
+    parser.add_argument(
+        "--train-params",
+        choices=TRAIN_PARAMS,
+        default="full",
+        help="with --recover-train: full (every parameter trains, default) or lora (a rank --lora-rank update of "
+        "each matrix, added into it after training: the same shapes)",
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=8, help="with --train-params lora: the updates' rank (default 8)"
+    )
+    parser.add_argument(
+        "--train-hidden",
+        type=float,
+        default=0.0,
+        metavar="WEIGHT",
+        help="with --recover-train: add WEIGHT × the relative error of the stream where each norm reads it, against "
+        "the original's projected on the kept basis (default 0: the outputs alone)",
+    )
     add_data_arguments(
         parser, required=True, more_data=", or 'synthetic' (seeded random inputs, for demos and tests only)"
     )
@@ -201,6 +220,9 @@ def run(args: argparse.Namespace) -> int:
         recover_train=_seconds(args.recover_train, "--recover-train"),
         train_lr=args.lr,
         train_loss=args.train_loss,
+        train_params=args.train_params,
+        train_rank=args.lora_rank,
+        train_hidden=args.train_hidden,
         budget=",".join(args.budget) if args.budget else None,
         write_best=args.write_best,
         split=(fit, held),

@@ -65,6 +65,7 @@ from .fx import NormSite, TorchGraph, build_zero_mean_graph, to_numpy
 from .graph_rewrite import _Reads
 from .replace import _run, _tensors, input_spec, load
 from .rewrite import _edits_of, _layer_scale
+from .slice_train import StreamState, train_back
 
 ATEN = torch.ops.aten
 LAYOUT = {  # ops that move rows of a tensor about without changing them: β added before them is added after
@@ -105,6 +106,8 @@ class TorchSliceReport:
     comparison: object = None  # at R = 0: the check against the module
     seconds: dict[str, float] = field(default_factory=dict)
     bases: dict[str, Basis] = field(default_factory=dict, repr=False)
+    folded: fx.GraphModule | None = field(default=None, repr=False)  # the folded graph the cut started from
+    states: list[StreamState] = field(default_factory=list, repr=False)  # the last cut's (`stream_states`)
 
     @property
     def ratio(self) -> float:
@@ -508,6 +511,21 @@ def covariances(
     return sums
 
 
+def stream_states(f: Folded, bases: dict[str, Basis], kept: dict[str, int]) -> list[StreamState]:
+    """Where each cut piece's RMS ops read its stream, with the piece's kept basis: the cut graph's state
+    there is the folded graph's times Q_k (`torch/slice_train.py`'s hidden-state targets)."""
+    found = []
+    for stream, pieces in f.pieces.items():
+        for piece in pieces:
+            if piece.name not in bases:
+                continue
+            axes = dict(piece.states)
+            for norm in piece.norms:
+                state = f.tg.zmg.norm_by_name(norm).input
+                found.append(StreamState(state, axes[state], bases[piece.name].vectors[:, : kept[stream]]))
+    return found
+
+
 def _in_graph_order(f: Folded) -> list[Stream]:
     position = {n.name: i for i, n in enumerate(f.graph.graph.nodes)}
     every = [piece for found in f.pieces.values() for piece in found]
@@ -565,8 +583,6 @@ def slice(
     `BudgetMissed` when the budget is missed (its report attached), `UnsupportedModelError` where the
     module cannot be captured, `VerificationError` where the fold or the rotation at R = 0 does not hold.
     """
-    from .slice_train import train_back
-
     options = options or SliceOptions()
     budget = options.checked()
     if options.recover:
@@ -621,7 +637,8 @@ def slice(
         training = None
         if options.recover_train and cut_any:
             start = time.perf_counter()
-            training = train_back(module, graph, fit, mask_input, options)
+            states = stream_states(f, bases, kept)
+            training = train_back(module, graph, fit, mask_input, options, states, f.graph)
             seconds["training"] += time.perf_counter() - start
             training.held_out_before, metrics = metrics, compare(references, [_run(graph, b) for b in held], masks)
             training.held_out_after = metrics
@@ -645,6 +662,8 @@ def slice(
         basis=options.basis,
         seconds=seconds,
         bases=bases,
+        folded=f.graph,
+        states=stream_states(f, bases, tried[-1].kept),
     )
     if chosen is None:
         last = tried[-1].held_out

@@ -78,6 +78,7 @@ from .recover import Recovery, recover
 BASES = ("stream", "layer")  # one basis per stream; one per layer with shortcuts between them (SliceGPT's)
 HEADS = ("full", "cut")  # the stream's end (final norm → head) left at full width (SliceGPT's default), or cut
 TRAIN_LOSSES = ("mse", "kl")  # `torch/slice_train.py`
+TRAIN_PARAMS = ("full", "lora")  # `torch/slice_train.py`
 LADDER_STEP = 0.05  # `write_best` tries R, R − 0.05, … down to the last ratio above 0
 
 
@@ -111,6 +112,9 @@ class SliceOptions:
     recover_train: float = 0.0  # seconds of training toward the original per ratio (PyTorch modules only)
     train_lr: float = 1e-5  # its learning rate (AdamW, every parameter; 1e-4 overfit IgLM, docs/slice.md)
     train_loss: str = "mse"  # "mse": relative squared error + cosine of the outputs; "kl": KL of their softmax
+    train_params: str = "full"  # "full": every parameter trains; "lora": a rank-`train_rank` update of each matrix
+    train_rank: int = 8  # with train_params "lora"
+    train_hidden: float = 0.0  # weight of the loss on the stream's states (Q_kᵀ·x of the original's); 0: outputs only
 
     def checked(self) -> Budget | None:
         """The budget, parsed; bad options refused (`InputError` naming the field) before any model is read.
@@ -145,6 +149,15 @@ class SliceOptions:
             raise InputError(f"train_lr {self.train_lr}: give a positive learning rate, e.g. 1e-5")
         if self.train_loss not in TRAIN_LOSSES:
             raise InputError(f"train_loss {self.train_loss!r}: choose 'mse' (any output) or 'kl' (logits)")
+        if self.train_params not in TRAIN_PARAMS:
+            raise InputError(
+                f"train_params {self.train_params!r}: choose 'full' (every parameter) or 'lora' (a low-rank update "
+                "of each matrix)"
+            )
+        self.train_rank = _whole("train_rank", self.train_rank)
+        self.train_hidden = _number("train_hidden", self.train_hidden)
+        if not 0 <= self.train_hidden < math.inf:
+            raise InputError(f"train_hidden {self.train_hidden}: give the hidden-state loss's weight (0: none)")
         ridge = self.recover_ridge
         ridge = self.recover_ridge = None if ridge is None else _number("recover_ridge", ridge)
         if ridge is not None and not 0 < ridge < math.inf:
