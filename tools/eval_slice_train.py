@@ -183,17 +183,7 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
             point["load"]["after_refit"] = _load()
         batches = _fitting(module, calibration, SliceOptions(**options))
         for variant in args.variants:
-            params, lr, hidden, rank, seconds = _variant(variant, args.train_seconds)
-            trained_options = SliceOptions(
-                **options,
-                recover_train=seconds,
-                train_lr=lr,
-                train_loss=args.loss,
-                train_params=params,
-                train_rank=rank,
-                train_hidden=hidden,
-            )
-            trained_options.checked()
+            trained_options = _training(variant, options, args)
             student = copy.deepcopy(graph)
             try:
                 training = train_back(module, student, batches, None, trained_options, report.states, report.folded)
@@ -206,11 +196,11 @@ def iglm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], sav
             point.setdefault("trained", {})[variant] = _figures(metrics, logits, judged) | {
                 "seconds": round(training.seconds, 1),
                 "steps": training.steps,
-                "params": params,
+                "params": trained_options.train_params,
                 "rank": training.rank,
                 "trained_numbers": training.trained,
-                "hidden_weight": hidden,
-                "lr": lr,
+                "hidden_weight": trained_options.train_hidden,
+                "lr": trained_options.train_lr,
                 "loss": args.loss,
                 "loss_first": training.loss_first,
                 "loss_last": training.loss_last,
@@ -234,15 +224,25 @@ def _fitting(module, calibration, options: SliceOptions) -> list:
     return _data(module, calibration, options)[0]
 
 
-def _variant(text: str, seconds: float) -> tuple[str, float, float, int, float]:
-    """PARAMS:LR:HIDDEN[:RANK[:SECONDS]], e.g. full:1e-5:0, lora:1e-4:0:8 or full:1e-5:0:8:900."""
-    parts = text.split(":")
+def _training(variant: str, options: dict, args: argparse.Namespace) -> SliceOptions:
+    """`options` with one `--variants` entry's training, PARAMS:LR:HIDDEN[:RANK[:SECONDS]] (e.g. full:1e-5:0,
+    lora:1e-4:0:8 or full:1e-5:0:8:900; the rank 8 and the time `--train-seconds` where not given), checked."""
+    parts = variant.split(":")
     if not 3 <= len(parts) <= 5 or parts[0] not in ("full", "lora"):
         raise SystemExit(
-            f"--variants {text!r}: give PARAMS:LR:HIDDEN[:RANK[:SECONDS]], e.g. full:1e-5:0 or lora:1e-4:0:8"
+            f"--variants {variant!r}: give PARAMS:LR:HIDDEN[:RANK[:SECONDS]], e.g. full:1e-5:0 or lora:1e-4:0:8"
         )
-    rank = int(parts[3]) if len(parts) > 3 else 8
-    return parts[0], float(parts[1]), float(parts[2]), rank, float(parts[4]) if len(parts) > 4 else seconds
+    trained = SliceOptions(
+        **options,
+        recover_train=float(parts[4]) if len(parts) > 4 else args.train_seconds,
+        train_lr=float(parts[1]),
+        train_loss=args.loss,
+        train_params=parts[0],
+        train_rank=int(parts[3]) if len(parts) > 3 else 8,
+        train_hidden=float(parts[2]),
+    )
+    trained.checked()
+    return trained
 
 
 def minilm(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], save) -> None:
@@ -319,16 +319,7 @@ def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], s
         print(f"dinov2 R={ratio:.2f} k={point['kept']} none: {_line(point['none'])}", flush=True)
         fit = _fitting(module, calibration, SliceOptions(**options))
         for variant in args.variants:
-            params, lr, hidden, rank, seconds = _variant(variant, args.train_seconds)
-            trained_options = SliceOptions(
-                **options,
-                recover_train=seconds,
-                train_lr=lr,
-                train_loss=args.loss,
-                train_params=params,
-                train_rank=rank,
-                train_hidden=hidden,
-            )
+            trained_options = _training(variant, options, args)
             student = copy.deepcopy(graph)
             training = train_back(module, student, fit, None, trained_options, report.states, report.folded)
             maps = _torch_logits(student, images)
@@ -336,9 +327,9 @@ def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], s
             point.setdefault("trained", {})[variant] = map_figures(metrics, maps, references) | {
                 "seconds": round(training.seconds, 1),
                 "steps": training.steps,
-                "params": params,
-                "hidden_weight": hidden,
-                "lr": lr,
+                "params": trained_options.train_params,
+                "hidden_weight": trained_options.train_hidden,
+                "lr": trained_options.train_lr,
                 "loss": args.loss,
                 "loss_first": training.loss_first,
                 "loss_last": training.loss_last,
