@@ -308,7 +308,7 @@ def dinov2_with_head(tmp_path_factory):
     image = randn(rng(5), 2, 3, 32, 32)
     batch = {"pixels": {0: "batch"}, "out": {0: "batch"}}
     torchscript_export(WithHead().eval(), (torch.from_numpy(image),), path, ["pixels"], ["out"], batch)
-    return onnx.load(str(path)), {"pixels": image}
+    return path, {"pixels": image}
 
 
 @pytest.mark.parametrize("basis, ratio", [("stream", 0.0), ("stream", 0.25), ("layer", 0.25)])
@@ -319,9 +319,10 @@ def test_head_full_runs_at_onnx_runtimes_default_optimizations(dinov2_with_head,
     left as exported, so ONNX Runtime still folds the table's Reshape → Transpose → bicubic Resize. Pinned
     (as every run-time target once was), its transpose optimizer turned that Resize into an NHWC down-scale
     its Cubic kernel refuses, at every ratio. The final fused norm's output, of the end, stays declared d."""
-    model, feeds = dinov2_with_head
+    path, feeds = dinov2_with_head
     options = SliceOptions(ratio=ratio, basis=basis, head="full", round_to=8, provider="cpu")
-    result = slice_onnx(model, "synthetic", options, name="dinov2")
+    result = slice_onnx(str(path), "synthetic", options, name="dinov2")
+    assert result.seconds["optimized_run"] > 0  # `verify.runs_optimized`
     assert result.whole and result.chosen is not None and set(result.chosen.kept.values()) == {32 - 32 * ratio}
     sliced = result.model
     check_structure(sliced)  # onnx.checker with strict shape inference
@@ -335,6 +336,25 @@ def test_head_full_runs_at_onnx_runtimes_default_optimizations(dinov2_with_head,
         runs[level] = session.run(None, feeds)[0]
     assert "Error merging shape info" not in capfd.readouterr().err
     assert np.allclose(*runs.values(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_onnx_runtime_cannot_run_at_its_default_optimizations_is_refused(
+    dinov2_with_head, tmp_path, capsys, monkeypatch
+):
+    """Verification runs the written model once at ONNX Runtime's default optimizations too
+    (`verify.runs_optimized`): with every run-time target of DINOv2 pinned by a Mul and an Add, as they once
+    were, the model runs with optimizations off only, and is refused: exit 1, one line, nothing written."""
+    monkeypatch.setattr(Slicer, "_shapes_read", lambda self, *args: None)  # every target pinned
+    monkeypatch.setattr("normpass.onnx.slice.cut._concat_entry", lambda *args: None)  # by Mul and Add
+    path, _ = dinov2_with_head
+    out = tmp_path / "out.onnx"
+    argv = ["slice", str(path), "-o", str(out), "--calib", "synthetic", "--ratio", "0.25", "--head", "full"]
+    argv += ["--round-to", "8", "--provider", "cpu"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not at ONNX Runtime's default level" in err and "Resize" in err, err
+    assert not out.exists()
+    assert main([*argv, "--no-verify"]) == 0 and out.exists()
 
 
 def test_head_full_pins_the_target_that_reads_a_piece_of_the_other_width(registry_export, monkeypatch):

@@ -707,9 +707,11 @@ def slice_onnx(
             + ("no ratio tried meets it" if options.write_best else "try a smaller ratio, or --write-best"),
             cut,
         )
+    verb = ("slice", "sliced")
+    if options.verify:  # as a user's session runs it: ORT's default optimizations must not fail on it
+        seconds["optimized_run"] = verify.runs_optimized(cut, held[0], name, verb)
     if all(chosen.kept[s.name] == s.width for s in plan.sliceable):  # k = d: exact, verified as every rewrite
         done = f"{len(plan.sliceable)} of {len(plan.streams)} residual streams rotated into their principal bases"
-        verb = ("slice", "sliced")
         result.comparison = checked(source, cut, original, options, name, done, verb, seconds, result.modified)
     return result
 
