@@ -297,9 +297,9 @@ class Slicer(Rotator):
         return [tensor for tensor, _ in piece.states] + [name_of(v) for node in norms for v in node.outputs if v]
 
     def _shapes_read(self, target: ir.Value, at: int, owner: dict[str, str]) -> set[str] | None:
-        """The pieces (by name) whose tensors' `Shape` entry `at` of `target` is computed from; None where it
-        reads a tensor of a piece other than through its `Shape` (not a shape computation: unknown). Of a
-        `Concat` of pieces, only the piece holding the entry is followed."""
+        """The pieces (by name, `owner`: tensor → piece) of the tensors whose `Shape` entry `at` of `target` is
+        computed from; None where it reads a tensor of a piece other than through its `Shape` (its values:
+        unknown). Of a `Concat` of pieces, only the piece holding the entry is followed."""
         found = _concat_entry(self.ctx, target, at)
         pending = [target] if found is None else [found[0].inputs[found[1]]]
         seen: set[int] = set()
