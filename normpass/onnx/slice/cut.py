@@ -216,7 +216,7 @@ class Slicer(Rotator):
             shape = None if value is None else value.shape or self.ctx.shapes.get(tensor)
             if value is not None and shape is not None and self._narrow(value, axis - len(shape), width, kept):
                 narrowed.append((value, axis - len(shape)))
-        self._narrow_followers(narrowed, width, kept)
+        self._narrow_followers(stream, narrowed, width, kept)
         for node in list(self.ctx.graph):
             position = RESHAPING.get(node.op_type)
             out = node.outputs[0].name if node.outputs else None
@@ -237,13 +237,15 @@ class Slicer(Rotator):
             changed = True
         return changed
 
-    def _narrow_followers(self, narrowed: list[tuple[ir.Value, int]], width: int, kept: int) -> None:
-        """What the cut narrows beyond the stream's own tensors: the outputs of elementwise ops (not the stream's
-        residual sums) and of RMS ops (a decomposed RMSNorm's Pow and Mul, a fused op's output and sum) computed
-        from a narrowed value, where
-        their declared shape says `width` at its axis (counted from the end, as broadcasting aligns). Left at d,
-        such a declaration contradicts what the node computes: ONNX Runtime warns and strict shape inference
-        (normpass's own loader) refuses the model."""
+    def _narrow_followers(self, stream: Stream, narrowed: list[tuple[ir.Value, int]], width: int, kept: int) -> None:
+        """What the cut of `stream` narrows beyond its own tensors: the outputs of elementwise ops (not the
+        stream's residual sums) and of its RMS ops (a decomposed RMSNorm's Pow and Mul, a fused op's output and
+        sum) computed from a narrowed value, where their declared shape says `width` at its axis (counted from
+        the end, as broadcasting aligns). Left at d, such a declaration contradicts what the node computes:
+        ONNX Runtime warns and strict shape inference (normpass's own loader) refuses the model. A fused RMS op
+        of another piece (a Skip op sums this piece's tensor, through a shortcut, into the next) is that
+        piece's: its own cut says its width, which may still be d (the end `head="full"` leaves whole)."""
+        own = {id(node) for name in stream.norms for node in self.zmg.norm_by_name(name).ref.nodes}
         pending = list(narrowed)
         while pending:
             value, axis = pending.pop()
@@ -251,6 +253,8 @@ class Slicer(Rotator):
                 node = use.node
                 outputs = FOLLOWING.get(node.op_type)
                 if outputs is None or (node.domain not in ("", "ai.onnx") and node.op_type not in SINGLE_OPS):
+                    continue
+                if node.op_type in SINGLE_OPS and id(node) not in own:
                     continue
                 known = self.zmg.nodes.get(name_of(node))
                 if known is not None and known.kind is NodeKind.RESIDUAL:  # a sum of the stream: its piece's own
@@ -260,78 +264,141 @@ class Slicer(Rotator):
                     if out is not None and self._narrow(out, axis, width, kept):
                         pending.append((out, axis))
 
-    def pin_width(self, piece: Stream, width: int, label: str) -> None:
-        """Name `width` on the stream's axis of every target shape of `piece` computed at run time (a `Reshape`
-        or `Expand` whose target is no constant): Mul by a mask, Add `width` there. Such a target reads the
-        `Shape` of another tensor of the stream — OPT's TorchScript export restores [batch, seq, d] after its
-        MLP from the shape taken before it flattened the stream, in another piece. Once every piece has the
-        same width that shape is right; in the sequential fit's models (`driver.sequential_covariances`),
-        where the earlier pieces are cut to k and the later ones whole, it is not."""
-        axes = dict(piece.states)
-        for node in list(self.ctx.graph):
-            position = RESHAPING.get(node.op_type)
-            out = node.outputs[0].name if node.outputs else None
-            if position is None or out not in axes or position >= len(node.inputs):
+    def pin_widths(self, pieces: list[Stream], widths: dict[str, int]) -> None:
+        """Name its own width on the stream's axis of each target shape of a piece (`widths`: piece → columns)
+        that a `Reshape` or `Expand` computes at run time from the `Shape` of a tensor of a piece of another
+        width. OPT's TorchScript export restores [batch, seq, d] after its MLP from the shape taken before the
+        residual sum, in the piece before: where that piece is cut to k and this one is not (the end left
+        whole by `head="full"`, or the later pieces of a sequential fit's models,
+        `driver.sequential_covariances`), that shape says k. A target whose entry on the axis is a constant, or
+        reads the shapes of tensors of pieces of this piece's width only, is left as it is: a pin would hide
+        the target from ONNX Runtime's constant folding. The pin (`_pin`): the entry of a `Concat` of pieces
+        becomes the constant width, which shape inference follows; any other target a Mul by a mask and an
+        Add of the width."""
+        owner = {tensor: piece.name for piece in pieces for tensor in self._piece_tensors(piece)}
+        for piece in pieces:
+            width, axes = widths[piece.name], dict(piece.states)
+            for node in list(self.ctx.graph):
+                position = RESHAPING.get(node.op_type)
+                out = node.outputs[0].name if node.outputs else None
+                if position is None or out not in axes or position >= len(node.inputs):
+                    continue
+                target, rank = node.inputs[position], len(self.ctx.shapes.get(out) or ())
+                if target is None or not rank:
+                    continue
+                read = self._shapes_read(target, axes[out] - rank, owner)
+                if read is not None and all(widths[other] == width for other in read):
+                    continue
+                self._pin(node, position, axes[out] - rank, rank, width, piece.name)
+
+    def _piece_tensors(self, piece: Stream) -> list[str]:
+        """The tensors of `piece` whose shape says its width: its states and its norms' outputs."""
+        norms = [node for name in piece.norms for node in self.zmg.norm_by_name(name).ref.nodes]
+        return [tensor for tensor, _ in piece.states] + [name_of(v) for node in norms for v in node.outputs if v]
+
+    def _shapes_read(self, target: ir.Value, at: int, owner: dict[str, str]) -> set[str] | None:
+        """The pieces (by name, `owner`: tensor → piece) of the tensors whose `Shape` entry `at` of `target` is
+        computed from; None where it reads a tensor of a piece other than through its `Shape` (its values:
+        unknown). Of a `Concat` of pieces, only the piece holding the entry is followed."""
+        found = _concat_entry(self.ctx, target, at)
+        pending = [target] if found is None else [found[0].inputs[found[1]]]
+        seen: set[int] = set()
+        read: set[str] = set()
+        while pending:
+            value = pending.pop()
+            if value is None or id(value) in seen:
                 continue
-            target, rank = node.inputs[position], len(self.ctx.shapes.get(out) or ())
-            if target is None or not rank or constant_values(target) is not None:
+            seen.add(id(value))
+            if name_of(value) in owner:
+                return None
+            producer = value.producer()
+            if producer is None:
                 continue
-            keep = np.ones(rank, np.int64)
-            keep[axes[out]] = 0
-            masked = self._new_value(f"{name_of(target)}.masked", np.dtype(np.int64))
-            pinned = self._new_value(f"{name_of(target)}.pinned", np.dtype(np.int64))
-            graph, name = self.ctx.graph, self._unique(f"{name_of(node)}.pinned")
-            inputs = [new_initializer(graph, self._unique(f"{name}.mask"), keep)]
-            mask = ir.node("Mul", [target, *inputs], outputs=[masked], name=self._unique(f"{name}.mask"))
-            inputs = [new_initializer(graph, self._unique(f"{name}.width"), (1 - keep) * width)]
-            add = ir.node("Add", [masked, *inputs], outputs=[pinned], name=name)
-            graph.insert_before(node, [mask, add])
-            node.replace_input_with(position, pinned)
-            self._note(name_of(node), f"target shape names {width} features on the stream's axis ({label})")
+            if producer.op_type == "Shape":
+                source = name_of(producer.inputs[0])
+                read |= {owner[source]} if source in owner else set()
+                continue
+            pending += list(producer.inputs)
+        return read
+
+    def _pin(self, node: ir.Node, position: int, at: int, rank: int, width: int, label: str) -> None:
+        """The target shape of `node` (its input `position`) names `width` at `at` (counted from the end): in a
+        `Concat` whose piece there is one entry long, that piece becomes the constant; else Mul by a mask,
+        Add `width` there."""
+        target, graph = node.inputs[position], self.ctx.graph
+        assert target is not None
+        note = f"target shape names {width} features on the stream's axis ({label})"
+        found = _concat_entry(self.ctx, target, at)
+        if found is not None and found[2] == 1:
+            self._replace_in_concat(node, position, found[0], found[1], np.array([width], np.int64))
+            self._note(name_of(node), note)
+            return
+        keep = np.ones(rank, np.int64)
+        keep[at] = 0
+        masked = self._new_value(f"{name_of(target)}.masked", np.dtype(np.int64))
+        pinned = self._new_value(f"{name_of(target)}.pinned", np.dtype(np.int64))
+        name = self._unique(f"{name_of(node)}.pinned")
+        inputs = [new_initializer(graph, self._unique(f"{name}.mask"), keep)]
+        mask = ir.node("Mul", [target, *inputs], outputs=[masked], name=self._unique(f"{name}.mask"))
+        inputs = [new_initializer(graph, self._unique(f"{name}.width"), (1 - keep) * width)]
+        add = ir.node("Add", [masked, *inputs], outputs=[pinned], name=name)
+        graph.insert_before(node, [mask, add])
+        node.replace_input_with(position, pinned)
+        self._note(name_of(node), note)
 
     def _retarget(self, node: ir.Node, position: int, at: int, width: int, kept: int, label: str) -> None:
         """Where the target shape of `node` (its input `position`) names `width` at `at` (counted from the end),
         name `kept`: a constant is copied; a `Concat` of pieces (ONNX exports build shapes from `Shape` and
         constants) gets a copy of its own with the constant piece changed. A piece computed at run time is
-        left: it is computed from the sliced tensors themselves."""
+        left: it is computed from the sliced tensors themselves (or pinned, `pin_widths`)."""
         target = node.inputs[position]
         if target is None:
             return
+        note = f"target shape names {kept} features of the sliced stream, not {width}"
         values = constant_values(target)
         if values is not None:
             if -values.size <= at and values.ravel()[at] == width:
                 self._replace_input(node, position, f"sliced_shape:{label}:{at}", _named(at, kept), f"sliced to {kept}")
-                self._note(name_of(node), f"target shape names {kept} features of the sliced stream, not {width}")
+                self._note(name_of(node), note)
             return
-        concat = target.producer()
-        if concat is None or concat.op_type != "Concat":
+        found = _concat_entry(self.ctx, target, at)
+        if found is None:
             return
-        pieces = [constant_values(piece) for piece in concat.inputs]
-        lengths = [_length(self.ctx, p) if v is None else v.size for p, v in zip(concat.inputs, pieces, strict=True)]
-        end = 0
-        for index in range(len(pieces) - 1, -1, -1):
-            length = lengths[index]
-            if not length:
-                return
-            if end - length <= at < end:
-                piece = pieces[index]
-                offset = at - end
-                if piece is None or piece.ravel()[offset] != width:
-                    return
-                changed = new_initializer(
-                    self.ctx.graph, self._unique(f"{concat.name}.sliced"), _named(offset, kept)(piece)
-                )
-                inputs = list(concat.inputs)
-                inputs[index] = changed
-                shape = self._new_value(f"{name_of(target)}.sliced", np.dtype(np.int64))
-                copy = ir.node(
-                    "Concat", inputs, {"axis": 0}, outputs=[shape], name=self._unique(f"{concat.name}.sliced")
-                )
-                self.ctx.graph.insert_before(node, copy)
-                node.replace_input_with(position, shape)
-                self._note(name_of(node), f"target shape names {kept} features of the sliced stream, not {width}")
-                return
-            end -= length
+        concat, index, _, end = found
+        piece = constant_values(concat.inputs[index])
+        if piece is None or piece.ravel()[at - end] != width:
+            return
+        self._replace_in_concat(node, position, concat, index, _named(at - end, kept)(piece))
+        self._note(name_of(node), note)
+
+    def _replace_in_concat(self, node: ir.Node, position: int, concat: ir.Node, index: int, piece: np.ndarray) -> None:
+        """`node` reads, as its input `position`, a copy of `concat` whose input `index` is the constant `piece`."""
+        inputs = list(concat.inputs)
+        inputs[index] = new_initializer(self.ctx.graph, self._unique(f"{concat.name}.sliced"), piece)
+        shape = self._new_value(f"{name_of(concat.outputs[0])}.sliced", np.dtype(np.int64))
+        copy = ir.node("Concat", inputs, {"axis": 0}, outputs=[shape], name=self._unique(f"{concat.name}.sliced"))
+        self.ctx.graph.insert_before(node, copy)
+        node.replace_input_with(position, shape)
+
+
+def _concat_entry(ctx: OnnxGraph, target: ir.Value, at: int) -> tuple[ir.Node, int, int, int] | None:
+    """Where entry `at` (counted from the end) of `target`, a `Concat` of 1-D pieces, lies: (the Concat, the
+    input holding it, that input's length, the position from the end just past it); None where `target` is
+    no such Concat or a length from the entry to the end is unknown."""
+    concat = target.producer()
+    if concat is None or concat.op_type != "Concat":
+        return None
+    end = 0
+    for index in range(len(concat.inputs) - 1, -1, -1):
+        piece = concat.inputs[index]
+        values = constant_values(piece)
+        length = _length(ctx, piece) if values is None else values.size
+        if not length:
+            return None
+        if end - length <= at < end:
+            return concat, index, length, end
+        end -= length
+    return None
 
 
 def _reads(value: ir.Value | None, source: ir.Value) -> bool:

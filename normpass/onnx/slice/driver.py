@@ -463,20 +463,20 @@ def _cut_pieces(
     """A `Slicer` over a fresh copy of the folded model in which every piece with a basis in `bases` is cut
     to the first `kept[its stream]` principal directions, and every shortcut between pieces is inserted; a
     piece without a basis (one not fitted yet, or the end `_pieces` leaves whole) stays whole (Q = I, d
-    columns: a shortcut into it maps back to the stream's own coordinates). With the plan, the pieces, the
-    shortcuts, and the tensor each shortcut's sum now reads."""
+    columns: a shortcut into it maps back to the stream's own coordinates); a target shape computed at run
+    time from the shape of a piece of another width names its own piece's (`Slicer.pin_widths`). With the
+    plan, the pieces, the shortcuts, and the tensor each shortcut's sum now reads."""
     slicer, plan = _plan(folded, name)
     pieces, shortcuts, _ = _pieces(slicer, plan, options)
     columns: dict[str, np.ndarray] = {}  # piece → Q_k; a piece left whole: I
-    mixed = bool(bases) and any(p.name not in bases for found in pieces.values() for p in found)  # a sequential fit
     for stream, found in pieces.items():
         for piece in found:
             whole = np.eye(piece.width or 0)
             columns[piece.name] = bases[piece.name].vectors[:, : kept[stream]] if piece.name in bases else whole
             if piece.name in bases:
                 slicer.cut_stream(piece, columns[piece.name], piece.name)
-            if mixed:
-                slicer.pin_width(piece, columns[piece.name].shape[1], piece.name)
+    every = [piece for found in pieces.values() for piece in found]
+    slicer.pin_widths(every, {piece.name: columns[piece.name].shape[1] for piece in every})
     renamed = {}
     for shortcut in shortcuts:
         if shortcut.source in bases or shortcut.target in bases:  # between two whole pieces: the identity
@@ -707,9 +707,11 @@ def slice_onnx(
             + ("no ratio tried meets it" if options.write_best else "try a smaller ratio, or --write-best"),
             cut,
         )
+    verb = ("slice", "sliced")
+    if options.verify:  # as a user's session runs it: ORT's default optimizations must not fail on it
+        seconds["optimized_run"] = verify.runs_optimized(cut, held[0], name, verb)
     if all(chosen.kept[s.name] == s.width for s in plan.sliceable):  # k = d: exact, verified as every rewrite
         done = f"{len(plan.sliceable)} of {len(plan.streams)} residual streams rotated into their principal bases"
-        verb = ("slice", "sliced")
         result.comparison = checked(source, cut, original, options, name, done, verb, seconds, result.modified)
     return result
 
