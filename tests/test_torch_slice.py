@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -165,23 +166,27 @@ def tiny_focus() -> nn.Module:
     return module
 
 
+def focus_images(seed: int, batches: int = 4, side: int = 42) -> list[dict[str, np.ndarray]]:
+    gen = np.random.default_rng(seed)
+    return [{"input_image": gen.standard_normal((4, 3, side, side)).astype(np.float32)} for _ in range(batches)]
+
+
 def test_a_head_reading_the_patch_tokens_by_transposed_convolution_is_sliced_and_exact_at_k_d():
-    module = tiny_focus()
-    gen = np.random.default_rng(0)
-    images = [{"input_image": gen.standard_normal((4, 3, 42, 42)).astype(np.float32)} for _ in range(4)]
+    """Every input dimension dynamic (the default, and `slice --torch`'s): the decoder's reshape of the patch
+    tokens [B, d, (H/7)·(W/7)] → [B, d, H/7, W/7] keeps d intact whatever the image size (`regroup_axis`)."""
+    module, images = tiny_focus(), focus_images(0)
     example = (torch.from_numpy(images[0]["input_image"]),)
-    batch_only = ({0: torch.export.Dim.AUTO},)  # the decoder's reshape names the patch grid: a fixed image size
-    _, rotated = normpass.slice(
-        module, example, images, SliceOptions(ratio=0.0, basis="stream"), dynamic_shapes=batch_only
-    )
+    _, rotated = normpass.slice(module, example, images, SliceOptions(ratio=0.0, basis="stream"))
     assert len(rotated.slicing.sliceable) == 1 and not rotated.slicing.reasons  # before: "conv_transpose2d …"
     assert rotated.comparison is not None and rotated.comparison.passed  # the reader, table and β rotated exactly
-    graph, report = normpass.slice(module, example, images, SliceOptions(ratio=0.5), dynamic_shapes=batch_only)
+    graph, report = normpass.slice(module, example, images, SliceOptions(ratio=0.5))
     assert list(report.chosen.kept.values()) == [16] and report.shortcuts == 4  # 2L pieces joined
     upconv1 = next(n for n in graph.graph.nodes if n.target is torch.ops.aten.conv_transpose2d.input)
     assert tuple(getattr(graph, upconv1.args[1].target).shape) == (16, 256, 4, 4)  # reads 16 channels
+    other = torch.from_numpy(focus_images(1, 1, side=56)[0]["input_image"][:2, :, :, :49].copy())
     with torch.no_grad():
         assert graph(*example).shape == module(*example).shape == (4, 1, 42, 42)
+        assert graph(other).shape == module(other).shape == (2, 1, 56, 49)  # 8×7 patches: another grid
 
 
 @pytest.mark.parametrize("basis", ["stream", "layer"])
@@ -317,6 +322,33 @@ def test_cli_torch_head_full_leaves_the_end_at_full_width(cli_files, capsys):
     assert (48, 64) in shapes and (64, 128) in shapes  # the shortcut Q_kᵀ, the LM head reading all 64 columns
     feeds = {"input_ids": np.random.default_rng(1).integers(0, VOCAB, (3, 5)).astype(np.int64)}
     assert _ort(model, feeds).shape == (3, 5, VOCAB)
+
+
+FOCUS = """
+import sys
+
+sys.path.insert(0, {tests!r})
+from test_torch_slice import tiny_focus
+import numpy as np
+import torch
+
+
+def make():
+    image = np.random.default_rng(0).standard_normal((4, 3, 42, 42)).astype(np.float32)
+    return tiny_focus(), (torch.from_numpy(image),)
+"""
+
+
+def test_cli_torch_slices_a_patch_grid_with_every_dimension_dynamic(cli_files, capsys):
+    (cli_files / "focus_factory.py").write_text(FOCUS.format(tests=str(Path(__file__).parent)))
+    np.savez(cli_files / "images.npz", input_image=np.concatenate([b["input_image"] for b in focus_images(0)]))
+    out = cli_files / "focus.onnx"
+    args = ["slice", "--torch", "focus_factory:make", "--calib", str(cli_files / "images.npz"), "-o", str(out)]
+    assert main([*args, "--ratio", "0.5", "--basis", "stream"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 of 1 residual streams sliced" in printed and "32 → 16" in printed and "left whole" not in printed
+    feeds = {"input_image": focus_images(2, 1, side=56)[0]["input_image"][:2]}
+    assert _ort(__import__("onnx").load(str(out)), feeds).shape == (2, 1, 56, 56)  # another image size
 
 
 WHOLE = """
