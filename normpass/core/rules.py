@@ -20,7 +20,8 @@ The rules (the inputs of an op that the front end classifies; `x` is the stream 
 * `Sum()`             y = Σ ±xᵢ (residual add/sub). Zero-mean iff every branch is; shifts add up.
 * `Permute(perm)`     y = transpose(x): the axis moves, its elements do not.
 * `Regroup()`         y = reshape(x): the axis is intact iff the same size and the same suffix
-                      product (number of elements after it) exist on both sides.
+                      product (number of elements after it) exist on both sides, or, the
+                      element count being kept, the same prefix product (symbolic sizes by name).
 * `Select(axes)`      slice/split along `axes`: each slice along other axes is kept whole.
 * `Take(axis, index_rank)`  gather along `axis` of data from an index tensor.
 * `Broadcast()`       expand over other axes.
@@ -69,7 +70,7 @@ axis whose output is read only by `Shape` (BART's TorchScript encoder takes `inp
 for its shape) lets the shift through, as does one whose output nothing reads.
 
 Axes map through broadcasting right-aligned (`broadcast_axis`) and through reshapes by their
-suffix products (`regroup_axis`).
+suffix products, or their prefix products where the suffixes are symbolic (`regroup_axis`).
 """
 
 from __future__ import annotations
