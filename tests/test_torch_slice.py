@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -38,27 +39,45 @@ def _ort(model, feeds: dict[str, np.ndarray]) -> np.ndarray:
     return session.run(None, feeds)[0]
 
 
+def _constants(graph: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    return dict(graph.named_parameters()) | dict(graph.named_buffers())
+
+
+@pytest.mark.parametrize("head", ["cut", "full"])
 @pytest.mark.parametrize("basis", ["stream", "layer"])
-def test_the_sliced_graph_equals_the_onnx_slice_of_its_export(gpt2, basis):
+def test_the_sliced_graph_equals_the_onnx_slice_of_its_export(gpt2, basis, head):
     module, inputs, exported = gpt2
-    data, options = calibration(0), SliceOptions(ratio=0.25, basis=basis)
+    data, options = calibration(0), SliceOptions(ratio=0.25, basis=basis, head=head)
     graph, report = normpass.slice(module, inputs, data, options)
-    result = slice_onnx(exported, data, SliceOptions(ratio=0.25, basis=basis))
+    result = slice_onnx(exported, data, SliceOptions(ratio=0.25, basis=basis, head=head))
     assert report.chosen is not None and result.chosen is not None
     assert list(report.chosen.kept.values()) == list(result.chosen.kept.values()) == [48]
-    assert report.shortcuts == result.shortcuts == (4 if basis == "layer" else 0)
+    assert report.shortcuts == result.shortcuts == (4 if basis == "layer" else int(head == "full"))
+    assert len(report.whole) == len(result.whole) == (head == "full")
+    assert report.to_json()["slice"]["head"] == result.report()["slice"]["head"] == head
     for feeds in calibration(1, batches=2):
         with torch.no_grad():
             got = graph(torch.from_numpy(feeds["input_ids"])).numpy()
         want = _ort(result.model, feeds)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert report.held_out.cos_min == pytest.approx(result.held_out.cos_min, abs=1e-6)
+    constants = _constants(graph)
+    if head == "full":  # the end keeps d columns: the final norm, the head, the last block's output projection
+        assert constants["model.transformer.ln_f.weight"].shape == (64,)
+        assert constants["model.lm_head.weight"].shape == (128, 64)  # the tied embedding's other read is cut
+        assert constants["normpass_model_transformer_h_1_mlp_c_proj_weight_8"].shape == (256, 64)
+        shortcut = next(t for n, t in constants.items() if n.startswith("shortcut_") and t.shape[1] == 64)
+        assert shortcut.shape == (48, 64)  # Q_kᵀ into the end
+    norms = [n.args[1] for n in graph.graph.nodes if n.target is torch.ops.aten.rms_norm.default]
+    assert sorted(norms) == [[48]] * 4 + [[64 if head == "full" else 48]]
 
 
 def test_ratio_zero_is_verified_and_a_cut_leaves_k_columns_and_no_beta_add(gpt2):
     module, inputs, _ = gpt2
     _, rotated = normpass.slice(module, inputs, calibration(0), SliceOptions(ratio=0.0, basis="stream"))
     assert rotated.comparison is not None and rotated.comparison.passed
+    _, whole_end = normpass.slice(module, inputs, calibration(0), SliceOptions(ratio=0.0, head="full"))
+    assert whole_end.whole and whole_end.comparison is not None and whole_end.comparison.passed
     graph, report = normpass.slice(module, inputs, calibration(0), SliceOptions(ratio=0.5, basis="stream"))
     assert report.chosen.kept == {"rms_norm": 32}
     norms = [n for n in graph.graph.nodes if n.target is torch.ops.aten.rms_norm.default]
@@ -103,8 +122,6 @@ def test_options_that_belong_to_the_other_front_end_are_refused(gpt2):
         slice_onnx(exported, calibration(0), SliceOptions(recover_train=5))
     with pytest.raises(InputError, match="recover_train"):
         SliceOptions(recover_train=-1).checked()
-    with pytest.raises(InputError, match=r"head 'full'.*ONNX export"):
-        normpass.slice(module, inputs, calibration(0), SliceOptions(head="full"))
 
 
 def test_training_lowers_the_held_out_error_and_keeps_the_shapes(gpt2):
@@ -149,23 +166,27 @@ def tiny_focus() -> nn.Module:
     return module
 
 
+def focus_images(seed: int, batches: int = 4, side: int = 42) -> list[dict[str, np.ndarray]]:
+    gen = np.random.default_rng(seed)
+    return [{"input_image": gen.standard_normal((4, 3, side, side)).astype(np.float32)} for _ in range(batches)]
+
+
 def test_a_head_reading_the_patch_tokens_by_transposed_convolution_is_sliced_and_exact_at_k_d():
-    module = tiny_focus()
-    gen = np.random.default_rng(0)
-    images = [{"input_image": gen.standard_normal((4, 3, 42, 42)).astype(np.float32)} for _ in range(4)]
+    """Every input dimension dynamic (the default, and `slice --torch`'s): the decoder's reshape of the patch
+    tokens [B, d, (H/7)·(W/7)] → [B, d, H/7, W/7] keeps d intact whatever the image size (`regroup_axis`)."""
+    module, images = tiny_focus(), focus_images(0)
     example = (torch.from_numpy(images[0]["input_image"]),)
-    batch_only = ({0: torch.export.Dim.AUTO},)  # the decoder's reshape names the patch grid: a fixed image size
-    _, rotated = normpass.slice(
-        module, example, images, SliceOptions(ratio=0.0, basis="stream"), dynamic_shapes=batch_only
-    )
+    _, rotated = normpass.slice(module, example, images, SliceOptions(ratio=0.0, basis="stream"))
     assert len(rotated.slicing.sliceable) == 1 and not rotated.slicing.reasons  # before: "conv_transpose2d …"
     assert rotated.comparison is not None and rotated.comparison.passed  # the reader, table and β rotated exactly
-    graph, report = normpass.slice(module, example, images, SliceOptions(ratio=0.5), dynamic_shapes=batch_only)
+    graph, report = normpass.slice(module, example, images, SliceOptions(ratio=0.5))
     assert list(report.chosen.kept.values()) == [16] and report.shortcuts == 4  # 2L pieces joined
     upconv1 = next(n for n in graph.graph.nodes if n.target is torch.ops.aten.conv_transpose2d.input)
     assert tuple(getattr(graph, upconv1.args[1].target).shape) == (16, 256, 4, 4)  # reads 16 channels
+    other = torch.from_numpy(focus_images(1, 1, side=56)[0]["input_image"][:2, :, :, :49].copy())
     with torch.no_grad():
         assert graph(*example).shape == module(*example).shape == (4, 1, 42, 42)
+        assert graph(other).shape == module(other).shape == (2, 1, 56, 49)  # 8×7 patches: another grid
 
 
 @pytest.mark.parametrize("basis", ["stream", "layer"])
@@ -287,6 +308,47 @@ def test_cli_torch_budget_missed_writes_nothing_and_recover_is_refused(cli_files
     assert main([*args, "--ratio", "0.25", "--recover", "5"]) == 2
     err = capsys.readouterr().err
     assert "--recover-train" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_torch_head_full_leaves_the_end_at_full_width(cli_files, capsys):
+    out, report = cli_files / "full.onnx", cli_files / "full.json"
+    args = ["slice", "--torch", "slice_factory:make", "--calib", str(cli_files / "calib.npz"), "-o", str(out)]
+    assert main([*args, "--ratio", "0.25", "--basis", "stream", "--head", "full", "--report", str(report)]) == 0
+    assert "64 → 48" in capsys.readouterr().out
+    data = json.loads(report.read_text())["slice"]
+    assert (data["head"], len(data["left_whole"]), data["shortcuts"]) == ("full", 1, 1)
+    model = __import__("onnx").load(str(out))
+    shapes = sorted(tuple(t.dims) for t in model.graph.initializer if len(t.dims) == 2)
+    assert (48, 64) in shapes and (64, 128) in shapes  # the shortcut Q_kᵀ, the LM head reading all 64 columns
+    feeds = {"input_ids": np.random.default_rng(1).integers(0, VOCAB, (3, 5)).astype(np.int64)}
+    assert _ort(model, feeds).shape == (3, 5, VOCAB)
+
+
+FOCUS = """
+import sys
+
+sys.path.insert(0, {tests!r})
+from test_torch_slice import tiny_focus
+import numpy as np
+import torch
+
+
+def make():
+    image = np.random.default_rng(0).standard_normal((4, 3, 42, 42)).astype(np.float32)
+    return tiny_focus(), (torch.from_numpy(image),)
+"""
+
+
+def test_cli_torch_slices_a_patch_grid_with_every_dimension_dynamic(cli_files, capsys):
+    (cli_files / "focus_factory.py").write_text(FOCUS.format(tests=str(Path(__file__).parent)))
+    np.savez(cli_files / "images.npz", input_image=np.concatenate([b["input_image"] for b in focus_images(0)]))
+    out = cli_files / "focus.onnx"
+    args = ["slice", "--torch", "focus_factory:make", "--calib", str(cli_files / "images.npz"), "-o", str(out)]
+    assert main([*args, "--ratio", "0.5", "--basis", "stream"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 of 1 residual streams sliced" in printed and "32 → 16" in printed and "left whole" not in printed
+    feeds = {"input_image": focus_images(2, 1, side=56)[0]["input_image"][:2]}
+    assert _ort(__import__("onnx").load(str(out)), feeds).shape == (2, 1, 56, 56)  # another image size
 
 
 WHOLE = """

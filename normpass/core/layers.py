@@ -17,6 +17,7 @@ it: one per norm in a pre-LN transformer (the attention's and the MLP's), as Sli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .graph import NodeKind, ZeroMeanGraph
@@ -147,3 +148,27 @@ def end_apart(stream: Stream, pieces: list[Stream], shortcuts: list[Shortcut]) -
     merged.tensors = len(merged.states)
     into_end = [replace(s, source=merged.name) for s in shortcuts if s.target in end and s.source not in end]
     return [merged, *(piece for piece in pieces if piece.name in end)], into_end
+
+
+def stream_pieces(
+    zmg: ZeroMeanGraph, stream: Stream, basis: str, head: str, rank: Callable[[str], int | None]
+) -> tuple[list[Stream], list[Shortcut], set[str]]:
+    """The pieces of `stream` that take a basis each (itself alone with `basis` "stream"), the shortcuts
+    between them, and the pieces left at full width: with `head` "full", the stream's end (`ends`: its
+    final norm and the head that reads it), which the piece before it writes into through a k×d shortcut
+    Q_kᵀ (with `basis` "stream": the rest of the stream is one piece, `end_apart`). A stream whose shortcut
+    would not read its last axis (`rank(tensor)`: the tensor's rank, None where unknown; a contraction of
+    another axis cannot take the shortcut) keeps one basis, its end cut. Both front ends' pieces."""
+    found: list[Stream] = [stream]
+    between: list[Shortcut] = []
+    if basis == "layer" or head == "full":
+        found, between = layer_pieces(zmg, stream)
+    axes = dict(stream.states)
+    if any(axes[s.tensor] != (rank(s.tensor) or 0) - 1 for s in between):
+        found, between = [stream], []
+    if basis == "stream" and head == "full":
+        found, between = end_apart(stream, found, between)
+    elif basis == "stream":
+        found, between = [stream], []
+    whole = {piece.name for piece in ends(found, between)} if head == "full" else set()
+    return found, between, whole

@@ -20,7 +20,8 @@ The rules (the inputs of an op that the front end classifies; `x` is the stream 
 * `Sum()`             y = Σ ±xᵢ (residual add/sub). Zero-mean iff every branch is; shifts add up.
 * `Permute(perm)`     y = transpose(x): the axis moves, its elements do not.
 * `Regroup()`         y = reshape(x): the axis is intact iff the same size and the same suffix
-                      product (number of elements after it) exist on both sides.
+                      product (number of elements after it) exist on both sides, or, the
+                      element count being kept, the same prefix product (symbolic sizes by name).
 * `Select(axes)`      slice/split along `axes`: each slice along other axes is kept whole.
 * `Take(axis, index_rank)`  gather along `axis` of data from an index tensor.
 * `Broadcast()`       expand over other axes.
@@ -69,7 +70,7 @@ axis whose output is read only by `Shape` (BART's TorchScript encoder takes `inp
 for its shape) lets the shift through, as does one whose output nothing reads.
 
 Axes map through broadcasting right-aligned (`broadcast_axis`) and through reshapes by their
-suffix products (`regroup_axis`).
+suffix products, or their prefix products where the suffixes are symbolic (`regroup_axis`).
 """
 
 from __future__ import annotations
@@ -111,14 +112,15 @@ def regroup_axis(from_shape, to_shape, axis: int) -> int | None:
     The axis survives iff `to_shape` has an axis of the same size with the same number of
     elements after it: then every slice along it holds the same elements in the same order.
     One unknown dimension in either shape is first solved from the element count a reshape keeps
-    (`_solve_unknown_dim`).
+    (`_solve_unknown_dim`). Where the elements after it are not static, the same number of elements
+    *before* it says the same (`_by_prefix`).
     """
     if from_shape is None or to_shape is None:
         return None
     from_shape, to_shape = _solve_unknown_dim(tuple(from_shape), tuple(to_shape))
     tail = from_shape[axis:]
     if not all(isinstance(d, int) for d in tail):
-        return None
+        return _by_prefix(from_shape, to_shape, axis)
     size, suffix = tail[0], math.prod(tail[1:])
     product = 1
     for j in range(len(to_shape) - 1, -1, -1):
@@ -129,6 +131,31 @@ def regroup_axis(from_shape, to_shape, axis: int) -> int | None:
             return None
         product *= dim
     return None
+
+
+def _by_prefix(from_shape: tuple, to_shape: tuple, axis: int) -> int | None:
+    """`regroup_axis` by the elements before the axis: a reshape keeps the element count T, so an axis of
+    `to_shape` of the axis's size s with P elements before it, as many as before the axis (P·s·S = T =
+    P·s·S'), has as many after it too, S = S' (where P·s = 0 the tensor is empty: no grouping to keep).
+    Two products of dimensions are known equal where their static parts multiply alike and their symbolic
+    parts are the same names (one name, one value), e.g. a patch grid's reshape [B, d, H·W] →
+    [B, d, H, W] with H and W symbolic: the stream's axis d is intact whatever the image size."""
+    size = from_shape[axis]
+    before = _product(from_shape[:axis])
+    if size is None or before is None:
+        return None
+    for j, dim in enumerate(to_shape):
+        if dim == size and _product(to_shape[:j]) == before:
+            return j
+    return None
+
+
+def _product(dims: tuple) -> tuple[int, tuple[str, ...]] | None:
+    """A product of dimensions as (its static part, its symbolic names sorted); None where one is unknown."""
+    if any(d is None for d in dims):
+        return None
+    names = tuple(sorted(str(d) for d in dims if not isinstance(d, int)))
+    return math.prod(d for d in dims if isinstance(d, int)), names
 
 
 def _solve_unknown_dim(from_shape: tuple, to_shape: tuple) -> tuple[tuple, tuple]:

@@ -32,7 +32,11 @@ module, with k-column weights (trainable parameters: `torch/slice_train.py` trai
      entries)·√(d/k), ε → ε·d/k (`core/pca.rms_rescale`);
    * a `view`/`reshape`/`expand` on the stream whose target shape names d along the stream's axis names k;
    * `basis="layer"`: on each residual edge between two pieces a → b, `aten.matmul` by the k×k
-     parameter Q_a,kᵀ·Q_b,k.
+     parameter Q_a,kᵀ·Q_b,k;
+   * `head="full"` (SliceGPT's default): the stream's end — its final norm and the head reading it, the
+     pieces no shortcut leaves (`core/layers.stream_pieces`) — takes no basis and is left whole (Q = I):
+     its writers, norm and head keep all d columns, and the piece before it reaches it through the k×d
+     shortcut Q_kᵀ (with `basis="stream"` the rest of the stream is one piece), as the ONNX cut.
 5. **Judge** on the held-out batches against the module (`core/budget.compare`); `budget`,
    `write_best` as for ONNX; at R = 0 (a rotation) verified against the module within fp32 tolerance.
 """
@@ -51,7 +55,7 @@ from ..calibration import DEFAULT_BATCH_SIZE, Batch, InputSpec, find_mask_input,
 from ..core.algebra import rotate, scale_along
 from ..core.budget import Budget, Metrics, compare
 from ..core.graph import NormInfo, ZNode
-from ..core.layers import Shortcut, layer_pieces
+from ..core.layers import Shortcut, stream_pieces
 from ..core.pca import Basis, Covariance, combine, eigenbasis, rms_rescale, sliced_width
 from ..core.progress import stage
 from ..core.replace import BudgetMissed, ReplaceOptions, ReplaceReport
@@ -103,6 +107,7 @@ class TorchSliceReport:
     requested_ratio: float = 0.0
     budget: Budget | None = None
     basis: str = "layer"
+    whole: list[str] = field(default_factory=list)  # pieces left at full width (`SliceOptions.head` "full")
     comparison: object = None  # at R = 0: the check against the module
     seconds: dict[str, float] = field(default_factory=dict)
     bases: dict[str, Basis] = field(default_factory=dict, repr=False)
@@ -129,6 +134,8 @@ class TorchSliceReport:
                 "ratio": self.ratio,
                 "basis": self.basis,
                 "shortcuts": self.shortcuts,
+                "head": "full" if self.whole else "cut",
+                "left_whole": self.whole,
                 "budget": None if self.budget is None else str(self.budget),
                 "wrote_fallback": chosen is not None and self.ratio != self.requested_ratio,
                 "held_out": None if self.held_out is None else self.held_out.to_json(),
@@ -153,6 +160,12 @@ class Folded:
     plan: SlicePlan
     pieces: dict[str, list[Stream]]
     shortcuts: list[Shortcut]
+    whole: set[str] = field(default_factory=set)  # pieces left at full width (head "full"): no basis, Q = I
+
+    @property
+    def fitted(self) -> list[Stream]:
+        """Every piece that takes a basis (all but those left whole)."""
+        return [p for found in self.pieces.values() for p in found if p.name not in self.whole]
 
     def fx_node(self, name: str) -> str:
         """The fx node of zero-mean graph node `name` (a tensor's name is its fx node's already)."""
@@ -222,23 +235,32 @@ def _attr_arg(node: fx.Node, index: int) -> fx.Node | None:
     return arg if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
 
 
-def _pieces(tg: TorchGraph, plan: SlicePlan, basis: str) -> tuple[dict[str, list[Stream]], list[Shortcut]]:
-    """Per sliceable stream its pieces (itself alone with `basis` "stream"), and the shortcuts between them;
-    a stream whose shortcut would not act on its last axis keeps one basis (as `onnx/slice/driver._pieces`)."""
+def _pieces(
+    tg: TorchGraph, plan: SlicePlan, basis: str, head: str
+) -> tuple[dict[str, list[Stream]], list[Shortcut], set[str]]:
+    """Per sliceable stream its pieces, the shortcuts between them, and the pieces left at full width, as
+    the ONNX front end's (`core/layers.stream_pieces`)."""
     pieces: dict[str, list[Stream]] = {}
     shortcuts: list[Shortcut] = []
+    whole: set[str] = set()
+
+    def rank(tensor: str) -> int | None:
+        shape = tg.zmg.shape(tensor)
+        return None if shape is None else len(shape)
+
     for stream in plan.sliceable:
-        found, between = layer_pieces(tg.zmg, stream) if basis == "layer" else ([stream], [])
-        axes = dict(stream.states)
-        if any(axes[s.tensor] != len(tg.zmg.shape(s.tensor) or ()) - 1 for s in between):
-            found, between = [stream], []
+        found, between, end = stream_pieces(tg.zmg, stream, basis, head, rank)
         pieces[stream.name] = found
         shortcuts += between
-    return pieces, shortcuts
+        whole |= end
+    return pieces, shortcuts, whole
 
 
-def fold_and_plan(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes, basis: str, name: str):
-    """Step 1 and 2 of the module docstring: (`Folded`, the fold's report)."""
+def fold_and_plan(
+    module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes, basis: str, name: str, head: str = "cut"
+):
+    """Step 1 and 2 of the module docstring, with the pieces of `basis` and `head`: (`Folded`, the fold's
+    report)."""
     folded, report = fold_graph(module, args, example_kwargs=kwargs, dynamic_shapes=dynamic_shapes, name=name)
     captured = capture(folded, args, kwargs, dynamic_shapes)
     if captured.program is None:
@@ -252,8 +274,8 @@ def fold_and_plan(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes, 
         if why is not None:
             reasons[stream.name] = why
     plan = SlicePlan(rotation.streams, reasons)
-    pieces, shortcuts = _pieces(tg, plan, basis)
-    return Folded(graph, tg, plan, pieces, shortcuts), report
+    pieces, shortcuts, whole = _pieces(tg, plan, basis, head)
+    return Folded(graph, tg, plan, pieces, shortcuts, whole), report
 
 
 # --- the cut -------------------------------------------------------------------------------------
@@ -527,16 +549,17 @@ def stream_states(f: Folded, bases: dict[str, Basis], kept: dict[str, int]) -> l
 
 
 def _in_graph_order(f: Folded) -> list[Stream]:
+    """Every piece that takes a basis, in the order of its first norm in the folded graph."""
     position = {n.name: i for i, n in enumerate(f.graph.graph.nodes)}
-    every = [piece for found in f.pieces.values() for piece in found]
-    return sorted(every, key=lambda p: min(position[f.norm_node(n)] for n in p.norms))
+    return sorted(f.fitted, key=lambda p: min(position[f.norm_node(n)] for n in p.norms))
 
 
 def sequential_bases(
     f: Folded, kept: dict[str, int], batches: list[Batch], mask_input: str | None
 ) -> dict[str, Covariance]:
     """SliceGPT's sequential fit, as `onnx/slice/driver.sequential_covariances`: each piece's Σ uᵀu on the
-    graph whose earlier pieces are already cut to `kept` columns, with their shortcuts."""
+    graph whose earlier pieces are already cut to `kept` columns, with their shortcuts (a piece left whole
+    takes no basis)."""
     sums: dict[str, Covariance] = {}
     bases: dict[str, Basis] = {}
     for piece in _in_graph_order(f):
@@ -589,18 +612,13 @@ def slice(
         raise InputError(
             "recover refits the layers of an ONNX graph; a PyTorch module is trained back instead: recover_train"
         )
-    if options.head != "cut":
-        raise InputError(
-            f"head {options.head!r}: the PyTorch front end cuts the stream's end with the rest (head 'cut'); to "
-            "leave the final norm and the head at full width, slice the module's ONNX export"
-        )
     args, kwargs = _arguments(module, example_inputs, example_kwargs)
     name = name or type(module).__name__
     dynamic = auto_dynamic_shapes(args) if dynamic_shapes is None else dynamic_shapes
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     stage("fold")
-    f, fold_report = fold_and_plan(module, args, kwargs, dynamic, options.basis, name)
+    f, fold_report = fold_and_plan(module, args, kwargs, dynamic, options.basis, name, options.head)
     seconds["fold"] = time.perf_counter() - start
 
     fit, held = _data(module, calibration, options)
@@ -610,7 +628,6 @@ def slice(
     )
     masks = [b.get(mask_input) if mask_input else None for b in held]
     references = [_run(module, b) for b in held]
-    every_piece = [p for found in f.pieces.values() for p in found]
     one_pass: dict[str, Covariance] = {}
     tried: list[Trial] = []
     chosen, graph = None, None
@@ -625,7 +642,7 @@ def slice(
             sums = sequential_bases(f, kept, fit, mask_input)
         else:
             if not one_pass:
-                one_pass = covariances(f, f.graph, every_piece, fit, mask_input)
+                one_pass = covariances(f, f.graph, f.fitted, fit, mask_input)
             sums = one_pass
         bases = {piece: eigenbasis(c) for piece, c in sums.items()}
         seconds["bases"] += time.perf_counter() - start
@@ -660,6 +677,7 @@ def slice(
         requested_ratio=options.ratio,
         budget=budget,
         basis=options.basis,
+        whole=sorted(f.whole),
         seconds=seconds,
         bases=bases,
         folded=f.graph,

@@ -44,7 +44,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from ... import __version__
 from ...calibration import Batch, distinct_holdout, find_mask_input, split_batches
 from ...core.budget import Budget, Metrics, compare
-from ...core.layers import Shortcut, end_apart, ends, layer_pieces
+from ...core.layers import Shortcut, stream_pieces
 from ...core.pca import DEFAULT_ROUND_TO, Basis, Covariance, combine, eigenbasis, sliced_width
 from ...core.progress import stage
 from ...core.replace import BudgetMissed, ReplaceReport
@@ -430,30 +430,21 @@ def _plan(folded: FoldResult, name: str) -> tuple[Slicer, SlicePlan]:
 def _pieces(
     slicer: Slicer, plan: SlicePlan, options: SliceOptions
 ) -> tuple[dict[str, list[Stream]], list[Shortcut], set[str]]:
-    """Per sliceable stream the pieces that take a basis each (itself alone with `basis` "stream"), the
-    shortcuts between them, and the pieces left at full width: with `head` "full", each stream's end
-    (`core/layers.ends`: its final norm and the head that reads it), which the piece before it writes into
-    through a k×d shortcut Q_kᵀ (with `basis` "stream": the rest of the stream is one piece). A stream whose
-    shortcut would not read its last axis (a MatMul contracts that one) keeps one basis, its end cut."""
+    """Per sliceable stream the pieces that take a basis each, the shortcuts between them, and the pieces
+    left at full width (`core/layers.stream_pieces`: `basis`, and `head` "full" leaving the stream's end)."""
     pieces: dict[str, list[Stream]] = {}
     shortcuts: list[Shortcut] = []
     whole: set[str] = set()
+
+    def rank(tensor: str) -> int | None:
+        shape = slicer.ctx.shapes.get(tensor)
+        return None if shape is None else len(shape)
+
     for stream in plan.sliceable:
-        found: list[Stream] = [stream]
-        between: list[Shortcut] = []
-        if options.basis == "layer" or options.head == "full":
-            found, between = layer_pieces(slicer.zmg, stream)
-        axes = dict(stream.states)
-        if any(axes[s.tensor] != len(slicer.ctx.shapes.get(s.tensor) or ()) - 1 for s in between):
-            found, between = [stream], []
-        if options.basis == "stream" and options.head == "full":
-            found, between = end_apart(stream, found, between)
-        elif options.basis == "stream":
-            found, between = [stream], []
-        if options.head == "full":
-            whole |= {piece.name for piece in ends(found, between)}
+        found, between, end = stream_pieces(slicer.zmg, stream, options.basis, options.head, rank)
         pieces[stream.name] = found
         shortcuts += between
+        whole |= end
     return pieces, shortcuts, whole
 
 
