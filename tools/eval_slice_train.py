@@ -332,7 +332,7 @@ def dinov2(args: argparse.Namespace, cache: pathlib.Path, results: list[dict], s
     judged = bench_rotation.dinov2_inputs(args.held_out_per_photo)[1]
     images = [c["input_image"] for c in judged]
     example = (torch.from_numpy(np.concatenate([c["input_image"] for c in calibration[:2]])),)
-    batch_only = ({0: torch.export.Dim.AUTO},)  # the decoder's reshape names the 16×16 patch grid: 224×224 images
+    batch_only = ({0: torch.export.Dim.AUTO},)  # 224×224 crops only (every dimension dynamic cuts the same)
     references = _torch_logits(module, images)
     session = ort.InferenceSession(str(dinov2_focus.onnx_path()), providers=["CPUExecutionProvider"])
     onnx_gap = max(
