@@ -30,6 +30,7 @@ import pathlib
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -99,6 +100,29 @@ def export_with_past(model, path: pathlib.Path) -> pathlib.Path:
     assert program is not None  # dynamo=True returns the program
     program.save(str(path))
     return path
+
+
+def cached_export(cache: pathlib.Path, name: str, export: Callable[[pathlib.Path], object]) -> onnx.ModelProto:
+    """The model at `cache`/`name`, written there first by `export(path)` where it is not there yet."""
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / name
+    if not path.exists():
+        export(path)
+    return onnx.load(str(path))
+
+
+def recorder(report: dict, points: list[dict], path: pathlib.Path | None) -> Callable[[dict], None]:
+    """`record(point)`: appends the point to `points`, prints it, and rewrites `report` (which holds `points`) at
+    `path`, where one is given."""
+
+    def record(found: dict) -> None:
+        points.append(found)
+        print(json.dumps(found), flush=True)
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=1) + "\n")
+
+    return record
 
 
 def past_shapes(model: onnx.ModelProto, batch: int, past: int, head_size: int = 0) -> dict[str, tuple[int, ...]]:
@@ -249,20 +273,11 @@ def main() -> None:
         "points": points,
     }
 
-    def record(found: dict) -> None:
-        points.append(found)
-        print(json.dumps(found), flush=True)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=1) + "\n")
-
+    record = recorder(report, points, args.json)
     with tempfile.TemporaryDirectory() as temporary:
-        cache = args.cache or pathlib.Path(temporary)
-        cache.mkdir(parents=True, exist_ok=True)
-        path = cache / "iglm-with-past.onnx"
-        if not path.exists():
-            export_with_past(torch_model, path)
-        original = onnx.load(str(path))
+        original = cached_export(
+            args.cache or pathlib.Path(temporary), "iglm-with-past.onnx", lambda p: export_with_past(torch_model, p)
+        )
         reference_session = session(original)
         calib = [calibration_feeds(s, original, reference_session) for s in calibration]
         reference = logits_of(original, held_out)

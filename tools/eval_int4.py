@@ -30,7 +30,6 @@ two projections apart and online rotation; the KL divergence at block 32 and 128
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import pathlib
@@ -241,21 +240,17 @@ def main() -> None:
         "points": points,
     }
 
+    write = eval_decode.recorder(report, points, args.json)
+
     def record(found: dict) -> None:
-        points.append(found)
-        print(json.dumps(found), flush=True)
-        if args.json:
-            report["load_end"] = os.getloadavg()
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=1) + "\n")
+        report["load_end"] = os.getloadavg()
+        write(found)
 
     with tempfile.TemporaryDirectory() as temporary:
         cache = args.cache or pathlib.Path(temporary)
-        cache.mkdir(parents=True, exist_ok=True)
-        path = cache / "iglm-with-past.onnx"
-        if not path.exists():
-            eval_decode.export_with_past(torch_model, path)
-        original = onnx.load(str(path))
+        original = eval_decode.cached_export(
+            cache, "iglm-with-past.onnx", lambda p: eval_decode.export_with_past(torch_model, p)
+        )
         tokens = length - 1
         base = per_sequence(original, held_out)
         shapes = eval_decode.verification_shapes(original)

@@ -33,7 +33,6 @@ ONNX Runtime's `MatMulNBits`, block 32, every MatMul, the LM head included) in t
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import subprocess
 import sys
@@ -140,20 +139,13 @@ def main() -> None:
         "points": points,
     }
 
-    def record(found: dict) -> None:
-        points.append(found)
-        print(json.dumps(found), flush=True)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=1) + "\n")
-
+    record = eval_decode.recorder(report, points, args.json)
     with tempfile.TemporaryDirectory() as temporary:
-        cache = args.cache or pathlib.Path(temporary)
-        cache.mkdir(parents=True, exist_ok=True)
-        path = cache / "whisper-tiny-en-decoder-with-past.onnx"
-        if not path.exists():
-            whisper.export_decoder(torch_model, path)
-        original = onnx.load(str(path))
+        original = eval_decode.cached_export(
+            args.cache or pathlib.Path(temporary),
+            "whisper-tiny-en-decoder-with-past.onnx",
+            lambda p: whisper.export_decoder(torch_model, p),
+        )
         calib = [feeds(s, encoded, original) for s in calibration]
 
         def logits_of(model: onnx.ModelProto) -> list[np.ndarray]:
